@@ -1,0 +1,3 @@
+//! The CPU backend: feature detection, kernels and graph compute.
+
+pub mod features;

@@ -1,0 +1,25 @@
+//! ferrograph: ggml's backend layer in Rust.
+//!
+//! The crate is layered bottom-up (see `ARCHITECTURE.md`): [`dtype`] and [`convert`] describe
+//! element types and convert between them, [`tensor`], [`ops`] and [`graph`] describe
+//! computations, [`buffer`] holds memory, and [`cpu`] computes graphs on the host.
+#![warn(missing_docs)]
+
+pub mod buffer;
+pub mod context;
+pub mod convert;
+pub mod cpu;
+pub mod dtype;
+pub mod error;
+pub mod graph;
+pub mod ops;
+pub mod quant;
+pub mod tensor;
+
+#[cfg(feature = "python")]
+mod python;
+
+pub use error::{Error, Result};
+
+/// The library's version, as in `Cargo.toml`.
+pub const VERSION: &str = env!("CARGO_PKG_VERSION");
