@@ -92,13 +92,13 @@ impl Status {
         }
     }
 
-    /// A short human-readable description (ggml's `ggml_status_to_string`).
+    /// A short human-readable description (the counterpart of ggml's status-to-string).
     pub fn as_str(self) -> &'static str {
         match self {
-            Status::AllocFailed => "GGML status: error (failed to allocate memory)",
-            Status::Failed => "GGML status: error (operation failed)",
-            Status::Success => "GGML status: success",
-            Status::Aborted => "GGML status: warning (operation aborted)",
+            Status::AllocFailed => "failed: memory could not be allocated",
+            Status::Failed => "failed: the computation reported an error",
+            Status::Success => "success",
+            Status::Aborted => "aborted: an abort callback stopped the computation",
         }
     }
 }
