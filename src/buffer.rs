@@ -165,6 +165,72 @@ impl BufferMemory for HostMemory {
     }
 }
 
+/// Host memory owned by someone else (a numpy array, a memory map), optionally kept alive by
+/// an owner object stored beside it.
+pub struct ForeignHostMemory {
+    ptr: NonNull<u8>,
+    size: usize,
+    _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+// SAFETY: the creator guarantees the memory stays valid while this value lives (see `new`);
+// access follows the same rules as `HostMemory`.
+unsafe impl Send for ForeignHostMemory {}
+// SAFETY: as above.
+unsafe impl Sync for ForeignHostMemory {}
+
+impl ForeignHostMemory {
+    /// Wraps `size` bytes at `ptr`; `owner` (if any) is dropped with the buffer.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `size` bytes until this value (and so the
+    /// owner) is dropped, and nothing else may free it meanwhile.
+    pub unsafe fn new(
+        ptr: *mut u8,
+        size: usize,
+        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Self> {
+        let ptr = if size == 0 {
+            NonNull::<u64>::dangling().cast()
+        } else {
+            NonNull::new(ptr).ok_or_else(|| Error::InvalidArgument("host pointer is null".into()))?
+        };
+        Ok(Self { ptr, size, _owner: owner })
+    }
+}
+
+impl BufferMemory for ForeignHostMemory {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        Some(self.ptr)
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        // SAFETY: bounds checked by `Buffer`; validity guaranteed by the creator (see `new`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        // SAFETY: as in `write`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+        };
+        Ok(())
+    }
+
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), value, len) };
+        Ok(())
+    }
+}
+
 struct BufferInner {
     memory: Box<dyn BufferMemory>,
     buffer_type: Arc<dyn BufferType>,
