@@ -72,7 +72,12 @@ pub trait Backend: Send + Sync {
     }
     /// Queues a copy from `src` (owned by `src_backend`) into `dst` (ours); `Ok(false)` when
     /// this backend cannot do it asynchronously.
-    fn cpy_tensor_async(&self, src_backend: &dyn Backend, src: &Tensor, dst: &Tensor) -> Result<bool> {
+    fn cpy_tensor_async(
+        &self,
+        src_backend: &dyn Backend,
+        src: &Tensor,
+        dst: &Tensor,
+    ) -> Result<bool> {
         let _ = (src_backend, src, dst);
         Ok(false)
     }
@@ -84,7 +89,10 @@ pub trait Backend: Send + Sync {
     /// Prepares `graph` for repeated computation.
     fn graph_plan_create(&self, graph: &Graph) -> Result<Box<dyn GraphPlan>> {
         let _ = graph;
-        Err(Error::UnsupportedOp(format!("backend {} has no graph plans", self.name())))
+        Err(Error::UnsupportedOp(format!(
+            "backend {} has no graph plans",
+            self.name()
+        )))
     }
     /// Points an existing plan at a graph of the same structure.
     fn graph_plan_update(&self, plan: &mut Box<dyn GraphPlan>, graph: &Graph) -> Result<()> {
@@ -144,13 +152,17 @@ pub fn tensor_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
             // SAFETY: `src.storage()` succeeded, so the tensor's `nbytes` lie inside its live
             // buffer (checked at bind / view creation) and the buffer differs from the
             // destination's, so the destination write cannot overlap this slice.
-            let data = unsafe { std::slice::from_raw_parts(base.as_ptr().add(src_storage.offset), nbytes) };
+            let data = unsafe {
+                std::slice::from_raw_parts(base.as_ptr().add(src_storage.offset), nbytes)
+            };
             return dst.write_bytes(0, data);
         }
         if let Some(base) = dst_storage.buffer.host_ptr() {
             // SAFETY: as above for the destination; `&mut` is exclusive because the source is
             // in another buffer and no other reference to this range is created here.
-            let out = unsafe { std::slice::from_raw_parts_mut(base.as_ptr().add(dst_storage.offset), nbytes) };
+            let out = unsafe {
+                std::slice::from_raw_parts_mut(base.as_ptr().add(dst_storage.offset), nbytes)
+            };
             return src.read_bytes(0, out);
         }
     }
@@ -161,7 +173,12 @@ pub fn tensor_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
 
 /// Copies `src` (on `src_backend`) into `dst` (on `dst_backend`) asynchronously where the
 /// destination backend can, else synchronises both and copies.
-pub fn tensor_copy_async(src_backend: &dyn Backend, dst_backend: &dyn Backend, src: &Tensor, dst: &Tensor) -> Result<()> {
+pub fn tensor_copy_async(
+    src_backend: &dyn Backend,
+    dst_backend: &dyn Backend,
+    src: &Tensor,
+    dst: &Tensor,
+) -> Result<()> {
     if !src.same_layout(dst) {
         return Err(Error::Shape(format!(
             "cannot copy {src:?} into {dst:?}: dtype, shape and strides must match"

@@ -97,17 +97,25 @@ impl BackendParams {
     /// Parses `"n_threads=4,other=x"`; an empty string gives the defaults.
     pub fn parse(text: &str) -> Result<BackendParams> {
         let mut params = BackendParams::default();
-        for item in text.split([',', ';']).map(str::trim).filter(|s| !s.is_empty()) {
+        for item in text
+            .split([',', ';'])
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
             let (key, value) = item.split_once('=').ok_or_else(|| {
                 Error::InvalidArgument(format!("backend parameter {item:?} is not key=value"))
             })?;
             let (key, value) = (key.trim(), value.trim());
             if key == "n_threads" {
                 let n: usize = value.parse().map_err(|_| {
-                    Error::InvalidArgument(format!("n_threads must be a positive integer, got {value:?}"))
+                    Error::InvalidArgument(format!(
+                        "n_threads must be a positive integer, got {value:?}"
+                    ))
                 })?;
                 if n == 0 {
-                    return Err(Error::InvalidArgument("n_threads must be at least 1".into()));
+                    return Err(Error::InvalidArgument(
+                        "n_threads must be at least 1".into(),
+                    ));
                 }
                 params.n_threads = Some(n);
             }
@@ -144,9 +152,17 @@ pub trait Device: Send + Sync + fmt::Debug {
     /// # Safety
     /// `ptr` must point to `size` bytes that stay valid and writable while the buffer (or any
     /// tensor bound to it) lives.
-    unsafe fn buffer_from_host_ptr(&self, ptr: *mut u8, size: usize, max_tensor_size: usize) -> Result<Buffer> {
+    unsafe fn buffer_from_host_ptr(
+        &self,
+        ptr: *mut u8,
+        size: usize,
+        max_tensor_size: usize,
+    ) -> Result<Buffer> {
         let _ = (ptr, size, max_tensor_size);
-        Err(Error::Backend(format!("device {} cannot wrap host memory", self.name())))
+        Err(Error::Backend(format!(
+            "device {} cannot wrap host memory",
+            self.name()
+        )))
     }
     /// Whether the device computes this op (with these operand dtypes and layouts).
     fn supports_op(&self, op: &Tensor) -> bool;
@@ -160,7 +176,10 @@ pub trait Device: Send + Sync + fmt::Debug {
     }
     /// A new event for synchronising this device's backends, where supported.
     fn event_new(&self) -> Result<Arc<dyn Event>> {
-        Err(Error::Backend(format!("device {} has no events", self.name())))
+        Err(Error::Backend(format!(
+            "device {} has no events",
+            self.name()
+        )))
     }
 
     /// All descriptive fields at once.

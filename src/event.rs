@@ -30,7 +30,10 @@ pub struct HostEvent {
 impl HostEvent {
     /// A new, signalled event.
     pub fn new() -> Arc<HostEvent> {
-        Arc::new(HostEvent { done: Mutex::new(true), changed: Condvar::new() })
+        Arc::new(HostEvent {
+            done: Mutex::new(true),
+            changed: Condvar::new(),
+        })
     }
 
     /// Marks the recorded work as finished and wakes waiters.
@@ -77,7 +80,11 @@ pub fn record_or_sync(event: Option<&Arc<dyn Event>>, backend: &dyn Backend) -> 
 }
 
 /// Makes `backend` wait for `event`, or synchronises `producer` when there is no event.
-pub fn wait_or_sync(event: Option<&Arc<dyn Event>>, backend: &dyn Backend, producer: &dyn Backend) -> Result<()> {
+pub fn wait_or_sync(
+    event: Option<&Arc<dyn Event>>,
+    backend: &dyn Backend,
+    producer: &dyn Backend,
+) -> Result<()> {
     match event {
         Some(event) => event.wait(backend),
         None => producer.synchronize(),

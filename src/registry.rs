@@ -86,10 +86,21 @@ fn write() -> RwLockWriteGuard<'static, RegistryState> {
 /// Adds a registration and its devices; a second registration of the same name is an error.
 pub fn register(registration: Arc<dyn Registration>) -> Result<()> {
     let mut state = write();
-    if state.registrations.iter().any(|r| r.name().eq_ignore_ascii_case(registration.name())) {
-        return Err(Error::Backend(format!("a backend named {:?} is already registered", registration.name())));
+    if state
+        .registrations
+        .iter()
+        .any(|r| r.name().eq_ignore_ascii_case(registration.name()))
+    {
+        return Err(Error::Backend(format!(
+            "a backend named {:?} is already registered",
+            registration.name()
+        )));
     }
-    log::info!("registered backend {} with {} device(s)", registration.name(), registration.devices().len());
+    log::info!(
+        "registered backend {} with {} device(s)",
+        registration.name(),
+        registration.devices().len()
+    );
     let devices = registration.devices();
     state.devices.extend(devices);
     state.registrations.push(registration);
@@ -99,11 +110,19 @@ pub fn register(registration: Arc<dyn Registration>) -> Result<()> {
 /// Removes a registration (by name) and its devices; the CPU cannot be removed.
 pub fn unregister(name: &str) -> Result<()> {
     if name.eq_ignore_ascii_case("CPU") {
-        return Err(Error::Backend("the CPU backend is built in and cannot be removed".into()));
+        return Err(Error::Backend(
+            "the CPU backend is built in and cannot be removed".into(),
+        ));
     }
     let mut state = write();
-    let Some(index) = state.registrations.iter().position(|r| r.name().eq_ignore_ascii_case(name)) else {
-        return Err(Error::Backend(format!("no backend named {name:?} is registered")));
+    let Some(index) = state
+        .registrations
+        .iter()
+        .position(|r| r.name().eq_ignore_ascii_case(name))
+    else {
+        return Err(Error::Backend(format!(
+            "no backend named {name:?} is registered"
+        )));
     };
     let registration = state.registrations.remove(index);
     let reg_name = registration.name().to_owned();
@@ -115,8 +134,15 @@ pub fn unregister(name: &str) -> Result<()> {
 /// Adds a single device (ggml's `device_register`).
 pub fn register_device(device: Arc<dyn Device>) -> Result<()> {
     let mut state = write();
-    if state.devices.iter().any(|d| d.name().eq_ignore_ascii_case(device.name())) {
-        return Err(Error::Backend(format!("a device named {:?} is already registered", device.name())));
+    if state
+        .devices
+        .iter()
+        .any(|d| d.name().eq_ignore_ascii_case(device.name()))
+    {
+        return Err(Error::Backend(format!(
+            "a device named {:?} is already registered",
+            device.name()
+        )));
     }
     state.devices.push(device);
     Ok(())
@@ -131,7 +157,10 @@ pub fn reg_count() -> usize {
 pub fn reg_get(index: usize) -> Result<Arc<dyn Registration>> {
     let state = read();
     state.registrations.get(index).cloned().ok_or_else(|| {
-        Error::OutOfBounds(format!("registration index {index} out of {}", state.registrations.len()))
+        Error::OutOfBounds(format!(
+            "registration index {index} out of {}",
+            state.registrations.len()
+        ))
     })
 }
 
@@ -142,7 +171,11 @@ pub fn registrations() -> Vec<Arc<dyn Registration>> {
 
 /// The registration with this name (case-insensitive).
 pub fn reg_by_name(name: &str) -> Option<Arc<dyn Registration>> {
-    read().registrations.iter().find(|r| r.name().eq_ignore_ascii_case(name)).cloned()
+    read()
+        .registrations
+        .iter()
+        .find(|r| r.name().eq_ignore_ascii_case(name))
+        .cloned()
 }
 
 /// Number of devices.
@@ -153,11 +186,12 @@ pub fn dev_count() -> usize {
 /// The device at `index`.
 pub fn dev_get(index: usize) -> Result<Arc<dyn Device>> {
     let state = read();
-    state
-        .devices
-        .get(index)
-        .cloned()
-        .ok_or_else(|| Error::OutOfBounds(format!("device index {index} out of {}", state.devices.len())))
+    state.devices.get(index).cloned().ok_or_else(|| {
+        Error::OutOfBounds(format!(
+            "device index {index} out of {}",
+            state.devices.len()
+        ))
+    })
 }
 
 /// Every device, in registration order.
@@ -167,12 +201,20 @@ pub fn devices() -> Vec<Arc<dyn Device>> {
 
 /// The device with this name (case-insensitive).
 pub fn dev_by_name(name: &str) -> Option<Arc<dyn Device>> {
-    read().devices.iter().find(|d| d.name().eq_ignore_ascii_case(name)).cloned()
+    read()
+        .devices
+        .iter()
+        .find(|d| d.name().eq_ignore_ascii_case(name))
+        .cloned()
 }
 
 /// The first device of this type.
 pub fn dev_by_type(device_type: DeviceType) -> Option<Arc<dyn Device>> {
-    read().devices.iter().find(|d| d.device_type() == device_type).cloned()
+    read()
+        .devices
+        .iter()
+        .find(|d| d.device_type() == device_type)
+        .cloned()
 }
 
 /// Opens a backend on the device named `name` (or the first device of the registration named
@@ -183,7 +225,10 @@ pub fn init_by_name(name: &str, params: &str) -> Result<Arc<dyn Backend>> {
         .or_else(|| reg_by_name(name).and_then(|r| r.devices().into_iter().next()))
         .ok_or_else(|| {
             let known: Vec<String> = devices().iter().map(|d| d.name().to_owned()).collect();
-            Error::Backend(format!("no backend device named {name:?}; available: {}", known.join(", ")))
+            Error::Backend(format!(
+                "no backend device named {name:?}; available: {}",
+                known.join(", ")
+            ))
         })?;
     device.init_backend(&params)
 }

@@ -166,9 +166,8 @@ pub(super) unsafe fn bf16_to_f32(src: &[bf16], dst: &mut [f32]) {
             let abs_mask = _mm256_set1_epi32(0x7fff_ffff);
             let inf = _mm256_set1_epi32(0x7f80_0000);
             let quiet = _mm256_set1_epi32(0x0040_0000);
-            let a = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
-                s.add(i).cast(),
-            )));
+            let a =
+                _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(s.add(i).cast())));
             let b = _mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(
                 s.add(i + 8).cast(),
             )));

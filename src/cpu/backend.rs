@@ -77,7 +77,12 @@ impl Device for CpuDevice {
     }
 
     fn caps(&self) -> DeviceCaps {
-        DeviceCaps { async_ops: false, host_buffer: false, buffer_from_host_ptr: true, events: false }
+        DeviceCaps {
+            async_ops: false,
+            host_buffer: false,
+            buffer_from_host_ptr: true,
+            events: false,
+        }
     }
 
     fn registration_name(&self) -> &str {
@@ -85,14 +90,21 @@ impl Device for CpuDevice {
     }
 
     fn init_backend(&self, params: &BackendParams) -> Result<Arc<dyn Backend>> {
-        Ok(Arc::new(CpuBackend::new(params.n_threads.unwrap_or_else(default_n_threads))?))
+        Ok(Arc::new(CpuBackend::new(
+            params.n_threads.unwrap_or_else(default_n_threads),
+        )?))
     }
 
     fn buffer_type(&self) -> Arc<dyn BufferType> {
         CpuBufferType::shared()
     }
 
-    unsafe fn buffer_from_host_ptr(&self, ptr: *mut u8, size: usize, _max_tensor_size: usize) -> Result<Buffer> {
+    unsafe fn buffer_from_host_ptr(
+        &self,
+        ptr: *mut u8,
+        size: usize,
+        _max_tensor_size: usize,
+    ) -> Result<Buffer> {
         // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's life.
         let memory = unsafe { ForeignHostMemory::new(ptr, size, None)? };
         Ok(Buffer::new(Box::new(memory), CpuBufferType::shared()))
@@ -150,7 +162,9 @@ impl CpuBackend {
     /// A backend with `n_threads` workers.
     pub fn new(n_threads: usize) -> Result<CpuBackend> {
         if n_threads == 0 {
-            return Err(Error::InvalidArgument("a CPU backend needs at least one thread".into()));
+            return Err(Error::InvalidArgument(
+                "a CPU backend needs at least one thread".into(),
+            ));
         }
         Ok(CpuBackend {
             pool: Mutex::new(build_pool(n_threads)?),
@@ -167,7 +181,9 @@ impl CpuBackend {
     /// Replaces the pool with one of `n_threads` workers (no-op if unchanged).
     pub fn set_n_threads(&self, n_threads: usize) -> Result<()> {
         if n_threads == 0 {
-            return Err(Error::InvalidArgument("a CPU backend needs at least one thread".into()));
+            return Err(Error::InvalidArgument(
+                "a CPU backend needs at least one thread".into(),
+            ));
         }
         let mut pool = lock(&self.pool);
         if pool.current_num_threads() != n_threads {
@@ -198,10 +214,16 @@ impl CpuBackend {
 
     fn run(&self, graph: &Graph) -> Result<Status> {
         let pool = self.pool();
-        let options = ComputeOptions { use_reference: self.use_reference() };
+        let options = ComputeOptions {
+            use_reference: self.use_reference(),
+        };
         let own = lock(&self.abort).clone();
-        let global = global_abort().read().unwrap_or_else(|p| p.into_inner()).clone();
-        let abort = move || own.as_ref().is_some_and(|f| f()) || global.as_ref().is_some_and(|f| f());
+        let global = global_abort()
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let abort =
+            move || own.as_ref().is_some_and(|f| f()) || global.as_ref().is_some_and(|f| f());
         compute::compute_graph(graph, &pool, &options, Some(&abort))
     }
 }
@@ -225,7 +247,11 @@ impl Backend for CpuBackend {
 
     fn graph_plan_create(&self, graph: &Graph) -> Result<Box<dyn GraphPlan>> {
         let n_threads = self.n_threads();
-        Ok(Box::new(CpuGraphPlan { graph: graph.clone(), work_size: compute::work_size(graph, n_threads), n_threads }))
+        Ok(Box::new(CpuGraphPlan {
+            graph: graph.clone(),
+            work_size: compute::work_size(graph, n_threads),
+            n_threads,
+        }))
     }
 
     fn graph_compute_async(&self, graph: &Graph) -> Result<Status> {
@@ -261,7 +287,10 @@ fn ext_features() -> Vec<(String, String)> {
         .filter(|(_, on)| *on)
         .map(|(name, _)| (name.to_uppercase(), "1".to_owned()))
         .collect();
-    out.push(("SIMD_PATH".to_owned(), crate::convert::simd_path().to_owned()));
+    out.push((
+        "SIMD_PATH".to_owned(),
+        crate::convert::simd_path().to_owned(),
+    ));
     out
 }
 
@@ -276,7 +305,9 @@ impl Registration for CpuRegistration {
 
     fn proc_address(&self, name: &str) -> Option<Extension> {
         match name {
-            "set_n_threads" | "ggml_backend_set_n_threads" => Some(Extension::SetThreadCount(ext_set_threads)),
+            "set_n_threads" | "ggml_backend_set_n_threads" => {
+                Some(Extension::SetThreadCount(ext_set_threads))
+            }
             "set_abort_callback" => Some(Extension::SetAbortCallback(ext_set_abort)),
             "get_features" | "ggml_backend_get_features" => Some(Extension::Features(ext_features)),
             "dev_get_extra_bufts" => Some(Extension::ExtraBufferTypes(Vec::new)),
