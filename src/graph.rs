@@ -296,7 +296,7 @@ mod tests {
         let s = ops::add(&ctx, &a, &b).unwrap();
         let m = ops::mul(&ctx, &s, &a).unwrap();
         let out = ops::add(&ctx, &m, &s).unwrap();
-        let g = Graph::build(&[out.clone()]);
+        let g = Graph::build(std::slice::from_ref(&out));
         assert_eq!(g.n_leafs(), 2);
         assert_eq!(g.n_nodes(), 3);
         assert_eq!(g.node(-1).unwrap(), &out);

@@ -109,7 +109,7 @@ pub fn ne_ndim(ne: &[usize; MAX_DIMS]) -> usize {
 
 /// Bytes spanned by a tensor of this dtype, shape and strides (ggml's `nbytes`).
 pub fn span_bytes(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -> usize {
-    if ne.iter().any(|&n| n == 0) {
+    if ne.contains(&0) {
         return 0;
     }
     let block = dtype.block_size();

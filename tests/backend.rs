@@ -29,9 +29,7 @@ fn registry_always_has_the_cpu() {
     assert!(cpu.caps().buffer_from_host_ptr);
     assert!(registry::dev_by_type(DeviceType::Cpu).is_some());
     assert!(registry::dev_get(registry::dev_count()).is_err());
-    let err = registry::init_by_name("no-such-backend", "")
-        .err()
-        .expect("error");
+    let err = registry::init_by_name("no-such-backend", "").expect_err("unknown names fail");
     assert!(matches!(err, Error::Backend(_)), "{err}");
     assert!(registry::init_by_name("CPU", "n_threads=zero").is_err());
     let best = registry::init_best().unwrap();
@@ -69,7 +67,7 @@ fn small_graph() -> (
     b.set_f32(&[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
     let sum = ops::add(&ctx, &a, &b).unwrap();
     let out = ops::scale(&ctx, &sum, 2.0, 0.5).unwrap();
-    let graph = Graph::build(&[out.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&out));
     (ctx, a, out, graph)
 }
 
