@@ -19,6 +19,7 @@ pub mod ops;
 pub mod quant;
 pub mod registry;
 pub mod tensor;
+pub mod util;
 
 #[cfg(feature = "python")]
 mod python;

@@ -154,3 +154,24 @@ fn host_pointer_buffers_and_events() {
     wait_or_sync(Some(&event), backend.as_ref(), backend.as_ref()).unwrap();
     record_or_sync(None, backend.as_ref()).unwrap();
 }
+
+#[test]
+fn shared_threadpools_and_direct_compute() {
+    use ferrograph::cpu::backend::graph_compute_with_ctx;
+    use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
+    let pool = Threadpool::new(&ThreadpoolParams::new(2)).unwrap();
+    let first = CpuBackend::new(1).unwrap();
+    let second = CpuBackend::new(1).unwrap();
+    first.set_threadpool(pool.clone());
+    second.set_threadpool(pool.clone());
+    assert_eq!(first.n_threads(), 2);
+    let (_ctx, _a, out, graph) = small_graph();
+    pool.pause();
+    assert_eq!(second.graph_compute(&graph).unwrap(), Status::Success);
+    assert!(!pool.is_paused());
+    let expected = out.to_f32_vec().unwrap();
+    out.fill_bytes(0, out.nbytes(), 0).unwrap();
+    assert_eq!(graph_compute_with_ctx(&graph, 2).unwrap(), Status::Success);
+    assert_eq!(out.to_f32_vec().unwrap(), expected);
+    assert!(graph_compute_with_ctx(&graph, 0).is_err());
+}

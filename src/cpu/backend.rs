@@ -8,6 +8,7 @@ use crate::backend::{Backend, GraphPlan, Guid};
 use crate::buffer::{Buffer, BufferType, CpuBufferType, ForeignHostMemory};
 use crate::cpu::compute::{self, ComputeOptions};
 use crate::cpu::sysinfo;
+use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::error::{Error, Result, Status};
 use crate::event::{Event, HostEvent};
@@ -36,15 +37,6 @@ pub fn set_global_abort_callback(callback: Option<AbortCallback>) {
 /// The default thread count: the usable hardware threads.
 pub fn default_n_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
-}
-
-fn build_pool(n_threads: usize) -> Result<Arc<rayon::ThreadPool>> {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(n_threads)
-        .thread_name(|i| format!("ferrograph-cpu-{i}"))
-        .build()
-        .map(Arc::new)
-        .map_err(|e| Error::Backend(format!("cannot start {n_threads} CPU threads: {e}")))
 }
 
 /// The host CPU as a device.
@@ -123,9 +115,10 @@ impl Device for CpuDevice {
     }
 }
 
-/// A CPU backend: a pool of `n_threads` rayon workers kept for the backend's life.
+/// A CPU backend: a persistent pool of worker threads kept for the backend's life (or one
+/// shared with other backends through [`CpuBackend::set_threadpool`]).
 pub struct CpuBackend {
-    pool: Mutex<Arc<rayon::ThreadPool>>,
+    pool: Mutex<Arc<Threadpool>>,
     abort: Mutex<Option<AbortCallback>>,
     use_reference: AtomicBool,
 }
@@ -167,7 +160,7 @@ impl CpuBackend {
             ));
         }
         Ok(CpuBackend {
-            pool: Mutex::new(build_pool(n_threads)?),
+            pool: Mutex::new(Threadpool::new(&ThreadpoolParams::new(n_threads))?),
             abort: Mutex::new(None),
             use_reference: AtomicBool::new(false),
         })
@@ -175,7 +168,7 @@ impl CpuBackend {
 
     /// Threads in the pool.
     pub fn n_threads(&self) -> usize {
-        lock(&self.pool).current_num_threads()
+        lock(&self.pool).n_threads()
     }
 
     /// Replaces the pool with one of `n_threads` workers (no-op if unchanged).
@@ -186,10 +179,20 @@ impl CpuBackend {
             ));
         }
         let mut pool = lock(&self.pool);
-        if pool.current_num_threads() != n_threads {
-            *pool = build_pool(n_threads)?;
+        if pool.n_threads() != n_threads {
+            *pool = Threadpool::new(&ThreadpoolParams::new(n_threads))?;
         }
         Ok(())
+    }
+
+    /// Runs computations on `threadpool` (which other backends may share).
+    pub fn set_threadpool(&self, threadpool: Arc<Threadpool>) {
+        *lock(&self.pool) = threadpool;
+    }
+
+    /// The thread pool computations run on.
+    pub fn threadpool(&self) -> Arc<Threadpool> {
+        lock(&self.pool).clone()
     }
 
     /// Installs (or clears) the abort callback polled between nodes.
@@ -207,13 +210,9 @@ impl CpuBackend {
         self.use_reference.load(Ordering::Relaxed)
     }
 
-    /// The pool, for callers that run their own parallel work on the backend's threads.
-    pub fn pool(&self) -> Arc<rayon::ThreadPool> {
-        lock(&self.pool).clone()
-    }
-
     fn run(&self, graph: &Graph) -> Result<Status> {
-        let pool = self.pool();
+        let threadpool = self.threadpool();
+        let pool = threadpool.rayon();
         let options = ComputeOptions {
             use_reference: self.use_reference(),
         };
@@ -224,7 +223,7 @@ impl CpuBackend {
             .clone();
         let abort =
             move || own.as_ref().is_some_and(|f| f()) || global.as_ref().is_some_and(|f| f());
-        compute::compute_graph(graph, &pool, &options, Some(&abort))
+        compute::compute_graph(graph, pool, &options, Some(&abort))
     }
 }
 
@@ -314,4 +313,38 @@ impl Registration for CpuRegistration {
             _ => None,
         }
     }
+}
+
+/// Computes `graph` on the host with `n_threads` threads, without a backend object (ggml's
+/// `graph_compute_with_ctx`); every tensor must already have host memory, e.g. from a
+/// `Context::new(false)`. Pools are kept per thread count and reused.
+pub fn graph_compute_with_ctx(graph: &Graph, n_threads: usize) -> Result<Status> {
+    static POOLS: OnceLock<Mutex<Vec<Arc<Threadpool>>>> = OnceLock::new();
+    if n_threads == 0 {
+        return Err(Error::InvalidArgument(
+            "n_threads must be at least 1".into(),
+        ));
+    }
+    let pool = {
+        let mut pools = lock(POOLS.get_or_init(|| Mutex::new(Vec::new())));
+        match pools.iter().find(|p| p.n_threads() == n_threads) {
+            Some(pool) => pool.clone(),
+            None => {
+                let pool = Threadpool::new(&ThreadpoolParams::new(n_threads))?;
+                pools.push(pool.clone());
+                pool
+            }
+        }
+    };
+    let global = global_abort()
+        .read()
+        .unwrap_or_else(|p| p.into_inner())
+        .clone();
+    let abort = move || global.as_ref().is_some_and(|f| f());
+    compute::compute_graph(
+        graph,
+        pool.rayon(),
+        &ComputeOptions::default(),
+        Some(&abort),
+    )
 }

@@ -5,6 +5,7 @@ pub mod compute;
 pub mod features;
 pub mod kernels;
 pub mod sysinfo;
+pub mod threadpool;
 
 pub use compute::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
 
