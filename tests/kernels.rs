@@ -1,5 +1,6 @@
 //! CPU kernels against naive f64 references (NMSE limits as ggml's test-backend-ops), in-place
 //! runs, thread-count independence, guard bytes, and error paths.
+#![allow(clippy::needless_range_loop)] // references index like the math they mirror
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -244,7 +245,13 @@ fn binary_ref(kind: &str, a: &[f32], ane: [usize; 4], b: &[f32], bne: [usize; 4]
     (0..a.len())
         .map(|k| {
             let c = coords(ane, k);
-            let bi = idx(bne, c[0] % bne[0], c[1] % bne[1], c[2] % bne[2], c[3] % bne[3]);
+            let bi = idx(
+                bne,
+                c[0] % bne[0],
+                c[1] % bne[1],
+                c[2] % bne[2],
+                c[3] % bne[3],
+            );
             let (x, y) = (a[k] as f64, b[bi] as f64);
             match kind {
                 "add" => x + y,
@@ -267,7 +274,13 @@ fn binary_ops_broadcast_by_modulo() {
         ("div", ops::div),
     ];
     let ane = [33, 7, 3, 2];
-    let shapes = [[33, 7, 3, 2], [33, 1, 3, 1], [1, 7, 1, 2], [11, 7, 1, 1], [1, 1, 1, 1]];
+    let shapes = [
+        [33, 7, 3, 2],
+        [33, 1, 3, 1],
+        [1, 7, 1, 2],
+        [11, 7, 1, 1],
+        [1, 1, 1, 1],
+    ];
     let mut rng = Rng::new(1);
     for (name, build) in ops {
         for bne in shapes {
@@ -393,7 +406,9 @@ fn unary_ref(op: UnaryOp, x: f64) -> f64 {
         UnaryOp::Relu => x.max(0.0),
         UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
         UnaryOp::Gelu => {
-            0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * x * (1.0 + 0.044715 * x * x)).tanh())
+            0.5 * x
+                * (1.0
+                    + ((2.0 / std::f64::consts::PI).sqrt() * x * (1.0 + 0.044715 * x * x)).tanh())
         }
         UnaryOp::GeluErf => 0.5 * x * (1.0 + erf64(x / std::f64::consts::SQRT_2)),
         UnaryOp::GeluQuick => x / (1.0 + (-1.702 * x).exp()),
@@ -451,15 +466,33 @@ fn unary_ops_f32_and_f16() {
 #[test]
 fn simple_elementwise_ops() {
     let mut rng = Rng::new(5);
-    type Case = (&'static str, fn(&Context, &Tensor) -> Result<Tensor>, fn(f64) -> f64, f32, f32);
+    type Case = (
+        &'static str,
+        fn(&Context, &Tensor) -> Result<Tensor>,
+        fn(f64) -> f64,
+        f32,
+        f32,
+    );
     let cases: [Case; 9] = [
         ("sqr", ops::sqr, |x| x * x, -2.0, 2.0),
         ("sqrt", ops::sqrt, f64::sqrt, 0.0, 4.0),
         ("log", ops::log, f64::ln, 0.1, 4.0),
         ("sin", ops::sin, f64::sin, -3.0, 3.0),
         ("cos", ops::cos, f64::cos, -3.0, 3.0),
-        ("scale", |c, a| ops::scale(c, a, 2.5, -0.5), |x| x * 2.5 - 0.5, -1.0, 1.0),
-        ("clamp", |c, a| ops::clamp(c, a, -0.3, 0.4), |x| x.clamp(-0.3, 0.4), -1.0, 1.0),
+        (
+            "scale",
+            |c, a| ops::scale(c, a, 2.5, -0.5),
+            |x| x * 2.5 - 0.5,
+            -1.0,
+            1.0,
+        ),
+        (
+            "clamp",
+            |c, a| ops::clamp(c, a, -0.3, 0.4),
+            |x| x.clamp(-0.3, 0.4),
+            -1.0,
+            1.0,
+        ),
         (
             "leaky_relu",
             |c, a| ops::leaky_relu(c, a, 0.1),
@@ -476,9 +509,17 @@ fn simple_elementwise_ops() {
             let av = fill(&a, &mut rng, lo, hi);
             let out = build(&c, &a).unwrap();
             compute(&out, 2);
-            let want: Vec<f64> = av.iter().map(|&x| round_to(dtype, reference(x as f64))).collect();
+            let want: Vec<f64> = av
+                .iter()
+                .map(|&x| round_to(dtype, reference(x as f64)))
+                .collect();
             let limit = if dtype == DType::F32 { 1e-7 } else { 1e-5 };
-            check(&format!("{name} {dtype}"), &out.to_f32_vec().unwrap(), &want, limit);
+            check(
+                &format!("{name} {dtype}"),
+                &out.to_f32_vec().unwrap(),
+                &want,
+                limit,
+            );
         }
     }
 }
@@ -502,7 +543,12 @@ fn glu_fused_swapped_and_split() {
                     unary_ref(op.activation(), x) * g
                 })
                 .collect();
-            check(&format!("{} swapped={swapped}", op.name()), &out.to_f32_vec().unwrap(), &want, 1e-7);
+            check(
+                &format!("{} swapped={swapped}", op.name()),
+                &out.to_f32_vec().unwrap(),
+                &want,
+                1e-7,
+            );
         }
         let c = ctx();
         let a = c.new_tensor(DType::F16, &[33, 4]).unwrap();
@@ -516,7 +562,12 @@ fn glu_fused_swapped_and_split() {
             .zip(&bv)
             .map(|(&x, &g)| round_to(DType::F16, unary_ref(op.activation(), x as f64) * g as f64))
             .collect();
-        check(&format!("{} split", op.name()), &out.to_f32_vec().unwrap(), &want, 1e-6);
+        check(
+            &format!("{} split", op.name()),
+            &out.to_f32_vec().unwrap(),
+            &want,
+            1e-6,
+        );
     }
 }
 
@@ -533,8 +584,16 @@ fn sums_means_and_argmax() {
     let means = ops::mean(&c, &a).unwrap();
     let graph = Graph::build(&[total.clone(), rows.clone(), means.clone()]);
     compute_graph(&graph, &pool(2), &ComputeOptions::default(), None).unwrap();
-    let row_sums: Vec<f64> = av.chunks(65).map(|r| r.iter().map(|&x| x as f64).sum()).collect();
-    check("sum", &total.to_f32_vec().unwrap(), &[row_sums.iter().sum()], 1e-7);
+    let row_sums: Vec<f64> = av
+        .chunks(65)
+        .map(|r| r.iter().map(|&x| x as f64).sum())
+        .collect();
+    check(
+        "sum",
+        &total.to_f32_vec().unwrap(),
+        &[row_sums.iter().sum()],
+        1e-7,
+    );
     check("sum_rows", &rows.to_f32_vec().unwrap(), &row_sums, 1e-7);
     let mean: Vec<f64> = row_sums.iter().map(|s| s / 65.0).collect();
     check("mean", &means.to_f32_vec().unwrap(), &mean, 1e-7);
@@ -570,7 +629,7 @@ fn repeat_and_concat_are_exact() {
     let got = out.to_f32_vec().unwrap();
     for k in 0..got.len() {
         let [i0, i1, i2, i3] = coords(out.ne(), k);
-        assert_eq!(got[k], av[idx(a.ne(), i0 % 3, i1 % 2, i2 % 1, i3 % 2)]);
+        assert_eq!(got[k], av[idx(a.ne(), i0 % 3, i1 % 2, 0, i3 % 2)]);
     }
     for dim in 0..4 {
         for dtype in [DType::F32, DType::I32] {
@@ -628,8 +687,18 @@ fn norms() {
             wl.extend(x.iter().map(|v| v / l));
         }
         check(&format!("norm {n}"), &norm.to_f32_vec().unwrap(), &wn, 1e-7);
-        check(&format!("rms_norm {n}"), &rms.to_f32_vec().unwrap(), &wr, 1e-7);
-        check(&format!("l2_norm {n}"), &l2.to_f32_vec().unwrap(), &wl, 1e-7);
+        check(
+            &format!("rms_norm {n}"),
+            &rms.to_f32_vec().unwrap(),
+            &wr,
+            1e-7,
+        );
+        check(
+            &format!("l2_norm {n}"),
+            &l2.to_f32_vec().unwrap(),
+            &wl,
+            1e-7,
+        );
     }
     // GROUP_NORM: 5 channels in 2 groups of 3 (the last has 2).
     let c = ctx();
@@ -645,7 +714,10 @@ fn norms() {
                 .flat_map(|i2| (0..12).map(move |j| idx(ne, j % 4, j / 4, i2, i3)))
                 .collect();
             let mean = members.iter().map(|&k| av[k] as f64).sum::<f64>() / members.len() as f64;
-            let var = members.iter().map(|&k| (av[k] as f64 - mean).powi(2)).sum::<f64>()
+            let var = members
+                .iter()
+                .map(|&k| (av[k] as f64 - mean).powi(2))
+                .sum::<f64>()
                 / members.len() as f64;
             for &k in &members {
                 want[k] = (av[k] as f64 - mean) / (var + 1e-6).sqrt();
@@ -701,7 +773,12 @@ fn mul_mat_float_weights_with_batch_broadcast() {
             check_guard();
             let want = mul_mat_ref(&av, a.ne(), &bv, b.ne());
             let got2 = out.to_f32_vec().unwrap();
-            check(&format!("mul_mat {dtype} k{k} m{m} n{n}"), &got2, &want, 5e-4);
+            check(
+                &format!("mul_mat {dtype} k{k} m{m} n{n}"),
+                &got2,
+                &want,
+                5e-4,
+            );
             compute(&out, 1);
             let got1 = out.to_f32_vec().unwrap();
             check(
@@ -757,7 +834,11 @@ fn mul_mat_permuted_and_transposed_operands() {
 fn mul_mat_quantized_weights() {
     let mut rng = Rng::new(12);
     for dtype in [DType::Q8_0, DType::Q4_0] {
-        for (k, m, n, nr) in [(64usize, 7usize, 5usize, 1usize), (96, 33, 1, 2), (256, 16, 9, 1)] {
+        for (k, m, n, nr) in [
+            (64usize, 7usize, 5usize, 1usize),
+            (96, 33, 1, 2),
+            (256, 16, 9, 1),
+        ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, 2]).unwrap();
             let b = c.new_tensor(DType::F32, &[k, n, 2 * nr]).unwrap();
@@ -770,9 +851,19 @@ fn mul_mat_quantized_weights() {
             compute(&out, 2);
             check_guard();
             let want = mul_mat_ref(&av, a.ne(), &bv, b.ne());
-            check(&format!("mul_mat {dtype} k{k}"), &out.to_f32_vec().unwrap(), &want, 5e-4);
+            check(
+                &format!("mul_mat {dtype} k{k}"),
+                &out.to_f32_vec().unwrap(),
+                &want,
+                5e-4,
+            );
             assert_eq!(compute_with(&out, 2, true).unwrap(), Status::Success);
-            check(&format!("mul_mat {dtype} reference"), &out.to_f32_vec().unwrap(), &want, 5e-4);
+            check(
+                &format!("mul_mat {dtype} reference"),
+                &out.to_f32_vec().unwrap(),
+                &want,
+                5e-4,
+            );
         }
     }
 }
@@ -782,13 +873,16 @@ fn mul_mat_id_and_out_prod() {
     let mut rng = Rng::new(13);
     for dtype in [DType::F32, DType::F16, DType::Q8_0] {
         let c = ctx();
-        let (k, m, n_expert, n_used, n_b, n_tokens) = (64usize, 9usize, 4usize, 2usize, 1usize, 5usize);
+        let (k, m, n_expert, n_used, n_b, n_tokens) =
+            (64usize, 9usize, 4usize, 2usize, 1usize, 5usize);
         let experts = c.new_tensor(dtype, &[k, m, n_expert]).unwrap();
         let ev = fill_any(&experts, &mut rng);
         let b = c.new_tensor(DType::F32, &[k, n_b, n_tokens]).unwrap();
         let bv = fill(&b, &mut rng, -1.0, 1.0);
         let ids = c.new_tensor(DType::I32, &[n_used, n_tokens]).unwrap();
-        let idv: Vec<i32> = (0..n_used * n_tokens).map(|_| rng.below(n_expert) as i32).collect();
+        let idv: Vec<i32> = (0..n_used * n_tokens)
+            .map(|_| rng.below(n_expert) as i32)
+            .collect();
         fill_i32(&ids, &idv);
         let out = ops::mul_mat_id(&c, &experts, &b, &ids).unwrap();
         compute(&out, 2);
@@ -806,7 +900,12 @@ fn mul_mat_id_and_out_prod() {
                 }
             }
         }
-        check(&format!("mul_mat_id {dtype}"), &out.to_f32_vec().unwrap(), &want, 5e-4);
+        check(
+            &format!("mul_mat_id {dtype}"),
+            &out.to_f32_vec().unwrap(),
+            &want,
+            5e-4,
+        );
     }
     let c = ctx();
     let a = c.new_tensor(DType::F32, &[7, 5, 2]).unwrap();
@@ -822,7 +921,8 @@ fn mul_mat_id_and_out_prod() {
             for i0 in 0..7 {
                 want[idx(ne, i0, i1, i2, 0)] = (0..5)
                     .map(|kk| {
-                        av[idx(a.ne(), i0, kk, i2 / 2, 0)] as f64 * bv[idx(b.ne(), i1, kk, i2, 0)] as f64
+                        av[idx(a.ne(), i0, kk, i2 / 2, 0)] as f64
+                            * bv[idx(b.ne(), i1, kk, i2, 0)] as f64
                     })
                     .sum();
             }
@@ -919,11 +1019,18 @@ fn diag_mask_inf_masks_future_columns() {
     }
 }
 
-fn rope_ref(x: &[f32], ne: [usize; 4], pos: &[i32], ff: Option<&[f32]>, p: &RopeParams) -> Vec<f64> {
+fn rope_ref(
+    x: &[f32],
+    ne: [usize; 4],
+    pos: &[i32],
+    ff: Option<&[f32]>,
+    p: &RopeParams,
+) -> Vec<f64> {
     let mut out: Vec<f64> = x.iter().map(|&v| v as f64).collect();
     let pi = std::f64::consts::PI;
     let corr = |n_rot: f64| {
-        p.n_dims as f64 * (p.n_ctx_orig as f64 / (n_rot * 2.0 * pi)).ln() / (2.0 * (p.freq_base as f64).ln())
+        p.n_dims as f64 * (p.n_ctx_orig as f64 / (n_rot * 2.0 * pi)).ln()
+            / (2.0 * (p.freq_base as f64).ln())
     };
     let low = corr(p.beta_fast as f64).floor().max(0.0);
     let high = corr(p.beta_slow as f64).ceil().min(p.n_dims as f64 - 1.0);
@@ -1010,7 +1117,8 @@ fn flash_attn_ext_matches_naive_attention() {
         (DType::F32, 0.0, 30.0, true),
     ] {
         let c = ctx();
-        let (d, dv, n_q, n_head, n_head_kv, n_kv) = (40usize, 24usize, 3usize, 4usize, 2usize, 37usize);
+        let (d, dv, n_q, n_head, n_head_kv, n_kv) =
+            (40usize, 24usize, 3usize, 4usize, 2usize, 37usize);
         let q = c.new_tensor(DType::F32, &[d, n_q, n_head, 1]).unwrap();
         let k = c.new_tensor(kv_type, &[d, n_kv, n_head_kv, 1]).unwrap();
         let v = c.new_tensor(kv_type, &[dv, n_kv, n_head_kv, 1]).unwrap();
@@ -1048,7 +1156,10 @@ fn flash_attn_ext_matches_naive_attention() {
                 let logits: Vec<f64> = (0..n_kv)
                     .map(|ic| {
                         let mut s: f64 = (0..d)
-                            .map(|i| qv[idx(q.ne(), i, iq, h, 0)] as f64 * kv[idx(k.ne(), i, ic, hk, 0)] as f64)
+                            .map(|i| {
+                                qv[idx(q.ne(), i, iq, h, 0)] as f64
+                                    * kv[idx(k.ne(), i, ic, hk, 0)] as f64
+                            })
                             .sum::<f64>()
                             * scale as f64;
                         if softcap != 0.0 {
@@ -1090,7 +1201,9 @@ fn cpy_between_float_and_int_types() {
         for &to in &types {
             let c = ctx();
             let a = c.new_tensor(from, &[7, 5, 3]).unwrap();
-            let values: Vec<f32> = (0..a.nelements()).map(|_| (rng.uniform(-50.0, 50.0)).round()).collect();
+            let values: Vec<f32> = (0..a.nelements())
+                .map(|_| (rng.uniform(-50.0, 50.0)).round())
+                .collect();
             a.set_f32(&values).unwrap();
             let av = a.to_f32_vec().unwrap();
             let b = c.new_tensor(to, &[7, 5, 3]).unwrap();
@@ -1098,7 +1211,12 @@ fn cpy_between_float_and_int_types() {
             compute(&out, 2);
             let want: Vec<f64> = av.iter().map(|&x| round_to(to, x as f64)).collect();
             let limit = if from == to { 0.0 } else { 1e-6 };
-            check(&format!("cpy {from}->{to}"), &b.to_f32_vec().unwrap(), &want, limit);
+            check(
+                &format!("cpy {from}->{to}"),
+                &b.to_f32_vec().unwrap(),
+                &want,
+                limit,
+            );
         }
     }
     // i32 values beyond f32 precision survive a same-type copy exactly.
@@ -1195,7 +1313,14 @@ fn cpy_to_and_from_quantized() {
 #[test]
 fn get_rows_and_set_rows() {
     let mut rng = Rng::new(21);
-    for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0, DType::I32] {
+    for dtype in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::I32,
+    ] {
         let c = ctx();
         let table = c.new_tensor(dtype, &[64, 10, 2]).unwrap();
         let tv = if dtype == DType::I32 {
@@ -1215,11 +1340,17 @@ fn get_rows_and_set_rows() {
             for i10 in 0..5 {
                 let row = idv[i10 + 5 * i11] as usize;
                 for i0 in 0..64 {
-                    want[idx(out.ne(), i0, i10, i11, 0)] = tv[idx(table.ne(), i0, row, i11, 0)] as f64;
+                    want[idx(out.ne(), i0, i10, i11, 0)] =
+                        tv[idx(table.ne(), i0, row, i11, 0)] as f64;
                 }
             }
         }
-        check(&format!("get_rows {dtype}"), &out.to_f32_vec().unwrap(), &want, 0.0);
+        check(
+            &format!("get_rows {dtype}"),
+            &out.to_f32_vec().unwrap(),
+            &want,
+            0.0,
+        );
     }
     // An index out of range is an error, not a crash.
     let c = ctx();
@@ -1227,7 +1358,10 @@ fn get_rows_and_set_rows() {
     let ids = c.new_tensor(DType::I32, &[1]).unwrap();
     fill_i32(&ids, &[3]);
     let out = ops::get_rows(&c, &table, &ids).unwrap();
-    assert!(matches!(compute_with(&out, 2, false), Err(Error::OutOfBounds(_))));
+    assert!(matches!(
+        compute_with(&out, 2, false),
+        Err(Error::OutOfBounds(_))
+    ));
 
     for (dtype, index_type) in [
         (DType::F16, DType::I32),
@@ -1266,7 +1400,9 @@ fn get_rows_and_set_rows() {
                 let stored = if dtype.is_quantized() {
                     dequantize_q8_0(&quantize_q8_0(&src))
                 } else {
-                    src.iter().map(|&x| round_to(dtype, x as f64) as f32).collect()
+                    src.iter()
+                        .map(|&x| round_to(dtype, x as f64) as f32)
+                        .collect()
                 };
                 for i0 in 0..32 {
                     want[idx(dst.ne(), i0, row as usize, i2, 0)] = stored[i0] as f64;
@@ -1286,14 +1422,31 @@ fn inplace_ops_match_out_of_place() {
     let builders: Vec<(&str, Build)> = vec![
         ("add", Box::new(|c, a, b, _| ops::add(c, a, b).unwrap())),
         ("mul", Box::new(|c, a, b, _| ops::mul(c, a, b).unwrap())),
-        ("scale", Box::new(|c, a, _, _| ops::scale(c, a, 0.5, 1.0).unwrap())),
-        ("silu", Box::new(|c, a, _, _| ops::unary(c, a, UnaryOp::Silu).unwrap())),
-        ("rms_norm", Box::new(|c, a, _, _| ops::rms_norm(c, a, 1e-6).unwrap())),
-        ("soft_max", Box::new(|c, a, _, _| ops::soft_max(c, a, None, 0.7, 0.0).unwrap())),
-        ("diag_mask_inf", Box::new(|c, a, _, _| ops::diag_mask_inf(c, a, 1).unwrap())),
+        (
+            "scale",
+            Box::new(|c, a, _, _| ops::scale(c, a, 0.5, 1.0).unwrap()),
+        ),
+        (
+            "silu",
+            Box::new(|c, a, _, _| ops::unary(c, a, UnaryOp::Silu).unwrap()),
+        ),
+        (
+            "rms_norm",
+            Box::new(|c, a, _, _| ops::rms_norm(c, a, 1e-6).unwrap()),
+        ),
+        (
+            "soft_max",
+            Box::new(|c, a, _, _| ops::soft_max(c, a, None, 0.7, 0.0).unwrap()),
+        ),
+        (
+            "diag_mask_inf",
+            Box::new(|c, a, _, _| ops::diag_mask_inf(c, a, 1).unwrap()),
+        ),
         (
             "rope",
-            Box::new(|c, a, _, pos| ops::rope(c, a, pos, None, RopeParams::new(32, RopeMode::Neox)).unwrap()),
+            Box::new(|c, a, _, pos| {
+                ops::rope(c, a, pos, None, RopeParams::new(32, RopeMode::Neox)).unwrap()
+            }),
         ),
     ];
     for (name, build) in builders {
@@ -1306,12 +1459,22 @@ fn inplace_ops_match_out_of_place() {
         fill(&b, &mut rng, 0.5, 1.5);
         let reference = build(&c, &a, &b, &pos);
         compute(&reference, 2);
-        let want: Vec<f64> = reference.to_f32_vec().unwrap().iter().map(|&x| x as f64).collect();
+        let want: Vec<f64> = reference
+            .to_f32_vec()
+            .unwrap()
+            .iter()
+            .map(|&x| x as f64)
+            .collect();
         a.set_f32(&av).unwrap();
         let inplace = build(&c, &a, &b, &pos);
         make_inplace(&inplace, &a);
         compute(&inplace, 2);
-        check(&format!("{name} in place"), &a.to_f32_vec().unwrap(), &want, 0.0);
+        check(
+            &format!("{name} in place"),
+            &a.to_f32_vec().unwrap(),
+            &want,
+            0.0,
+        );
     }
 }
 
@@ -1338,7 +1501,10 @@ fn results_do_not_depend_on_thread_count() {
         check("threads", &r.0, &want, 1e-12);
         assert!((r.1[0] - results[0].1[0]).abs() < 1e-3);
     }
-    assert!((results[0].1[0] - 200.0).abs() < 1e-2, "softmax rows sum to one");
+    assert!(
+        (results[0].1[0] - 200.0).abs() < 1e-2,
+        "softmax rows sum to one"
+    );
 }
 
 struct Double(AtomicUsize);
@@ -1375,8 +1541,13 @@ fn custom_ops_abort_and_errors() {
     // Abort after the first node.
     let calls = AtomicUsize::new(0);
     let abort_second = || calls.fetch_add(1, Ordering::SeqCst) >= 1;
-    let status =
-        compute_graph(&graph, &pool(2), &ComputeOptions::default(), Some(&abort_second)).unwrap();
+    let status = compute_graph(
+        &graph,
+        &pool(2),
+        &ComputeOptions::default(),
+        Some(&abort_second),
+    )
+    .unwrap();
     assert_eq!(status, Status::Aborted);
     assert_eq!(op.0.load(Ordering::SeqCst), 2);
 

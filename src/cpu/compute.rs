@@ -57,9 +57,7 @@ pub fn supports_op(node: &Tensor) -> bool {
         | Op::Scale { .. }
         | Op::Unary(_)
         | Op::LeakyRelu { .. } => float(0) && src(0) == Some(dst),
-        Op::Glu { .. } => {
-            float(0) && src(0) == Some(dst) && (srcs.len() == 1 || src(1) == src(0))
-        }
+        Op::Glu { .. } => float(0) && src(0) == Some(dst) && (srcs.len() == 1 || src(1) == src(0)),
         Op::Sum | Op::SumRows | Op::Mean => float(0) && dst == DType::F32,
         Op::Argmax => f32_only(0) && dst == DType::I32,
         Op::Repeat => src(0).is_some_and(|s| !s.is_quantized()) && src(0) == Some(dst),
@@ -208,9 +206,7 @@ fn run(
         Op::Dup | Op::Cont | Op::Cpy => copy::copy(dst, src(0)?),
         Op::GetRows => copy::get_rows(dst, src(0)?, src(1)?),
         Op::SetRows => copy::set_rows(dst, src(1)?, src(2)?),
-        Op::Add | Op::Sub | Op::Mul | Op::Div => {
-            binary::binary(node.op(), dst, src(0)?, src(1)?)
-        }
+        Op::Add | Op::Sub | Op::Mul | Op::Div => binary::binary(node.op(), dst, src(0)?, src(1)?),
         Op::Add1 => binary::add1(dst, src(0)?, src(1)?),
         Op::Acc {
             nb1,

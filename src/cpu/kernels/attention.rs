@@ -4,10 +4,10 @@
 //! Output `[Dv, n_head, n_q, n_seq]`. Key/value heads are shared by `n_head / n_head_kv` query
 //! heads (GQA). All arithmetic is f32 (ggml converts q to f16 for f16 keys; we do not).
 
+use super::par_ranges;
 use super::quant_dot::dot_f32;
 use super::softmax::alibi_slope;
 use super::view::RawTensor;
-use super::par_ranges;
 use crate::error::Result;
 
 /// FLASH_ATTN_EXT over q `[D, n_q, n_head, n_seq]`, k `[D, n_kv, n_head_kv, n_seq_kv]`,

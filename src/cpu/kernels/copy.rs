@@ -121,9 +121,7 @@ pub fn copy(dst: RawTensor, src: RawTensor) -> Result<()> {
 }
 
 fn bad_index(what: &str, index: i64, limit: usize) -> Error {
-    Error::OutOfBounds(format!(
-        "{what}: row index {index} is outside 0..{limit}"
-    ))
+    Error::OutOfBounds(format!("{what}: row index {index} is outside 0..{limit}"))
 }
 
 /// GET_ROWS: `dst[:, i10, i11, i12] = a[:, idx[i10, i11, i12], i11, i12]`, as f32 (or i32
@@ -136,9 +134,7 @@ pub fn get_rows(dst: RawTensor, a: RawTensor, idx: RawTensor) -> Result<()> {
             let (i10, i11, i12) = dst.row_coords(r);
             // SAFETY: (i10, i11, i12) is inside the index tensor, whose shape matches dst's
             // rows; the index element is read-only here.
-            let row = unsafe {
-                read_index(idx.dtype, idx.at(idx.offset(i10, i11, i12, 0)))
-            };
+            let row = unsafe { read_index(idx.dtype, idx.at(idx.offset(i10, i11, i12, 0))) };
             if row < 0 || row as usize >= a.ne[1] {
                 return Err(bad_index("GET_ROWS", row, a.ne[1]));
             }

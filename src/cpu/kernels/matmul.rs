@@ -225,7 +225,9 @@ pub fn mul_mat(
     let (m, n) = (a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     if a.ne[2] == 0 || a.ne[3] == 0 || ne12 % a.ne[2] != 0 || ne13 % a.ne[3] != 0 {
-        return Err(Error::Shape("MUL_MAT batch dimensions do not broadcast".into()));
+        return Err(Error::Shape(
+            "MUL_MAT batch dimensions do not broadcast".into(),
+        ));
     }
     let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
     let prepared = prepare(a.dtype, b, scratch)?;
@@ -341,11 +343,7 @@ pub fn out_prod(dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()> {
             for k in 0..kk {
                 // SAFETY: (i1, k, i2, i3) lies inside `b` and the weight row inside `a`; both
                 // are read-only.
-                let bv = unsafe {
-                    b.at(b.offset(i1, k, i2, i3))
-                        .cast::<f32>()
-                        .read_unaligned()
-                };
+                let bv = unsafe { b.at(b.offset(i1, k, i2, i3)).cast::<f32>().read_unaligned() };
                 // SAFETY: as above.
                 unsafe { a.load_row(k, i2 / r2.max(1), i3 / r3.max(1), &mut arow)? };
                 acc.iter_mut().zip(&arow).for_each(|(s, &x)| *s += x * bv);

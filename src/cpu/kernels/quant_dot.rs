@@ -38,7 +38,10 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
 
 /// Dequantizes q8_0 blocks into `out` (a multiple of 32 values).
 pub fn dequantize_row_q8_0(blocks: &[u8], out: &mut [f32]) {
-    for (ys, block) in out.chunks_exact_mut(QK).zip(blocks.chunks_exact(Q8_0_BYTES)) {
+    for (ys, block) in out
+        .chunks_exact_mut(QK)
+        .zip(blocks.chunks_exact(Q8_0_BYTES))
+    {
         let d = read_d(block);
         for (y, &q) in ys.iter_mut().zip(&block[2..]) {
             *y = (q as i8) as f32 * d;
@@ -70,7 +73,10 @@ pub fn quantize_row_q4_0(x: &[f32], out: &mut [u8]) {
 
 /// Dequantizes q4_0 blocks into `out`.
 pub fn dequantize_row_q4_0(blocks: &[u8], out: &mut [f32]) {
-    for (ys, block) in out.chunks_exact_mut(QK).zip(blocks.chunks_exact(Q4_0_BYTES)) {
+    for (ys, block) in out
+        .chunks_exact_mut(QK)
+        .zip(blocks.chunks_exact(Q4_0_BYTES))
+    {
         let d = read_d(block);
         for j in 0..QK / 2 {
             let q = block[2 + j];
@@ -86,9 +92,7 @@ pub fn has_avx2_fma() -> bool {
     {
         use std::sync::OnceLock;
         static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma")
-        })
+        *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

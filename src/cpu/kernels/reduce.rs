@@ -22,10 +22,7 @@ pub fn sum(dst: RawTensor, a: RawTensor) -> Result<()> {
     let total = (0..a.nrows())
         .into_par_iter()
         .with_min_len(row_grain(n0))
-        .map_init(
-            || vec![0f32; n0],
-            |buf, r| row_sum(&a, r, buf),
-        )
+        .map_init(|| vec![0f32; n0], |buf, r| row_sum(&a, r, buf))
         .try_reduce(|| 0.0, |x, y| Ok(x + y))?;
     // SAFETY: dst has one element and nothing else accesses it.
     unsafe { dst.store_row(0, 0, 0, &[total as f32]) }
