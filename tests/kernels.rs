@@ -628,7 +628,7 @@ fn repeat_and_concat_are_exact() {
     compute(&out, 2);
     let got = out.to_f32_vec().unwrap();
     for k in 0..got.len() {
-        let [i0, i1, i2, i3] = coords(out.ne(), k);
+        let [i0, i1, _, i3] = coords(out.ne(), k);
         assert_eq!(got[k], av[idx(a.ne(), i0 % 3, i1 % 2, 0, i3 % 2)]);
     }
     for dim in 0..4 {
