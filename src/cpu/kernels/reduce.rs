@@ -13,7 +13,7 @@ fn row_sum(a: &RawTensor, r: usize, buf: &mut [f32]) -> Result<f64> {
     let (i1, i2, i3) = a.row_coords(r);
     // SAFETY: row `r` lies inside `a`, which is read-only during this op.
     unsafe { a.load_row(i1, i2, i3, buf)? };
-    Ok(buf.iter().map(|&v| v as f64).sum())
+    Ok(super::math::sum_f64(buf))
 }
 
 /// SUM: the sum of all elements into a one-element f32 tensor.
