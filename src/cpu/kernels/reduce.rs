@@ -46,7 +46,8 @@ pub fn sum_rows(dst: RawTensor, a: RawTensor, mean: bool) -> Result<()> {
     })
 }
 
-/// ARGMAX: the index of the first maximum of each row, as i32.
+/// ARGMAX: the index of each row's maximum, as i32; among equal maxima the last wins, as in
+/// ggml's `vec_argmax_f32`.
 pub fn argmax(dst: RawTensor, a: RawTensor) -> Result<()> {
     let n0 = a.ne[0];
     par_ranges(a.nrows(), row_grain(n0), |rows| {
@@ -58,7 +59,7 @@ pub fn argmax(dst: RawTensor, a: RawTensor) -> Result<()> {
             let mut best = 0usize;
             let mut max = f32::NEG_INFINITY;
             for (i, &v) in buf.iter().enumerate() {
-                if v > max {
+                if v >= max {
                     max = v;
                     best = i;
                 }
