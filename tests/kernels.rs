@@ -1,5 +1,6 @@
 //! CPU kernels against naive f64 references (NMSE limits as ggml's test-backend-ops), in-place
 //! runs, thread-count independence, guard bytes, and error paths.
+#![allow(clippy::needless_range_loop)] // references index like the math they mirror
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -600,7 +601,7 @@ fn sums_means_and_argmax() {
     let m = c.new_tensor(DType::F32, &[33, 9]).unwrap();
     let mut mv = fill(&m, &mut rng, -1.0, 1.0);
     mv[33 + 5] = 3.0;
-    mv[33 + 20] = 3.0; // a tie: the first wins
+    mv[33 + 20] = 3.0; // a tie: the last wins, as in ggml
     m.set_f32(&mv).unwrap();
     let out = ops::argmax(&c, &m).unwrap();
     compute(&out, 2);
@@ -608,7 +609,7 @@ fn sums_means_and_argmax() {
     for (r, row) in mv.chunks(33).enumerate() {
         let mut best = 0;
         for i in 0..33 {
-            if row[i] > row[best] {
+            if row[i] >= row[best] {
                 best = i;
             }
         }
@@ -627,8 +628,8 @@ fn repeat_and_concat_are_exact() {
     compute(&out, 2);
     let got = out.to_f32_vec().unwrap();
     for k in 0..got.len() {
-        let [i0, i1, i2, i3] = coords(out.ne(), k);
-        assert_eq!(got[k], av[idx(a.ne(), i0 % 3, i1 % 2, i2 % 1, i3 % 2)]);
+        let [i0, i1, _, i3] = coords(out.ne(), k);
+        assert_eq!(got[k], av[idx(a.ne(), i0 % 3, i1 % 2, 0, i3 % 2)]);
     }
     for dim in 0..4 {
         for dtype in [DType::F32, DType::I32] {
@@ -1562,4 +1563,53 @@ fn custom_ops_abort_and_errors() {
     for t in c.tensors() {
         assert!(supports_op(&t), "{t:?}");
     }
+}
+
+#[test]
+fn no_op_writes_outside_its_output() {
+    let mut rng = Rng::new(24);
+    let c = ctx();
+    let a = c.new_tensor(DType::F32, &[33, 7, 4]).unwrap();
+    let h = c.new_tensor(DType::F16, &[64, 5, 4]).unwrap();
+    let pos = c.new_tensor(DType::I32, &[4]).unwrap();
+    let ids = c.new_tensor(DType::I32, &[3]).unwrap();
+    fill(&a, &mut rng, -1.0, 1.0);
+    fill(&h, &mut rng, -1.0, 1.0);
+    fill_i32(&pos, &[1, 2, 3, 4]);
+    fill_i32(&ids, &[4, 0, 2]);
+    let table = c.new_tensor(DType::Q4_0, &[64, 5]).unwrap();
+    fill_quant(&table, &mut rng);
+    let outputs = vec![
+        ops::soft_max(&c, &a, None, 1.0, 0.0).unwrap(),
+        ops::rope(&c, &h, &pos, None, RopeParams::new(64, RopeMode::Normal)).unwrap(),
+        ops::get_rows(&c, &table, &ids).unwrap(),
+        ops::cont(&c, &ops::permute(&c, &a, [1, 2, 0, 3]).unwrap()).unwrap(),
+        ops::norm(&c, &a, 1e-5).unwrap(),
+        ops::glu(&c, &h, GluOp::Swiglu, true).unwrap(),
+        ops::concat(&c, &a, &a, 2).unwrap(),
+        ops::sum_rows(&c, &a).unwrap(),
+        ops::argmax(&c, &ops::view(&c, &a, &[33, 7], &[132], 0).unwrap()).unwrap(),
+        ops::repeat(&c, &a, &c.new_tensor(DType::F32, &[66, 7, 8]).unwrap()).unwrap(),
+        ops::unary(&c, &h, UnaryOp::Gelu).unwrap(),
+        ops::sum(&c, &h).unwrap(),
+        ops::dup(&c, &table).unwrap(),
+    ];
+    for out in outputs {
+        let check_guard = guard(&out);
+        compute(&out, 2);
+        check_guard();
+    }
+    // Copies into a guarded leaf destination (CPY and SET_ROWS write through views of it).
+    let dst = c.new_tensor(DType::Q8_0, &[64, 5, 4]).unwrap();
+    let check_guard = guard(&dst);
+    let src = c.new_tensor(DType::F32, &[64, 5, 4]).unwrap();
+    fill(&src, &mut rng, -1.0, 1.0);
+    compute(&ops::cpy(&c, &src, &dst).unwrap(), 2);
+    check_guard();
+    let rows = c.new_tensor(DType::F32, &[64, 3, 4]).unwrap();
+    fill(&rows, &mut rng, -1.0, 1.0);
+    let idx = c.new_tensor(DType::I32, &[3, 1]).unwrap();
+    fill_i32(&idx, &[4, 0, 2]);
+    compute(&ops::set_rows(&c, &dst, &rows, &idx).unwrap(), 2);
+    check_guard();
 }

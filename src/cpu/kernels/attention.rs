@@ -4,6 +4,7 @@
 //! Output `[Dv, n_head, n_q, n_seq]`. Key/value heads are shared by `n_head / n_head_kv` query
 //! heads (GQA). All arithmetic is f32 (ggml converts q to f16 for f16 keys; we do not).
 
+use super::math;
 use super::par_ranges;
 use super::quant_dot::dot_f32;
 use super::softmax::alibi_slope;
@@ -86,13 +87,13 @@ pub fn flash_attn_ext(
                 s += mv;
                 let vs;
                 if s > running_max {
-                    let ms = (running_max - s).exp();
+                    let ms = math::exp(running_max - s);
                     running_max = s;
                     acc.iter_mut().for_each(|x| *x *= ms);
                     sum *= ms;
                     vs = 1.0;
                 } else {
-                    vs = (s - running_max).exp();
+                    vs = math::exp(s - running_max);
                 }
                 acc.iter_mut()
                     .zip(&vf[ic * dv..(ic + 1) * dv])

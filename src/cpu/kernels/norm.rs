@@ -3,6 +3,7 @@
 //! Sums accumulate in f64 as ggml's do; RMS_NORM may run in place (each row is read before it
 //! is written).
 
+use super::math::{sum_f64, sum_sq_f64};
 use super::view::RawTensor;
 use super::{par_ranges, row_grain};
 use crate::error::Result;
@@ -25,24 +26,21 @@ fn rows(kind: Kind, dst: RawTensor, a: RawTensor, eps: f32) -> Result<()> {
             unsafe { a.load_row(i1, i2, i3, &mut x)? };
             match kind {
                 Kind::Norm => {
-                    let mean = (x.iter().map(|&v| v as f64).sum::<f64>() / n0 as f64) as f32;
-                    let mut sum2 = 0f64;
-                    for v in x.iter_mut() {
-                        *v -= mean;
-                        sum2 += (*v as f64) * (*v as f64);
-                    }
+                    let mean = (sum_f64(&x) / n0 as f64) as f32;
+                    x.iter_mut().for_each(|v| *v -= mean);
+                    let sum2 = sum_sq_f64(&x, 0.0);
                     let variance = (sum2 / n0 as f64) as f32;
                     let scale = 1.0 / (variance + eps).sqrt();
                     x.iter_mut().for_each(|v| *v *= scale);
                 }
                 Kind::Rms => {
-                    let sum2: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+                    let sum2 = sum_sq_f64(&x, 0.0);
                     let mean = (sum2 / n0 as f64) as f32;
                     let scale = 1.0 / (mean + eps).sqrt();
                     x.iter_mut().for_each(|v| *v *= scale);
                 }
                 Kind::L2 => {
-                    let sum2: f64 = x.iter().map(|&v| (v as f64) * (v as f64)).sum();
+                    let sum2 = sum_sq_f64(&x, 0.0);
                     let scale = 1.0 / (sum2.sqrt() as f32).max(eps);
                     x.iter_mut().for_each(|v| *v *= scale);
                 }
@@ -92,7 +90,7 @@ pub fn group_norm(dst: RawTensor, a: RawTensor, n_groups: usize, eps: f32) -> Re
                 for i1 in 0..ne[1] {
                     // SAFETY: the row lies inside `a`; the group's rows belong to this task.
                     unsafe { a.load_row(i1, i2, i3, &mut x)? };
-                    sum += x.iter().map(|&v| v as f64).sum::<f64>();
+                    sum += sum_f64(&x);
                 }
             }
             let mean = (sum / count) as f32;
@@ -101,10 +99,7 @@ pub fn group_norm(dst: RawTensor, a: RawTensor, n_groups: usize, eps: f32) -> Re
                 for i1 in 0..ne[1] {
                     // SAFETY: as above.
                     unsafe { a.load_row(i1, i2, i3, &mut x)? };
-                    sum2 += x
-                        .iter()
-                        .map(|&v| ((v - mean) as f64) * ((v - mean) as f64))
-                        .sum::<f64>();
+                    sum2 += sum_sq_f64(&x, mean);
                 }
             }
             let scale = 1.0 / ((sum2 / count) as f32 + eps).sqrt();

@@ -13,7 +13,7 @@ fn row_sum(a: &RawTensor, r: usize, buf: &mut [f32]) -> Result<f64> {
     let (i1, i2, i3) = a.row_coords(r);
     // SAFETY: row `r` lies inside `a`, which is read-only during this op.
     unsafe { a.load_row(i1, i2, i3, buf)? };
-    Ok(buf.iter().map(|&v| v as f64).sum())
+    Ok(super::math::sum_f64(buf))
 }
 
 /// SUM: the sum of all elements into a one-element f32 tensor.
@@ -46,7 +46,8 @@ pub fn sum_rows(dst: RawTensor, a: RawTensor, mean: bool) -> Result<()> {
     })
 }
 
-/// ARGMAX: the index of the first maximum of each row, as i32.
+/// ARGMAX: the index of each row's maximum, as i32; among equal maxima the last wins, as in
+/// ggml's `vec_argmax_f32`.
 pub fn argmax(dst: RawTensor, a: RawTensor) -> Result<()> {
     let n0 = a.ne[0];
     par_ranges(a.nrows(), row_grain(n0), |rows| {
@@ -58,7 +59,7 @@ pub fn argmax(dst: RawTensor, a: RawTensor) -> Result<()> {
             let mut best = 0usize;
             let mut max = f32::NEG_INFINITY;
             for (i, &v) in buf.iter().enumerate() {
-                if v > max {
+                if v >= max {
                     max = v;
                     best = i;
                 }

@@ -2,6 +2,7 @@
 //!
 //! Each row is read before it is written, so both may run in place.
 
+use super::math;
 use super::view::RawTensor;
 use super::{par_ranges, row_grain};
 use crate::error::Result;
@@ -47,11 +48,8 @@ pub fn soft_max(
                 x.iter_mut().zip(&m).for_each(|(v, &mv)| *v += slope * mv);
             }
             let max = x.iter().fold(f32::NEG_INFINITY, |acc, &v| acc.max(v));
-            let mut sum = 0f64;
-            for v in x.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v as f64;
-            }
+            x.iter_mut().for_each(|v| *v = math::exp(*v - max));
+            let sum = math::sum_f64(&x);
             let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
             x.iter_mut().for_each(|v| *v *= inv);
             // SAFETY: as above.

@@ -4,7 +4,9 @@
 //! f16/bf16 rows are computed in f32 and stored back in their dtype. GELU is the tanh form
 //! computed exactly in f32 (ggml by default reads a 64K-entry f16 lookup table instead, so its
 //! results differ by up to one f16 rounding step); GELU_ERF uses an erf accurate to ~1e-7.
+//! SiLU, sigmoid, GELU and EXP use [`math::exp`] (~2 ulp, auto-vectorised).
 
+use super::math;
 use super::view::RawTensor;
 use super::{par_ranges, row_grain};
 use crate::error::{Error, Result};
@@ -32,12 +34,12 @@ pub fn erf(x: f32) -> f32 {
 
 /// GELU, tanh approximation.
 pub fn gelu(x: f32) -> f32 {
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)).tanh())
+    0.5 * x * (1.0 + math::tanh_via_exp(SQRT_2_OVER_PI * x * (1.0 + GELU_COEF_A * x * x)))
 }
 
 /// SiLU: x·σ(x).
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + math::exp(-x))
 }
 
 /// One unary function applied to `x`.
@@ -70,14 +72,14 @@ pub fn unary_value(op: UnaryOp, x: f32) -> f32 {
             }
         }
         UnaryOp::Relu => x.max(0.0),
-        UnaryOp::Sigmoid => 1.0 / (1.0 + (-x).exp()),
+        UnaryOp::Sigmoid => math::sigmoid(x),
         UnaryOp::Gelu => gelu(x),
         UnaryOp::GeluErf => 0.5 * x * (1.0 + erf(x * std::f32::consts::FRAC_1_SQRT_2)),
-        UnaryOp::GeluQuick => x * (1.0 / (1.0 + (-1.702 * x).exp())),
+        UnaryOp::GeluQuick => x * math::sigmoid(1.702 * x),
         UnaryOp::Silu => silu(x),
         UnaryOp::Hardswish => x * ((x + 3.0) / 6.0).clamp(0.0, 1.0),
         UnaryOp::Hardsigmoid => ((x + 3.0) / 6.0).clamp(0.0, 1.0),
-        UnaryOp::Exp => x.exp(),
+        UnaryOp::Exp => math::exp(x),
     }
 }
 
@@ -97,6 +99,10 @@ fn apply_row(op: &Op, row: &mut [f32]) -> Result<()> {
         Op::Unary(UnaryOp::Relu) => row.iter_mut().for_each(|v| *v = v.max(0.0)),
         Op::Unary(UnaryOp::Neg) => row.iter_mut().for_each(|v| *v = -*v),
         Op::Unary(UnaryOp::Abs) => row.iter_mut().for_each(|v| *v = v.abs()),
+        Op::Unary(UnaryOp::Silu) => row.iter_mut().for_each(|v| *v = silu(*v)),
+        Op::Unary(UnaryOp::Gelu) => row.iter_mut().for_each(|v| *v = gelu(*v)),
+        Op::Unary(UnaryOp::Sigmoid) => row.iter_mut().for_each(|v| *v = math::sigmoid(*v)),
+        Op::Unary(UnaryOp::Exp) => row.iter_mut().for_each(|v| *v = math::exp(*v)),
         Op::Unary(u) => row.iter_mut().for_each(|v| *v = unary_value(u, *v)),
         ref other => {
             return Err(Error::UnsupportedOp(format!(
@@ -141,6 +147,7 @@ pub fn glu(
     par_ranges(dst.nrows(), row_grain(nc), |rows| {
         let mut row = vec![0f32; if b.is_some() { nc } else { 2 * nc }];
         let mut gate = vec![0f32; nc];
+        let mut out = Vec::with_capacity(nc);
         for r in rows {
             let (i1, i2, i3) = dst.row_coords(r);
             // SAFETY: rows lie inside their tensors; the dst row belongs to this task and the
@@ -155,11 +162,12 @@ pub fn glu(
                     None if swapped => (&row[nc..], &row[..nc]),
                     None => (&row[..nc], &row[nc..]),
                 };
-                let out: Vec<f32> = x
-                    .iter()
-                    .zip(g)
-                    .map(|(&x, &g)| unary_value(act, x) * g)
-                    .collect();
+                out.clear();
+                match act {
+                    UnaryOp::Silu => out.extend(x.iter().zip(g).map(|(&x, &g)| silu(x) * g)),
+                    UnaryOp::Gelu => out.extend(x.iter().zip(g).map(|(&x, &g)| gelu(x) * g)),
+                    _ => out.extend(x.iter().zip(g).map(|(&x, &g)| unary_value(act, x) * g)),
+                }
                 dst.store_row(i1, i2, i3, &out)?;
             }
         }

@@ -299,3 +299,61 @@ pub unsafe fn read_index(dtype: DType, ptr: *const u8) -> i64 {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strided_rows_round_trip_every_dtype() {
+        let values = [1.5f32, -2.0, 3.25, 0.0, 7.0];
+        for dtype in [
+            DType::F32,
+            DType::F16,
+            DType::BF16,
+            DType::I8,
+            DType::I16,
+            DType::I32,
+            DType::I64,
+        ] {
+            let stride = dtype.type_size() * 3 + 1; // odd stride: unaligned elements
+            let mut bytes = vec![0xA5u8; stride * values.len() + 8];
+            // SAFETY: `bytes` holds 5 elements at `stride` starting at offset 1.
+            unsafe {
+                store_f32(dtype, bytes.as_mut_ptr().add(1), stride, &values).unwrap();
+            }
+            let mut back = [0f32; 5];
+            // SAFETY: as above.
+            unsafe { load_f32(dtype, bytes.as_ptr().add(1), stride, &mut back).unwrap() };
+            let want: Vec<f32> = if dtype.is_integer() {
+                values.iter().map(|v| v.trunc()).collect()
+            } else {
+                values.to_vec()
+            };
+            assert_eq!(back.to_vec(), want, "{dtype}");
+            assert_eq!(bytes[0], 0xA5, "{dtype}: byte before the row");
+        }
+    }
+
+    #[test]
+    fn quantized_rows_round_trip() {
+        let values: Vec<f32> = (0..64).map(|i| (i as f32 - 31.5) / 8.0).collect();
+        for dtype in [DType::Q8_0, DType::Q4_0] {
+            let mut bytes = vec![0u8; dtype.row_size(64).unwrap()];
+            let mut back = vec![0f32; 64];
+            // SAFETY: `bytes` holds exactly one quantized row of 64 elements.
+            unsafe {
+                store_f32(dtype, bytes.as_mut_ptr(), dtype.type_size(), &values).unwrap();
+                load_f32(dtype, bytes.as_ptr(), dtype.type_size(), &mut back).unwrap();
+            }
+            let step = if dtype == DType::Q8_0 {
+                4.0 / 127.0
+            } else {
+                0.5
+            };
+            for (a, b) in values.iter().zip(&back) {
+                assert!((a - b).abs() <= step, "{dtype}: {a} vs {b}");
+            }
+        }
+    }
+}
