@@ -143,11 +143,19 @@ const F16_CASES: &[(u32, u16, &str)] = &[
     (0x7f7f_ffff, 0x7c00, "f32 max overflows"),
     (0x3880_0000, 0x0400, "2^-14 smallest normal"),
     (0x387f_c000, 0x03ff, "largest subnormal"),
-    (0x387f_e000, 0x0400, "halfway between largest subnormal (odd) and min normal"),
+    (
+        0x387f_e000,
+        0x0400,
+        "halfway between largest subnormal (odd) and min normal",
+    ),
     (0x387f_dfff, 0x03ff, "just below that halfway"),
     (0x3380_0000, 0x0001, "2^-24 smallest subnormal"),
     (0xb380_0000, 0x8001, "-2^-24"),
-    (0x3300_0000, 0x0000, "2^-25: halfway between 0 and 2^-24, ties to 0"),
+    (
+        0x3300_0000,
+        0x0000,
+        "2^-25: halfway between 0 and 2^-24, ties to 0",
+    ),
     (0xb300_0000, 0x8000, "-2^-25 -> -0"),
     (0x3300_0001, 0x0001, "just above 2^-25 rounds up"),
     (0x32ff_ffff, 0x0000, "just below 2^-25 rounds down"),
@@ -158,10 +166,18 @@ const F16_CASES: &[(u32, u16, &str)] = &[
     (0x8080_0000, 0x8000, "-f32 smallest normal -> -0"),
     (0x3f80_1000, 0x3c00, "1 + 2^-11: halfway, even lsb stays"),
     (0x3f80_1001, 0x3c01, "1 + 2^-11 + ulp rounds up"),
-    (0x3f80_3000, 0x3c02, "1 + 3*2^-11: halfway, odd lsb rounds up"),
+    (
+        0x3f80_3000,
+        0x3c02,
+        "1 + 3*2^-11: halfway, odd lsb rounds up",
+    ),
     (0x3f80_2fff, 0x3c01, "just below that halfway"),
     (0x3fff_f000, 0x4000, "carry from mantissa into exponent"),
-    (0x4479_f000, 0x63d0, "999.75 -> 999.5 or 1000? halfway, ties to even 1000"),
+    (
+        0x4479_f000,
+        0x63d0,
+        "999.75 -> 999.5 or 1000? halfway, ties to even 1000",
+    ),
 ];
 
 #[test]
@@ -179,7 +195,12 @@ fn f32_to_f16_edge_values() {
     let mut out = vec![f16::ZERO; wide.len()];
     fp32_to_fp16_slice(&wide, &mut out);
     for (i, o) in out.iter().enumerate() {
-        assert_eq!(o.to_bits(), F16_CASES[i / 8].1, "simd {}", F16_CASES[i / 8].2);
+        assert_eq!(
+            o.to_bits(),
+            F16_CASES[i / 8].1,
+            "simd {}",
+            F16_CASES[i / 8].2
+        );
     }
 }
 
@@ -209,7 +230,11 @@ const BF16_CASES: &[(u32, u16, &str)] = &[
     (0x0001_0000, 0x0001, "bf16 smallest subnormal"),
     (0x0001_8000, 0x0002, "subnormal halfway 1|2 ties to 2"),
     (0x0002_8000, 0x0002, "subnormal halfway 2|3 ties to 2"),
-    (0x007f_ffff, 0x0080, "largest f32 subnormal rounds up to min normal"),
+    (
+        0x007f_ffff,
+        0x0080,
+        "largest f32 subnormal rounds up to min normal",
+    ),
     (0x807f_ffff, 0x8080, "negative of that"),
     (0x007f_7fff, 0x007f, "rounds down to largest bf16 subnormal"),
 ];
@@ -307,7 +332,11 @@ fn nans_stay_nan_and_become_quiet() {
     for (i, &(bits, want_h, want_b)) in cases.iter().enumerate() {
         let x = f32::from_bits(bits);
         assert_eq!(fp32_to_fp16(x).to_bits(), want_h, "f16 scalar {bits:#010x}");
-        assert_eq!(fp32_to_bf16(x).to_bits(), want_b, "bf16 scalar {bits:#010x}");
+        assert_eq!(
+            fp32_to_bf16(x).to_bits(),
+            want_b,
+            "bf16 scalar {bits:#010x}"
+        );
         assert_eq!(h[i * 16].to_bits(), want_h, "f16 simd {bits:#010x}");
         assert_eq!(b[i * 16].to_bits(), want_b, "bf16 simd {bits:#010x}");
         assert!(fp16_to_fp32(f16::from_bits(want_h)).is_nan());
@@ -361,30 +390,48 @@ fn check_all_rows(src: &[f32]) {
     let mut h = vec![f16::ZERO; n];
     fp32_to_fp16_row(src, &mut h).unwrap();
     let want_h: Vec<f16> = src.iter().map(|&x| fp32_to_fp16(x)).collect();
-    assert_same(&f16_bits(&h), &f16_bits(&want_h), &format!("f32->f16 n={n}"));
+    assert_same(
+        &f16_bits(&h),
+        &f16_bits(&want_h),
+        &format!("f32->f16 n={n}"),
+    );
 
     let mut f = vec![0f32; n];
     fp16_to_fp32_row(&want_h, &mut f).unwrap();
     let want_f: Vec<f32> = want_h.iter().map(|&x| fp16_to_fp32(x)).collect();
-    assert_same(&f32_bits(&f), &f32_bits(&want_f), &format!("f16->f32 n={n}"));
+    assert_same(
+        &f32_bits(&f),
+        &f32_bits(&want_f),
+        &format!("f16->f32 n={n}"),
+    );
 
     let mut b = vec![bf16::ZERO; n];
     fp32_to_bf16_row(src, &mut b).unwrap();
     let want_b: Vec<bf16> = src.iter().map(|&x| fp32_to_bf16(x)).collect();
-    assert_same(&bf16_bits(&b), &bf16_bits(&want_b), &format!("f32->bf16 n={n}"));
+    assert_same(
+        &bf16_bits(&b),
+        &bf16_bits(&want_b),
+        &format!("f32->bf16 n={n}"),
+    );
 
     fp32_to_bf16_row_ref(src, &mut b).unwrap();
     assert_same(&bf16_bits(&b), &bf16_bits(&want_b), &format!("ref n={n}"));
 
     bf16_to_fp32_row(&want_b, &mut f).unwrap();
     let want_f: Vec<f32> = want_b.iter().map(|&x| bf16_to_fp32(x)).collect();
-    assert_same(&f32_bits(&f), &f32_bits(&want_f), &format!("bf16->f32 n={n}"));
+    assert_same(
+        &f32_bits(&f),
+        &f32_bits(&want_f),
+        &format!("bf16->f32 n={n}"),
+    );
 }
 
 #[test]
 fn odd_lengths_exercise_tails() {
     let big = random_f32(1_000_003 + 1, 42);
-    for n in [0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 65, 1000, 1_000_003] {
+    for n in [
+        0, 1, 7, 8, 9, 15, 16, 17, 31, 32, 33, 63, 65, 1000, 1_000_003,
+    ] {
         check_all_rows(&big[..n]);
         // Start one element in, so the rows are not aligned the way the allocator gave them.
         check_all_rows(&big[1..n + 1]);
@@ -578,8 +625,97 @@ fn exhaustive_f32_patterns_match_scalar() {
         fp32_to_bf16_row(&src, &mut b).unwrap();
         for i in 0..BLOCK {
             let x = src[i];
-            assert_eq!(h[i].to_bits(), fp32_to_fp16(x).to_bits(), "{:#x}", x.to_bits());
-            assert_eq!(b[i].to_bits(), fp32_to_bf16(x).to_bits(), "{:#x}", x.to_bits());
+            assert_eq!(
+                h[i].to_bits(),
+                fp32_to_fp16(x).to_bits(),
+                "{:#x}",
+                x.to_bits()
+            );
+            assert_eq!(
+                b[i].to_bits(),
+                fp32_to_bf16(x).to_bits(),
+                "{:#x}",
+                x.to_bits()
+            );
         }
     }
+}
+
+/// The streaming-store forms (used above `STREAM_MIN_BYTES`) at odd lengths and misaligned
+/// starts, against the scalar functions.
+#[test]
+fn streaming_path_matches_scalar() {
+    // Just past the threshold for f32 -> f16 (6 bytes per element).
+    let n = STREAM_MIN_BYTES / 6 + 77;
+    let src = random_f32(n + 3, 2024);
+    for start in [0, 1, 3] {
+        let s = &src[start..start + n];
+        let mut h = vec![f16::ZERO; n + 1];
+        // A destination that starts 2 bytes past the allocation's alignment.
+        fp32_to_fp16_slice(s, &mut h[1..]);
+        let want: Vec<u16> = s.iter().map(|&x| fp32_to_fp16(x).to_bits()).collect();
+        assert_same(&f16_bits(&h[1..]), &want, "f32->f16 streaming");
+        let mut b = vec![bf16::ZERO; n + 1];
+        fp32_to_bf16_slice(s, &mut b[1..]);
+        let want: Vec<u16> = s.iter().map(|&x| fp32_to_bf16(x).to_bits()).collect();
+        assert_same(&bf16_bits(&b[1..]), &want, "f32->bf16 streaming");
+
+        let hs: Vec<f16> = s
+            .iter()
+            .map(|&x| f16::from_bits(x.to_bits() as u16))
+            .collect();
+        let mut f = vec![0f32; n + 1];
+        fp16_to_fp32_slice(&hs, &mut f[1..]);
+        let want: Vec<u32> = hs.iter().map(|&x| fp16_to_fp32(x).to_bits()).collect();
+        assert_same(&f32_bits(&f[1..]), &want, "f16->f32 streaming");
+        let bs: Vec<bf16> = s
+            .iter()
+            .map(|&x| bf16::from_bits(x.to_bits() as u16))
+            .collect();
+        bf16_to_fp32_slice(&bs, &mut f[1..]);
+        let want: Vec<u32> = bs.iter().map(|&x| bf16_to_fp32(x).to_bits()).collect();
+        assert_same(&f32_bits(&f[1..]), &want, "bf16->f32 streaming");
+    }
+}
+
+/// The SIMD kernels ignore MXCSR: with flush-to-zero, denormals-are-zero and round-toward-zero
+/// set on this thread they still give the scalar (round-to-nearest-even, no flushing) bits.
+#[cfg(target_arch = "x86_64")]
+#[test]
+#[allow(deprecated)] // _mm_getcsr/_mm_setcsr: there is no other way to set MXCSR
+fn simd_ignores_mxcsr_modes() {
+    use std::arch::x86_64::{_mm_getcsr, _mm_setcsr};
+    let mut src: Vec<f32> = F16_CASES
+        .iter()
+        .chain(BF16_CASES)
+        .map(|c| f32::from_bits(c.0))
+        .collect();
+    src.extend(random_f32(10_000, 77));
+    src.extend((0..4096u32).map(|i| f32::from_bits(i * 0x101 + 1))); // f32 subnormals
+    let h_in: Vec<f16> = (0..=u16::MAX).map(f16::from_bits).collect();
+    let b_in: Vec<bf16> = (0..=u16::MAX).map(bf16::from_bits).collect();
+
+    let mut h = vec![f16::ZERO; src.len()];
+    let mut b = vec![bf16::ZERO; src.len()];
+    let mut fh = vec![0f32; h_in.len()];
+    let mut fb = vec![0f32; b_in.len()];
+    // SAFETY: MXCSR is per thread; it is restored below before anything else runs here.
+    let saved = unsafe { _mm_getcsr() };
+    // FTZ (bit 15), DAZ (bit 6), rounding control = toward zero (bits 13-14).
+    unsafe { _mm_setcsr(saved | 0x8000 | 0x0040 | 0x6000) };
+    fp32_to_fp16_slice(&src, &mut h);
+    fp32_to_bf16_slice(&src, &mut b);
+    fp16_to_fp32_slice(&h_in, &mut fh);
+    bf16_to_fp32_slice(&b_in, &mut fb);
+    // SAFETY: restores this thread's original MXCSR.
+    unsafe { _mm_setcsr(saved) };
+
+    let want: Vec<u16> = src.iter().map(|&x| fp32_to_fp16(x).to_bits()).collect();
+    assert_same(&f16_bits(&h), &want, "f32->f16 under FTZ/DAZ/RZ");
+    let want: Vec<u16> = src.iter().map(|&x| fp32_to_bf16(x).to_bits()).collect();
+    assert_same(&bf16_bits(&b), &want, "f32->bf16 under FTZ/DAZ/RZ");
+    let want: Vec<u32> = h_in.iter().map(|&x| fp16_to_fp32(x).to_bits()).collect();
+    assert_same(&f32_bits(&fh), &want, "f16->f32 under FTZ/DAZ/RZ");
+    let want: Vec<u32> = b_in.iter().map(|&x| bf16_to_fp32(x).to_bits()).collect();
+    assert_same(&f32_bits(&fb), &want, "bf16->f32 under FTZ/DAZ/RZ");
 }

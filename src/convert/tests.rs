@@ -30,7 +30,12 @@ fn nearest_f16(x: f32) -> u16 {
     }
     // Exponent of a's leading bit, clamped to the f16 minimum normal exponent.
     let biased = (x.to_bits() >> 23) & 0xff;
-    let e = if biased == 0 { -149 } else { biased as i32 - 127 }.max(-14);
+    let e = if biased == 0 {
+        -149
+    } else {
+        biased as i32 - 127
+    }
+    .max(-14);
     let q = (a * 2f64.powi(10 - e)).round_ties_even(); // exact scaling by a power of two
     let q = q as u32;
     if e == -14 && q < 1024 {
@@ -51,7 +56,12 @@ fn nearest_bf16(x: f32) -> u16 {
         return sign;
     }
     let biased = (x.to_bits() >> 23) & 0xff;
-    let e = if biased == 0 { -126 } else { biased as i32 - 127 }.max(-126);
+    let e = if biased == 0 {
+        -126
+    } else {
+        biased as i32 - 127
+    }
+    .max(-126);
     let q = (a * 2f64.powi(7 - e)).round_ties_even() as u32;
     if e == -126 && q < 128 {
         return sign | q as u16;
@@ -79,9 +89,17 @@ fn f16_to_f32_is_exact_for_every_pattern() {
         let is_nan = (h & 0x7c00) == 0x7c00 && (h & 0x03ff) != 0;
         if is_nan {
             assert!(got.is_nan(), "{h:#06x}");
-            assert_eq!(got.to_bits() & 0x0040_0000, 0x0040_0000, "{h:#06x} not quiet");
+            assert_eq!(
+                got.to_bits() & 0x0040_0000,
+                0x0040_0000,
+                "{h:#06x} not quiet"
+            );
             assert_eq!(got.is_sign_negative(), h & 0x8000 != 0);
-            assert_eq!((got.to_bits() >> 13) & 0x1ff, u32::from(h & 0x1ff), "payload");
+            assert_eq!(
+                (got.to_bits() >> 13) & 0x1ff,
+                u32::from(h & 0x1ff),
+                "payload"
+            );
         } else {
             assert_eq!(f64::from(got), f16_value(h), "{h:#06x}");
             assert_eq!(got.is_sign_negative(), h & 0x8000 != 0, "{h:#06x} sign");
@@ -106,7 +124,11 @@ fn f32_to_f16_ties_around_every_f16() {
             let above = f32::from_bits((mid.to_bits() + 1) | sign);
             assert_eq!(fp32_to_fp16(m).to_bits(), even | s16, "tie above {h:#06x}");
             assert_eq!(fp32_to_fp16(below).to_bits(), h | s16, "below mid {h:#06x}");
-            assert_eq!(fp32_to_fp16(above).to_bits(), (h + 1) | s16, "above mid {h:#06x}");
+            assert_eq!(
+                fp32_to_fp16(above).to_bits(),
+                (h + 1) | s16,
+                "above mid {h:#06x}"
+            );
             // And the f16 values themselves come back unchanged.
             let exact = f32::from_bits((lo as f32).to_bits() | sign);
             assert_eq!(fp32_to_fp16(exact).to_bits(), h | s16);
@@ -155,7 +177,10 @@ fn f32_to_bf16_matches_f64_oracle_on_random_values() {
         );
     }
     // Every f32 subnormal exponent/mantissa boundary region, and the top of the range.
-    for bits in (0..0x0100_0000u32).step_by(97).chain(0x7f7f_0000..=0x7f7f_ffff) {
+    for bits in (0..0x0100_0000u32)
+        .step_by(97)
+        .chain(0x7f7f_0000..=0x7f7f_ffff)
+    {
         let x = f32::from_bits(bits);
         assert_eq!(fp32_to_bf16(x).to_bits(), nearest_bf16(x), "{bits:#010x}");
     }
@@ -192,4 +217,14 @@ fn path_is_cached_and_named() {
     let b = simd_path();
     assert_eq!(a, b);
     assert!(["avx2+f16c", "neon", "scalar"].contains(&a));
+}
+
+#[test]
+fn streaming_threshold_is_by_footprint() {
+    let n = STREAM_MIN_BYTES / 6 + 77;
+    let f = vec![0f32; n];
+    let h = vec![f16::ZERO; n];
+    assert!(stream(&f, &h));
+    assert!(stream(&h, &f));
+    assert!(!stream(&f[..n / 2], &h[..n / 2]));
 }
