@@ -1,1 +1,466 @@
-//! placeholder
+//! Buffer types and buffers: where tensor memory lives.
+//!
+//! A [`BufferType`] is a kind of memory (host memory for the CPU, device memory elsewhere) and
+//! makes [`Buffer`]s. A buffer is a shared handle: tensors bound to it keep it alive, and its
+//! *generation* changes whenever its contents are released (`reset`, `free`), so a tensor bound
+//! before that point is detected as stale instead of reading reused memory.
+
+use std::alloc::{self, Layout};
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+
+/// Alignment of host buffers in bytes (enough for any SIMD load on the supported ISAs).
+pub const HOST_ALIGNMENT: usize = 64;
+
+/// What a buffer holds; the scheduler treats weight buffers specially.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum BufferUsage {
+    /// No particular use.
+    Any,
+    /// Model weights: ops consuming them prefer the backend that holds them.
+    Weights,
+    /// Intermediate results of a graph.
+    Compute,
+}
+
+impl BufferUsage {
+    fn to_u8(self) -> u8 {
+        match self {
+            BufferUsage::Any => 0,
+            BufferUsage::Weights => 1,
+            BufferUsage::Compute => 2,
+        }
+    }
+
+    fn from_u8(value: u8) -> Self {
+        match value {
+            1 => BufferUsage::Weights,
+            2 => BufferUsage::Compute,
+            _ => BufferUsage::Any,
+        }
+    }
+}
+
+/// A kind of memory that makes buffers.
+pub trait BufferType: Send + Sync + fmt::Debug {
+    /// A short name such as `"CPU"`.
+    fn name(&self) -> &str;
+    /// Allocates a buffer of `size` bytes; zero gives a valid empty buffer.
+    fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer>;
+    /// Alignment in bytes of tensor offsets inside buffers of this type.
+    fn alignment(&self) -> usize;
+    /// The largest buffer this type can allocate.
+    fn max_size(&self) -> usize {
+        usize::MAX
+    }
+    /// Bytes a tensor of `nbytes` needs in a buffer of this type (padding included).
+    fn alloc_size(&self, nbytes: usize) -> usize {
+        nbytes
+    }
+    /// Whether the memory is directly addressable from the host.
+    fn is_host(&self) -> bool;
+}
+
+/// The memory behind a buffer. Offsets and lengths are checked by [`Buffer`] before any call.
+pub trait BufferMemory: Send + Sync {
+    /// Size in bytes.
+    fn size(&self) -> usize;
+    /// The host address of the first byte, for host-accessible memory.
+    fn host_ptr(&self) -> Option<NonNull<u8>>;
+    /// Copies `data` to `offset`.
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()>;
+    /// Copies `out.len()` bytes from `offset` into `out`.
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()>;
+    /// Fills `len` bytes at `offset` with `value`.
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()>;
+}
+
+/// Aligned host memory owned by a buffer.
+pub struct HostMemory {
+    ptr: NonNull<u8>,
+    size: usize,
+    layout: Option<Layout>,
+}
+
+// SAFETY: the memory is a plain byte allocation owned by this value; concurrent access is
+// governed by the graph order (see `ARCHITECTURE.md`), the same contract as any host buffer.
+unsafe impl Send for HostMemory {}
+// SAFETY: as above; the struct itself holds no thread-affine state.
+unsafe impl Sync for HostMemory {}
+
+impl HostMemory {
+    /// Allocates `size` zeroed bytes aligned to `align` (a power of two).
+    pub fn new(size: usize, align: usize) -> Result<Self> {
+        if size == 0 {
+            return Ok(Self {
+                ptr: NonNull::<u64>::dangling().cast(),
+                size: 0,
+                layout: None,
+            });
+        }
+        let layout = Layout::from_size_align(size, align).map_err(|e| {
+            Error::Alloc(format!(
+                "cannot lay out {size} bytes aligned to {align}: {e}"
+            ))
+        })?;
+        // SAFETY: the layout has a non-zero size, checked above.
+        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| Error::Alloc(format!("host allocation of {size} bytes failed")))?;
+        Ok(Self {
+            ptr,
+            size,
+            layout: Some(layout),
+        })
+    }
+}
+
+impl Drop for HostMemory {
+    fn drop(&mut self) {
+        if let Some(layout) = self.layout {
+            // SAFETY: `ptr` came from `alloc_zeroed` with this exact layout and is freed once.
+            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
+        }
+    }
+}
+
+impl BufferMemory for HostMemory {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        Some(self.ptr)
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        // SAFETY: `Buffer` checked `offset + data.len() <= size`; the source is a separate
+        // borrowed slice, so the ranges cannot overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        // SAFETY: bounds checked by `Buffer`; `out` is an exclusive borrow distinct from us.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        // SAFETY: bounds checked by `Buffer`.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), value, len) };
+        Ok(())
+    }
+}
+
+/// Host memory owned by someone else (a numpy array, a memory map), optionally kept alive by
+/// an owner object stored beside it.
+pub struct ForeignHostMemory {
+    ptr: NonNull<u8>,
+    size: usize,
+    _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+}
+
+// SAFETY: the creator guarantees the memory stays valid while this value lives (see `new`);
+// access follows the same rules as `HostMemory`.
+unsafe impl Send for ForeignHostMemory {}
+// SAFETY: as above.
+unsafe impl Sync for ForeignHostMemory {}
+
+impl ForeignHostMemory {
+    /// Wraps `size` bytes at `ptr`; `owner` (if any) is dropped with the buffer.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `size` bytes until this value (and so the
+    /// owner) is dropped, and nothing else may free it meanwhile.
+    pub unsafe fn new(
+        ptr: *mut u8,
+        size: usize,
+        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
+    ) -> Result<Self> {
+        let ptr = if size == 0 {
+            NonNull::<u64>::dangling().cast()
+        } else {
+            NonNull::new(ptr)
+                .ok_or_else(|| Error::InvalidArgument("host pointer is null".into()))?
+        };
+        Ok(Self {
+            ptr,
+            size,
+            _owner: owner,
+        })
+    }
+}
+
+impl BufferMemory for ForeignHostMemory {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        Some(self.ptr)
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        // SAFETY: bounds checked by `Buffer`; validity guaranteed by the creator (see `new`).
+        unsafe {
+            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
+        };
+        Ok(())
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        // SAFETY: as in `write`.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
+        };
+        Ok(())
+    }
+
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        // SAFETY: as in `write`.
+        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), value, len) };
+        Ok(())
+    }
+}
+
+struct BufferInner {
+    memory: Box<dyn BufferMemory>,
+    buffer_type: Arc<dyn BufferType>,
+    usage: AtomicU8,
+    generation: AtomicU64,
+    freed: AtomicBool,
+    id: u64,
+}
+
+/// A block of memory of some [`BufferType`]; cheap to clone (a shared handle).
+#[derive(Clone)]
+pub struct Buffer(Arc<BufferInner>);
+
+static NEXT_BUFFER_ID: AtomicU64 = AtomicU64::new(1);
+
+impl Buffer {
+    /// Wraps `memory` made by `buffer_type`.
+    pub fn new(memory: Box<dyn BufferMemory>, buffer_type: Arc<dyn BufferType>) -> Self {
+        Buffer(Arc::new(BufferInner {
+            memory,
+            buffer_type,
+            usage: AtomicU8::new(BufferUsage::Any.to_u8()),
+            generation: AtomicU64::new(0),
+            freed: AtomicBool::new(false),
+            id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
+        }))
+    }
+
+    /// A process-unique id, stable for the buffer's life.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> usize {
+        self.0.memory.size()
+    }
+
+    /// The buffer type that made this buffer.
+    pub fn buffer_type(&self) -> &Arc<dyn BufferType> {
+        &self.0.buffer_type
+    }
+
+    /// Alignment of tensor offsets in this buffer.
+    pub fn alignment(&self) -> usize {
+        self.0.buffer_type.alignment()
+    }
+
+    /// Whether the memory is host-addressable.
+    pub fn is_host(&self) -> bool {
+        self.0.buffer_type.is_host() && self.0.memory.host_ptr().is_some()
+    }
+
+    /// The current usage tag.
+    pub fn usage(&self) -> BufferUsage {
+        BufferUsage::from_u8(self.0.usage.load(Ordering::Relaxed))
+    }
+
+    /// Sets the usage tag.
+    pub fn set_usage(&self, usage: BufferUsage) {
+        self.0.usage.store(usage.to_u8(), Ordering::Relaxed);
+    }
+
+    /// The generation: it changes whenever the contents are released.
+    pub fn generation(&self) -> u64 {
+        self.0.generation.load(Ordering::Acquire)
+    }
+
+    /// Whether [`Buffer::free`] was called.
+    pub fn is_freed(&self) -> bool {
+        self.0.freed.load(Ordering::Acquire)
+    }
+
+    /// Releases the buffer for its tensors: every tensor bound so far becomes stale. The memory
+    /// itself is returned once the last handle is dropped, so no live reference can dangle.
+    pub fn free(&self) {
+        self.0.freed.store(true, Ordering::Release);
+        self.0.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Invalidates all tensors bound to the buffer (they become stale) without freeing it.
+    pub fn reset(&self) {
+        self.0.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// The base host address, if the buffer is host memory and not freed.
+    pub fn host_ptr(&self) -> Option<NonNull<u8>> {
+        if self.is_freed() {
+            return None;
+        }
+        self.0.memory.host_ptr()
+    }
+
+    fn check_range(&self, offset: usize, len: usize, what: &str) -> Result<()> {
+        if self.is_freed() {
+            return Err(Error::Stale(format!("{what} on a freed buffer")));
+        }
+        let end = offset.checked_add(len);
+        match end {
+            Some(end) if end <= self.size() => Ok(()),
+            _ => Err(Error::OutOfBounds(format!(
+                "{what} of {len} bytes at offset {offset} exceeds the buffer's {} bytes",
+                self.size()
+            ))),
+        }
+    }
+
+    /// Writes `data` at `offset`, bounds-checked.
+    pub fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check_range(offset, data.len(), "write")?;
+        self.0.memory.write(offset, data)
+    }
+
+    /// Reads `out.len()` bytes from `offset`, bounds-checked.
+    pub fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check_range(offset, out.len(), "read")?;
+        self.0.memory.read(offset, out)
+    }
+
+    /// Fills `len` bytes at `offset` with `value`, bounds-checked.
+    pub fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        self.check_range(offset, len, "memset")?;
+        self.0.memory.fill(offset, len, value)
+    }
+
+    /// Fills the whole buffer with `value`.
+    pub fn clear(&self, value: u8) -> Result<()> {
+        self.fill(0, self.size(), value)
+    }
+
+    /// Whether two handles refer to the same buffer.
+    pub fn same(&self, other: &Buffer) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl fmt::Debug for Buffer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "Buffer(type={}, size={}, usage={:?}{})",
+            self.0.buffer_type.name(),
+            self.size(),
+            self.usage(),
+            if self.is_freed() { ", freed" } else { "" }
+        )
+    }
+}
+
+/// The CPU buffer type: aligned host memory.
+#[derive(Debug, Default)]
+pub struct CpuBufferType;
+
+impl CpuBufferType {
+    /// The shared instance.
+    pub fn shared() -> Arc<dyn BufferType> {
+        static INSTANCE: std::sync::OnceLock<Arc<CpuBufferType>> = std::sync::OnceLock::new();
+        INSTANCE.get_or_init(|| Arc::new(CpuBufferType)).clone()
+    }
+}
+
+impl BufferType for CpuBufferType {
+    fn name(&self) -> &str {
+        "CPU"
+    }
+
+    fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer> {
+        let memory = HostMemory::new(size, HOST_ALIGNMENT)?;
+        Ok(Buffer::new(Box::new(memory), self))
+    }
+
+    fn alignment(&self) -> usize {
+        HOST_ALIGNMENT
+    }
+
+    fn is_host(&self) -> bool {
+        true
+    }
+}
+
+/// Allocates a CPU buffer of `size` bytes.
+pub fn alloc_cpu_buffer(size: usize) -> Result<Buffer> {
+    Arc::new(CpuBufferType).alloc_buffer(size)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn host_buffer_bounds_and_generations() {
+        let buffer = alloc_cpu_buffer(16).unwrap();
+        assert_eq!(buffer.size(), 16);
+        assert_eq!(
+            buffer.host_ptr().unwrap().as_ptr() as usize % HOST_ALIGNMENT,
+            0
+        );
+        buffer.write(4, &[1, 2, 3]).unwrap();
+        let mut out = [0u8; 3];
+        buffer.read(4, &mut out).unwrap();
+        assert_eq!(out, [1, 2, 3]);
+        assert!(matches!(
+            buffer.write(15, &[1, 2]),
+            Err(Error::OutOfBounds(_))
+        ));
+        assert!(matches!(
+            buffer.read(usize::MAX, &mut out),
+            Err(Error::OutOfBounds(_))
+        ));
+        let generation = buffer.generation();
+        buffer.reset();
+        assert_ne!(buffer.generation(), generation);
+        buffer.free();
+        assert!(matches!(buffer.write(0, &[1]), Err(Error::Stale(_))));
+    }
+
+    #[test]
+    fn zero_size_buffer_is_valid() {
+        let buffer = alloc_cpu_buffer(0).unwrap();
+        assert_eq!(buffer.size(), 0);
+        buffer.clear(0).unwrap();
+        assert!(buffer.write(0, &[1]).is_err());
+    }
+}

@@ -5,16 +5,21 @@
 //! computations, [`buffer`] holds memory, and [`cpu`] computes graphs on the host.
 #![warn(missing_docs)]
 
+pub mod backend;
 pub mod buffer;
 pub mod context;
 pub mod convert;
 pub mod cpu;
+pub mod device;
 pub mod dtype;
 pub mod error;
+pub mod event;
 pub mod graph;
 pub mod ops;
 pub mod quant;
+pub mod registry;
 pub mod tensor;
+pub mod util;
 
 #[cfg(feature = "python")]
 mod python;

@@ -1,1 +1,1551 @@
-//! placeholder
+//! The closed set of ops, their parameters, and builders that validate shapes and dtypes.
+//!
+//! Builders follow ggml's semantics and argument order (`mul_mat(a, b)` computes `b · aᵀ` in
+//! numpy terms) and return a new tensor recorded in the given context. Every builder checks its
+//! operands and returns [`Error::Shape`] or [`Error::DType`] naming the tensors and their shapes.
+
+use std::fmt;
+use std::sync::Arc;
+
+use crate::context::Context;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{contiguous_strides, Tensor, TensorSpec, MAX_DIMS};
+
+/// Element-wise functions of one operand.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum UnaryOp {
+    /// |x|
+    Abs,
+    /// sign(x) (0 at 0)
+    Sgn,
+    /// −x
+    Neg,
+    /// 1 if x > 0 else 0
+    Step,
+    /// tanh(x)
+    Tanh,
+    /// x if x > 0 else eˣ − 1
+    Elu,
+    /// max(x, 0)
+    Relu,
+    /// 1 / (1 + e⁻ˣ)
+    Sigmoid,
+    /// GELU, tanh approximation
+    Gelu,
+    /// GELU, exact (erf) form
+    GeluErf,
+    /// GELU, sigmoid approximation x·σ(1.702x)
+    GeluQuick,
+    /// x·σ(x)
+    Silu,
+    /// x·min(max(x + 3, 0), 6) / 6
+    Hardswish,
+    /// min(max(x + 3, 0), 6) / 6
+    Hardsigmoid,
+    /// eˣ
+    Exp,
+}
+
+impl UnaryOp {
+    /// Every unary op.
+    pub const ALL: [UnaryOp; 15] = [
+        UnaryOp::Abs,
+        UnaryOp::Sgn,
+        UnaryOp::Neg,
+        UnaryOp::Step,
+        UnaryOp::Tanh,
+        UnaryOp::Elu,
+        UnaryOp::Relu,
+        UnaryOp::Sigmoid,
+        UnaryOp::Gelu,
+        UnaryOp::GeluErf,
+        UnaryOp::GeluQuick,
+        UnaryOp::Silu,
+        UnaryOp::Hardswish,
+        UnaryOp::Hardsigmoid,
+        UnaryOp::Exp,
+    ];
+
+    /// The upper-case name (`"GELU_ERF"`).
+    pub fn name(self) -> &'static str {
+        match self {
+            UnaryOp::Abs => "ABS",
+            UnaryOp::Sgn => "SGN",
+            UnaryOp::Neg => "NEG",
+            UnaryOp::Step => "STEP",
+            UnaryOp::Tanh => "TANH",
+            UnaryOp::Elu => "ELU",
+            UnaryOp::Relu => "RELU",
+            UnaryOp::Sigmoid => "SIGMOID",
+            UnaryOp::Gelu => "GELU",
+            UnaryOp::GeluErf => "GELU_ERF",
+            UnaryOp::GeluQuick => "GELU_QUICK",
+            UnaryOp::Silu => "SILU",
+            UnaryOp::Hardswish => "HARDSWISH",
+            UnaryOp::Hardsigmoid => "HARDSIGMOID",
+            UnaryOp::Exp => "EXP",
+        }
+    }
+}
+
+/// Gated linear units: `act(x) · g`, where `x` and `g` are the two halves of a row (fused
+/// form) or two tensors (split form).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum GluOp {
+    /// ReLU gate.
+    Reglu,
+    /// GELU (tanh) gate.
+    Geglu,
+    /// SiLU gate.
+    Swiglu,
+}
+
+impl GluOp {
+    /// The upper-case name.
+    pub fn name(self) -> &'static str {
+        match self {
+            GluOp::Reglu => "REGLU",
+            GluOp::Geglu => "GEGLU",
+            GluOp::Swiglu => "SWIGLU",
+        }
+    }
+
+    /// The activation applied to the gated half.
+    pub fn activation(self) -> UnaryOp {
+        match self {
+            GluOp::Reglu => UnaryOp::Relu,
+            GluOp::Geglu => UnaryOp::Gelu,
+            GluOp::Swiglu => UnaryOp::Silu,
+        }
+    }
+}
+
+/// Rotary position embedding modes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RopeMode {
+    /// Rotate adjacent pairs (x₀, x₁).
+    Normal,
+    /// Rotate pairs split across halves (x₀, x_{n/2}) as GPT-NeoX does.
+    Neox,
+}
+
+/// Parameters of [`Op::Rope`].
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RopeParams {
+    /// Number of leading dimensions rotated (even, ≤ `ne[0]`).
+    pub n_dims: usize,
+    /// Pair layout.
+    pub mode: RopeMode,
+    /// Context length the model was trained with (YaRN).
+    pub n_ctx_orig: usize,
+    /// Base of the rotation frequencies (e.g. 10000).
+    pub freq_base: f32,
+    /// Position scaling (1 = none).
+    pub freq_scale: f32,
+    /// YaRN extrapolation mix (0 = off).
+    pub ext_factor: f32,
+    /// Magnitude scale.
+    pub attn_factor: f32,
+    /// YaRN ramp start (rotations).
+    pub beta_fast: f32,
+    /// YaRN ramp end (rotations).
+    pub beta_slow: f32,
+}
+
+impl RopeParams {
+    /// Plain RoPE over `n_dims` dimensions with the usual defaults.
+    pub fn new(n_dims: usize, mode: RopeMode) -> Self {
+        RopeParams {
+            n_dims,
+            mode,
+            n_ctx_orig: 0,
+            freq_base: 10000.0,
+            freq_scale: 1.0,
+            ext_factor: 0.0,
+            attn_factor: 1.0,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+        }
+    }
+}
+
+/// A user-defined op computed on the host (ggml's MAP_CUSTOM family).
+pub trait CustomOp: Send + Sync {
+    /// A short name for dumps and errors.
+    fn name(&self) -> &str;
+    /// Computes `dst` from `srcs`; all are allocated host tensors when called.
+    fn compute(&self, dst: &Tensor, srcs: &[Tensor]) -> Result<()>;
+}
+
+/// A shared custom op.
+#[derive(Clone)]
+pub struct CustomOpRef(pub Arc<dyn CustomOp>);
+
+impl fmt::Debug for CustomOpRef {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CustomOp({})", self.0.name())
+    }
+}
+
+impl PartialEq for CustomOpRef {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+/// The operation that produces a tensor, with its parameters.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Op {
+    /// A leaf: no computation.
+    None,
+    /// Copy into a new tensor of the same layout.
+    Dup,
+    /// Add with broadcasting of the second operand.
+    Add,
+    /// Subtract with broadcasting.
+    Sub,
+    /// Multiply with broadcasting.
+    Mul,
+    /// Divide with broadcasting.
+    Div,
+    /// Add a one-element tensor.
+    Add1,
+    /// Add `b` into a strided region of a copy of `a`.
+    Acc {
+        /// Region stride of dimension 1 in bytes.
+        nb1: usize,
+        /// Region stride of dimension 2 in bytes.
+        nb2: usize,
+        /// Region stride of dimension 3 in bytes.
+        nb3: usize,
+        /// Region start in bytes.
+        offset: usize,
+    },
+    /// x².
+    Sqr,
+    /// √x.
+    Sqrt,
+    /// ln x.
+    Log,
+    /// sin x.
+    Sin,
+    /// cos x.
+    Cos,
+    /// Sum of all elements.
+    Sum,
+    /// Sum of each row.
+    SumRows,
+    /// Mean of each row.
+    Mean,
+    /// Index of each row's maximum.
+    Argmax,
+    /// Tile `a` to the shape of `b`.
+    Repeat,
+    /// Join along a dimension.
+    Concat {
+        /// ggml-order dimension joined along.
+        dim: usize,
+    },
+    /// An element-wise function.
+    Unary(UnaryOp),
+    /// x if x > 0 else slope·x.
+    LeakyRelu {
+        /// Slope for negative inputs.
+        negative_slope: f32,
+    },
+    /// Gated linear unit (one operand: fused halves; two: split form).
+    Glu {
+        /// The gate's activation.
+        op: GluOp,
+        /// Fused form: the activation applies to the second half instead of the first.
+        swapped: bool,
+    },
+    /// Normalise each row to zero mean and unit variance.
+    Norm {
+        /// Added to the variance.
+        eps: f32,
+    },
+    /// Divide each row by its root mean square.
+    RmsNorm {
+        /// Added to the mean square.
+        eps: f32,
+    },
+    /// Normalise groups of channels (dimension 2).
+    GroupNorm {
+        /// Number of groups.
+        n_groups: usize,
+        /// Added to the variance.
+        eps: f32,
+    },
+    /// Divide each row by its L2 norm.
+    L2Norm {
+        /// Lower bound of the norm.
+        eps: f32,
+    },
+    /// Matrix product `b · aᵀ` per batch.
+    MulMat,
+    /// Mixture-of-experts matrix product selected by expert ids.
+    MulMatId,
+    /// Outer product summed over dimension 1.
+    OutProd,
+    /// `x·s + b`.
+    Scale {
+        /// Multiplier.
+        s: f32,
+        /// Bias.
+        b: f32,
+    },
+    /// Copy `a` into `b`'s memory (result is a view of `b`).
+    Cpy,
+    /// Make a contiguous copy.
+    Cont,
+    /// Same memory, new contiguous shape.
+    Reshape,
+    /// Same memory, explicit shape, strides and offset.
+    View,
+    /// Same memory, dimensions reordered.
+    Permute {
+        /// `axes[i]` is where source dimension `i` goes.
+        axes: [usize; MAX_DIMS],
+    },
+    /// Same memory, dimensions 0 and 1 swapped.
+    Transpose,
+    /// Gather rows by index.
+    GetRows,
+    /// Scatter rows by index into the destination (result is a view of it).
+    SetRows,
+    /// Set elements above the diagonal (offset by `n_past`) to −∞.
+    DiagMaskInf {
+        /// Columns visible beyond the diagonal.
+        n_past: usize,
+    },
+    /// Softmax of each row of `a·scale + mask (+ ALiBi)`.
+    SoftMax {
+        /// Input scale.
+        scale: f32,
+        /// ALiBi maximum bias (0 = off).
+        max_bias: f32,
+    },
+    /// Rotary position embedding.
+    Rope(RopeParams),
+    /// Clamp to [min, max].
+    Clamp {
+        /// Lower bound.
+        min: f32,
+        /// Upper bound.
+        max: f32,
+    },
+    /// Fused attention `softmax(q·kᵀ·scale + mask) · v`.
+    FlashAttnExt {
+        /// Scale of q·kᵀ.
+        scale: f32,
+        /// ALiBi maximum bias (0 = off).
+        max_bias: f32,
+        /// Soft cap of the logits (0 = off).
+        logit_softcap: f32,
+    },
+    /// A user-defined host computation.
+    Custom(CustomOpRef),
+}
+
+impl Op {
+    /// The upper-case name (`"MUL_MAT"`, `"UNARY"`, ...).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Op::None => "NONE",
+            Op::Dup => "DUP",
+            Op::Add => "ADD",
+            Op::Sub => "SUB",
+            Op::Mul => "MUL",
+            Op::Div => "DIV",
+            Op::Add1 => "ADD1",
+            Op::Acc { .. } => "ACC",
+            Op::Sqr => "SQR",
+            Op::Sqrt => "SQRT",
+            Op::Log => "LOG",
+            Op::Sin => "SIN",
+            Op::Cos => "COS",
+            Op::Sum => "SUM",
+            Op::SumRows => "SUM_ROWS",
+            Op::Mean => "MEAN",
+            Op::Argmax => "ARGMAX",
+            Op::Repeat => "REPEAT",
+            Op::Concat { .. } => "CONCAT",
+            Op::Unary(_) => "UNARY",
+            Op::LeakyRelu { .. } => "LEAKY_RELU",
+            Op::Glu { .. } => "GLU",
+            Op::Norm { .. } => "NORM",
+            Op::RmsNorm { .. } => "RMS_NORM",
+            Op::GroupNorm { .. } => "GROUP_NORM",
+            Op::L2Norm { .. } => "L2_NORM",
+            Op::MulMat => "MUL_MAT",
+            Op::MulMatId => "MUL_MAT_ID",
+            Op::OutProd => "OUT_PROD",
+            Op::Scale { .. } => "SCALE",
+            Op::Cpy => "CPY",
+            Op::Cont => "CONT",
+            Op::Reshape => "RESHAPE",
+            Op::View => "VIEW",
+            Op::Permute { .. } => "PERMUTE",
+            Op::Transpose => "TRANSPOSE",
+            Op::GetRows => "GET_ROWS",
+            Op::SetRows => "SET_ROWS",
+            Op::DiagMaskInf { .. } => "DIAG_MASK_INF",
+            Op::SoftMax { .. } => "SOFT_MAX",
+            Op::Rope(_) => "ROPE",
+            Op::Clamp { .. } => "CLAMP",
+            Op::FlashAttnExt { .. } => "FLASH_ATTN_EXT",
+            Op::Custom(_) => "CUSTOM",
+        }
+    }
+
+    /// A name that includes the unary / GLU sub-op (`"GELU"` rather than `"UNARY"`).
+    pub fn display_name(&self) -> String {
+        match self {
+            Op::Unary(u) => u.name().to_owned(),
+            Op::Glu { op, .. } => op.name().to_owned(),
+            Op::Custom(c) => format!("CUSTOM({})", c.0.name()),
+            other => other.name().to_owned(),
+        }
+    }
+
+    /// Ops that only reinterpret memory and need no kernel work.
+    pub fn is_view_op(&self) -> bool {
+        matches!(
+            self,
+            Op::Reshape | Op::View | Op::Permute { .. } | Op::Transpose
+        )
+    }
+
+    /// Whether the op's output may share memory with its first operand: each output element
+    /// depends only on input elements at the same position or the same row, read before written.
+    pub fn can_inplace(&self) -> bool {
+        matches!(
+            self,
+            Op::Scale { .. }
+                | Op::DiagMaskInf { .. }
+                | Op::Add
+                | Op::Add1
+                | Op::Sub
+                | Op::Mul
+                | Op::Div
+                | Op::Sqr
+                | Op::Sqrt
+                | Op::Log
+                | Op::Sin
+                | Op::Cos
+                | Op::Clamp { .. }
+                | Op::Unary(_)
+                | Op::LeakyRelu { .. }
+                | Op::Rope(_)
+                | Op::RmsNorm { .. }
+                | Op::SoftMax { .. }
+        )
+    }
+
+    /// A short text of the op's parameters, for dumps (`""` when there are none).
+    pub fn params_text(&self) -> String {
+        match self {
+            Op::Acc {
+                nb1,
+                nb2,
+                nb3,
+                offset,
+            } => format!("nb=({nb1},{nb2},{nb3}) offset={offset}"),
+            Op::Concat { dim } => format!("dim={dim}"),
+            Op::LeakyRelu { negative_slope } => format!("slope={negative_slope}"),
+            Op::Glu { swapped, .. } => format!("swapped={swapped}"),
+            Op::Norm { eps } | Op::RmsNorm { eps } | Op::L2Norm { eps } => format!("eps={eps}"),
+            Op::GroupNorm { n_groups, eps } => format!("groups={n_groups} eps={eps}"),
+            Op::Scale { s, b } => format!("s={s} b={b}"),
+            Op::Permute { axes } => format!("axes={axes:?}"),
+            Op::DiagMaskInf { n_past } => format!("n_past={n_past}"),
+            Op::SoftMax { scale, max_bias } => format!("scale={scale} max_bias={max_bias}"),
+            Op::Rope(p) => format!("n_dims={} mode={:?} base={}", p.n_dims, p.mode, p.freq_base),
+            Op::Clamp { min, max } => format!("min={min} max={max}"),
+            Op::FlashAttnExt {
+                scale,
+                max_bias,
+                logit_softcap,
+            } => {
+                format!("scale={scale} max_bias={max_bias} softcap={logit_softcap}")
+            }
+            _ => String::new(),
+        }
+    }
+}
+
+// ----- helpers -----
+
+fn describe(t: &Tensor) -> String {
+    format!("{} ({} {:?})", t.label(), t.dtype(), t.shape())
+}
+
+fn new_result(
+    ctx: &Context,
+    dtype: DType,
+    ne: [usize; MAX_DIMS],
+    ndim: usize,
+    op: Op,
+    srcs: Vec<Tensor>,
+) -> Result<Tensor> {
+    ctx.create(TensorSpec {
+        dtype,
+        ne,
+        nb: None,
+        ndim,
+        op,
+        srcs,
+        view: None,
+    })
+}
+
+#[allow(clippy::too_many_arguments)]
+fn new_view(
+    ctx: &Context,
+    src: &Tensor,
+    ne: [usize; MAX_DIMS],
+    nb: [usize; MAX_DIMS],
+    ndim: usize,
+    offset: usize,
+    op: Op,
+    srcs: Vec<Tensor>,
+) -> Result<Tensor> {
+    ctx.create(TensorSpec {
+        dtype: src.dtype(),
+        ne,
+        nb: Some(nb),
+        ndim,
+        op,
+        srcs,
+        view: Some((src.clone(), offset)),
+    })
+}
+
+fn require_float(op: &str, t: &Tensor) -> Result<()> {
+    if t.dtype().is_float() {
+        Ok(())
+    } else {
+        Err(Error::DType(format!(
+            "{op} needs a float tensor (f32, f16, bf16), got {}",
+            describe(t)
+        )))
+    }
+}
+
+fn require_dtype(op: &str, t: &Tensor, allowed: &[DType]) -> Result<()> {
+    if allowed.contains(&t.dtype()) {
+        Ok(())
+    } else {
+        Err(Error::DType(format!(
+            "{op} accepts {} here, got {}",
+            allowed
+                .iter()
+                .map(|d| d.name())
+                .collect::<Vec<_>>()
+                .join("/"),
+            describe(t)
+        )))
+    }
+}
+
+/// Whether `b` can be tiled to `a`'s shape (every dimension of `a` a multiple of `b`'s).
+pub fn can_repeat(b: &Tensor, a: &Tensor) -> bool {
+    let (nb, na) = (b.ne(), a.ne());
+    (0..MAX_DIMS).all(|i| (nb[i] == 0 && na[i] == 0) || (nb[i] != 0 && na[i] % nb[i] == 0))
+}
+
+fn binary(ctx: &Context, a: &Tensor, b: &Tensor, op: Op) -> Result<Tensor> {
+    let name = op.name();
+    require_float(name, a)?;
+    if b.dtype() != DType::F32 && b.dtype() != a.dtype() {
+        return Err(Error::DType(format!(
+            "{name}: the second operand must be f32 or {}, got {}",
+            a.dtype(),
+            describe(b)
+        )));
+    }
+    if !can_repeat(b, a) {
+        return Err(Error::Shape(format!(
+            "{name}: {} cannot be broadcast to {} (each dimension of the first must be a multiple of the second's)",
+            describe(b),
+            describe(a)
+        )));
+    }
+    new_result(
+        ctx,
+        a.dtype(),
+        a.ne(),
+        a.ndim().max(b.ndim()),
+        op,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+fn elementwise(ctx: &Context, a: &Tensor, op: Op) -> Result<Tensor> {
+    require_float(op.name(), a)?;
+    new_result(ctx, a.dtype(), a.ne(), a.ndim(), op, vec![a.clone()])
+}
+
+// ----- copies and views -----
+
+/// A copy of `a` with the same shape (op DUP).
+pub fn dup(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    new_result(ctx, a.dtype(), a.ne(), a.ndim(), Op::Dup, vec![a.clone()])
+}
+
+/// Copies `a` into `b` (converting the dtype); the result is a view of `b`.
+pub fn cpy(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    if a.nelements() != b.nelements() {
+        return Err(Error::Shape(format!(
+            "CPY: {} and {} have different element counts",
+            describe(a),
+            describe(b)
+        )));
+    }
+    if b.dtype().is_quantized() && !b.is_contiguous_rows() {
+        return Err(Error::Shape(format!(
+            "CPY: quantized destination {} must have dense rows",
+            describe(b)
+        )));
+    }
+    new_view(
+        ctx,
+        b,
+        b.ne(),
+        b.nb(),
+        b.ndim(),
+        0,
+        Op::Cpy,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// A contiguous copy of `a`.
+pub fn cont(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    new_result(ctx, a.dtype(), a.ne(), a.ndim(), Op::Cont, vec![a.clone()])
+}
+
+/// A contiguous copy of `a` with a new ggml-order shape of the same element count.
+pub fn cont_shape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
+    let full = full_ne(ne, "CONT")?;
+    if full.iter().product::<usize>() != a.nelements() {
+        return Err(Error::Shape(format!(
+            "CONT: cannot give {} the shape {ne:?}",
+            describe(a)
+        )));
+    }
+    new_result(ctx, a.dtype(), full, ne.len(), Op::Cont, vec![a.clone()])
+}
+
+fn full_ne(ne: &[usize], op: &str) -> Result<[usize; MAX_DIMS]> {
+    if ne.is_empty() || ne.len() > MAX_DIMS {
+        return Err(Error::Shape(format!(
+            "{op}: a shape needs 1 to {MAX_DIMS} dimensions, got {ne:?}"
+        )));
+    }
+    let mut full = [1usize; MAX_DIMS];
+    full[..ne.len()].copy_from_slice(ne);
+    Ok(full)
+}
+
+/// The same memory with a new ggml-order shape; `a` must be contiguous.
+pub fn reshape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
+    let full = full_ne(ne, "RESHAPE")?;
+    if !a.is_contiguous() {
+        return Err(Error::Shape(format!(
+            "RESHAPE: {} is not contiguous; use cont first",
+            describe(a)
+        )));
+    }
+    if full.iter().product::<usize>() != a.nelements() {
+        return Err(Error::Shape(format!(
+            "RESHAPE: {} has {} elements, the shape {ne:?} has {}",
+            describe(a),
+            a.nelements(),
+            full.iter().product::<usize>()
+        )));
+    }
+    crate::tensor::check_shape(a.dtype(), &full, "RESHAPE")?;
+    let nb = contiguous_strides(a.dtype(), &full);
+    new_view(ctx, a, full, nb, ne.len(), 0, Op::Reshape, vec![a.clone()])
+}
+
+/// A view of `a` with ggml-order shape `ne`, row strides `nb[1..]` (bytes; `nb[0]` is the
+/// element size) and byte `offset`. `ne.len()` gives the dimensions; `strides` has one entry
+/// fewer.
+pub fn view(
+    ctx: &Context,
+    a: &Tensor,
+    ne: &[usize],
+    strides: &[usize],
+    offset: usize,
+) -> Result<Tensor> {
+    let full = full_ne(ne, "VIEW")?;
+    if strides.len() + 1 != ne.len() {
+        return Err(Error::Shape(format!(
+            "VIEW: {} dimensions need {} strides, got {}",
+            ne.len(),
+            ne.len() - 1,
+            strides.len()
+        )));
+    }
+    crate::tensor::check_shape(a.dtype(), &full, "VIEW")?;
+    let mut nb = contiguous_strides(a.dtype(), &full);
+    nb[1..ne.len()].copy_from_slice(strides);
+    for i in ne.len()..MAX_DIMS {
+        nb[i] = nb[i - 1] * full[i - 1];
+    }
+    new_view(
+        ctx,
+        a,
+        full,
+        nb,
+        ne.len(),
+        offset,
+        Op::View,
+        vec![a.clone()],
+    )
+}
+
+/// Reorders dimensions: source dimension `i` becomes dimension `axes[i]` (ggml order).
+pub fn permute(ctx: &Context, a: &Tensor, axes: [usize; MAX_DIMS]) -> Result<Tensor> {
+    let mut seen = [false; MAX_DIMS];
+    for &axis in &axes {
+        if axis >= MAX_DIMS || seen[axis] {
+            return Err(Error::Shape(format!(
+                "PERMUTE: {axes:?} is not a permutation of 0..4"
+            )));
+        }
+        seen[axis] = true;
+    }
+    let (src_ne, src_nb) = (a.ne(), a.nb());
+    let mut ne = [0usize; MAX_DIMS];
+    let mut nb = [0usize; MAX_DIMS];
+    for i in 0..MAX_DIMS {
+        ne[axes[i]] = src_ne[i];
+        nb[axes[i]] = src_nb[i];
+    }
+    let ndim = (0..MAX_DIMS)
+        .filter(|&i| i < a.ndim())
+        .map(|i| axes[i] + 1)
+        .max()
+        .unwrap_or(1);
+    new_view(
+        ctx,
+        a,
+        ne,
+        nb,
+        ndim.max(a.ndim()),
+        0,
+        Op::Permute { axes },
+        vec![a.clone()],
+    )
+}
+
+/// Swaps dimensions 0 and 1.
+pub fn transpose(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    let (mut ne, mut nb) = (a.ne(), a.nb());
+    ne.swap(0, 1);
+    nb.swap(0, 1);
+    new_view(
+        ctx,
+        a,
+        ne,
+        nb,
+        a.ndim().max(2),
+        0,
+        Op::Transpose,
+        vec![a.clone()],
+    )
+}
+
+/// Gathers rows of `a` by the i32 indices in `b`: result `[a.ne0, b.ne0, b.ne1, b.ne2]`.
+pub fn get_rows(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    require_dtype("GET_ROWS indices", b, &[DType::I32])?;
+    let (na, nb) = (a.ne(), b.ne());
+    if na[2] != nb[1] || na[3] != nb[2] || nb[3] != 1 {
+        return Err(Error::Shape(format!(
+            "GET_ROWS: indices {} do not match the batch dimensions of {}",
+            describe(b),
+            describe(a)
+        )));
+    }
+    let dtype = if a.dtype() == DType::I32 {
+        DType::I32
+    } else {
+        DType::F32
+    };
+    let ne = [na[0], nb[0], nb[1], nb[2]];
+    new_result(
+        ctx,
+        dtype,
+        ne,
+        a.ndim().max(b.ndim() + 1),
+        Op::GetRows,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// Writes rows of `b` (f32) into `a` at the row indices `c` (i32 or i64), converting to `a`'s
+/// dtype; the result is a view of `a`.
+pub fn set_rows(ctx: &Context, a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Tensor> {
+    require_dtype("SET_ROWS source", b, &[DType::F32])?;
+    require_dtype("SET_ROWS indices", c, &[DType::I32, DType::I64])?;
+    let (na, nb, nc) = (a.ne(), b.ne(), c.ne());
+    let ok = na[0] == nb[0]
+        && na[2] == nb[2]
+        && na[3] == nb[3]
+        && nb[1] == nc[0]
+        && nc[1] != 0
+        && nc[2] != 0
+        && nb[2] % nc[1] == 0
+        && nb[3] % nc[2] == 0
+        && nc[3] == 1;
+    if !ok {
+        return Err(Error::Shape(format!(
+            "SET_ROWS: destination {}, rows {} and indices {} do not fit together",
+            describe(a),
+            describe(b),
+            describe(c)
+        )));
+    }
+    new_view(
+        ctx,
+        a,
+        a.ne(),
+        a.nb(),
+        a.ndim(),
+        0,
+        Op::SetRows,
+        vec![a.clone(), b.clone(), c.clone()],
+    )
+}
+
+// ----- arithmetic -----
+
+/// `a + b`, `b` broadcast by repetition.
+pub fn add(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    binary(ctx, a, b, Op::Add)
+}
+
+/// `a − b`, `b` broadcast by repetition.
+pub fn sub(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    binary(ctx, a, b, Op::Sub)
+}
+
+/// `a · b` element-wise, `b` broadcast by repetition.
+pub fn mul(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    binary(ctx, a, b, Op::Mul)
+}
+
+/// `a / b` element-wise, `b` broadcast by repetition.
+pub fn div(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    binary(ctx, a, b, Op::Div)
+}
+
+/// `a + b` where `b` has one element.
+pub fn add1(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    require_float("ADD1", a)?;
+    if b.nelements() != 1 {
+        return Err(Error::Shape(format!(
+            "ADD1: {} must have exactly one element",
+            describe(b)
+        )));
+    }
+    require_float("ADD1", b)?;
+    new_result(
+        ctx,
+        a.dtype(),
+        a.ne(),
+        a.ndim(),
+        Op::Add1,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// Adds `b` into the region of (a copy of) `a` given by byte strides and offset.
+pub fn acc(
+    ctx: &Context,
+    a: &Tensor,
+    b: &Tensor,
+    nb1: usize,
+    nb2: usize,
+    nb3: usize,
+    offset: usize,
+) -> Result<Tensor> {
+    require_dtype("ACC", a, &[DType::F32])?;
+    require_dtype("ACC", b, &[DType::F32])?;
+    if b.nelements() > a.nelements() {
+        return Err(Error::Shape(format!(
+            "ACC: {} is larger than {}",
+            describe(b),
+            describe(a)
+        )));
+    }
+    let region = crate::tensor::span_bytes(DType::F32, &b.ne(), &[4, nb1, nb2, nb3]);
+    if offset
+        .checked_add(region)
+        .is_none_or(|end| end > a.nbytes())
+    {
+        return Err(Error::Shape(format!(
+            "ACC: the region of {} at offset {offset} falls outside {}",
+            describe(b),
+            describe(a)
+        )));
+    }
+    new_result(
+        ctx,
+        a.dtype(),
+        a.ne(),
+        a.ndim(),
+        Op::Acc {
+            nb1,
+            nb2,
+            nb3,
+            offset,
+        },
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// `a·s + b` (ggml's scale with bias).
+pub fn scale(ctx: &Context, a: &Tensor, s: f32, b: f32) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Scale { s, b })
+}
+
+/// x².
+pub fn sqr(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Sqr)
+}
+
+/// √x.
+pub fn sqrt(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Sqrt)
+}
+
+/// ln x.
+pub fn log(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Log)
+}
+
+/// sin x.
+pub fn sin(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Sin)
+}
+
+/// cos x.
+pub fn cos(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Cos)
+}
+
+/// Clamps to `[min, max]`.
+pub fn clamp(ctx: &Context, a: &Tensor, min: f32, max: f32) -> Result<Tensor> {
+    if min > max || min.is_nan() || max.is_nan() {
+        return Err(Error::InvalidArgument(format!(
+            "CLAMP: min {min} must not exceed max {max}"
+        )));
+    }
+    elementwise(ctx, a, Op::Clamp { min, max })
+}
+
+/// The sum of all elements, as a one-element f32 tensor.
+pub fn sum(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    require_float("SUM", a)?;
+    new_result(ctx, DType::F32, [1, 1, 1, 1], 1, Op::Sum, vec![a.clone()])
+}
+
+/// The sum of each row: shape `[1, ne1, ne2, ne3]`.
+pub fn sum_rows(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    require_float("SUM_ROWS", a)?;
+    let ne = a.ne();
+    new_result(
+        ctx,
+        DType::F32,
+        [1, ne[1], ne[2], ne[3]],
+        a.ndim(),
+        Op::SumRows,
+        vec![a.clone()],
+    )
+}
+
+/// The mean of each row: shape `[1, ne1, ne2, ne3]`.
+pub fn mean(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    require_float("MEAN", a)?;
+    let ne = a.ne();
+    new_result(
+        ctx,
+        DType::F32,
+        [1, ne[1], ne[2], ne[3]],
+        a.ndim(),
+        Op::Mean,
+        vec![a.clone()],
+    )
+}
+
+/// The index of each row's maximum of a matrix: i32 of shape `[ne1]`.
+pub fn argmax(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    require_dtype("ARGMAX", a, &[DType::F32])?;
+    let ne = a.ne();
+    if ne[2] != 1 || ne[3] != 1 {
+        return Err(Error::Shape(format!(
+            "ARGMAX needs a matrix, got {}",
+            describe(a)
+        )));
+    }
+    if ne[1] > i32::MAX as usize || ne[0] > i32::MAX as usize {
+        return Err(Error::Shape(format!(
+            "ARGMAX: {} is too large for i32 indices",
+            describe(a)
+        )));
+    }
+    new_result(
+        ctx,
+        DType::I32,
+        [ne[1], 1, 1, 1],
+        1,
+        Op::Argmax,
+        vec![a.clone()],
+    )
+}
+
+/// Tiles `a` to the shape of `b`.
+pub fn repeat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    require_float("REPEAT", a)?;
+    if !can_repeat(a, b) {
+        return Err(Error::Shape(format!(
+            "REPEAT: {} does not tile {}",
+            describe(a),
+            describe(b)
+        )));
+    }
+    new_result(
+        ctx,
+        a.dtype(),
+        b.ne(),
+        b.ndim(),
+        Op::Repeat,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// Joins `a` and `b` along ggml-order dimension `dim`.
+pub fn concat(ctx: &Context, a: &Tensor, b: &Tensor, dim: usize) -> Result<Tensor> {
+    if dim >= MAX_DIMS {
+        return Err(Error::Shape(format!(
+            "CONCAT: dimension {dim} is out of range"
+        )));
+    }
+    if a.dtype() != b.dtype() {
+        return Err(Error::DType(format!(
+            "CONCAT: {} and {} differ in dtype",
+            describe(a),
+            describe(b)
+        )));
+    }
+    require_dtype(
+        "CONCAT",
+        a,
+        &[DType::F32, DType::F16, DType::BF16, DType::I32],
+    )?;
+    let (na, nb) = (a.ne(), b.ne());
+    if (0..MAX_DIMS).any(|i| i != dim && na[i] != nb[i]) {
+        return Err(Error::Shape(format!(
+            "CONCAT along {dim}: {} and {} differ in another dimension",
+            describe(a),
+            describe(b)
+        )));
+    }
+    let mut ne = na;
+    ne[dim] += nb[dim];
+    new_result(
+        ctx,
+        a.dtype(),
+        ne,
+        a.ndim().max(b.ndim()).max(dim + 1),
+        Op::Concat { dim },
+        vec![a.clone(), b.clone()],
+    )
+}
+
+// ----- activations -----
+
+/// An element-wise activation.
+pub fn unary(ctx: &Context, a: &Tensor, op: UnaryOp) -> Result<Tensor> {
+    elementwise(ctx, a, Op::Unary(op))
+}
+
+/// x if x > 0 else `negative_slope`·x.
+pub fn leaky_relu(ctx: &Context, a: &Tensor, negative_slope: f32) -> Result<Tensor> {
+    elementwise(ctx, a, Op::LeakyRelu { negative_slope })
+}
+
+/// Fused gated unit: each row is split in halves `[x, g]`; the result is `act(x)·g` (or
+/// `act(g)·x` when `swapped`), half as wide.
+pub fn glu(ctx: &Context, a: &Tensor, op: GluOp, swapped: bool) -> Result<Tensor> {
+    require_float(op.name(), a)?;
+    let mut ne = a.ne();
+    if ne[0] % 2 != 0 {
+        return Err(Error::Shape(format!(
+            "{}: the row length of {} must be even",
+            op.name(),
+            describe(a)
+        )));
+    }
+    ne[0] /= 2;
+    new_result(
+        ctx,
+        a.dtype(),
+        ne,
+        a.ndim(),
+        Op::Glu { op, swapped },
+        vec![a.clone()],
+    )
+}
+
+/// Split gated unit: `act(a)·b` for tensors of equal shape.
+pub fn glu_split(ctx: &Context, a: &Tensor, b: &Tensor, op: GluOp) -> Result<Tensor> {
+    require_float(op.name(), a)?;
+    if !a.same_shape(b) || a.dtype() != b.dtype() {
+        return Err(Error::Shape(format!(
+            "{}: {} and {} must have the same shape and dtype",
+            op.name(),
+            describe(a),
+            describe(b)
+        )));
+    }
+    new_result(
+        ctx,
+        a.dtype(),
+        a.ne(),
+        a.ndim(),
+        Op::Glu { op, swapped: false },
+        vec![a.clone(), b.clone()],
+    )
+}
+
+// ----- normalisation -----
+
+fn check_eps(op: &str, eps: f32) -> Result<()> {
+    if eps.is_finite() && eps >= 0.0 {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{op}: eps must be finite and non-negative, got {eps}"
+        )))
+    }
+}
+
+/// Layer normalisation of each row (no affine part).
+pub fn norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
+    check_eps("NORM", eps)?;
+    require_dtype("NORM", a, &[DType::F32])?;
+    elementwise(ctx, a, Op::Norm { eps })
+}
+
+/// RMS normalisation of each row.
+pub fn rms_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
+    check_eps("RMS_NORM", eps)?;
+    require_dtype("RMS_NORM", a, &[DType::F32])?;
+    elementwise(ctx, a, Op::RmsNorm { eps })
+}
+
+/// Group normalisation over `n_groups` groups of dimension 2.
+pub fn group_norm(ctx: &Context, a: &Tensor, n_groups: usize, eps: f32) -> Result<Tensor> {
+    check_eps("GROUP_NORM", eps)?;
+    require_dtype("GROUP_NORM", a, &[DType::F32])?;
+    if n_groups == 0 {
+        return Err(Error::InvalidArgument(
+            "GROUP_NORM: n_groups must be at least 1".into(),
+        ));
+    }
+    elementwise(ctx, a, Op::GroupNorm { n_groups, eps })
+}
+
+/// L2 normalisation of each row.
+pub fn l2_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
+    check_eps("L2_NORM", eps)?;
+    require_dtype("L2_NORM", a, &[DType::F32])?;
+    elementwise(ctx, a, Op::L2Norm { eps })
+}
+
+// ----- matrix products -----
+
+const MATMUL_WEIGHT_TYPES: [DType; 5] = [
+    DType::F32,
+    DType::F16,
+    DType::BF16,
+    DType::Q8_0,
+    DType::Q4_0,
+];
+
+/// Matrix product with ggml's meaning: `a` is `[K, M, ..]`, `b` is `[K, N, ..]`, the f32 result
+/// is `[M, N, ..]`, i.e. `b · aᵀ` in numpy terms. `a`'s batch dimensions broadcast over `b`'s.
+pub fn mul_mat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    require_dtype("MUL_MAT weights", a, &MATMUL_WEIGHT_TYPES)?;
+    require_dtype("MUL_MAT activations", b, &[DType::F32])?;
+    let (na, nb) = (a.ne(), b.ne());
+    if na[0] != nb[0] || na[2] == 0 || na[3] == 0 || nb[2] % na[2] != 0 || nb[3] % na[3] != 0 {
+        return Err(Error::Shape(format!(
+            "MUL_MAT: {} and {} do not fit (inner sizes must match, and the second's batch \
+             dimensions must be multiples of the first's)",
+            describe(a),
+            describe(b)
+        )));
+    }
+    if a.is_transposed() {
+        return Err(Error::Shape(format!(
+            "MUL_MAT: the first operand {} must not be transposed",
+            describe(a)
+        )));
+    }
+    let ne = [na[1], nb[1], nb[2], nb[3]];
+    new_result(
+        ctx,
+        DType::F32,
+        ne,
+        a.ndim().max(b.ndim()),
+        Op::MulMat,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// Outer products of the columns of `a` and `b`, summed: result `[a.ne0, b.ne0, b.ne2, b.ne3]`.
+pub fn out_prod(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    require_dtype("OUT_PROD", a, &MATMUL_WEIGHT_TYPES)?;
+    require_dtype("OUT_PROD", b, &[DType::F32])?;
+    let (na, nb) = (a.ne(), b.ne());
+    if na[1] != nb[1] || na[2] == 0 || na[3] == 0 || nb[2] % na[2] != 0 || nb[3] % na[3] != 0 {
+        return Err(Error::Shape(format!(
+            "OUT_PROD: {} and {} do not fit",
+            describe(a),
+            describe(b)
+        )));
+    }
+    let ne = [na[0], nb[0], nb[2], nb[3]];
+    new_result(
+        ctx,
+        DType::F32,
+        ne,
+        a.ndim().max(b.ndim()),
+        Op::OutProd,
+        vec![a.clone(), b.clone()],
+    )
+}
+
+/// Mixture-of-experts product: `experts` `[K, M, n_expert]`, `b` `[K, n_b, n_tokens]`, `ids`
+/// i32 `[n_used, n_tokens]`; result `[M, n_used, n_tokens]`.
+pub fn mul_mat_id(ctx: &Context, experts: &Tensor, b: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    require_dtype("MUL_MAT_ID weights", experts, &MATMUL_WEIGHT_TYPES)?;
+    require_dtype("MUL_MAT_ID activations", b, &[DType::F32])?;
+    require_dtype("MUL_MAT_ID ids", ids, &[DType::I32])?;
+    let (ne, nb, ni) = (experts.ne(), b.ne(), ids.ne());
+    let ok = ne[3] == 1
+        && nb[3] == 1
+        && ni[2] == 1
+        && ni[3] == 1
+        && ni[1] == nb[2]
+        && ne[0] == nb[0]
+        && nb[1] != 0
+        && ni[0] % nb[1] == 0;
+    if !ok {
+        return Err(Error::Shape(format!(
+            "MUL_MAT_ID: experts {}, activations {} and ids {} do not fit",
+            describe(experts),
+            describe(b),
+            describe(ids)
+        )));
+    }
+    let out = [ne[1], ni[0], nb[2], 1];
+    new_result(
+        ctx,
+        DType::F32,
+        out,
+        3,
+        Op::MulMatId,
+        vec![experts.clone(), b.clone(), ids.clone()],
+    )
+}
+
+// ----- attention -----
+
+/// Sets elements with column > row + `n_past` to −∞ (per matrix).
+pub fn diag_mask_inf(ctx: &Context, a: &Tensor, n_past: usize) -> Result<Tensor> {
+    require_dtype("DIAG_MASK_INF", a, &[DType::F32])?;
+    elementwise(ctx, a, Op::DiagMaskInf { n_past })
+}
+
+/// Row softmax of `a·scale + mask` with optional ALiBi slopes (`max_bias > 0` needs a mask).
+/// The mask (f16 or f32) is `[ne0, ≥ne1, ..]` and broadcasts over dimensions 2 and 3.
+pub fn soft_max(
+    ctx: &Context,
+    a: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+    max_bias: f32,
+) -> Result<Tensor> {
+    require_dtype("SOFT_MAX", a, &[DType::F32])?;
+    let mut srcs = vec![a.clone()];
+    if let Some(mask) = mask {
+        require_dtype("SOFT_MAX mask", mask, &[DType::F32, DType::F16])?;
+        let (na, nm) = (a.ne(), mask.ne());
+        if !mask.is_contiguous_rows()
+            || nm[0] != na[0]
+            || nm[1] < na[1]
+            || nm[2] == 0
+            || nm[3] == 0
+            || na[2] % nm[2] != 0
+            || na[3] % nm[3] != 0
+        {
+            return Err(Error::Shape(format!(
+                "SOFT_MAX: mask {} does not fit {}",
+                describe(mask),
+                describe(a)
+            )));
+        }
+        srcs.push(mask.clone());
+    } else if max_bias > 0.0 {
+        return Err(Error::InvalidArgument(
+            "SOFT_MAX: ALiBi (max_bias > 0) needs a mask".into(),
+        ));
+    }
+    if !scale.is_finite() || !max_bias.is_finite() || max_bias < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "SOFT_MAX: scale {scale} and max_bias {max_bias} must be finite (max_bias ≥ 0)"
+        )));
+    }
+    new_result(
+        ctx,
+        DType::F32,
+        a.ne(),
+        a.ndim(),
+        Op::SoftMax { scale, max_bias },
+        srcs,
+    )
+}
+
+/// Rotary position embedding of `a` `[head_dim, n_head, n_tokens, ..]` at positions `pos`
+/// (i32, one per token), optionally with per-dimension frequency factors (f32, ≥ n_dims/2).
+pub fn rope(
+    ctx: &Context,
+    a: &Tensor,
+    pos: &Tensor,
+    freq_factors: Option<&Tensor>,
+    params: RopeParams,
+) -> Result<Tensor> {
+    require_dtype("ROPE", a, &[DType::F32, DType::F16])?;
+    require_dtype("ROPE positions", pos, &[DType::I32])?;
+    let ne = a.ne();
+    if pos.ndim() != 1 || pos.ne()[0] != ne[2] {
+        return Err(Error::Shape(format!(
+            "ROPE: positions {} must be a vector of {} entries (dimension 2 of {})",
+            describe(pos),
+            ne[2],
+            describe(a)
+        )));
+    }
+    if params.n_dims == 0 || params.n_dims % 2 != 0 || params.n_dims > ne[0] {
+        return Err(Error::InvalidArgument(format!(
+            "ROPE: n_dims {} must be even, positive and at most {}",
+            params.n_dims, ne[0]
+        )));
+    }
+    let mut srcs = vec![a.clone(), pos.clone()];
+    if let Some(ff) = freq_factors {
+        require_dtype("ROPE freq_factors", ff, &[DType::F32])?;
+        if ff.ne()[0] < params.n_dims / 2 {
+            return Err(Error::Shape(format!(
+                "ROPE: freq_factors {} needs at least {} entries",
+                describe(ff),
+                params.n_dims / 2
+            )));
+        }
+        srcs.push(ff.clone());
+    }
+    new_result(ctx, a.dtype(), ne, a.ndim(), Op::Rope(params), srcs)
+}
+
+/// Fused attention. `q` `[D, n_q, n_head, n_seq]` (f32); `k` `[D, n_kv, n_head_kv, n_seq]`,
+/// `v` `[Dv, n_kv, n_head_kv, n_seq]` (f32 or f16); optional mask `[n_kv, ≥n_q, ..]`
+/// (f16/f32). The result is f32 `[Dv, n_head, n_q, n_seq]` (heads and queries swapped, as ggml).
+#[allow(clippy::too_many_arguments)]
+pub fn flash_attn_ext(
+    ctx: &Context,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    mask: Option<&Tensor>,
+    scale: f32,
+    max_bias: f32,
+    logit_softcap: f32,
+) -> Result<Tensor> {
+    require_dtype("FLASH_ATTN_EXT q", q, &[DType::F32])?;
+    require_dtype("FLASH_ATTN_EXT k", k, &[DType::F32, DType::F16])?;
+    require_dtype("FLASH_ATTN_EXT v", v, &[DType::F32, DType::F16])?;
+    let (nq, nk, nv) = (q.ne(), k.ne(), v.ne());
+    let ok = nq[0] == nk[0]
+        && nk[1] == nv[1]
+        && nk[2] == nv[2]
+        && nk[2] != 0
+        && nq[2] % nk[2] == 0
+        && nk[3] == nv[3]
+        && nk[3] != 0
+        && nq[3] % nk[3] == 0;
+    if !ok {
+        return Err(Error::Shape(format!(
+            "FLASH_ATTN_EXT: q {}, k {} and v {} do not fit",
+            describe(q),
+            describe(k),
+            describe(v)
+        )));
+    }
+    let mut srcs = vec![q.clone(), k.clone(), v.clone()];
+    if let Some(mask) = mask {
+        require_dtype("FLASH_ATTN_EXT mask", mask, &[DType::F32, DType::F16])?;
+        let nm = mask.ne();
+        if nm[0] != nk[1]
+            || nm[1] < nq[1]
+            || nm[2] == 0
+            || nm[3] == 0
+            || nq[2] % nm[2] != 0
+            || nq[3] % nm[3] != 0
+        {
+            return Err(Error::Shape(format!(
+                "FLASH_ATTN_EXT: mask {} does not fit q {} and k {}",
+                describe(mask),
+                describe(q),
+                describe(k)
+            )));
+        }
+        srcs.push(mask.clone());
+    } else if max_bias > 0.0 {
+        return Err(Error::InvalidArgument(
+            "FLASH_ATTN_EXT: ALiBi (max_bias > 0) needs a mask".into(),
+        ));
+    }
+    let ne = [nv[0], nq[2], nq[1], nq[3]];
+    new_result(
+        ctx,
+        DType::F32,
+        ne,
+        4,
+        Op::FlashAttnExt {
+            scale,
+            max_bias,
+            logit_softcap,
+        },
+        srcs,
+    )
+}
+
+// ----- custom -----
+
+/// A user-defined op over `srcs` producing a new tensor of `dtype` and ggml-order shape `ne`.
+pub fn custom(
+    ctx: &Context,
+    op: Arc<dyn CustomOp>,
+    srcs: &[Tensor],
+    dtype: DType,
+    ne: &[usize],
+) -> Result<Tensor> {
+    let full = full_ne(ne, "CUSTOM")?;
+    new_result(
+        ctx,
+        dtype,
+        full,
+        ne.len(),
+        Op::Custom(CustomOpRef(op)),
+        srcs.to_vec(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctx() -> Context {
+        Context::new(true)
+    }
+
+    #[test]
+    fn mul_mat_shapes_follow_ggml() {
+        let c = ctx();
+        let w = c.new_tensor(DType::F16, &[4096, 1024]).unwrap();
+        let x = c.new_tensor(DType::F32, &[4096, 8]).unwrap();
+        let y = mul_mat(&c, &w, &x).unwrap();
+        assert_eq!(y.ne(), [1024, 8, 1, 1]);
+        assert_eq!(y.shape(), vec![8, 1024]);
+        let bad = c.new_tensor(DType::F32, &[4095, 8]).unwrap();
+        let err = mul_mat(&c, &w, &bad).unwrap_err();
+        assert!(matches!(err, Error::Shape(_)), "{err}");
+        assert!(mul_mat(&c, &x, &w).is_err(), "f16 activations are rejected");
+    }
+
+    #[test]
+    fn broadcasting_and_views() {
+        let c = ctx();
+        let a = c.new_tensor(DType::F32, &[6, 4, 3]).unwrap();
+        let b = c.new_tensor(DType::F32, &[6, 2, 1]).unwrap();
+        assert!(add(&c, &a, &b).is_ok());
+        let odd = c.new_tensor(DType::F32, &[6, 3]).unwrap();
+        assert!(add(&c, &a, &odd).is_err());
+        let t = transpose(&c, &a).unwrap();
+        assert_eq!(t.ne(), [4, 6, 3, 1]);
+        assert!(t.is_transposed() && !t.is_contiguous());
+        assert!(reshape(&c, &t, &[24, 3]).is_err());
+        let r = reshape(&c, &a, &[24, 3]).unwrap();
+        assert_eq!(r.view_src().unwrap(), &a);
+        let p = permute(&c, &a, [2, 0, 1, 3]).unwrap();
+        assert_eq!(p.ne(), [4, 3, 6, 1]);
+        let v = view(&c, &a, &[6, 2], &[24], 24).unwrap();
+        assert_eq!(v.view_offset(), 24);
+        assert!(
+            view(&c, &a, &[6, 4], &[24], 24 * 10).is_err(),
+            "view past the end"
+        );
+        let vv = view(&c, &v, &[6], &[], 24).unwrap();
+        assert_eq!(vv.view_src().unwrap(), &a);
+        assert_eq!(vv.view_offset(), 48);
+    }
+
+    #[test]
+    fn attention_shapes() {
+        let c = ctx();
+        let q = c.new_tensor(DType::F32, &[64, 7, 12, 1]).unwrap();
+        let k = c.new_tensor(DType::F16, &[64, 32, 4, 1]).unwrap();
+        let v = c.new_tensor(DType::F16, &[64, 32, 4, 1]).unwrap();
+        let mask = c.new_tensor(DType::F16, &[32, 8]).unwrap();
+        let out = flash_attn_ext(&c, &q, &k, &v, Some(&mask), 0.125, 0.0, 0.0).unwrap();
+        assert_eq!(out.ne(), [64, 12, 7, 1]);
+        let s = c.new_tensor(DType::F32, &[32, 7, 12]).unwrap();
+        assert!(soft_max(&c, &s, Some(&mask), 1.0, 0.0).is_ok());
+        assert!(soft_max(&c, &s, None, 1.0, 8.0).is_err());
+        let pos = c.new_tensor(DType::I32, &[7]).unwrap();
+        let x = c.new_tensor(DType::F32, &[64, 12, 7]).unwrap();
+        assert!(rope(&c, &x, &pos, None, RopeParams::new(64, RopeMode::Neox)).is_ok());
+        assert!(rope(&c, &x, &pos, None, RopeParams::new(65, RopeMode::Neox)).is_err());
+    }
+
+    #[test]
+    fn rows_and_reductions() {
+        let c = ctx();
+        let table = c.new_tensor(DType::Q8_0, &[64, 100]).unwrap();
+        let idx = c.new_tensor(DType::I32, &[5]).unwrap();
+        let rows = get_rows(&c, &table, &idx).unwrap();
+        assert_eq!((rows.dtype(), rows.ne()), (DType::F32, [64, 5, 1, 1]));
+        let f = c.new_tensor(DType::F32, &[64, 5]).unwrap();
+        let dst = c.new_tensor(DType::F16, &[64, 100]).unwrap();
+        assert!(set_rows(&c, &dst, &f, &idx).unwrap().is_view());
+        assert_eq!(argmax(&c, &f).unwrap().ne(), [5, 1, 1, 1]);
+        assert_eq!(sum_rows(&c, &f).unwrap().shape(), vec![5, 1]);
+        assert!(concat(&c, &f, &f, 1).unwrap().ne() == [64, 10, 1, 1]);
+        assert!(glu(
+            &c,
+            &c.new_tensor(DType::F32, &[7]).unwrap(),
+            GluOp::Swiglu,
+            false
+        )
+        .is_err());
+    }
+}

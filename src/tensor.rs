@@ -1,1 +1,645 @@
-//! placeholder
+//! Tensors: shared handles to immutable metadata plus a storage binding.
+//!
+//! A [`Tensor`] is an `Arc` around a node. Its dtype, shape (`ne`), strides (`nb`), op, sources
+//! and view source never change after creation; its name, flags and storage binding are small
+//! interior-mutable fields. Identity (for graphs, plans and allocators) is [`Tensor::id`].
+//!
+//! Shapes follow ggml: `ne[0]` is the fastest-varying dimension and `nb[i]` is the byte stride
+//! of dimension `i`. [`Tensor::shape`] gives the numpy order (reversed).
+
+use std::fmt;
+use std::hash::{Hash, Hasher};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
+
+use crate::buffer::Buffer;
+use crate::context::{Context, ContextInner};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::ops::Op;
+
+/// Tensors have at most this many dimensions.
+pub const MAX_DIMS: usize = 4;
+
+/// Flag bits of a tensor's role in a graph.
+pub mod flags {
+    /// Filled by the user before each compute.
+    pub const INPUT: u8 = 1;
+    /// Read by the user after compute; its memory is never reused.
+    pub const OUTPUT: u8 = 2;
+    /// A trainable parameter.
+    pub const PARAM: u8 = 4;
+    /// A loss value (training).
+    pub const LOSS: u8 = 8;
+}
+
+/// Where a (non-view) tensor's bytes live.
+#[derive(Clone, Debug)]
+pub struct Storage {
+    /// The buffer holding the bytes.
+    pub buffer: Buffer,
+    /// Byte offset of the tensor's first element in the buffer.
+    pub offset: usize,
+    /// The buffer's generation when the tensor was bound; a later reset makes it stale.
+    pub generation: u64,
+}
+
+/// The shared node behind a [`Tensor`].
+pub struct TensorNode {
+    id: u64,
+    dtype: DType,
+    ne: [usize; MAX_DIMS],
+    nb: [usize; MAX_DIMS],
+    ndim: usize,
+    op: Op,
+    srcs: Vec<Tensor>,
+    view_src: Option<Tensor>,
+    view_offset: usize,
+    name: Mutex<String>,
+    flags: AtomicU8,
+    storage: Mutex<Option<Storage>>,
+    context: Weak<ContextInner>,
+}
+
+/// A tensor handle: cheap to clone, compared and hashed by identity.
+#[derive(Clone)]
+pub struct Tensor(Arc<TensorNode>);
+
+static NEXT_TENSOR_ID: AtomicU64 = AtomicU64::new(1);
+
+/// Everything needed to create a tensor node (used by contexts and op builders).
+pub(crate) struct TensorSpec {
+    pub dtype: DType,
+    pub ne: [usize; MAX_DIMS],
+    /// Explicit strides (views); `None` means contiguous.
+    pub nb: Option<[usize; MAX_DIMS]>,
+    /// Number of dimensions the user sees (numpy `ndim`).
+    pub ndim: usize,
+    pub op: Op,
+    pub srcs: Vec<Tensor>,
+    pub view: Option<(Tensor, usize)>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A poisoned lock only means another thread panicked while holding it; the guarded data is
+    // plain metadata that stays consistent, so keep going.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Strides of a contiguous tensor of `dtype` and shape `ne`.
+pub fn contiguous_strides(dtype: DType, ne: &[usize; MAX_DIMS]) -> [usize; MAX_DIMS] {
+    let mut nb = [0usize; MAX_DIMS];
+    nb[0] = dtype.type_size();
+    nb[1] = nb[0] * (ne[0] / dtype.block_size());
+    for i in 2..MAX_DIMS {
+        nb[i] = nb[i - 1] * ne[i - 1];
+    }
+    nb
+}
+
+/// The highest dimension with more than one element, plus one (at least 1) — ggml's `n_dims`.
+pub fn ne_ndim(ne: &[usize; MAX_DIMS]) -> usize {
+    (1..MAX_DIMS)
+        .rev()
+        .find(|&i| ne[i] > 1)
+        .map_or(1, |i| i + 1)
+}
+
+/// Bytes spanned by a tensor of this dtype, shape and strides (ggml's `nbytes`).
+pub fn span_bytes(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -> usize {
+    if ne.contains(&0) {
+        return 0;
+    }
+    let block = dtype.block_size();
+    let mut bytes = if block == 1 {
+        dtype.type_size()
+    } else {
+        ne[0] * nb[0] / block
+    };
+    let first = if block == 1 { 0 } else { 1 };
+    for i in first..MAX_DIMS {
+        bytes += (ne[i] - 1) * nb[i];
+    }
+    bytes
+}
+
+/// Checks a shape for overflow and block alignment, naming the tensor in errors.
+pub(crate) fn check_shape(dtype: DType, ne: &[usize; MAX_DIMS], what: &str) -> Result<()> {
+    if ne[0] % dtype.block_size() != 0 {
+        return Err(Error::Shape(format!(
+            "{what}: the row length {} is not a multiple of the {} block size {}",
+            ne[0],
+            dtype.name(),
+            dtype.block_size()
+        )));
+    }
+    let elements = ne.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n));
+    let bytes = elements.and_then(|n| n.checked_mul(dtype.type_size()));
+    if bytes.is_none_or(|b| b > isize::MAX as usize) {
+        return Err(Error::Shape(format!("{what}: shape {ne:?} is too large")));
+    }
+    Ok(())
+}
+
+impl Tensor {
+    pub(crate) fn from_spec(spec: TensorSpec, context: Weak<ContextInner>) -> Result<Tensor> {
+        check_shape(spec.dtype, &spec.ne, spec.op.name())?;
+        let nb = spec
+            .nb
+            .unwrap_or_else(|| contiguous_strides(spec.dtype, &spec.ne));
+        let (view_src, view_offset) = match spec.view {
+            Some((src, offset)) => {
+                // A view of a view points at the root so storage resolves in one step.
+                let (root, base) = match src.view_src() {
+                    Some(root) => (root.clone(), src.view_offset()),
+                    None => (src, 0),
+                };
+                let end = offset
+                    .checked_add(base)
+                    .and_then(|o| o.checked_add(span_bytes(spec.dtype, &spec.ne, &nb)));
+                if end.is_none_or(|end| end > root.nbytes()) {
+                    return Err(Error::Shape(format!(
+                        "view of {} bytes at offset {} is outside {} ({} bytes)",
+                        span_bytes(spec.dtype, &spec.ne, &nb),
+                        base + offset,
+                        root.label(),
+                        root.nbytes()
+                    )));
+                }
+                (Some(root), base + offset)
+            }
+            None => (None, 0),
+        };
+        let ndim = spec.ndim.clamp(1, MAX_DIMS).max(ne_ndim(&spec.ne));
+        Ok(Tensor(Arc::new(TensorNode {
+            id: NEXT_TENSOR_ID.fetch_add(1, Ordering::Relaxed),
+            dtype: spec.dtype,
+            ne: spec.ne,
+            nb,
+            ndim,
+            op: spec.op,
+            srcs: spec.srcs,
+            view_src,
+            view_offset,
+            name: Mutex::new(String::new()),
+            flags: AtomicU8::new(0),
+            storage: Mutex::new(None),
+            context,
+        })))
+    }
+
+    /// A process-unique identity.
+    pub fn id(&self) -> u64 {
+        self.0.id
+    }
+
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        self.0.dtype
+    }
+
+    /// Elements per dimension, ggml order (`ne[0]` fastest).
+    pub fn ne(&self) -> [usize; MAX_DIMS] {
+        self.0.ne
+    }
+
+    /// Byte strides per dimension, ggml order.
+    pub fn nb(&self) -> [usize; MAX_DIMS] {
+        self.0.nb
+    }
+
+    /// Number of dimensions the user sees.
+    pub fn ndim(&self) -> usize {
+        self.0.ndim
+    }
+
+    /// The numpy-order shape (`ndim` entries, last axis fastest).
+    pub fn shape(&self) -> Vec<usize> {
+        self.0.ne[..self.0.ndim].iter().rev().copied().collect()
+    }
+
+    /// The numpy-order byte strides (`ndim` entries); for quantized types these are block
+    /// strides and not meaningful per element.
+    pub fn strides(&self) -> Vec<usize> {
+        self.0.nb[..self.0.ndim].iter().rev().copied().collect()
+    }
+
+    /// Total number of elements.
+    pub fn nelements(&self) -> usize {
+        self.0.ne.iter().product()
+    }
+
+    /// Number of rows (product of `ne[1..]`).
+    pub fn nrows(&self) -> usize {
+        self.0.ne[1..].iter().product()
+    }
+
+    /// Bytes spanned in memory (ggml's `nbytes`).
+    pub fn nbytes(&self) -> usize {
+        span_bytes(self.0.dtype, &self.0.ne, &self.0.nb)
+    }
+
+    /// Bytes of one contiguous row.
+    pub fn row_bytes(&self) -> usize {
+        self.0.ne[0] / self.0.dtype.block_size() * self.0.dtype.type_size()
+    }
+
+    /// The op that computes this tensor ([`Op::None`] for leaves made by a context).
+    pub fn op(&self) -> &Op {
+        &self.0.op
+    }
+
+    /// The op's operands.
+    pub fn srcs(&self) -> &[Tensor] {
+        &self.0.srcs
+    }
+
+    /// The tensor whose memory this one views, if it is a view.
+    pub fn view_src(&self) -> Option<&Tensor> {
+        self.0.view_src.as_ref()
+    }
+
+    /// Byte offset into the view source.
+    pub fn view_offset(&self) -> usize {
+        self.0.view_offset
+    }
+
+    /// The context that created the tensor, while it is alive.
+    pub fn context(&self) -> Option<Context> {
+        self.0.context.upgrade().map(Context::from_inner)
+    }
+
+    /// The name ("" if none was set).
+    pub fn name(&self) -> String {
+        lock(&self.0.name).clone()
+    }
+
+    /// Sets the name.
+    pub fn set_name(&self, name: &str) -> &Self {
+        *lock(&self.0.name) = name.to_owned();
+        self
+    }
+
+    /// The name if set, else `#<id>`: used in messages.
+    pub fn label(&self) -> String {
+        let name = self.name();
+        if name.is_empty() {
+            format!("tensor #{}", self.0.id)
+        } else {
+            format!("tensor '{name}'")
+        }
+    }
+
+    /// Raw flag bits (see [`flags`]).
+    pub fn flags(&self) -> u8 {
+        self.0.flags.load(Ordering::Relaxed)
+    }
+
+    fn set_flag(&self, flag: u8) {
+        self.0.flags.fetch_or(flag, Ordering::Relaxed);
+    }
+
+    /// Marks the tensor as a graph input.
+    pub fn set_input(&self) {
+        self.set_flag(flags::INPUT);
+    }
+
+    /// Marks the tensor as a graph output.
+    pub fn set_output(&self) {
+        self.set_flag(flags::OUTPUT);
+    }
+
+    /// Marks the tensor as a trainable parameter.
+    pub fn set_param(&self) {
+        self.set_flag(flags::PARAM);
+    }
+
+    /// Marks the tensor as a loss.
+    pub fn set_loss(&self) {
+        self.set_flag(flags::LOSS);
+    }
+
+    /// Whether the input flag is set.
+    pub fn is_input(&self) -> bool {
+        self.flags() & flags::INPUT != 0
+    }
+
+    /// Whether the output flag is set.
+    pub fn is_output(&self) -> bool {
+        self.flags() & flags::OUTPUT != 0
+    }
+
+    /// Whether the param flag is set.
+    pub fn is_param(&self) -> bool {
+        self.flags() & flags::PARAM != 0
+    }
+
+    /// Whether the tensor has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.0.ne.contains(&0)
+    }
+
+    /// Whether elements are laid out densely in the natural order (dimensions of size one
+    /// may have any stride).
+    pub fn is_contiguous(&self) -> bool {
+        let expected = contiguous_strides(self.0.dtype, &self.0.ne);
+        (0..MAX_DIMS).all(|i| self.0.ne[i] == 1 || self.0.nb[i] == expected[i])
+    }
+
+    /// Whether each row is dense (rows themselves may be strided).
+    pub fn is_contiguous_rows(&self) -> bool {
+        self.0.ne[0] == 1 || self.0.nb[0] == self.0.dtype.type_size()
+    }
+
+    /// Whether dimensions 0 and 1 are swapped (ggml's `is_transposed`).
+    pub fn is_transposed(&self) -> bool {
+        self.0.nb[0] > self.0.nb[1]
+    }
+
+    /// Whether the strides are not in increasing order (ggml's `is_permuted`).
+    pub fn is_permuted(&self) -> bool {
+        let nb = &self.0.nb;
+        nb[0] > nb[1] || nb[1] > nb[2] || nb[2] > nb[3]
+    }
+
+    /// Whether both tensors have the same shape.
+    pub fn same_shape(&self, other: &Tensor) -> bool {
+        self.0.ne == other.0.ne
+    }
+
+    /// Whether both tensors have the same dtype, shape and strides (ggml's
+    /// `are_same_layout`): one may then be copied or computed into the other's memory.
+    pub fn same_layout(&self, other: &Tensor) -> bool {
+        self.0.dtype == other.0.dtype && self.0.ne == other.0.ne && self.0.nb == other.0.nb
+    }
+
+    /// Whether the two handles are the same tensor.
+    pub fn same(&self, other: &Tensor) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+
+    /// Whether this tensor is a view of another.
+    pub fn is_view(&self) -> bool {
+        self.0.view_src.is_some()
+    }
+
+    // ----- storage -----
+
+    /// Binds a non-view tensor to `offset` in `buffer` (checked: bounds and alignment).
+    pub fn bind(&self, buffer: &Buffer, offset: usize) -> Result<()> {
+        if self.is_view() {
+            return Err(Error::InvalidArgument(format!(
+                "{} is a view; it uses its source's memory and cannot be bound",
+                self.label()
+            )));
+        }
+        if buffer.is_freed() {
+            return Err(Error::Stale(format!(
+                "cannot bind {} to a freed buffer",
+                self.label()
+            )));
+        }
+        let end = offset.checked_add(self.nbytes());
+        if end.is_none_or(|end| end > buffer.size()) {
+            return Err(Error::Alloc(format!(
+                "{} needs {} bytes at offset {offset} but the buffer has {} bytes",
+                self.label(),
+                self.nbytes(),
+                buffer.size()
+            )));
+        }
+        let align = buffer.alignment().max(1);
+        if offset % align != 0 {
+            return Err(Error::Alloc(format!(
+                "offset {offset} of {} is not a multiple of the buffer's alignment {align}",
+                self.label()
+            )));
+        }
+        *lock(&self.0.storage) = Some(Storage {
+            buffer: buffer.clone(),
+            offset,
+            generation: buffer.generation(),
+        });
+        Ok(())
+    }
+
+    /// Removes the storage binding (the tensor becomes unallocated).
+    pub fn unbind(&self) {
+        *lock(&self.0.storage) = None;
+    }
+
+    /// Whether the tensor (or its view source) is bound to a live buffer.
+    pub fn is_allocated(&self) -> bool {
+        self.storage().is_ok()
+    }
+
+    /// The storage of the tensor's bytes: for a view, its source's storage advanced by the
+    /// view offset. Errors if unallocated or stale.
+    pub fn storage(&self) -> Result<Storage> {
+        let owner = self.0.view_src.as_ref().unwrap_or(self);
+        let binding = lock(&owner.0.storage).clone();
+        let mut storage = binding.ok_or_else(|| {
+            if self.is_view() {
+                Error::NotAllocated(format!(
+                    "{} views {}, which has no memory",
+                    self.label(),
+                    owner.label()
+                ))
+            } else {
+                Error::NotAllocated(format!("{} has no memory", self.label()))
+            }
+        })?;
+        if storage.buffer.is_freed() || storage.buffer.generation() != storage.generation {
+            return Err(Error::Stale(format!(
+                "{}: its buffer was {} after the tensor was allocated",
+                self.label(),
+                if storage.buffer.is_freed() {
+                    "freed"
+                } else {
+                    "reset"
+                }
+            )));
+        }
+        storage.offset += self.0.view_offset;
+        Ok(storage)
+    }
+
+    /// The buffer holding the tensor's bytes, if allocated.
+    pub fn buffer(&self) -> Option<Buffer> {
+        self.storage().ok().map(|s| s.buffer)
+    }
+
+    /// The host address of the first byte, for tensors in host memory.
+    pub fn host_ptr(&self) -> Result<*mut u8> {
+        let storage = self.storage()?;
+        let base = storage
+            .buffer
+            .host_ptr()
+            .ok_or_else(|| Error::Backend(format!("{} is not in host memory", self.label())))?;
+        // SAFETY: `bind` checked that `offset + nbytes` lies inside the buffer, and views were
+        // checked to lie inside their source at creation.
+        Ok(unsafe { base.as_ptr().add(storage.offset) })
+    }
+
+    fn check_byte_range(&self, offset: usize, len: usize, what: &str) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.nbytes() => Ok(()),
+            _ => Err(Error::OutOfBounds(format!(
+                "{what} of {len} bytes at offset {offset} is outside {} ({} bytes)",
+                self.label(),
+                self.nbytes()
+            ))),
+        }
+    }
+
+    /// Writes raw bytes at `offset` within the tensor's span (ggml's `tensor_set`).
+    pub fn write_bytes(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check_byte_range(offset, data.len(), "write")?;
+        let storage = self.storage()?;
+        storage.buffer.write(storage.offset + offset, data)
+    }
+
+    /// Reads raw bytes at `offset` within the tensor's span (ggml's `tensor_get`).
+    pub fn read_bytes(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check_byte_range(offset, out.len(), "read")?;
+        let storage = self.storage()?;
+        storage.buffer.read(storage.offset + offset, out)
+    }
+
+    /// Fills `len` bytes at `offset` with `value` (ggml's `tensor_memset`).
+    pub fn fill_bytes(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        self.check_byte_range(offset, len, "memset")?;
+        let storage = self.storage()?;
+        storage.buffer.fill(storage.offset + offset, len, value)
+    }
+
+    /// Reads all elements as f32 in logical order (any layout, any dtype).
+    pub fn to_f32_vec(&self) -> Result<Vec<f32>> {
+        let ne = self.0.ne;
+        let nb = self.0.nb;
+        let row_bytes = self.row_bytes();
+        let mut out = vec![0f32; self.nelements()];
+        if ne[0] == 0 {
+            return Ok(out);
+        }
+        let mut row = vec![0u8; row_bytes];
+        let contiguous_rows = self.is_contiguous_rows() || self.0.dtype.is_quantized();
+        let type_size = self.0.dtype.type_size();
+        let mut element = vec![0u8; type_size];
+        let mut one = [0f32; 1];
+        for (r, chunk) in out.chunks_exact_mut(ne[0]).enumerate() {
+            let i1 = r % ne[1];
+            let i2 = (r / ne[1]) % ne[2];
+            let i3 = r / (ne[1] * ne[2]);
+            let base = i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+            if contiguous_rows {
+                self.read_bytes(base, &mut row)?;
+                self.0.dtype.row_to_f32(&row, chunk)?;
+            } else {
+                for (i0, value) in chunk.iter_mut().enumerate() {
+                    self.read_bytes(base + i0 * nb[0], &mut element)?;
+                    self.0.dtype.row_to_f32(&element, &mut one)?;
+                    *value = one[0];
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Writes all elements from f32 values in logical order, converting to the dtype.
+    pub fn set_f32(&self, values: &[f32]) -> Result<()> {
+        if values.len() != self.nelements() {
+            return Err(Error::Shape(format!(
+                "{} has {} elements (shape {:?}) but {} values were given",
+                self.label(),
+                self.nelements(),
+                self.shape(),
+                values.len()
+            )));
+        }
+        let ne = self.0.ne;
+        let nb = self.0.nb;
+        if ne[0] == 0 {
+            return Ok(());
+        }
+        let contiguous_rows = self.is_contiguous_rows() || self.0.dtype.is_quantized();
+        let mut row = vec![0u8; self.row_bytes()];
+        let mut element = vec![0u8; self.0.dtype.type_size()];
+        for (r, chunk) in values.chunks_exact(ne[0]).enumerate() {
+            let i1 = r % ne[1];
+            let i2 = (r / ne[1]) % ne[2];
+            let i3 = r / (ne[1] * ne[2]);
+            let base = i1 * nb[1] + i2 * nb[2] + i3 * nb[3];
+            if contiguous_rows {
+                self.0.dtype.row_from_f32(chunk, &mut row)?;
+                self.write_bytes(base, &row)?;
+            } else {
+                for (i0, value) in chunk.iter().enumerate() {
+                    self.0
+                        .dtype
+                        .row_from_f32(std::slice::from_ref(value), &mut element)?;
+                    self.write_bytes(base + i0 * nb[0], &element)?;
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl Drop for TensorNode {
+    /// Releases long operand chains iteratively: a graph of 100k chained ops must not overflow
+    /// the stack through nested `Arc` drops.
+    fn drop(&mut self) {
+        let mut pending: Vec<Tensor> = std::mem::take(&mut self.srcs);
+        pending.extend(self.view_src.take());
+        while let Some(tensor) = pending.pop() {
+            if let Some(mut node) = Arc::into_inner(tensor.0) {
+                pending.append(&mut node.srcs);
+                pending.extend(node.view_src.take());
+            }
+        }
+    }
+}
+
+impl PartialEq for Tensor {
+    fn eq(&self, other: &Self) -> bool {
+        self.same(other)
+    }
+}
+
+impl Eq for Tensor {}
+
+impl Hash for Tensor {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        self.0.id.hash(state);
+    }
+}
+
+impl fmt::Debug for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Tensor(")?;
+        let name = self.name();
+        if !name.is_empty() {
+            write!(f, "'{name}', ")?;
+        }
+        write!(
+            f,
+            "{}, shape={:?}, op={}",
+            self.0.dtype,
+            self.shape(),
+            self.0.op.name()
+        )?;
+        if self.is_view() {
+            write!(f, ", view")?;
+        }
+        write!(f, ")")
+    }
+}
+
+impl fmt::Display for Tensor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(self, f)
+    }
+}

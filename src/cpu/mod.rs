@@ -1,3 +1,15 @@
 //! The CPU backend: feature detection, kernels and graph compute.
 
+pub mod backend;
+pub mod compute;
 pub mod features;
+pub mod kernels;
+pub mod sysinfo;
+pub mod threadpool;
+
+pub use compute::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
+
+/// The CPU backend registration (always present in the registry).
+pub fn registration() -> std::sync::Arc<dyn crate::registry::Registration> {
+    std::sync::Arc::new(backend::CpuRegistration)
+}

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One entry point for a fresh machine: sets up ./.venv, builds the native module, and runs
+# the main job or the tests.
+#
+#   bash scripts/dev.sh demo        # the main job
+#   bash scripts/dev.sh test        # every test: Rust (cargo test) and Python (pytest)
+#   bash scripts/dev.sh bench       # benchmarks: cargo bench + benches/compare.py
+#   bash scripts/dev.sh lint        # cargo fmt --check, clippy, ruff, mypy
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+venv=.venv
+setup() {
+  if ! command -v cargo >/dev/null 2>&1; then
+    echo "cargo is required (https://rustup.rs)" >&2
+    exit 1
+  fi
+  if [ ! -x "$venv/bin/python" ]; then
+    python3 -m venv "$venv"
+  fi
+  # shellcheck disable=SC1091
+  . "$venv/bin/activate"
+  python -m pip install -q --upgrade pip
+  python -m pip install -q "maturin>=1.9,<2" numpy pytest hypothesis ml_dtypes ruff mypy
+  # The release profile: the kernels are what the demo and the Python tests exercise.
+  maturin develop -q --release
+}
+
+case "${1:-}" in
+  demo)
+    setup
+    shift
+    python -m ferrograph demo "$@"
+    ;;
+  test)
+    setup
+    cargo test -q
+    python -m pytest -q tests/python
+    ;;
+  bench)
+    setup
+    cargo bench
+    python benches/compare.py
+    ;;
+  lint)
+    setup
+    cargo fmt --all -- --check
+    cargo clippy -q --all-targets -- -D warnings
+    cargo clippy -q --all-targets --features python -- -D warnings
+    ruff check python tests benches
+    mypy python/ferrograph
+    ;;
+  *)
+    echo "usage: bash scripts/dev.sh demo|test|bench|lint" >&2
+    exit 2
+    ;;
+esac

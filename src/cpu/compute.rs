@@ -1,0 +1,268 @@
+//! Graph compute on the CPU: op dispatch, support queries and scratch sizing.
+//!
+//! [`compute_graph`] walks a graph's nodes in order and runs each one with [`compute_node`]
+//! inside the given rayon pool. Kernels live in [`super::kernels`], one module per op family.
+
+use rayon::ThreadPool;
+
+use super::kernels::{
+    attention, binary, copy, custom, matmul, norm, reduce, rope, softmax, unary, view::RawTensor,
+};
+use crate::dtype::DType;
+use crate::error::{Error, Result, Status};
+use crate::graph::Graph;
+use crate::ops::Op;
+use crate::tensor::Tensor;
+
+/// Options of a CPU compute call.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ComputeOptions {
+    /// Use the scalar reference kernels (no SIMD dispatch) where a kernel has both, as
+    /// ggml's `use_ref` does for its reference backend in tests.
+    pub use_reference: bool,
+}
+
+fn is_float(dtype: DType) -> bool {
+    dtype.is_float()
+}
+
+fn is_matmul_weight(dtype: DType) -> bool {
+    matches!(
+        dtype,
+        DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0
+    )
+}
+
+/// Whether the CPU kernels implement this node's op with its operand and result dtypes.
+pub fn supports_op(node: &Tensor) -> bool {
+    let srcs = node.srcs();
+    let src = |i: usize| srcs.get(i).map(Tensor::dtype);
+    let dst = node.dtype();
+    let f32_only = |i: usize| src(i) == Some(DType::F32);
+    let float = |i: usize| src(i).is_some_and(is_float);
+    match node.op() {
+        Op::None | Op::Reshape | Op::View | Op::Permute { .. } | Op::Transpose => true,
+        Op::Dup | Op::Cont | Op::Cpy => src(0).is_some_and(|s| copy::supports(s, dst)),
+        Op::Add | Op::Sub | Op::Mul | Op::Div => {
+            float(0) && src(0) == Some(dst) && (f32_only(1) || src(1) == src(0))
+        }
+        Op::Add1 => float(0) && float(1) && src(0) == Some(dst),
+        Op::Acc { .. } => f32_only(0) && f32_only(1) && dst == DType::F32,
+        Op::Sqr
+        | Op::Sqrt
+        | Op::Log
+        | Op::Sin
+        | Op::Cos
+        | Op::Clamp { .. }
+        | Op::Scale { .. }
+        | Op::Unary(_)
+        | Op::LeakyRelu { .. } => float(0) && src(0) == Some(dst),
+        Op::Glu { .. } => float(0) && src(0) == Some(dst) && (srcs.len() == 1 || src(1) == src(0)),
+        Op::Sum | Op::SumRows | Op::Mean => float(0) && dst == DType::F32,
+        Op::Argmax => f32_only(0) && dst == DType::I32,
+        Op::Repeat => src(0).is_some_and(|s| !s.is_quantized()) && src(0) == Some(dst),
+        Op::Concat { .. } => {
+            src(0).is_some_and(|s| !s.is_quantized()) && src(0) == src(1) && src(0) == Some(dst)
+        }
+        Op::Norm { .. } | Op::RmsNorm { .. } | Op::GroupNorm { .. } | Op::L2Norm { .. } => {
+            f32_only(0) && dst == DType::F32
+        }
+        Op::MulMat | Op::OutProd => {
+            src(0).is_some_and(is_matmul_weight) && f32_only(1) && dst == DType::F32
+        }
+        Op::MulMatId => {
+            src(0).is_some_and(is_matmul_weight)
+                && f32_only(1)
+                && src(2) == Some(DType::I32)
+                && dst == DType::F32
+        }
+        Op::GetRows => {
+            src(1) == Some(DType::I32)
+                && src(0).is_some_and(|s| {
+                    (s == DType::I32 && dst == DType::I32) || (s != DType::I32 && dst == DType::F32)
+                })
+        }
+        Op::SetRows => {
+            f32_only(1)
+                && matches!(src(2), Some(DType::I32 | DType::I64))
+                && src(0) == Some(dst)
+                && copy::supports(DType::F32, dst)
+        }
+        Op::DiagMaskInf { .. } => f32_only(0) && dst == DType::F32,
+        Op::SoftMax { .. } => {
+            f32_only(0)
+                && dst == DType::F32
+                && (srcs.len() < 2 || matches!(src(1), Some(DType::F32 | DType::F16)))
+        }
+        Op::Rope(_) => {
+            matches!(src(0), Some(DType::F32 | DType::F16))
+                && src(0) == Some(dst)
+                && src(1) == Some(DType::I32)
+                && (srcs.len() < 3 || f32_only(2))
+        }
+        Op::FlashAttnExt { .. } => {
+            f32_only(0)
+                && matches!(src(1), Some(DType::F32 | DType::F16))
+                && matches!(src(2), Some(DType::F32 | DType::F16))
+                && (srcs.len() < 4 || matches!(src(3), Some(DType::F32 | DType::F16)))
+                && dst == DType::F32
+        }
+        Op::Custom(_) => true,
+    }
+}
+
+/// Scratch bytes a node needs (converted or quantized activations of a matrix product).
+fn node_work_size(node: &Tensor) -> usize {
+    match node.op() {
+        Op::MulMat | Op::MulMatId => match (node.srcs().first(), node.srcs().get(1)) {
+            (Some(a), Some(b)) => matmul::scratch_bytes(a.dtype(), &b.ne(), b.is_contiguous()),
+            _ => 0,
+        },
+        _ => 0,
+    }
+}
+
+/// Scratch bytes a graph needs with `n_threads` threads: the largest per-node need (matrix
+/// products convert their activations once per node, shared by all threads). Per-task row
+/// buffers are small and allocated by the tasks themselves.
+pub fn work_size(graph: &Graph, n_threads: usize) -> usize {
+    let _ = n_threads;
+    graph.nodes().iter().map(node_work_size).max().unwrap_or(0)
+}
+
+fn unsupported(node: &Tensor) -> Error {
+    let dtypes: Vec<&str> = node.srcs().iter().map(|s| s.dtype().name()).collect();
+    Error::UnsupportedOp(format!(
+        "the CPU backend has no kernel for {} with operands ({}) producing {} ({})",
+        node.op().display_name(),
+        dtypes.join(", "),
+        node.dtype().name(),
+        node.label()
+    ))
+}
+
+/// Computes every node of `graph` in order on `pool`.
+///
+/// Leaves and pure view ops are skipped. `abort` is polled before each node; when it returns
+/// true the call returns `Ok(Status::Aborted)` with the nodes computed so far intact. An op or
+/// dtype combination without a kernel returns [`Error::UnsupportedOp`]; a node or operand
+/// without host memory returns its storage error.
+pub fn compute_graph(
+    graph: &Graph,
+    pool: &ThreadPool,
+    options: &ComputeOptions,
+    abort: Option<&(dyn Fn() -> bool + Sync)>,
+) -> Result<Status> {
+    let mut scratch = Vec::with_capacity(work_size(graph, pool.current_num_threads()));
+    for node in graph.nodes() {
+        if abort.is_some_and(|f| f()) {
+            return Ok(Status::Aborted);
+        }
+        if matches!(node.op(), Op::None) || node.op().is_view_op() {
+            continue;
+        }
+        compute_node(node, pool, options, &mut scratch)?;
+    }
+    Ok(Status::Success)
+}
+
+/// Computes one node on `pool`, using `scratch` for converted operands (grown as needed).
+///
+/// The node and its operands must be allocated host tensors; leaves and view ops do nothing.
+pub fn compute_node(
+    node: &Tensor,
+    pool: &ThreadPool,
+    options: &ComputeOptions,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    if matches!(node.op(), Op::None) || node.op().is_view_op() {
+        return Ok(());
+    }
+    if !supports_op(node) {
+        return Err(unsupported(node));
+    }
+    let dst = RawTensor::new(node)?;
+    let srcs = node
+        .srcs()
+        .iter()
+        .map(RawTensor::new)
+        .collect::<Result<Vec<_>>>()?;
+    if node.is_empty() {
+        return Ok(());
+    }
+    pool.install(|| run(node, dst, &srcs, options, scratch))
+}
+
+fn run(
+    node: &Tensor,
+    dst: RawTensor,
+    srcs: &[RawTensor],
+    options: &ComputeOptions,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let src = |i: usize| srcs.get(i).copied().ok_or_else(|| unsupported(node));
+    match node.op() {
+        Op::None | Op::Reshape | Op::View | Op::Permute { .. } | Op::Transpose => Ok(()),
+        Op::Dup | Op::Cont | Op::Cpy => copy::copy(dst, src(0)?),
+        Op::GetRows => copy::get_rows(dst, src(0)?, src(1)?),
+        Op::SetRows => copy::set_rows(dst, src(1)?, src(2)?),
+        Op::Add | Op::Sub | Op::Mul | Op::Div => binary::binary(node.op(), dst, src(0)?, src(1)?),
+        Op::Add1 => binary::add1(dst, src(0)?, src(1)?),
+        Op::Acc {
+            nb1,
+            nb2,
+            nb3,
+            offset,
+        } => binary::acc(dst, src(0)?, src(1)?, [*nb1, *nb2, *nb3], *offset),
+        Op::Sqr
+        | Op::Sqrt
+        | Op::Log
+        | Op::Sin
+        | Op::Cos
+        | Op::Clamp { .. }
+        | Op::Scale { .. }
+        | Op::Unary(_)
+        | Op::LeakyRelu { .. } => unary::elementwise(node.op(), dst, src(0)?),
+        Op::Glu { op, swapped } => unary::glu(*op, *swapped, dst, src(0)?, srcs.get(1).copied()),
+        Op::Sum => reduce::sum(dst, src(0)?),
+        Op::SumRows => reduce::sum_rows(dst, src(0)?, false),
+        Op::Mean => reduce::sum_rows(dst, src(0)?, true),
+        Op::Argmax => reduce::argmax(dst, src(0)?),
+        Op::Repeat => reduce::repeat(dst, src(0)?),
+        Op::Concat { dim } => reduce::concat(dst, src(0)?, src(1)?, *dim),
+        Op::Norm { eps } => norm::norm(dst, src(0)?, *eps),
+        Op::RmsNorm { eps } => norm::rms_norm(dst, src(0)?, *eps),
+        Op::GroupNorm { n_groups, eps } => norm::group_norm(dst, src(0)?, *n_groups, *eps),
+        Op::L2Norm { eps } => norm::l2_norm(dst, src(0)?, *eps),
+        Op::MulMat => matmul::mul_mat(dst, src(0)?, src(1)?, options.use_reference, scratch),
+        Op::MulMatId => matmul::mul_mat_id(
+            dst,
+            src(0)?,
+            src(1)?,
+            src(2)?,
+            options.use_reference,
+            scratch,
+        ),
+        Op::OutProd => matmul::out_prod(dst, src(0)?, src(1)?),
+        Op::DiagMaskInf { n_past } => softmax::diag_mask_inf(dst, src(0)?, *n_past),
+        Op::SoftMax { scale, max_bias } => {
+            softmax::soft_max(dst, src(0)?, srcs.get(1).copied(), *scale, *max_bias)
+        }
+        Op::Rope(params) => rope::rope(dst, src(0)?, src(1)?, srcs.get(2).copied(), params),
+        Op::FlashAttnExt {
+            scale,
+            max_bias,
+            logit_softcap,
+        } => attention::flash_attn_ext(
+            dst,
+            src(0)?,
+            src(1)?,
+            src(2)?,
+            srcs.get(3).copied(),
+            *scale,
+            *max_bias,
+            *logit_softcap,
+        ),
+        Op::Custom(op) => custom::custom(op, node),
+    }
+}

@@ -1,0 +1,356 @@
+//! Matrix products: MUL_MAT (f32, f16, bf16, q8_0, q4_0 weights × f32), MUL_MAT_ID and
+//! OUT_PROD.
+//!
+//! MUL_MAT follows ggml: `dst[i, j, i12, i13] = dot(a[:, i, i12/r2, i13/r3], b[:, j, i12, i13])`
+//! with `r2 = b.ne2 / a.ne2`, `r3 = b.ne3 / a.ne3`. Operands may be permuted or strided.
+//! Activations (`b`) are prepared once per node: used in place when their rows are dense f32,
+//! packed to f32 otherwise, and quantized to q8_0 (as ggml does) when the weights are
+//! quantized, so quantized products are integer dot products per block. The output is split
+//! into tiles of weight rows × activation rows; each task converts its f16/bf16 weight rows
+//! to f32 once and reuses them for all its columns.
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use super::par_ranges;
+use super::quant_dot::{
+    dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0, dot_q8_0_q8_0_ref,
+    quantize_row_q8_0, Q8_0_BYTES, QK,
+};
+use super::view::{read_index, RawTensor};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::MAX_DIMS;
+
+/// Scratch bytes MUL_MAT / MUL_MAT_ID need for activations of shape `b_ne`.
+pub fn scratch_bytes(weights: DType, b_ne: &[usize; MAX_DIMS], b_contiguous: bool) -> usize {
+    let rows = b_ne[1] * b_ne[2] * b_ne[3];
+    if weights.is_quantized() {
+        rows * (b_ne[0] / QK) * Q8_0_BYTES
+    } else if b_contiguous {
+        0
+    } else {
+        rows * b_ne[0] * 4
+    }
+}
+
+fn f32_direct(t: &RawTensor) -> bool {
+    t.dtype == DType::F32
+        && (t.ne[0] <= 1 || t.nb[0] == 4)
+        && (t.ptr.0 as usize) % 4 == 0
+        && t.nb[1..].iter().all(|s| s % 4 == 0)
+}
+
+/// Activations ready for dot products.
+enum Prepared<'s> {
+    /// Dense aligned f32 rows read in place.
+    Direct(RawTensor),
+    /// f32 rows packed contiguously.
+    Packed(Vec<f32>, [usize; MAX_DIMS]),
+    /// q8_0 rows packed contiguously in the scratch.
+    Q8(&'s [u8], usize, [usize; MAX_DIMS]),
+}
+
+fn flat(ne: &[usize; MAX_DIMS], i1: usize, i2: usize, i3: usize) -> usize {
+    i1 + ne[1] * (i2 + ne[2] * i3)
+}
+
+impl Prepared<'_> {
+    fn f32_row(&self, k: usize, (i1, i2, i3): (usize, usize, usize)) -> &[f32] {
+        match self {
+            Prepared::Direct(b) => {
+                // SAFETY: the row lies inside `b`, whose rows are dense, 4-byte aligned f32
+                // (checked by `f32_direct`), and `b` is read-only during the product.
+                unsafe {
+                    std::slice::from_raw_parts(b.at(b.row_offset(i1, i2, i3)).cast::<f32>(), k)
+                }
+            }
+            Prepared::Packed(data, ne) => {
+                let r = flat(ne, i1, i2, i3);
+                &data[r * k..(r + 1) * k]
+            }
+            Prepared::Q8(..) => &[],
+        }
+    }
+
+    fn q8_row(&self, (i1, i2, i3): (usize, usize, usize)) -> &[u8] {
+        match self {
+            Prepared::Q8(data, row_bytes, ne) => {
+                let r = flat(ne, i1, i2, i3);
+                &data[r * row_bytes..(r + 1) * row_bytes]
+            }
+            _ => &[],
+        }
+    }
+}
+
+fn prepare<'s>(weights: DType, b: RawTensor, scratch: &'s mut Vec<u8>) -> Result<Prepared<'s>> {
+    let k = b.ne[0];
+    let nrows = b.nrows();
+    if weights.is_quantized() {
+        let row_bytes = DType::Q8_0.row_size(k)?;
+        scratch.clear();
+        scratch.resize(nrows * row_bytes, 0);
+        scratch
+            .par_chunks_mut(row_bytes.max(1))
+            .enumerate()
+            .with_min_len((super::MIN_TASK_ELEMENTS / k.max(1)).max(1))
+            .try_for_each_init(
+                || vec![0f32; k],
+                |buf, (r, out)| -> Result<()> {
+                    let (i1, i2, i3) = b.row_coords(r);
+                    // SAFETY: row `r` lies inside `b` (read-only).
+                    unsafe { b.load_row(i1, i2, i3, buf)? };
+                    quantize_row_q8_0(buf, out);
+                    Ok(())
+                },
+            )?;
+        return Ok(Prepared::Q8(scratch.as_slice(), row_bytes, b.ne));
+    }
+    if f32_direct(&b) {
+        return Ok(Prepared::Direct(b));
+    }
+    let mut data = vec![0f32; nrows * k];
+    if k > 0 {
+        data.par_chunks_mut(k)
+            .enumerate()
+            .with_min_len((super::MIN_TASK_ELEMENTS / k).max(1))
+            .try_for_each(|(r, out)| {
+                let (i1, i2, i3) = b.row_coords(r);
+                // SAFETY: row `r` lies inside `b` (read-only).
+                unsafe { b.load_row(i1, i2, i3, out) }
+            })?;
+    }
+    Ok(Prepared::Packed(data, b.ne))
+}
+
+/// One output column: the activation row and the dst offset of element 0 of the column.
+#[derive(Clone, Copy)]
+struct Col {
+    b: (usize, usize, usize),
+    dst: usize,
+}
+
+/// Computes `dst[i, col] = dot(a[:, i, i02, i03], b[col])` for `i` in `rows`.
+#[allow(clippy::too_many_arguments)]
+fn run_tile(
+    a: &RawTensor,
+    (i02, i03): (usize, usize),
+    rows: Range<usize>,
+    cols: &[Col],
+    b: &Prepared<'_>,
+    dst: &RawTensor,
+    reference: bool,
+    abuf: &mut Vec<f32>,
+) -> Result<()> {
+    let k = a.ne[0];
+    let write = |col: &Col, i: usize, v: f32| {
+        // SAFETY: (i, col) is an element of dst inside this task's tile; tiles are disjoint.
+        unsafe {
+            dst.at(col.dst + i * dst.nb[0])
+                .cast::<f32>()
+                .write_unaligned(v)
+        }
+    };
+    match a.dtype {
+        DType::Q8_0 | DType::Q4_0 => {
+            let row_bytes = a.dtype.row_size(k)?;
+            let dot = match (a.dtype, reference) {
+                (DType::Q8_0, false) => dot_q8_0_q8_0,
+                (DType::Q8_0, true) => dot_q8_0_q8_0_ref,
+                (_, false) => dot_q4_0_q8_0,
+                (_, true) => dot_q4_0_q8_0_ref,
+            };
+            for col in cols {
+                let brow = b.q8_row(col.b);
+                for i in rows.clone() {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+                    // `row_bytes` bytes of adjacent blocks.
+                    let arow = unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
+                    };
+                    write(col, i, dot(arow, brow));
+                }
+            }
+        }
+        _ => {
+            let dot = if reference { dot_f32_ref } else { dot_f32 };
+            let direct = f32_direct(a);
+            if !direct {
+                abuf.resize(rows.len() * k, 0.0);
+                for (ii, i) in rows.clone().enumerate() {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only).
+                    unsafe { a.load_row(i, i02, i03, &mut abuf[ii * k..(ii + 1) * k])? };
+                }
+            }
+            for col in cols {
+                let brow = b.f32_row(k, col.b);
+                for (ii, i) in rows.clone().enumerate() {
+                    let arow: &[f32] = if direct {
+                        // SAFETY: dense aligned f32 row inside `a` (checked by `f32_direct`).
+                        unsafe {
+                            std::slice::from_raw_parts(
+                                a.at(a.row_offset(i, i02, i03)).cast::<f32>(),
+                                k,
+                            )
+                        }
+                    } else {
+                        &abuf[ii * k..(ii + 1) * k]
+                    };
+                    write(col, i, dot(arow, brow));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn row_tile(m: usize, n: usize) -> usize {
+    if n == 1 {
+        64.min(m.max(1))
+    } else {
+        16.min(m.max(1))
+    }
+}
+
+/// MUL_MAT: `dst [M, N, ne12, ne13] = b · aᵀ` per batch, with `a`'s batches broadcast.
+pub fn mul_mat(
+    dst: RawTensor,
+    a: RawTensor,
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let (m, n) = (a.ne[1], b.ne[1]);
+    let (ne12, ne13) = (b.ne[2], b.ne[3]);
+    if a.ne[2] == 0 || a.ne[3] == 0 || ne12 % a.ne[2] != 0 || ne13 % a.ne[3] != 0 {
+        return Err(Error::Shape(
+            "MUL_MAT batch dimensions do not broadcast".into(),
+        ));
+    }
+    let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
+    let prepared = prepare(a.dtype, b, scratch)?;
+    let ti = row_tile(m, n);
+    let i_tiles = m.div_ceil(ti);
+    let batches = ne12 * ne13;
+    let threads = rayon::current_num_threads().max(1);
+    let j_tiles = if batches * i_tiles >= 4 * threads {
+        1
+    } else {
+        (4 * threads).div_ceil(batches * i_tiles).min(n.max(1))
+    };
+    let tj = n.div_ceil(j_tiles.max(1)).max(1);
+    let j_tiles = n.div_ceil(tj);
+    let tasks = batches * i_tiles * j_tiles;
+    // Small products run on one thread: a task costs about ti·tj·K multiply-adds.
+    let work_per_task = ti * tj * a.ne[0];
+    let grain = (1usize << 16).div_ceil(work_per_task.max(1)).max(1);
+    par_ranges(tasks, grain, |range| {
+        let mut abuf = Vec::new();
+        let mut cols = Vec::with_capacity(tj);
+        for task in range {
+            let jt = task % j_tiles;
+            let it = (task / j_tiles) % i_tiles;
+            let batch = task / (j_tiles * i_tiles);
+            let (i12, i13) = (batch % ne12, batch / ne12);
+            cols.clear();
+            for j in jt * tj..((jt + 1) * tj).min(n) {
+                cols.push(Col {
+                    b: (j, i12, i13),
+                    dst: dst.row_offset(j, i12, i13),
+                });
+            }
+            run_tile(
+                &a,
+                (i12 / r2, i13 / r3),
+                it * ti..((it + 1) * ti).min(m),
+                &cols,
+                &prepared,
+                &dst,
+                reference,
+                &mut abuf,
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// MUL_MAT_ID: for token `t` and slot `e`, `dst[:, e, t] = experts[ids[e, t]] · b[:, e % n_b, t]`.
+pub fn mul_mat_id(
+    dst: RawTensor,
+    experts: RawTensor,
+    b: RawTensor,
+    ids: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let n_expert = experts.ne[2];
+    let (n_used, n_tokens) = (ids.ne[0], ids.ne[1]);
+    let mut by_expert: Vec<Vec<Col>> = vec![Vec::new(); n_expert];
+    for t in 0..n_tokens {
+        for e in 0..n_used {
+            // SAFETY: (e, t) lies inside the ids tensor (read-only).
+            let x = unsafe { read_index(ids.dtype, ids.at(ids.offset(e, t, 0, 0))) };
+            if x < 0 || x as usize >= n_expert {
+                return Err(Error::OutOfBounds(format!(
+                    "MUL_MAT_ID: expert id {x} is outside 0..{n_expert}"
+                )));
+            }
+            by_expert[x as usize].push(Col {
+                b: (e % b.ne[1], t, 0),
+                dst: dst.row_offset(e, t, 0),
+            });
+        }
+    }
+    let prepared = prepare(experts.dtype, b, scratch)?;
+    let m = experts.ne[1];
+    let ti = 16.min(m.max(1));
+    let i_tiles = m.div_ceil(ti);
+    let tasks: Vec<(usize, usize)> = (0..n_expert)
+        .filter(|&x| !by_expert[x].is_empty())
+        .flat_map(|x| (0..i_tiles).map(move |it| (x, it)))
+        .collect();
+    par_ranges(tasks.len(), 1, |range| {
+        let mut abuf = Vec::new();
+        for &(x, it) in &tasks[range] {
+            run_tile(
+                &experts,
+                (x, 0),
+                it * ti..((it + 1) * ti).min(m),
+                &by_expert[x],
+                &prepared,
+                &dst,
+                reference,
+                &mut abuf,
+            )?;
+        }
+        Ok(())
+    })
+}
+
+/// OUT_PROD: `dst[i0, i1, i2, i3] = Σ_k a[i0, k, i2/r2, i3/r3] · b[i1, k, i2, i3]`.
+pub fn out_prod(dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()> {
+    let n0 = dst.ne[0];
+    let kk = a.ne[1];
+    let (r2, r3) = (b.ne[2] / a.ne[2].max(1), b.ne[3] / a.ne[3].max(1));
+    par_ranges(dst.nrows(), super::row_grain(n0 * kk.max(1)), |rows| {
+        let mut acc = vec![0f32; n0];
+        let mut arow = vec![0f32; n0];
+        for r in rows {
+            let (i1, i2, i3) = dst.row_coords(r);
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for k in 0..kk {
+                // SAFETY: (i1, k, i2, i3) lies inside `b` and the weight row inside `a`; both
+                // are read-only.
+                let bv = unsafe { b.at(b.offset(i1, k, i2, i3)).cast::<f32>().read_unaligned() };
+                // SAFETY: as above.
+                unsafe { a.load_row(k, i2 / r2.max(1), i3 / r3.max(1), &mut arow)? };
+                acc.iter_mut().zip(&arow).for_each(|(s, &x)| *s += x * bv);
+            }
+            // SAFETY: dst row `r` belongs to this task.
+            unsafe { dst.store_row(i1, i2, i3, &acc)? };
+        }
+        Ok(())
+    })
+}

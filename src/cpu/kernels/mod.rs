@@ -1,0 +1,54 @@
+//! CPU kernels, one module per op family.
+//!
+//! Every kernel receives raw views ([`view::RawTensor`]) of its output and sources, already
+//! checked to be allocated host tensors, and runs inside the caller's rayon pool. Work is split
+//! over rows (or output tiles) so that no two tasks write the same bytes; ops that may run in
+//! place read each row completely before writing it.
+
+pub mod attention;
+pub mod binary;
+pub mod copy;
+pub mod custom;
+pub mod matmul;
+pub mod norm;
+pub mod quant_dot;
+pub mod reduce;
+pub mod rope;
+pub mod softmax;
+pub mod unary;
+pub mod view;
+
+use std::ops::Range;
+
+use rayon::prelude::*;
+
+use crate::error::Result;
+
+/// Elements a task should handle at least, so scheduling costs stay small.
+pub(crate) const MIN_TASK_ELEMENTS: usize = 16 * 1024;
+
+/// Rows per task for rows of `row_len` elements.
+pub(crate) fn row_grain(row_len: usize) -> usize {
+    (MIN_TASK_ELEMENTS / row_len.max(1)).max(1)
+}
+
+/// Runs `f` over `0..n` split into ranges of at least `grain` items, in parallel on the
+/// current rayon pool (on the calling thread alone when there is one range). The first error
+/// is returned.
+pub(crate) fn par_ranges<F>(n: usize, grain: usize, f: F) -> Result<()>
+where
+    F: Fn(Range<usize>) -> Result<()> + Sync,
+{
+    if n == 0 {
+        return Ok(());
+    }
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = grain.max(n.div_ceil(threads * 4)).max(1);
+    let n_chunks = n.div_ceil(chunk);
+    if n_chunks <= 1 || threads == 1 {
+        return f(0..n);
+    }
+    (0..n_chunks)
+        .into_par_iter()
+        .try_for_each(|c| f(c * chunk..((c + 1) * chunk).min(n)))
+}

@@ -1,0 +1,301 @@
+//! Raw tensor views for kernels, a `Send`-able pointer, and row conversion to and from f32.
+//!
+//! A [`RawTensor`] is a tensor's host address with its dtype, shape and byte strides. Kernels
+//! compute addresses with [`RawTensor::offset`] and read or write whole rows through
+//! [`RawTensor::load_row`] / [`RawTensor::store_row`], which convert any supported dtype
+//! (f32, f16, bf16, i8, i16, i32, i64, q8_0, q4_0) to and from f32 and follow `nb[0]`.
+
+use half::{bf16, f16};
+
+use super::quant_dot;
+use crate::convert;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::tensor::{Tensor, MAX_DIMS};
+
+/// A raw host pointer that may cross threads. Kernels guarantee that tasks write disjoint
+/// bytes, which is what makes sharing it sound.
+#[derive(Clone, Copy, Debug)]
+pub struct SendPtr(pub *mut u8);
+
+// SAFETY: the pointer is only dereferenced by kernels that split work so that no two tasks
+// write the same bytes and no task reads bytes another task writes during the same op.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above; shared access is only ever read-only or to disjoint regions.
+unsafe impl Sync for SendPtr {}
+
+/// A tensor's host memory with its layout.
+#[derive(Clone, Copy, Debug)]
+pub struct RawTensor {
+    /// Address of the first element.
+    pub ptr: SendPtr,
+    /// Element type.
+    pub dtype: DType,
+    /// Elements per dimension (ggml order).
+    pub ne: [usize; MAX_DIMS],
+    /// Byte strides per dimension (for quantized types `nb[0]` is the block size in bytes).
+    pub nb: [usize; MAX_DIMS],
+}
+
+impl RawTensor {
+    /// The view of an allocated host tensor (the storage error otherwise).
+    pub fn new(tensor: &Tensor) -> Result<RawTensor> {
+        let ptr = tensor.host_ptr()?;
+        Ok(RawTensor {
+            ptr: SendPtr(ptr),
+            dtype: tensor.dtype(),
+            ne: tensor.ne(),
+            nb: tensor.nb(),
+        })
+    }
+
+    /// Number of rows (product of `ne[1..]`).
+    pub fn nrows(&self) -> usize {
+        self.ne[1] * self.ne[2] * self.ne[3]
+    }
+
+    /// Total number of elements.
+    pub fn nelements(&self) -> usize {
+        self.ne.iter().product()
+    }
+
+    /// The (i1, i2, i3) coordinates of flat row `r`.
+    pub fn row_coords(&self, r: usize) -> (usize, usize, usize) {
+        let i1 = r % self.ne[1];
+        let i2 = (r / self.ne[1]) % self.ne[2];
+        let i3 = r / (self.ne[1] * self.ne[2]);
+        (i1, i2, i3)
+    }
+
+    /// Byte offset of row (i1, i2, i3).
+    pub fn row_offset(&self, i1: usize, i2: usize, i3: usize) -> usize {
+        i1 * self.nb[1] + i2 * self.nb[2] + i3 * self.nb[3]
+    }
+
+    /// Byte offset of element (i0, i1, i2, i3); `i0` must be block-aligned for quantized types.
+    pub fn offset(&self, i0: usize, i1: usize, i2: usize, i3: usize) -> usize {
+        i0 / self.dtype.block_size() * self.nb[0] + self.row_offset(i1, i2, i3)
+    }
+
+    /// Address `offset` bytes past the first element.
+    ///
+    /// # Safety
+    /// `offset` must lie within the tensor's span.
+    pub unsafe fn at(&self, offset: usize) -> *mut u8 {
+        // SAFETY: guaranteed by the caller.
+        unsafe { self.ptr.0.add(offset) }
+    }
+
+    /// Whether the elements of each row are adjacent.
+    pub fn dense_rows(&self) -> bool {
+        self.ne[0] <= 1 || self.dtype.is_quantized() || self.nb[0] == self.dtype.type_size()
+    }
+
+    /// Whether the whole tensor is laid out densely in logical order.
+    pub fn is_contiguous(&self) -> bool {
+        let mut expected = self.dtype.type_size();
+        let block = self.dtype.block_size();
+        for i in 0..MAX_DIMS {
+            if self.ne[i] != 1 && self.nb[i] != expected {
+                return false;
+            }
+            expected *= if i == 0 {
+                self.ne[0] / block
+            } else {
+                self.ne[i]
+            };
+        }
+        true
+    }
+
+    /// Reads row (i1, i2, i3) into `out` as f32 (`out.len()` elements from the row start).
+    ///
+    /// # Safety
+    /// The row must lie within the tensor, and no other task may write it concurrently.
+    pub unsafe fn load_row(&self, i1: usize, i2: usize, i3: usize, out: &mut [f32]) -> Result<()> {
+        // SAFETY: the row is inside the tensor (caller), so its address and `out.len()`
+        // elements at stride `nb[0]` are readable.
+        unsafe {
+            load_f32(
+                self.dtype,
+                self.at(self.row_offset(i1, i2, i3)),
+                self.nb[0],
+                out,
+            )
+        }
+    }
+
+    /// Writes `src` (f32) into row (i1, i2, i3), converting to the dtype.
+    ///
+    /// # Safety
+    /// The row must lie within the tensor, and no other task may read or write it
+    /// concurrently.
+    pub unsafe fn store_row(&self, i1: usize, i2: usize, i3: usize, src: &[f32]) -> Result<()> {
+        // SAFETY: as for `load_row`, with exclusive access to the row.
+        unsafe {
+            store_f32(
+                self.dtype,
+                self.at(self.row_offset(i1, i2, i3)),
+                self.nb[0],
+                src,
+            )
+        }
+    }
+}
+
+fn aligned<T>(ptr: *const u8) -> bool {
+    (ptr as usize) % std::mem::align_of::<T>() == 0
+}
+
+/// Reads `out.len()` elements of `dtype` starting at `ptr`, `stride` bytes apart (ignored for
+/// quantized types, whose blocks are adjacent), as f32.
+///
+/// # Safety
+/// `ptr` must point to that many readable elements laid out as described.
+pub unsafe fn load_f32(dtype: DType, ptr: *const u8, stride: usize, out: &mut [f32]) -> Result<()> {
+    let n = out.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let size = dtype.type_size();
+    let dense = stride == size;
+    match dtype {
+        DType::F32 if dense => {
+            // SAFETY: `n` f32 values are readable at `ptr` (caller); `out` is a distinct
+            // allocation owned by this task.
+            unsafe { std::ptr::copy_nonoverlapping(ptr, out.as_mut_ptr().cast::<u8>(), n * 4) };
+        }
+        DType::F16 if dense && aligned::<f16>(ptr) => {
+            // SAFETY: `n` aligned f16 values are readable at `ptr` (caller, alignment checked).
+            let src = unsafe { std::slice::from_raw_parts(ptr.cast::<f16>(), n) };
+            convert::fp16_to_fp32_row(src, out)?;
+        }
+        DType::BF16 if dense && aligned::<bf16>(ptr) => {
+            // SAFETY: `n` aligned bf16 values are readable at `ptr` (caller, alignment checked).
+            let src = unsafe { std::slice::from_raw_parts(ptr.cast::<bf16>(), n) };
+            convert::bf16_to_fp32_row(src, out)?;
+        }
+        DType::Q8_0 | DType::Q4_0 => {
+            let bytes = dtype.row_size(n)?;
+            // SAFETY: a row of `n` quantized elements spans `bytes` readable bytes (caller).
+            let src = unsafe { std::slice::from_raw_parts(ptr, bytes) };
+            if dtype == DType::Q8_0 {
+                quant_dot::dequantize_row_q8_0(src, out);
+            } else {
+                quant_dot::dequantize_row_q4_0(src, out);
+            }
+        }
+        _ => {
+            for (i, value) in out.iter_mut().enumerate() {
+                // SAFETY: element `i` lies at `ptr + i*stride` inside the readable row.
+                let p = unsafe { ptr.add(i * stride) };
+                // SAFETY: each read is of one element inside the row; unaligned reads are used
+                // because views may start at any byte.
+                *value = unsafe {
+                    match dtype {
+                        DType::F32 => p.cast::<f32>().read_unaligned(),
+                        DType::F16 => f16::from_bits(p.cast::<u16>().read_unaligned()).to_f32(),
+                        DType::BF16 => bf16::from_bits(p.cast::<u16>().read_unaligned()).to_f32(),
+                        DType::I8 => p.cast::<i8>().read() as f32,
+                        DType::I16 => p.cast::<i16>().read_unaligned() as f32,
+                        DType::I32 => p.cast::<i32>().read_unaligned() as f32,
+                        DType::I64 => p.cast::<i64>().read_unaligned() as f32,
+                        DType::Q8_0 | DType::Q4_0 => {
+                            return Err(Error::UnsupportedOp(format!(
+                                "strided {} rows",
+                                dtype.name()
+                            )))
+                        }
+                    }
+                };
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Writes `src` as `dtype` at `ptr`, elements `stride` bytes apart (quantized types are
+/// quantized a row at a time, blocks adjacent). Integers are truncated toward zero and
+/// saturate.
+///
+/// # Safety
+/// `ptr` must point to `src.len()` writable elements laid out as described, which no other
+/// task accesses concurrently.
+pub unsafe fn store_f32(dtype: DType, ptr: *mut u8, stride: usize, src: &[f32]) -> Result<()> {
+    let n = src.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let size = dtype.type_size();
+    let dense = stride == size;
+    match dtype {
+        DType::F32 if dense => {
+            // SAFETY: `n` f32 slots are writable at `ptr` (caller); `src` is a task-local buffer
+            // that does not overlap them.
+            unsafe { std::ptr::copy_nonoverlapping(src.as_ptr().cast::<u8>(), ptr, n * 4) };
+        }
+        DType::F16 if dense && aligned::<f16>(ptr) => {
+            // SAFETY: `n` aligned f16 slots are exclusively writable at `ptr` (caller).
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<f16>(), n) };
+            convert::fp32_to_fp16_row(src, dst)?;
+        }
+        DType::BF16 if dense && aligned::<bf16>(ptr) => {
+            // SAFETY: `n` aligned bf16 slots are exclusively writable at `ptr` (caller).
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n) };
+            convert::fp32_to_bf16_row(src, dst)?;
+        }
+        DType::Q8_0 | DType::Q4_0 => {
+            let bytes = dtype.row_size(n)?;
+            // SAFETY: the quantized row spans `bytes` exclusively writable bytes (caller).
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr, bytes) };
+            if dtype == DType::Q8_0 {
+                quant_dot::quantize_row_q8_0(src, dst);
+            } else {
+                quant_dot::quantize_row_q4_0(src, dst);
+            }
+        }
+        _ => {
+            for (i, &value) in src.iter().enumerate() {
+                // SAFETY: element `i` lies at `ptr + i*stride` inside the writable row.
+                let p = unsafe { ptr.add(i * stride) };
+                // SAFETY: each write is of one element inside the row (unaligned-safe).
+                unsafe {
+                    match dtype {
+                        DType::F32 => p.cast::<f32>().write_unaligned(value),
+                        DType::F16 => p
+                            .cast::<u16>()
+                            .write_unaligned(f16::from_f32(value).to_bits()),
+                        DType::BF16 => p
+                            .cast::<u16>()
+                            .write_unaligned(bf16::from_f32(value).to_bits()),
+                        DType::I8 => p.cast::<i8>().write(value as i8),
+                        DType::I16 => p.cast::<i16>().write_unaligned(value as i16),
+                        DType::I32 => p.cast::<i32>().write_unaligned(value as i32),
+                        DType::I64 => p.cast::<i64>().write_unaligned(value as i64),
+                        DType::Q8_0 | DType::Q4_0 => {
+                            return Err(Error::UnsupportedOp(format!(
+                                "strided {} rows",
+                                dtype.name()
+                            )))
+                        }
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads an integer index (i32 or i64) at `ptr`.
+///
+/// # Safety
+/// `ptr` must point to a readable element of `dtype`.
+pub unsafe fn read_index(dtype: DType, ptr: *const u8) -> i64 {
+    // SAFETY: guaranteed by the caller; unaligned reads tolerate any view offset.
+    unsafe {
+        match dtype {
+            DType::I64 => ptr.cast::<i64>().read_unaligned(),
+            _ => ptr.cast::<i32>().read_unaligned() as i64,
+        }
+    }
+}

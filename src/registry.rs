@@ -1,0 +1,251 @@
+//! The global registry of backend registrations and their devices.
+//!
+//! The CPU registration is always present. Others are added with [`register`] (statically, by
+//! a crate or a Python plugin) and found by name (case-insensitive) or by device type.
+
+use std::fmt;
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use crate::backend::Backend;
+use crate::buffer::BufferType;
+use crate::device::{BackendParams, Device, DeviceType};
+use crate::error::{Error, Result};
+
+/// A callback polled between nodes; returning true stops the computation.
+pub type AbortCallback = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// A named extension function of a registration (ggml's `get_proc_address`), typed.
+#[derive(Clone)]
+pub enum Extension {
+    /// Sets a backend's thread count.
+    SetThreadCount(fn(&dyn Backend, usize) -> Result<()>),
+    /// Installs (or clears) a backend's abort callback.
+    SetAbortCallback(fn(&dyn Backend, Option<AbortCallback>) -> Result<()>),
+    /// Lists the registration's features as name/value pairs.
+    Features(fn() -> Vec<(String, String)>),
+    /// Extra buffer types a device offers beside its main one.
+    ExtraBufferTypes(fn() -> Vec<Arc<dyn BufferType>>),
+}
+
+impl fmt::Debug for Extension {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let name = match self {
+            Extension::SetThreadCount(_) => "SetThreadCount",
+            Extension::SetAbortCallback(_) => "SetAbortCallback",
+            Extension::Features(_) => "Features",
+            Extension::ExtraBufferTypes(_) => "ExtraBufferTypes",
+        };
+        write!(f, "Extension::{name}")
+    }
+}
+
+/// A backend registration: one implementation and the devices it provides.
+pub trait Registration: Send + Sync {
+    /// The registration's name (`"CPU"`).
+    fn name(&self) -> &str;
+    /// Its devices.
+    fn devices(&self) -> Vec<Arc<dyn Device>>;
+    /// A named extension function, if provided.
+    fn proc_address(&self, name: &str) -> Option<Extension> {
+        let _ = name;
+        None
+    }
+}
+
+impl fmt::Debug for dyn Registration {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Registration({})", self.name())
+    }
+}
+
+#[derive(Default)]
+struct RegistryState {
+    registrations: Vec<Arc<dyn Registration>>,
+    devices: Vec<Arc<dyn Device>>,
+}
+
+fn state() -> &'static RwLock<RegistryState> {
+    static STATE: OnceLock<RwLock<RegistryState>> = OnceLock::new();
+    STATE.get_or_init(|| {
+        let mut state = RegistryState::default();
+        let cpu = crate::cpu::registration();
+        state.devices.extend(cpu.devices());
+        state.registrations.push(cpu);
+        RwLock::new(state)
+    })
+}
+
+fn read() -> RwLockReadGuard<'static, RegistryState> {
+    state().read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn write() -> RwLockWriteGuard<'static, RegistryState> {
+    state().write().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Adds a registration and its devices; a second registration of the same name is an error.
+pub fn register(registration: Arc<dyn Registration>) -> Result<()> {
+    let mut state = write();
+    if state
+        .registrations
+        .iter()
+        .any(|r| r.name().eq_ignore_ascii_case(registration.name()))
+    {
+        return Err(Error::Backend(format!(
+            "a backend named {:?} is already registered",
+            registration.name()
+        )));
+    }
+    log::info!(
+        "registered backend {} with {} device(s)",
+        registration.name(),
+        registration.devices().len()
+    );
+    let devices = registration.devices();
+    state.devices.extend(devices);
+    state.registrations.push(registration);
+    Ok(())
+}
+
+/// Removes a registration (by name) and its devices; the CPU cannot be removed.
+pub fn unregister(name: &str) -> Result<()> {
+    if name.eq_ignore_ascii_case("CPU") {
+        return Err(Error::Backend(
+            "the CPU backend is built in and cannot be removed".into(),
+        ));
+    }
+    let mut state = write();
+    let Some(index) = state
+        .registrations
+        .iter()
+        .position(|r| r.name().eq_ignore_ascii_case(name))
+    else {
+        return Err(Error::Backend(format!(
+            "no backend named {name:?} is registered"
+        )));
+    };
+    let registration = state.registrations.remove(index);
+    let reg_name = registration.name().to_owned();
+    state.devices.retain(|d| d.registration_name() != reg_name);
+    log::info!("unregistered backend {reg_name}");
+    Ok(())
+}
+
+/// Adds a single device (ggml's `device_register`).
+pub fn register_device(device: Arc<dyn Device>) -> Result<()> {
+    let mut state = write();
+    if state
+        .devices
+        .iter()
+        .any(|d| d.name().eq_ignore_ascii_case(device.name()))
+    {
+        return Err(Error::Backend(format!(
+            "a device named {:?} is already registered",
+            device.name()
+        )));
+    }
+    state.devices.push(device);
+    Ok(())
+}
+
+/// Number of registrations.
+pub fn reg_count() -> usize {
+    read().registrations.len()
+}
+
+/// The registration at `index`.
+pub fn reg_get(index: usize) -> Result<Arc<dyn Registration>> {
+    let state = read();
+    state.registrations.get(index).cloned().ok_or_else(|| {
+        Error::OutOfBounds(format!(
+            "registration index {index} out of {}",
+            state.registrations.len()
+        ))
+    })
+}
+
+/// Every registration, in registration order.
+pub fn registrations() -> Vec<Arc<dyn Registration>> {
+    read().registrations.clone()
+}
+
+/// The registration with this name (case-insensitive).
+pub fn reg_by_name(name: &str) -> Option<Arc<dyn Registration>> {
+    read()
+        .registrations
+        .iter()
+        .find(|r| r.name().eq_ignore_ascii_case(name))
+        .cloned()
+}
+
+/// Number of devices.
+pub fn dev_count() -> usize {
+    read().devices.len()
+}
+
+/// The device at `index`.
+pub fn dev_get(index: usize) -> Result<Arc<dyn Device>> {
+    let state = read();
+    state.devices.get(index).cloned().ok_or_else(|| {
+        Error::OutOfBounds(format!(
+            "device index {index} out of {}",
+            state.devices.len()
+        ))
+    })
+}
+
+/// Every device, in registration order.
+pub fn devices() -> Vec<Arc<dyn Device>> {
+    read().devices.clone()
+}
+
+/// The device with this name (case-insensitive).
+pub fn dev_by_name(name: &str) -> Option<Arc<dyn Device>> {
+    read()
+        .devices
+        .iter()
+        .find(|d| d.name().eq_ignore_ascii_case(name))
+        .cloned()
+}
+
+/// The first device of this type.
+pub fn dev_by_type(device_type: DeviceType) -> Option<Arc<dyn Device>> {
+    read()
+        .devices
+        .iter()
+        .find(|d| d.device_type() == device_type)
+        .cloned()
+}
+
+/// Opens a backend on the device named `name` (or the first device of the registration named
+/// `name`), with `"key=value"` parameters.
+pub fn init_by_name(name: &str, params: &str) -> Result<Arc<dyn Backend>> {
+    let params = BackendParams::parse(params)?;
+    let device = dev_by_name(name)
+        .or_else(|| reg_by_name(name).and_then(|r| r.devices().into_iter().next()))
+        .ok_or_else(|| {
+            let known: Vec<String> = devices().iter().map(|d| d.name().to_owned()).collect();
+            Error::Backend(format!(
+                "no backend device named {name:?}; available: {}",
+                known.join(", ")
+            ))
+        })?;
+    device.init_backend(&params)
+}
+
+/// Opens a backend on the first device of `device_type`.
+pub fn init_by_type(device_type: DeviceType, params: &str) -> Result<Arc<dyn Backend>> {
+    let params = BackendParams::parse(params)?;
+    let device = dev_by_type(device_type)
+        .ok_or_else(|| Error::Backend(format!("no device of type {device_type} is registered")))?;
+    device.init_backend(&params)
+}
+
+/// Opens the best backend: a GPU, else an integrated GPU, else the CPU.
+pub fn init_best() -> Result<Arc<dyn Backend>> {
+    let device = dev_by_type(DeviceType::Gpu)
+        .or_else(|| dev_by_type(DeviceType::IGpu))
+        .or_else(|| dev_by_type(DeviceType::Cpu))
+        .ok_or_else(|| Error::Backend("no device is registered".into()))?;
+    device.init_backend(&BackendParams::default())
+}

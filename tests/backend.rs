@@ -1,0 +1,177 @@
+//! The device / backend / registry layer on the CPU backend.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use ferrograph::backend::{tensor_copy, tensor_copy_async, Backend};
+use ferrograph::buffer::{alloc_cpu_buffer, BufferUsage};
+use ferrograph::context::Context;
+use ferrograph::cpu::backend::{as_cpu, CpuBackend};
+use ferrograph::device::DeviceType;
+use ferrograph::dtype::DType;
+use ferrograph::error::{Error, Status};
+use ferrograph::event::{record_or_sync, wait_or_sync};
+use ferrograph::graph::Graph;
+use ferrograph::ops;
+use ferrograph::registry::{self, Extension};
+
+#[test]
+fn registry_always_has_the_cpu() {
+    assert!(registry::reg_count() >= 1);
+    assert!(
+        registry::reg_by_name("cpu").is_some(),
+        "lookup is case-insensitive"
+    );
+    let cpu = registry::dev_by_name("Cpu").expect("CPU device");
+    assert_eq!(cpu.device_type(), DeviceType::Cpu);
+    let (free, total) = cpu.memory();
+    assert!(total > 0 && free <= total);
+    assert!(cpu.caps().buffer_from_host_ptr);
+    assert!(registry::dev_by_type(DeviceType::Cpu).is_some());
+    assert!(registry::dev_get(registry::dev_count()).is_err());
+    let err = registry::init_by_name("no-such-backend", "").expect_err("unknown names fail");
+    assert!(matches!(err, Error::Backend(_)), "{err}");
+    assert!(registry::init_by_name("CPU", "n_threads=zero").is_err());
+    let best = registry::init_best().unwrap();
+    assert_eq!(best.name(), "CPU");
+    assert!(registry::unregister("CPU").is_err());
+}
+
+#[test]
+fn cpu_extensions_are_typed() {
+    let reg = registry::reg_by_name("CPU").unwrap();
+    let backend = registry::init_by_name("CPU", "n_threads=1").unwrap();
+    match reg.proc_address("set_n_threads") {
+        Some(Extension::SetThreadCount(set)) => set(backend.as_ref(), 2).unwrap(),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert_eq!(as_cpu(backend.as_ref()).unwrap().n_threads(), 2);
+    match reg.proc_address("get_features") {
+        Some(Extension::Features(features)) => assert!(!features().is_empty()),
+        other => panic!("unexpected {other:?}"),
+    }
+    assert!(reg.proc_address("nonexistent").is_none());
+}
+
+fn small_graph() -> (
+    Context,
+    ferrograph::tensor::Tensor,
+    ferrograph::tensor::Tensor,
+    Graph,
+) {
+    let ctx = Context::new(false);
+    let a = ctx.new_tensor(DType::F32, &[5, 3]).unwrap();
+    let b = ctx.new_tensor(DType::F32, &[5, 1]).unwrap();
+    a.set_f32(&(0..15).map(|i| i as f32).collect::<Vec<_>>())
+        .unwrap();
+    b.set_f32(&[1.0, 2.0, 3.0, 4.0, 5.0]).unwrap();
+    let sum = ops::add(&ctx, &a, &b).unwrap();
+    let out = ops::scale(&ctx, &sum, 2.0, 0.5).unwrap();
+    let graph = Graph::build(std::slice::from_ref(&out));
+    (ctx, a, out, graph)
+}
+
+#[test]
+fn compute_plan_and_abort() {
+    let backend = CpuBackend::new(2).unwrap();
+    let (_ctx, _a, out, graph) = small_graph();
+    assert_eq!(backend.graph_compute(&graph).unwrap(), Status::Success);
+    let values = out.to_f32_vec().unwrap();
+    for (i, v) in values.iter().enumerate() {
+        let expected = ((i as f32) + (i % 5 + 1) as f32) * 2.0 + 0.5;
+        assert_eq!(*v, expected);
+    }
+    let plan = backend.graph_plan_create(&graph).unwrap();
+    assert_eq!(
+        backend.graph_plan_compute(plan.as_ref()).unwrap(),
+        Status::Success
+    );
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let seen = calls.clone();
+    backend.set_abort_callback(Some(Arc::new(move || {
+        seen.fetch_add(1, Ordering::SeqCst);
+        true
+    })));
+    assert_eq!(backend.graph_compute(&graph).unwrap(), Status::Aborted);
+    assert!(calls.load(Ordering::SeqCst) >= 1);
+    backend.set_abort_callback(None);
+    assert_eq!(
+        backend.graph_compute(&graph).unwrap(),
+        Status::Success,
+        "usable after abort"
+    );
+}
+
+#[test]
+fn tensor_transfers_and_copies() {
+    let backend = registry::init_by_name("CPU", "").unwrap();
+    let ctx = Context::new(true);
+    let src = ctx.new_tensor(DType::F32, &[4]).unwrap();
+    let dst = ctx.new_tensor(DType::F32, &[4]).unwrap();
+    let other = ctx.new_tensor(DType::F16, &[4]).unwrap();
+    let buffer = backend.alloc_buffer(256).unwrap();
+    buffer.set_usage(BufferUsage::Weights);
+    assert_eq!(buffer.usage(), BufferUsage::Weights);
+    src.bind(&buffer, 0).unwrap();
+    let second = alloc_cpu_buffer(64).unwrap();
+    dst.bind(&second, 0).unwrap();
+    let bytes: Vec<u8> = [1.0f32, 2.0, 3.0, 4.0]
+        .iter()
+        .flat_map(|v| v.to_ne_bytes())
+        .collect();
+    backend.set_tensor_async(&src, 0, &bytes).unwrap();
+    backend.synchronize().unwrap();
+    tensor_copy(&src, &dst).unwrap();
+    assert_eq!(dst.to_f32_vec().unwrap(), vec![1.0, 2.0, 3.0, 4.0]);
+    tensor_copy_async(backend.as_ref(), backend.as_ref(), &dst, &src).unwrap();
+    let mut out = vec![0u8; 16];
+    backend.get_tensor_async(&src, 0, &mut out).unwrap();
+    assert_eq!(out, bytes);
+    assert!(matches!(tensor_copy(&src, &other), Err(Error::Shape(_))));
+    assert!(matches!(
+        src.write_bytes(12, &[0u8; 8]),
+        Err(Error::OutOfBounds(_))
+    ));
+    buffer.reset();
+    assert!(matches!(src.to_f32_vec(), Err(Error::Stale(_))));
+}
+
+#[test]
+fn host_pointer_buffers_and_events() {
+    let cpu = registry::dev_by_name("CPU").unwrap();
+    let mut storage = vec![0u64; 8];
+    // SAFETY: `storage` outlives the buffer, which is dropped at the end of this test.
+    let buffer = unsafe { cpu.buffer_from_host_ptr(storage.as_mut_ptr().cast(), 64, 64) }.unwrap();
+    buffer.write(0, &[7u8; 8]).unwrap();
+    drop(buffer);
+    assert_eq!(storage[0], u64::from_ne_bytes([7; 8]));
+
+    let backend = cpu.init_backend(&Default::default()).unwrap();
+    let event = cpu.event_new().unwrap();
+    record_or_sync(Some(&event), backend.as_ref()).unwrap();
+    event.synchronize().unwrap();
+    wait_or_sync(Some(&event), backend.as_ref(), backend.as_ref()).unwrap();
+    record_or_sync(None, backend.as_ref()).unwrap();
+}
+
+#[test]
+fn shared_threadpools_and_direct_compute() {
+    use ferrograph::cpu::backend::graph_compute_with_ctx;
+    use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
+    let pool = Threadpool::new(&ThreadpoolParams::new(2)).unwrap();
+    let first = CpuBackend::new(1).unwrap();
+    let second = CpuBackend::new(1).unwrap();
+    first.set_threadpool(pool.clone());
+    second.set_threadpool(pool.clone());
+    assert_eq!(first.n_threads(), 2);
+    let (_ctx, _a, out, graph) = small_graph();
+    pool.pause();
+    assert_eq!(second.graph_compute(&graph).unwrap(), Status::Success);
+    assert!(!pool.is_paused());
+    let expected = out.to_f32_vec().unwrap();
+    out.fill_bytes(0, out.nbytes(), 0).unwrap();
+    assert_eq!(graph_compute_with_ctx(&graph, 2).unwrap(), Status::Success);
+    assert_eq!(out.to_f32_vec().unwrap(), expected);
+    assert!(graph_compute_with_ctx(&graph, 0).is_err());
+}
