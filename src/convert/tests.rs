@@ -218,3 +218,13 @@ fn path_is_cached_and_named() {
     assert_eq!(a, b);
     assert!(["avx2+f16c", "neon", "scalar"].contains(&a));
 }
+
+#[test]
+fn streaming_threshold_is_by_footprint() {
+    let n = STREAM_MIN_BYTES / 6 + 77;
+    let f = vec![0f32; n];
+    let h = vec![f16::ZERO; n];
+    assert!(stream(&f, &h));
+    assert!(stream(&h, &f));
+    assert!(!stream(&f[..n / 2], &h[..n / 2]));
+}
