@@ -193,9 +193,14 @@ impl ForeignHostMemory {
         let ptr = if size == 0 {
             NonNull::<u64>::dangling().cast()
         } else {
-            NonNull::new(ptr).ok_or_else(|| Error::InvalidArgument("host pointer is null".into()))?
+            NonNull::new(ptr)
+                .ok_or_else(|| Error::InvalidArgument("host pointer is null".into()))?
         };
-        Ok(Self { ptr, size, _owner: owner })
+        Ok(Self {
+            ptr,
+            size,
+            _owner: owner,
+        })
     }
 }
 
@@ -219,7 +224,11 @@ impl BufferMemory for ForeignHostMemory {
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         // SAFETY: as in `write`.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.as_ptr().add(offset), out.as_mut_ptr(), out.len())
+            std::ptr::copy_nonoverlapping(
+                self.ptr.as_ptr().add(offset),
+                out.as_mut_ptr(),
+                out.len(),
+            )
         };
         Ok(())
     }
