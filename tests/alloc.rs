@@ -262,8 +262,10 @@ fn freed_memory_is_reused() {
     z.set_output();
     let graph = Graph::build(&[z.clone()]);
     let plan = reserve_check_alloc(&mut GraphAllocator::new(cpu()), &graph);
+    // a (an input, free after x) takes y; x (free after y) takes z.
     assert_eq!(placed(&plan, &z).offset, placed(&plan, &x).offset);
-    assert_eq!(plan.total(), 3 * 64);
+    assert_eq!(placed(&plan, &y).offset, placed(&plan, &a).offset);
+    assert_eq!(plan.total(), 2 * 64);
     assert!(plan.tensor_bytes() > plan.total());
 }
 
@@ -306,11 +308,10 @@ fn freed_memory_is_preferred_over_growth() {
     u.set_output();
     let graph = Graph::build(&[u]);
     let plan = reserve_check_alloc(&mut GraphAllocator::new(cpu()), &graph);
-    // a (64) and big (128) are freed before t and u need room: nothing grows beyond them
-    // plus s.
-    assert_eq!(plan.total(), 256, "{plan}");
-    let pt = placed(&plan, &t);
-    assert!(pt.offset < 192);
+    // a (64) and big (128) are freed before s, t and u need room: nothing grows beyond them.
+    assert_eq!(plan.total(), 192, "{plan}");
+    assert_eq!(placed(&plan, &s).offset, placed(&plan, &a).offset);
+    assert_eq!(placed(&plan, &t).offset, placed(&plan, &big).offset);
 }
 
 #[test]
@@ -360,7 +361,9 @@ fn several_buffer_types_and_external_tensors() {
         "{err}"
     );
 
-    // Ids with the same buffer type share one buffer.
+    // Ids with the same buffer type share one buffer. (Release first: tensors bound by a live
+    // allocator count as external for any other allocator.)
+    galloc.release();
     let mut shared = GraphAllocator::new_n(&[cpu(), cpu()]);
     shared.reserve_n(&graph, &node_ids, &[]).unwrap();
     let plan = shared.plan().unwrap();
@@ -479,7 +482,7 @@ fn plan_display_and_fragmentation() {
     let mut galloc = GraphAllocator::new(cpu());
     let plan = reserve_check_alloc(&mut galloc, &graph);
     let text = plan.to_string();
-    assert!(text.contains("MemoryPlan") && text.contains("'out'") == text.contains("out"));
+    assert!(text.contains("MemoryPlan") && text.contains("out"));
     assert!(text.contains("inplace"));
     let f = plan.fragmentation();
     assert!((0.0..1.0).contains(&f), "{f}");
@@ -594,7 +597,7 @@ fn random_graph(
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
     #[test]
     fn random_graphs_plan_without_conflicts(
@@ -634,4 +637,22 @@ proptest! {
         assert_all_allocated(&graph);
         prop_assert!(plan.peak_live_bytes() <= plan.total());
     }
+}
+
+#[test]
+fn source_of_an_output_view_is_kept() {
+    // Regression (found by the property test): only the view carries the output flag; its
+    // source must not be released after the view's last consumer.
+    let ctx = Context::new(true);
+    let a = input(&ctx, 16);
+    let x = ops::cont(&ctx, &a).unwrap();
+    let v = ops::reshape(&ctx, &x, &[4, 4]).unwrap();
+    v.set_output();
+    let y = ops::cont(&ctx, &v).unwrap();
+    let z = ops::cont(&ctx, &y).unwrap();
+    let w = ops::cont(&ctx, &z).unwrap();
+    w.set_output();
+    let graph = Graph::build(&[v, w]);
+    let plan = reserve_check_alloc(&mut GraphAllocator::new(cpu()), &graph);
+    assert_eq!(placed(&plan, &x).last_use, None, "{plan}");
 }

@@ -12,7 +12,7 @@
 //!   of it among the graph's nodes (ggml's `n_children` / `n_views`); after a node is placed,
 //!   each operand whose consumers and views are all done returns its memory to the pool (a
 //!   finished view releases its source once the source's consumers and views are done).
-//!   Outputs ([`Tensor::is_output`]) are never released. Leafs and inputs are released after
+//!   Outputs ([`Tensor::is_output`]) are never released, nor is the source of an output view. Leafs and inputs are released after
 //!   their last consumer like any other tensor (as in ggml); set inputs after `alloc_graph`.
 //! * In place: a node whose op [`can_inplace`](crate::ops::Op::can_inplace) takes the memory
 //!   of its **first** operand when that operand is placed by this allocator in the same buffer,
@@ -318,7 +318,9 @@ impl Planning<'_> {
         }
         match src.view_src() {
             Some(root) => {
-                if !info.counted_view {
+                // An output view keeps its source alive to the end (ggml would release the
+                // source here, since only the view carries the output flag).
+                if !info.counted_view || src.is_output() {
                     return Ok(());
                 }
                 info.counted_view = false;
