@@ -5,6 +5,7 @@
 //! computations, [`buffer`] holds memory, and [`cpu`] computes graphs on the host.
 #![warn(missing_docs)]
 
+pub mod alloc;
 pub mod backend;
 pub mod buffer;
 pub mod context;
