@@ -77,6 +77,71 @@ pub trait BufferMemory: Send + Sync {
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()>;
     /// Fills `len` bytes at `offset` with `value`.
     fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()>;
+    /// The buffers this memory is made of (a multi-buffer's parts); empty for plain memory.
+    fn parts(&self) -> &[Buffer] {
+        &[]
+    }
+}
+
+/// The memory of a multi-buffer: several buffers addressed as one concatenated range, so
+/// usage, clear, reset and free reach every part.
+struct MultiMemory {
+    parts: Vec<Buffer>,
+}
+
+impl MultiMemory {
+    /// Calls `f(part, offset in part, start in the request, length)` for each part that the
+    /// byte range `offset..offset + len` touches.
+    fn for_range(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(&Buffer, usize, usize, usize) -> Result<()>,
+    ) -> Result<()> {
+        let mut part_start = 0usize;
+        let end = offset + len;
+        for part in &self.parts {
+            let part_end = part_start + part.size();
+            let lo = offset.max(part_start);
+            let hi = end.min(part_end);
+            if lo < hi {
+                f(part, lo - part_start, lo - offset, hi - lo)?;
+            }
+            part_start = part_end;
+        }
+        Ok(())
+    }
+}
+
+impl BufferMemory for MultiMemory {
+    fn size(&self) -> usize {
+        self.parts.iter().map(Buffer::size).sum()
+    }
+
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        None
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.for_range(offset, data.len(), |part, at, start, len| {
+            part.write(at, &data[start..start + len])
+        })
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let len = out.len();
+        self.for_range(offset, len, |part, at, start, n| {
+            part.read(at, &mut out[start..start + n])
+        })
+    }
+
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        self.for_range(offset, len, |part, at, _, n| part.fill(at, n, value))
+    }
+
+    fn parts(&self) -> &[Buffer] {
+        &self.parts
+    }
 }
 
 /// Aligned host memory owned by a buffer.
@@ -298,9 +363,36 @@ impl Buffer {
         BufferUsage::from_u8(self.0.usage.load(Ordering::Relaxed))
     }
 
-    /// Sets the usage tag.
+    /// Sets the usage tag (on every part of a multi-buffer too).
     pub fn set_usage(&self, usage: BufferUsage) {
         self.0.usage.store(usage.to_u8(), Ordering::Relaxed);
+        for part in self.0.memory.parts() {
+            part.set_usage(usage);
+        }
+    }
+
+    /// A multi-buffer: one buffer made of `parts` (ggml's `buffer_multi`), used when a context
+    /// needs more memory than one buffer of its type may hold. Its bytes are the parts'
+    /// concatenated; usage, reset and free apply to every part. Needs at least one part.
+    pub fn multi(parts: Vec<Buffer>) -> Result<Buffer> {
+        let first = parts.first().ok_or_else(|| {
+            Error::InvalidArgument("a multi-buffer needs at least one buffer".into())
+        })?;
+        let buffer_type = first.buffer_type().clone();
+        let usage = first.usage();
+        let buffer = Buffer::new(Box::new(MultiMemory { parts }), buffer_type);
+        buffer.set_usage(usage);
+        Ok(buffer)
+    }
+
+    /// The parts of a multi-buffer (empty for an ordinary buffer).
+    pub fn parts(&self) -> &[Buffer] {
+        self.0.memory.parts()
+    }
+
+    /// Whether this is a multi-buffer.
+    pub fn is_multi(&self) -> bool {
+        !self.0.memory.parts().is_empty()
     }
 
     /// The generation: it changes whenever the contents are released.
@@ -318,11 +410,17 @@ impl Buffer {
     pub fn free(&self) {
         self.0.freed.store(true, Ordering::Release);
         self.0.generation.fetch_add(1, Ordering::AcqRel);
+        for part in self.0.memory.parts() {
+            part.free();
+        }
     }
 
     /// Invalidates all tensors bound to the buffer (they become stale) without freeing it.
     pub fn reset(&self) {
         self.0.generation.fetch_add(1, Ordering::AcqRel);
+        for part in self.0.memory.parts() {
+            part.reset();
+        }
     }
 
     /// The base host address, if the buffer is host memory and not freed.
@@ -454,6 +552,27 @@ mod tests {
         assert_ne!(buffer.generation(), generation);
         buffer.free();
         assert!(matches!(buffer.write(0, &[1]), Err(Error::Stale(_))));
+    }
+
+    #[test]
+    fn multi_buffer_spans_parts_and_propagates() {
+        let a = alloc_cpu_buffer(4).unwrap();
+        let b = alloc_cpu_buffer(6).unwrap();
+        let multi = Buffer::multi(vec![a.clone(), b.clone()]).unwrap();
+        assert!(multi.is_multi());
+        assert_eq!(multi.size(), 10);
+        multi.write(2, &[1, 2, 3, 4]).unwrap();
+        let mut out = [0u8; 2];
+        b.read(0, &mut out).unwrap();
+        assert_eq!(out, [3, 4]);
+        let mut all = [9u8; 10];
+        multi.read(0, &mut all).unwrap();
+        assert_eq!(&all[2..6], &[1, 2, 3, 4]);
+        multi.set_usage(BufferUsage::Weights);
+        assert_eq!(b.usage(), BufferUsage::Weights);
+        multi.free();
+        assert!(a.is_freed() && b.is_freed());
+        assert!(Buffer::multi(Vec::new()).is_err());
     }
 
     #[test]

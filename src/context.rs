@@ -113,6 +113,11 @@ impl Context {
         lock(&self.0.arena).chunks.iter().map(Buffer::size).sum()
     }
 
+    /// An identity for the shared context (equal for handles of the same context).
+    pub fn id(&self) -> usize {
+        Arc::as_ptr(&self.0) as usize
+    }
+
     /// Whether both handles are the same context.
     pub fn same(&self, other: &Context) -> bool {
         Arc::ptr_eq(&self.0, &other.0)

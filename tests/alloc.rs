@@ -157,7 +157,7 @@ fn inplace_ops_reuse_their_parent() {
     let y = ops::sqr(&ctx, &x).unwrap(); // in place over x
     let z = ops::add(&ctx, &y, &a).unwrap(); // in place over y
     z.set_output();
-    let graph = Graph::build(&[z.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&z));
     let mut galloc = GraphAllocator::new(cpu());
     let plan = reserve_check_alloc(&mut galloc, &graph);
     let (px, py, pz) = (placed(&plan, &x), placed(&plan, &y), placed(&plan, &z));
@@ -190,7 +190,7 @@ fn inplace_ops_reuse_their_parent() {
     x.set_output();
     let y = ops::sqr(&ctx, &x).unwrap();
     y.set_output();
-    let graph = Graph::build(&[y.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&y));
     let plan = reserve_check_alloc(&mut GraphAllocator::new(cpu()), &graph);
     assert_ne!(placed(&plan, &y).offset, placed(&plan, &x).offset);
     assert_eq!(placed(&plan, &x).last_use, None);
@@ -204,7 +204,7 @@ fn inplace_through_a_view_takes_the_source() {
     let v = ops::reshape(&ctx, &x, &[4, 4]).unwrap();
     let y = ops::sqr(&ctx, &v).unwrap();
     y.set_output();
-    let graph = Graph::build(&[y.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&y));
     let plan = reserve_check_alloc(&mut GraphAllocator::new(cpu()), &graph);
     let (px, py) = (placed(&plan, &x), placed(&plan, &y));
     assert_eq!(
@@ -260,7 +260,7 @@ fn freed_memory_is_reused() {
     let y = ops::cont(&ctx, &x).unwrap();
     let z = ops::cont(&ctx, &y).unwrap();
     z.set_output();
-    let graph = Graph::build(&[z.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&z));
     let plan = reserve_check_alloc(&mut GraphAllocator::new(cpu()), &graph);
     // a (an input, free after x) takes y; x (free after y) takes z.
     assert_eq!(placed(&plan, &z).offset, placed(&plan, &x).offset);
@@ -328,7 +328,7 @@ fn several_buffer_types_and_external_tensors() {
     let y = ops::sqr(&ctx, &x).unwrap();
     let z = ops::add(&ctx, &y, &w).unwrap();
     z.set_output();
-    let graph = Graph::build(&[z.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&z));
     let other = fake(16, usize::MAX);
     let mut galloc = GraphAllocator::new_n(&[cpu(), other.clone()]);
     let node_ids: Vec<usize> = (0..graph.n_nodes()).map(|i| i % 2).collect();
@@ -395,7 +395,7 @@ fn zero_size_buffers() {
     let ctx = Context::new(true);
     let empty = ctx.new_tensor(DType::F32, &[0]).unwrap();
     empty.set_input();
-    let graph = Graph::build(&[empty.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&empty));
     let mut galloc = GraphAllocator::new(cpu());
     let plan = reserve_check_alloc(&mut galloc, &graph);
     assert_eq!(plan.total(), 0);
@@ -412,7 +412,7 @@ fn chain(width: usize, output_name: &str) -> (Graph, Tensor, Tensor) {
     let out = ops::add(&ctx, &z, &x).unwrap();
     out.set_output();
     out.set_name(output_name);
-    (Graph::build(&[out.clone()]), x, out)
+    (Graph::build(std::slice::from_ref(&out)), x, out)
 }
 
 #[test]

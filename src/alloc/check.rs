@@ -11,6 +11,11 @@ use crate::tensor::Tensor;
 /// Node index standing for "to the end of the graph".
 const END: usize = usize::MAX;
 
+/// (buffer id, chunk) of a placement.
+type ChunkKey = (usize, usize);
+/// (first, last) node index of a tensor's life.
+type Lifetime = (usize, usize);
+
 /// Lifetimes `(first, last)` in node indices, computed from the graph alone:
 ///
 /// * leafs and inputs are defined before the first node (index 0); a node at its index; an
@@ -71,7 +76,7 @@ fn describe(t: &TensorPlan) -> String {
 pub fn check_plan(graph: &Graph, plan: &MemoryPlan) -> Result<()> {
     let life = lifetimes(graph);
     let fail = |m: String| Err(Error::Alloc(format!("plan check failed: {m}")));
-    let mut by_chunk: HashMap<(usize, usize), Vec<(&TensorPlan, (usize, usize))>> = HashMap::new();
+    let mut by_chunk: HashMap<ChunkKey, Vec<(&TensorPlan, Lifetime)>> = HashMap::new();
     for t in &plan.tensors {
         let Some(&lifetime) = life.get(&t.id) else {
             return fail(format!(

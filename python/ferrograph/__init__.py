@@ -1,0 +1,194 @@
+"""ferrograph: ggml's backend layer in Rust, driven from Python.
+
+Shapes are numpy-ordered everywhere (``t.shape``, ``t.strides`` in bytes); ggml's order is
+``t.ne`` / ``t.nb``. Errors are :class:`ferrograph.Error` and its subclasses, never a crash.
+
+>>> import numpy as np, ferrograph as fg
+>>> ctx = fg.Context()
+>>> x = ctx.new_tensor(fg.float32, (8, 4096), name="x")
+>>> x.ne
+(4096, 8, 1, 1)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from . import cpu, ops
+from ._core import (
+    Backend,
+    Buffer,
+    BufferType,
+    BufferUsage,
+    Context,
+    Device,
+    DeviceType,
+    Event,
+    Graph,
+    GraphAllocator,
+    GraphPlan,
+    Registration,
+    Tensor,
+    TensorAllocator,
+    alloc_ctx_tensors,
+    bf16_to_fp32,
+    cpu_buffer_from_array,
+    cpu_buffer_type,
+    ctx_tensors_size,
+    dequantize,
+    dev_by_name,
+    dev_by_type,
+    dev_count,
+    dev_get,
+    devices,
+    fp16_to_fp32,
+    fp32_to_bf16,
+    fp32_to_bf16_ref,
+    fp32_to_fp16,
+    fp32_to_i32,
+    init_backend,
+    init_best,
+    init_by_type,
+    quantize,
+    reg_by_name,
+    registrations,
+    set_log_level,
+    simd_path,
+    system_info,
+    tensor_alloc,
+    view_init,
+)
+from ._core import version as _native_version
+from .dtypes import (
+    DType,
+    bf16,
+    bfloat16,
+    f16,
+    f32,
+    float16,
+    float32,
+    i8,
+    i16,
+    i32,
+    i64,
+    int8,
+    int16,
+    int32,
+    int64,
+    q4_0,
+    q8_0,
+)
+from .errors import (
+    AbortedError,
+    AllocationError,
+    BackendError,
+    DTypeError,
+    Error,
+    InvalidArgumentError,
+    NotAllocatedError,
+    OutOfBoundsError,
+    ShapeError,
+    StaleTensorError,
+    UnsupportedOpError,
+)
+
+__version__: str = _native_version()
+
+
+def aligned_empty(
+    shape: int | tuple[int, ...], dtype: npt.DTypeLike = np.float32, alignment: int = 64
+) -> npt.NDArray[Any]:
+    """An uninitialised numpy array whose data is aligned to ``alignment`` bytes, so that
+    :func:`cpu_buffer_from_array` can wrap it without copying."""
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    nbytes = int(np.prod(dims, dtype=np.int64)) * dt.itemsize
+    raw = np.empty(nbytes + alignment, dtype=np.uint8)
+    start = (-raw.ctypes.data) % alignment
+    return raw[start : start + nbytes].view(dt).reshape(dims)
+
+
+def version() -> str:
+    """The library version (same as ``__version__``)."""
+    return __version__
+
+
+__all__ = [
+    "AbortedError",
+    "AllocationError",
+    "Backend",
+    "BackendError",
+    "Buffer",
+    "BufferType",
+    "BufferUsage",
+    "Context",
+    "DType",
+    "DTypeError",
+    "Device",
+    "DeviceType",
+    "Error",
+    "Event",
+    "Graph",
+    "GraphAllocator",
+    "GraphPlan",
+    "InvalidArgumentError",
+    "NotAllocatedError",
+    "OutOfBoundsError",
+    "Registration",
+    "ShapeError",
+    "StaleTensorError",
+    "Tensor",
+    "TensorAllocator",
+    "UnsupportedOpError",
+    "__version__",
+    "aligned_empty",
+    "alloc_ctx_tensors",
+    "bf16",
+    "bf16_to_fp32",
+    "bfloat16",
+    "cpu",
+    "cpu_buffer_from_array",
+    "cpu_buffer_type",
+    "ctx_tensors_size",
+    "dequantize",
+    "dev_by_name",
+    "dev_by_type",
+    "dev_count",
+    "dev_get",
+    "devices",
+    "f16",
+    "f32",
+    "float16",
+    "float32",
+    "fp16_to_fp32",
+    "fp32_to_bf16",
+    "fp32_to_bf16_ref",
+    "fp32_to_fp16",
+    "fp32_to_i32",
+    "i8",
+    "i16",
+    "i32",
+    "i64",
+    "init_backend",
+    "init_best",
+    "init_by_type",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "ops",
+    "q4_0",
+    "q8_0",
+    "quantize",
+    "reg_by_name",
+    "registrations",
+    "set_log_level",
+    "simd_path",
+    "system_info",
+    "tensor_alloc",
+    "version",
+    "view_init",
+]

@@ -1,0 +1,67 @@
+"""Exceptions raised by ferrograph.
+
+Every failure of the native library raises a subclass of :class:`Error`; each also derives from
+the builtin exception a Python user would expect (``ShapeError`` is a ``ValueError``,
+``DTypeError`` a ``TypeError``, ...), so ``except ValueError`` keeps working. A Rust panic never
+reaches Python: it is raised as :class:`Error` (a :class:`BackendError`).
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "AbortedError",
+    "AllocationError",
+    "BackendError",
+    "DTypeError",
+    "Error",
+    "InvalidArgumentError",
+    "NotAllocatedError",
+    "OutOfBoundsError",
+    "ShapeError",
+    "StaleTensorError",
+    "UnsupportedOpError",
+]
+
+
+class Error(Exception):
+    """Base class of every ferrograph error."""
+
+
+class ShapeError(Error, ValueError):
+    """Shapes do not fit together (operands of an op, a view, a numpy array, ``out=``)."""
+
+
+class DTypeError(Error, TypeError):
+    """An element type an operation does not accept."""
+
+
+class AllocationError(Error, MemoryError):
+    """Memory could not be provided (a buffer too small, a failed allocation)."""
+
+
+class UnsupportedOpError(Error, NotImplementedError):
+    """An op, or op/dtype combination, that a device or kernel does not implement."""
+
+
+class BackendError(Error, RuntimeError):
+    """A backend, device or registry failure, a failing custom op, or an internal error."""
+
+
+class OutOfBoundsError(Error, IndexError):
+    """A read or write outside a tensor or buffer, or an index outside a graph."""
+
+
+class StaleTensorError(Error, RuntimeError):
+    """A tensor whose memory was released (its buffer freed or reset)."""
+
+
+class NotAllocatedError(Error, RuntimeError):
+    """A tensor that has no memory yet."""
+
+
+class AbortedError(Error, RuntimeError):
+    """A computation stopped by an abort or evaluation callback."""
+
+
+class InvalidArgumentError(Error, ValueError):
+    """An argument outside its allowed range that is none of the above."""

@@ -1,0 +1,167 @@
+"""Op builders: every op ferrograph computes, with ggml's semantics and argument order.
+
+Each builder returns a new :class:`~ferrograph.Tensor` (metadata only: nothing is computed
+until a graph runs) and validates its operands, raising :class:`~ferrograph.ShapeError`,
+:class:`~ferrograph.DTypeError` or :class:`~ferrograph.InvalidArgumentError`.
+
+Context resolution
+------------------
+Every builder takes an optional keyword ``ctx=``. Without it, the result is recorded in the
+innermost context entered with ``with ctx:``, else in the context of the first tensor operand;
+with none of these an ``InvalidArgumentError`` is raised::
+
+    ctx = fg.Context()
+    x = ctx.new_tensor(fg.float32, (8, 4096))
+    y = fg.ops.gelu(x)                 # recorded in x's context
+    with other_ctx:
+        z = fg.ops.add(x, x)           # recorded in other_ctx
+
+Shapes
+------
+Shapes are numpy-ordered: ``reshape(a, (8, -1))``, ``view(a, shape, strides, offset)`` and
+``cont(a, shape)`` take numpy shapes and byte strides. Two builders keep ggml's meaning:
+
+* ``mul_mat(a, b)`` is ``b @ a.T`` in numpy terms (``a`` holds the weights, one row per output).
+* ``permute(a, axes)``: ``axes[i]`` is where ggml dimension ``i`` of ``a`` goes, and ggml
+  dimension 0 is numpy's *last* axis. For a numpy-style transpose of the last two axes use
+  ``transpose(a)``. ``concat(a, b, dim)`` also counts ``dim`` in ggml order.
+
+Unary functions are available by name (``gelu``, ``relu``, ``silu``, ...) and through
+``unary(a, "gelu")``; gated units through ``glu(a, "swiglu")`` or ``swiglu(a)`` /
+``swiglu(a, b)``. ``custom(fn, srcs, dtype, shape)`` wraps a Python callable that receives
+numpy views of the output and sources, valid only during the call.
+"""
+
+from __future__ import annotations
+
+from ._core import ops as _native
+
+__all__ = [
+    "abs",
+    "acc",
+    "add",
+    "add1",
+    "argmax",
+    "clamp",
+    "concat",
+    "cont",
+    "cos",
+    "cpy",
+    "custom",
+    "diag_mask_inf",
+    "div",
+    "dup",
+    "elu",
+    "exp",
+    "flash_attn_ext",
+    "geglu",
+    "gelu",
+    "gelu_erf",
+    "gelu_quick",
+    "get_rows",
+    "glu",
+    "group_norm",
+    "hardsigmoid",
+    "hardswish",
+    "l2_norm",
+    "leaky_relu",
+    "log",
+    "mean",
+    "mul",
+    "mul_mat",
+    "mul_mat_id",
+    "neg",
+    "norm",
+    "out_prod",
+    "permute",
+    "reglu",
+    "relu",
+    "repeat",
+    "reshape",
+    "rms_norm",
+    "rope",
+    "run_custom",
+    "scale",
+    "set_rows",
+    "sgn",
+    "sigmoid",
+    "silu",
+    "sin",
+    "soft_max",
+    "sqr",
+    "sqrt",
+    "step",
+    "sub",
+    "sum",
+    "sum_rows",
+    "swiglu",
+    "tanh",
+    "transpose",
+    "unary",
+    "unary_op_names",
+    "view",
+]
+
+dup = _native.dup
+cpy = _native.cpy
+cont = _native.cont
+reshape = _native.reshape
+view = _native.view
+permute = _native.permute
+transpose = _native.transpose
+get_rows = _native.get_rows
+set_rows = _native.set_rows
+add = _native.add
+sub = _native.sub
+mul = _native.mul
+div = _native.div
+add1 = _native.add1
+acc = _native.acc
+scale = _native.scale
+sqr = _native.sqr
+sqrt = _native.sqrt
+log = _native.log
+sin = _native.sin
+cos = _native.cos
+clamp = _native.clamp
+sum = _native.sum
+sum_rows = _native.sum_rows
+mean = _native.mean
+argmax = _native.argmax
+repeat = _native.repeat
+concat = _native.concat
+unary = _native.unary
+unary_op_names = _native.unary_op_names
+abs = _native.abs
+sgn = _native.sgn
+neg = _native.neg
+step = _native.step
+tanh = _native.tanh
+elu = _native.elu
+relu = _native.relu
+sigmoid = _native.sigmoid
+gelu = _native.gelu
+gelu_erf = _native.gelu_erf
+gelu_quick = _native.gelu_quick
+silu = _native.silu
+hardswish = _native.hardswish
+hardsigmoid = _native.hardsigmoid
+exp = _native.exp
+leaky_relu = _native.leaky_relu
+glu = _native.glu
+reglu = _native.reglu
+geglu = _native.geglu
+swiglu = _native.swiglu
+norm = _native.norm
+rms_norm = _native.rms_norm
+group_norm = _native.group_norm
+l2_norm = _native.l2_norm
+mul_mat = _native.mul_mat
+out_prod = _native.out_prod
+mul_mat_id = _native.mul_mat_id
+diag_mask_inf = _native.diag_mask_inf
+soft_max = _native.soft_max
+rope = _native.rope
+flash_attn_ext = _native.flash_attn_ext
+custom = _native.custom
+run_custom = _native.run_custom

@@ -1,0 +1,1061 @@
+//! Python classes for the device layer: `DeviceType`, `BufferUsage`, `BufferType`, `Buffer`,
+//! `Device`, `Backend`, `GraphPlan`, `Event`, `Registration`, and the registry functions
+//! (`fg.devices()`, `fg.init_backend(...)`, ...).
+//!
+//! Each class is a thin handle on the core's shared object (`Arc<dyn Backend>`, [`Buffer`],
+//! ...), so Python can never free memory the core still uses. Compute and large transfers run
+//! with the interpreter released; callbacks re-attach to call Python.
+
+use std::sync::Arc;
+
+use numpy::PyArrayMethods;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::convert::{byte_view, is_ndarray, DETACH_THRESHOLD};
+use super::errors::{guard, invalid};
+use super::graph::PyGraph;
+use super::tensor::PyTensor;
+use crate::backend::{Backend, GraphPlan};
+use crate::buffer::{Buffer, BufferType, BufferUsage, ForeignHostMemory};
+use crate::cpu::backend::as_cpu;
+use crate::device::{BackendParams, Device, DeviceType};
+use crate::error::{Error, Status};
+use crate::event::Event;
+use crate::registry::{self, Extension, Registration};
+
+/// The kind of a device.
+#[pyclass(
+    name = "DeviceType",
+    module = "ferrograph",
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(clippy::upper_case_acronyms)]
+pub enum PyDeviceType {
+    /// The host CPU.
+    CPU,
+    /// A discrete GPU with its own memory.
+    GPU,
+    /// An integrated GPU sharing host memory.
+    IGPU,
+    /// An accelerator used beside the CPU (BLAS, NPU, ...).
+    ACCEL,
+}
+
+impl From<DeviceType> for PyDeviceType {
+    fn from(t: DeviceType) -> Self {
+        match t {
+            DeviceType::Cpu => PyDeviceType::CPU,
+            DeviceType::Gpu => PyDeviceType::GPU,
+            DeviceType::IGpu => PyDeviceType::IGPU,
+            DeviceType::Accel => PyDeviceType::ACCEL,
+        }
+    }
+}
+
+impl From<PyDeviceType> for DeviceType {
+    fn from(t: PyDeviceType) -> Self {
+        match t {
+            PyDeviceType::CPU => DeviceType::Cpu,
+            PyDeviceType::GPU => DeviceType::Gpu,
+            PyDeviceType::IGPU => DeviceType::IGpu,
+            PyDeviceType::ACCEL => DeviceType::Accel,
+        }
+    }
+}
+
+#[pymethods]
+impl PyDeviceType {
+    /// The upper-case name (`"CPU"`).
+    #[getter]
+    fn name(&self) -> &'static str {
+        DeviceType::from(*self).name()
+    }
+}
+
+/// A device type given as `fg.DeviceType.CPU` or a name (`"cpu"`, `"gpu"`, ...).
+#[derive(FromPyObject)]
+pub(crate) enum DeviceTypeArg {
+    Typed(PyDeviceType),
+    Named(String),
+}
+
+impl DeviceTypeArg {
+    fn resolve(self) -> crate::Result<DeviceType> {
+        match self {
+            DeviceTypeArg::Typed(t) => Ok(t.into()),
+            DeviceTypeArg::Named(name) => DeviceType::from_name(&name),
+        }
+    }
+}
+
+/// What a buffer holds; the scheduler sends ops that consume weights to the weights' backend.
+#[pyclass(
+    name = "BufferUsage",
+    module = "ferrograph",
+    eq,
+    eq_int,
+    frozen,
+    hash,
+    from_py_object
+)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[allow(clippy::upper_case_acronyms)]
+pub enum PyBufferUsage {
+    /// No particular use.
+    ANY,
+    /// Model weights.
+    WEIGHTS,
+    /// Intermediate results.
+    COMPUTE,
+}
+
+#[pymethods]
+impl PyBufferUsage {
+    /// The upper-case name (`"WEIGHTS"`).
+    #[getter]
+    fn name(&self) -> &'static str {
+        match self {
+            PyBufferUsage::ANY => "ANY",
+            PyBufferUsage::WEIGHTS => "WEIGHTS",
+            PyBufferUsage::COMPUTE => "COMPUTE",
+        }
+    }
+}
+
+impl From<BufferUsage> for PyBufferUsage {
+    fn from(u: BufferUsage) -> Self {
+        match u {
+            BufferUsage::Any => PyBufferUsage::ANY,
+            BufferUsage::Weights => PyBufferUsage::WEIGHTS,
+            BufferUsage::Compute => PyBufferUsage::COMPUTE,
+        }
+    }
+}
+
+impl From<PyBufferUsage> for BufferUsage {
+    fn from(u: PyBufferUsage) -> Self {
+        match u {
+            PyBufferUsage::ANY => BufferUsage::Any,
+            PyBufferUsage::WEIGHTS => BufferUsage::Weights,
+            PyBufferUsage::COMPUTE => BufferUsage::Compute,
+        }
+    }
+}
+
+/// A kind of memory that makes buffers (host memory for the CPU).
+#[pyclass(name = "BufferType", module = "ferrograph", frozen)]
+pub struct PyBufferType {
+    pub(crate) inner: Arc<dyn BufferType>,
+}
+
+#[pymethods]
+impl PyBufferType {
+    /// Short name (`"CPU"`).
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name().to_owned()
+    }
+
+    /// Alignment in bytes of tensor offsets in buffers of this type.
+    #[getter]
+    fn alignment(&self) -> usize {
+        self.inner.alignment()
+    }
+
+    /// Largest buffer this type can allocate, in bytes.
+    #[getter]
+    fn max_size(&self) -> usize {
+        self.inner.max_size()
+    }
+
+    /// Whether the memory is addressable from the host (numpy views are possible).
+    #[getter]
+    fn is_host(&self) -> bool {
+        self.inner.is_host()
+    }
+
+    /// Bytes a tensor needs in a buffer of this type (padding included).
+    fn alloc_size(&self, tensor: &PyTensor) -> usize {
+        self.inner.alloc_size(tensor.inner.nbytes())
+    }
+
+    /// Allocates a buffer of `size` bytes (0 gives a valid empty buffer).
+    fn alloc_buffer(&self, py: Python<'_>, size: usize) -> PyResult<PyBuffer> {
+        let buft = self.inner.clone();
+        let buffer = py.detach(|| buft.alloc_buffer(size))?;
+        Ok(PyBuffer { inner: buffer })
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyBufferType>()
+            .is_ok_and(|o| Arc::ptr_eq(&o.get().inner, &self.inner))
+    }
+
+    fn __hash__(&self) -> u64 {
+        Arc::as_ptr(&self.inner) as *const u8 as usize as u64
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BufferType(name={:?}, alignment={}, is_host={})",
+            self.inner.name(),
+            self.inner.alignment(),
+            self.inner.is_host()
+        )
+    }
+}
+
+/// A block of memory of some buffer type. Tensors bound to it keep it alive; `reset()` and
+/// `free()` make those tensors stale (an error on access, never a read of reused memory).
+#[pyclass(name = "Buffer", module = "ferrograph", frozen)]
+pub struct PyBuffer {
+    pub(crate) inner: Buffer,
+}
+
+#[pymethods]
+impl PyBuffer {
+    /// Size in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+
+    /// The host address of the first byte, or None for device memory.
+    #[getter]
+    fn base(&self) -> Option<usize> {
+        self.inner.host_ptr().map(|p| p.as_ptr() as usize)
+    }
+
+    /// The buffer's type.
+    #[getter]
+    fn buffer_type(&self) -> PyBufferType {
+        PyBufferType {
+            inner: self.inner.buffer_type().clone(),
+        }
+    }
+
+    /// Alignment of tensor offsets in bytes.
+    #[getter]
+    fn alignment(&self) -> usize {
+        self.inner.alignment()
+    }
+
+    /// Whether the memory is host-addressable.
+    #[getter]
+    fn is_host(&self) -> bool {
+        self.inner.is_host()
+    }
+
+    /// What the buffer holds (settable: mark model weights with `BufferUsage.WEIGHTS`).
+    #[getter]
+    fn get_usage(&self) -> PyBufferUsage {
+        self.inner.usage().into()
+    }
+
+    #[setter]
+    fn set_usage(&self, usage: PyBufferUsage) {
+        self.inner.set_usage(usage.into());
+    }
+
+    /// Whether this buffer is made of several (a multi-buffer).
+    #[getter]
+    fn is_multi(&self) -> bool {
+        self.inner.is_multi()
+    }
+
+    /// The parts of a multi-buffer (empty otherwise).
+    #[getter]
+    fn parts(&self) -> Vec<PyBuffer> {
+        self.inner
+            .parts()
+            .iter()
+            .map(|b| PyBuffer { inner: b.clone() })
+            .collect()
+    }
+
+    /// Whether `free()` was called.
+    #[getter]
+    fn is_freed(&self) -> bool {
+        self.inner.is_freed()
+    }
+
+    /// Sets every byte to `value`.
+    #[pyo3(signature = (value = 0))]
+    fn clear(&self, py: Python<'_>, value: u8) -> PyResult<()> {
+        let buffer = self.inner.clone();
+        py.detach(|| buffer.clear(value))?;
+        Ok(())
+    }
+
+    /// Releases the contents: tensors bound before become stale.
+    fn reset(&self) {
+        self.inner.reset();
+    }
+
+    /// Frees the memory now; tensors bound to it become stale.
+    fn free(&self) {
+        self.inner.free();
+    }
+
+    /// Reads `size` bytes at `offset` (bounds checked).
+    fn read<'py>(
+        &self,
+        py: Python<'py>,
+        offset: usize,
+        size: usize,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let mut out = vec![0u8; size];
+        self.inner.read(offset, &mut out)?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Writes `data` at `offset` (bounds checked).
+    fn write(&self, offset: usize, data: &[u8]) -> PyResult<()> {
+        self.inner.write(offset, data)?;
+        Ok(())
+    }
+
+    fn __len__(&self) -> usize {
+        self.inner.size()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyBuffer>()
+            .is_ok_and(|o| o.get().inner.same(&self.inner))
+    }
+
+    fn __hash__(&self) -> u64 {
+        self.inner.id()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("{:?}", self.inner)
+    }
+}
+
+/// A device: a source of buffer types and backends.
+#[pyclass(name = "Device", module = "ferrograph", frozen)]
+pub struct PyDevice {
+    pub(crate) inner: Arc<dyn Device>,
+}
+
+#[pymethods]
+impl PyDevice {
+    /// Short unique name (`"CPU"`).
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name().to_owned()
+    }
+
+    /// Human-readable description (the CPU model for the CPU).
+    #[getter]
+    fn description(&self) -> String {
+        self.inner.description()
+    }
+
+    /// `(free, total)` memory in bytes.
+    #[getter]
+    fn memory(&self) -> (usize, usize) {
+        self.inner.memory()
+    }
+
+    /// The kind of device.
+    #[getter]
+    fn r#type(&self) -> PyDeviceType {
+        self.inner.device_type().into()
+    }
+
+    /// The name of the registration providing the device.
+    #[getter]
+    fn registration(&self) -> String {
+        self.inner.registration_name().to_owned()
+    }
+
+    /// Every property at once: name, description, memory_free, memory_total, type and caps
+    /// (async, host_buffer, buffer_from_host_ptr, events).
+    fn props<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let p = self.inner.props();
+        let d = PyDict::new(py);
+        d.set_item("name", p.name)?;
+        d.set_item("description", p.description)?;
+        d.set_item("memory_free", p.memory_free)?;
+        d.set_item("memory_total", p.memory_total)?;
+        d.set_item("type", PyDeviceType::from(p.device_type))?;
+        let caps = PyDict::new(py);
+        caps.set_item("async", p.caps.async_ops)?;
+        caps.set_item("host_buffer", p.caps.host_buffer)?;
+        caps.set_item("buffer_from_host_ptr", p.caps.buffer_from_host_ptr)?;
+        caps.set_item("events", p.caps.events)?;
+        d.set_item("caps", caps)?;
+        Ok(d)
+    }
+
+    /// Opens a backend on this device. `params` is ggml's `"key=value,..."` text;
+    /// `n_threads` overrides the thread count where the device has one.
+    #[pyo3(signature = (params = "", n_threads = None))]
+    fn init_backend(&self, params: &str, n_threads: Option<usize>) -> PyResult<PyBackend> {
+        let mut parsed = BackendParams::parse(params)?;
+        if let Some(n) = n_threads {
+            if n == 0 {
+                return Err(invalid("n_threads must be at least 1"));
+            }
+            parsed.n_threads = Some(n);
+        }
+        Ok(PyBackend {
+            inner: self.inner.init_backend(&parsed)?,
+        })
+    }
+
+    /// The device's main buffer type.
+    #[getter]
+    fn buffer_type(&self) -> PyBufferType {
+        PyBufferType {
+            inner: self.inner.buffer_type(),
+        }
+    }
+
+    /// A host buffer type for faster transfers to this device, or None.
+    #[getter]
+    fn host_buffer_type(&self) -> Option<PyBufferType> {
+        self.inner
+            .host_buffer_type()
+            .map(|inner| PyBufferType { inner })
+    }
+
+    /// Whether the device computes the op that produces `tensor`.
+    fn supports_op(&self, tensor: &PyTensor) -> bool {
+        self.inner.supports_op(&tensor.inner)
+    }
+
+    /// Whether the device's backends can use memory of `buffer_type` directly.
+    fn supports_buft(&self, buffer_type: &PyBufferType) -> bool {
+        self.inner.supports_buft(buffer_type.inner.as_ref())
+    }
+
+    /// Whether the scheduler should move this op here although its weights are in host memory.
+    fn offload_op(&self, tensor: &PyTensor) -> bool {
+        self.inner.offload_op(&tensor.inner)
+    }
+
+    /// A new event for synchronising this device's backends (BackendError if it has none).
+    fn event_new(&self) -> PyResult<PyEvent> {
+        Ok(PyEvent {
+            inner: self.inner.event_new()?,
+        })
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyDevice>()
+            .is_ok_and(|o| Arc::ptr_eq(&o.get().inner, &self.inner))
+    }
+
+    fn __hash__(&self) -> u64 {
+        Arc::as_ptr(&self.inner) as *const u8 as usize as u64
+    }
+
+    fn __repr__(&self) -> String {
+        let (free, total) = self.inner.memory();
+        format!(
+            "Device(name={:?}, type=DeviceType.{}, description={:?}, memory={:.1}/{:.1} GiB free)",
+            self.inner.name(),
+            self.inner.device_type().name(),
+            self.inner.description(),
+            free as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64
+        )
+    }
+}
+
+/// Raises `AbortedError` for an aborted status and `BackendError` for a failed one.
+pub(crate) fn check_status(status: Status) -> PyResult<()> {
+    match status {
+        Status::Success => Ok(()),
+        Status::Aborted => Err(Error::Aborted.into()),
+        other => Err(Error::Backend(other.to_string()).into()),
+    }
+}
+
+/// Wraps a Python callable as an abort callback: it is polled between nodes, and a true result
+/// (or an exception, which is logged) stops the computation.
+fn python_abort_callback(callable: Py<PyAny>) -> crate::registry::AbortCallback {
+    Arc::new(move || {
+        Python::attach(|py| match callable.call0(py) {
+            Ok(result) => result.bind(py).is_truthy().unwrap_or(true),
+            Err(err) => {
+                log::error!("abort callback raised {err}; aborting the computation");
+                true
+            }
+        })
+    })
+}
+
+/// A stream of work on a device: tensor transfers, graph computation, plans.
+#[pyclass(name = "Backend", module = "ferrograph", frozen)]
+pub struct PyBackend {
+    pub(crate) inner: Arc<dyn Backend>,
+}
+
+impl PyBackend {
+    fn compute(&self, py: Python<'_>, graph: &PyGraph, wait: bool) -> PyResult<()> {
+        let backend = self.inner.clone();
+        let graph = graph.inner.clone();
+        let status = py.detach(|| {
+            guard("Backend.graph_compute", || {
+                if wait {
+                    backend.graph_compute(&graph)
+                } else {
+                    backend.graph_compute_async(&graph)
+                }
+            })
+        })?;
+        check_status(status)
+    }
+}
+
+#[pymethods]
+impl PyBackend {
+    /// Short name (`"CPU"`).
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name().to_owned()
+    }
+
+    /// The implementation's 16-byte GUID.
+    #[getter]
+    fn guid<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.inner.guid())
+    }
+
+    /// The device the backend runs on.
+    #[getter]
+    fn device(&self) -> PyDevice {
+        PyDevice {
+            inner: self.inner.device(),
+        }
+    }
+
+    /// Whether this is a CPU backend.
+    #[getter]
+    fn is_cpu(&self) -> bool {
+        as_cpu(self.inner.as_ref()).is_ok()
+    }
+
+    /// The buffer type the backend computes on by default.
+    #[getter]
+    fn default_buffer_type(&self) -> PyBufferType {
+        PyBufferType {
+            inner: self.inner.default_buffer_type(),
+        }
+    }
+
+    /// Alignment of the default buffer type.
+    #[getter]
+    fn alignment(&self) -> usize {
+        self.inner.alignment()
+    }
+
+    /// Largest buffer of the default type.
+    #[getter]
+    fn max_size(&self) -> usize {
+        self.inner.max_size()
+    }
+
+    /// Allocates a buffer of the default type.
+    fn alloc_buffer(&self, py: Python<'_>, size: usize) -> PyResult<PyBuffer> {
+        let backend = self.inner.clone();
+        Ok(PyBuffer {
+            inner: py.detach(|| backend.alloc_buffer(size))?,
+        })
+    }
+
+    /// Threads the CPU backend uses (settable). BackendError on other backends.
+    #[getter]
+    fn get_n_threads(&self) -> PyResult<usize> {
+        Ok(as_cpu(self.inner.as_ref())?.n_threads())
+    }
+
+    #[setter]
+    fn set_n_threads(&self, n_threads: usize) -> PyResult<()> {
+        as_cpu(self.inner.as_ref())?.set_n_threads(n_threads)?;
+        Ok(())
+    }
+
+    /// Whether the CPU backend runs the scalar reference kernels (settable; for tests).
+    #[getter]
+    fn get_use_reference(&self) -> PyResult<bool> {
+        Ok(as_cpu(self.inner.as_ref())?.use_reference())
+    }
+
+    #[setter]
+    fn set_use_reference(&self, on: bool) -> PyResult<()> {
+        as_cpu(self.inner.as_ref())?.set_use_reference(on);
+        Ok(())
+    }
+
+    /// Installs (or with None clears) an abort callback: a callable polled between nodes;
+    /// returning True stops the computation, which then raises `AbortedError`. The backend
+    /// stays usable.
+    #[pyo3(signature = (callback))]
+    fn set_abort_callback(&self, callback: Option<Py<PyAny>>) -> PyResult<()> {
+        let cpu = as_cpu(self.inner.as_ref())?;
+        cpu.set_abort_callback(callback.map(python_abort_callback));
+        Ok(())
+    }
+
+    /// Computes every node of `graph` and waits. Raises `AbortedError` when an abort callback
+    /// stopped it and `UnsupportedOpError` for an op the backend lacks.
+    fn graph_compute(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        self.compute(py, graph, true)
+    }
+
+    /// Queues the computation of `graph`; `synchronize()` waits for it.
+    fn graph_compute_async(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        self.compute(py, graph, false)
+    }
+
+    /// Waits for all queued work.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let backend = self.inner.clone();
+        py.detach(|| backend.synchronize())?;
+        Ok(())
+    }
+
+    /// Prepares `graph` for repeated computation.
+    fn graph_plan_create(&self, graph: &PyGraph) -> PyResult<PyGraphPlan> {
+        let plan = self.inner.graph_plan_create(&graph.inner)?;
+        Ok(PyGraphPlan {
+            backend: self.inner.clone(),
+            plan: std::sync::Mutex::new(Some(plan)),
+        })
+    }
+
+    /// Writes the bytes of a numpy array (or bytes) into `tensor` at byte `offset`, possibly
+    /// queued; the data is copied before the call returns.
+    #[pyo3(signature = (tensor, data, offset = 0))]
+    fn set_tensor_async(
+        &self,
+        py: Python<'_>,
+        tensor: &PyTensor,
+        data: &Bound<'_, PyAny>,
+        offset: usize,
+    ) -> PyResult<()> {
+        let backend = self.inner.clone();
+        let t = tensor.inner.clone();
+        if is_ndarray(data)? {
+            let view = byte_view(data)?;
+            let view = view.readonly();
+            let bytes = view
+                .as_slice()
+                .map_err(|_| invalid("the array must be C-contiguous"))?;
+            if bytes.len() >= DETACH_THRESHOLD {
+                py.detach(|| backend.set_tensor_async(&t, offset, bytes))?;
+            } else {
+                backend.set_tensor_async(&t, offset, bytes)?;
+            }
+        } else {
+            let bytes: Vec<u8> = data.extract()?;
+            backend.set_tensor_async(&t, offset, &bytes)?;
+        }
+        Ok(())
+    }
+
+    /// Reads `size` bytes of `tensor` at `offset` (all of it by default) as bytes.
+    #[pyo3(signature = (tensor, offset = 0, size = None))]
+    fn get_tensor_async<'py>(
+        &self,
+        py: Python<'py>,
+        tensor: &PyTensor,
+        offset: usize,
+        size: Option<usize>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let size = size.unwrap_or_else(|| tensor.inner.nbytes().saturating_sub(offset));
+        let mut out = vec![0u8; size];
+        let backend = self.inner.clone();
+        let t = tensor.inner.clone();
+        py.detach(|| backend.get_tensor_async(&t, offset, &mut out))?;
+        Ok(PyBytes::new(py, &out))
+    }
+
+    /// Whether the backend computes the op producing `tensor`.
+    fn supports_op(&self, tensor: &PyTensor) -> bool {
+        self.inner.supports_op(&tensor.inner)
+    }
+
+    /// Whether the backend can use memory of `buffer_type`.
+    fn supports_buft(&self, buffer_type: &PyBufferType) -> bool {
+        self.inner.supports_buft(buffer_type.inner.as_ref())
+    }
+
+    /// Whether the scheduler should move this op here although its weights are in host memory.
+    fn offload_op(&self, tensor: &PyTensor) -> bool {
+        self.inner.offload_op(&tensor.inner)
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<PyBackend>()
+            .is_ok_and(|o| Arc::ptr_eq(&o.get().inner, &self.inner))
+    }
+
+    fn __hash__(&self) -> u64 {
+        Arc::as_ptr(&self.inner) as *const u8 as usize as u64
+    }
+
+    fn __repr__(&self) -> String {
+        match as_cpu(self.inner.as_ref()) {
+            Ok(cpu) => format!("Backend(name='CPU', n_threads={})", cpu.n_threads()),
+            Err(_) => format!(
+                "Backend(name={:?}, device={:?})",
+                self.inner.name(),
+                self.inner.device().name()
+            ),
+        }
+    }
+}
+
+/// A prepared computation of one graph on one backend.
+#[pyclass(name = "GraphPlan", module = "ferrograph", frozen)]
+pub struct PyGraphPlan {
+    backend: Arc<dyn Backend>,
+    plan: std::sync::Mutex<Option<Box<dyn GraphPlan>>>,
+}
+
+impl PyGraphPlan {
+    fn with_plan<T>(&self, f: impl FnOnce(&mut Box<dyn GraphPlan>) -> PyResult<T>) -> PyResult<T> {
+        let mut guard = self.plan.lock().unwrap_or_else(|p| p.into_inner());
+        match guard.as_mut() {
+            Some(plan) => f(plan),
+            None => Err(Error::Stale("the graph plan was freed".into()).into()),
+        }
+    }
+}
+
+#[pymethods]
+impl PyGraphPlan {
+    /// Scratch bytes the plan reserves.
+    #[getter]
+    fn work_size(&self) -> PyResult<usize> {
+        self.with_plan(|plan| Ok(plan.work_size()))
+    }
+
+    /// Computes the plan's graph.
+    fn compute(&self, py: Python<'_>) -> PyResult<()> {
+        let backend = self.backend.clone();
+        let status = py.detach(|| {
+            self.with_plan(|plan| {
+                Ok(guard("GraphPlan.compute", || {
+                    backend.graph_plan_compute(plan.as_ref())
+                }))
+            })
+        })??;
+        check_status(status)
+    }
+
+    /// Points the plan at another graph of the same structure.
+    fn update(&self, graph: &PyGraph) -> PyResult<()> {
+        let backend = self.backend.clone();
+        self.with_plan(|plan| Ok(backend.graph_plan_update(plan, &graph.inner)?))
+    }
+
+    /// Releases the plan; using it afterwards raises `StaleTensorError`.
+    fn free(&self) {
+        *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    }
+
+    fn __repr__(&self) -> String {
+        match self.work_size() {
+            Ok(work) => format!(
+                "GraphPlan(backend={:?}, work_size={work})",
+                self.backend.name()
+            ),
+            Err(_) => "GraphPlan(freed)".to_owned(),
+        }
+    }
+}
+
+/// A synchronisation point between backends.
+#[pyclass(name = "Event", module = "ferrograph", frozen)]
+pub struct PyEvent {
+    inner: Arc<dyn Event>,
+}
+
+#[pymethods]
+impl PyEvent {
+    /// Marks the point in `backend`'s queue the event stands for.
+    fn record(&self, backend: &PyBackend) -> PyResult<()> {
+        self.inner.record(backend.inner.as_ref())?;
+        Ok(())
+    }
+
+    /// Blocks until the recorded work is done.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        let event = self.inner.clone();
+        py.detach(|| event.synchronize())?;
+        Ok(())
+    }
+
+    /// Makes `backend` wait for the event before its later work.
+    fn wait(&self, backend: &PyBackend) -> PyResult<()> {
+        self.inner.wait(backend.inner.as_ref())?;
+        Ok(())
+    }
+
+    fn __repr__(&self) -> &'static str {
+        "Event()"
+    }
+}
+
+/// A backend registration: one implementation and its devices.
+#[pyclass(name = "Registration", module = "ferrograph", frozen)]
+pub struct PyRegistration {
+    inner: Arc<dyn Registration>,
+}
+
+#[pymethods]
+impl PyRegistration {
+    /// The registration's name (`"CPU"`).
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.name().to_owned()
+    }
+
+    /// Its devices.
+    fn devices(&self) -> Vec<PyDevice> {
+        self.inner
+            .devices()
+            .into_iter()
+            .map(|inner| PyDevice { inner })
+            .collect()
+    }
+
+    /// Number of devices.
+    #[getter]
+    fn dev_count(&self) -> usize {
+        self.inner.devices().len()
+    }
+
+    /// Whether the registration provides the named extension function (ggml's
+    /// `get_proc_address`): "set_n_threads", "set_abort_callback", "get_features",
+    /// "dev_get_extra_bufts".
+    fn has_proc(&self, name: &str) -> bool {
+        self.inner.proc_address(name).is_some()
+    }
+
+    /// The registration's features as a dict (its "get_features" extension), or {}.
+    fn features<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        if let Some(Extension::Features(f)) = self.inner.proc_address("get_features") {
+            for (k, v) in f() {
+                d.set_item(k, v)?;
+            }
+        }
+        Ok(d)
+    }
+
+    /// Extra buffer types its devices offer (its "dev_get_extra_bufts" extension), or [].
+    fn extra_buffer_types(&self) -> Vec<PyBufferType> {
+        match self.inner.proc_address("dev_get_extra_bufts") {
+            Some(Extension::ExtraBufferTypes(f)) => f()
+                .into_iter()
+                .map(|inner| PyBufferType { inner })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// Sets a backend's thread count through the registration's extension function.
+    fn set_n_threads(&self, backend: &PyBackend, n_threads: usize) -> PyResult<()> {
+        match self.inner.proc_address("set_n_threads") {
+            Some(Extension::SetThreadCount(f)) => Ok(f(backend.inner.as_ref(), n_threads)?),
+            _ => Err(Error::UnsupportedOp(format!(
+                "registration {} has no set_n_threads",
+                self.inner.name()
+            ))
+            .into()),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Registration(name={:?}, devices={})",
+            self.inner.name(),
+            self.inner.devices().len()
+        )
+    }
+}
+
+/// Every registered device, in registration order.
+#[pyfunction]
+fn devices() -> Vec<PyDevice> {
+    registry::devices()
+        .into_iter()
+        .map(|inner| PyDevice { inner })
+        .collect()
+}
+
+/// Number of registered devices.
+#[pyfunction]
+fn dev_count() -> usize {
+    registry::dev_count()
+}
+
+/// The device at `index` (OutOfBoundsError past the end).
+#[pyfunction]
+fn dev_get(index: usize) -> PyResult<PyDevice> {
+    Ok(PyDevice {
+        inner: registry::dev_get(index)?,
+    })
+}
+
+/// The device with this name (case-insensitive), or None.
+#[pyfunction]
+fn dev_by_name(name: &str) -> Option<PyDevice> {
+    registry::dev_by_name(name).map(|inner| PyDevice { inner })
+}
+
+/// The first device of this type, or None.
+#[pyfunction]
+fn dev_by_type(device_type: DeviceTypeArg) -> PyResult<Option<PyDevice>> {
+    Ok(registry::dev_by_type(device_type.resolve()?).map(|inner| PyDevice { inner }))
+}
+
+/// Every registration, in order.
+#[pyfunction]
+fn registrations() -> Vec<PyRegistration> {
+    registry::registrations()
+        .into_iter()
+        .map(|inner| PyRegistration { inner })
+        .collect()
+}
+
+/// The registration with this name (case-insensitive), or None.
+#[pyfunction]
+fn reg_by_name(name: &str) -> Option<PyRegistration> {
+    registry::reg_by_name(name).map(|inner| PyRegistration { inner })
+}
+
+fn params_text(params: &str, n_threads: Option<usize>) -> PyResult<String> {
+    match n_threads {
+        None => Ok(params.to_owned()),
+        Some(0) => Err(invalid("n_threads must be at least 1")),
+        Some(n) if params.trim().is_empty() => Ok(format!("n_threads={n}")),
+        Some(n) => Ok(format!("{params},n_threads={n}")),
+    }
+}
+
+/// Opens a backend on the device with this name (case-insensitive), e.g. `"CPU"`.
+/// BackendError names the known devices when there is none by that name.
+#[pyfunction]
+#[pyo3(signature = (name, params = "", n_threads = None))]
+fn init_backend(name: &str, params: &str, n_threads: Option<usize>) -> PyResult<PyBackend> {
+    let params = params_text(params, n_threads)?;
+    Ok(PyBackend {
+        inner: registry::init_by_name(name, &params)?,
+    })
+}
+
+/// Opens a backend on the first device of this type.
+#[pyfunction]
+#[pyo3(signature = (device_type, params = "", n_threads = None))]
+fn init_by_type(
+    device_type: DeviceTypeArg,
+    params: &str,
+    n_threads: Option<usize>,
+) -> PyResult<PyBackend> {
+    let params = params_text(params, n_threads)?;
+    Ok(PyBackend {
+        inner: registry::init_by_type(device_type.resolve()?, &params)?,
+    })
+}
+
+/// Opens the best backend: a GPU if present, else an integrated GPU, else the CPU.
+#[pyfunction]
+fn init_best() -> PyResult<PyBackend> {
+    Ok(PyBackend {
+        inner: registry::init_best()?,
+    })
+}
+
+/// The CPU buffer type (aligned host memory).
+#[pyfunction]
+fn cpu_buffer_type() -> PyBufferType {
+    PyBufferType {
+        inner: crate::buffer::CpuBufferType::shared(),
+    }
+}
+
+/// Keeps a numpy array alive while a buffer wraps its memory.
+struct ArrayOwner(#[allow(dead_code)] Py<PyAny>);
+
+/// A CPU buffer over the memory of a writable, C-contiguous numpy array, without copying; the
+/// buffer keeps the array alive. The array's data must be aligned to the CPU buffer type's
+/// alignment (64 bytes); a misaligned array raises InvalidArgumentError with that figure.
+#[pyfunction]
+fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
+    if !is_ndarray(array)? {
+        return Err(invalid("cpu_buffer_from_array needs a numpy array"));
+    }
+    let flags = array.getattr("flags")?;
+    if !flags.getattr("c_contiguous")?.is_truthy()? {
+        return Err(invalid("the array must be C-contiguous"));
+    }
+    if !flags.getattr("writeable")?.is_truthy()? {
+        return Err(invalid("the array must be writeable"));
+    }
+    let address: usize = array
+        .getattr("__array_interface__")?
+        .get_item("data")?
+        .get_item(0)?
+        .extract()?;
+    let size: usize = array.getattr("nbytes")?.extract()?;
+    let alignment = crate::buffer::HOST_ALIGNMENT;
+    if size > 0 && address % alignment != 0 {
+        return Err(invalid(format!(
+            "the array's data at {address:#x} is not aligned to {alignment} bytes, which CPU \
+             buffers need; allocate it aligned (e.g. fg.aligned_empty) or copy it"
+        )));
+    }
+    let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(ArrayOwner(array.clone().unbind()));
+    // SAFETY: the array is writeable and C-contiguous, so `address` points at `size` bytes it
+    // owns; `owner` holds a strong reference to the array, which keeps that memory valid for as
+    // long as the buffer lives. numpy cannot resize an array that has other references.
+    let memory = unsafe { ForeignHostMemory::new(address as *mut u8, size, Some(owner))? };
+    Ok(PyBuffer {
+        inner: Buffer::new(Box::new(memory), crate::buffer::CpuBufferType::shared()),
+    })
+}
+
+/// Registers the classes and functions.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyDeviceType>()?;
+    m.add_class::<PyBufferUsage>()?;
+    m.add_class::<PyBufferType>()?;
+    m.add_class::<PyBuffer>()?;
+    m.add_class::<PyDevice>()?;
+    m.add_class::<PyBackend>()?;
+    m.add_class::<PyGraphPlan>()?;
+    m.add_class::<PyEvent>()?;
+    m.add_class::<PyRegistration>()?;
+    m.add_function(wrap_pyfunction!(devices, m)?)?;
+    m.add_function(wrap_pyfunction!(dev_count, m)?)?;
+    m.add_function(wrap_pyfunction!(dev_get, m)?)?;
+    m.add_function(wrap_pyfunction!(dev_by_name, m)?)?;
+    m.add_function(wrap_pyfunction!(dev_by_type, m)?)?;
+    m.add_function(wrap_pyfunction!(registrations, m)?)?;
+    m.add_function(wrap_pyfunction!(reg_by_name, m)?)?;
+    m.add_function(wrap_pyfunction!(init_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(init_by_type, m)?)?;
+    m.add_function(wrap_pyfunction!(init_best, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_buffer_type, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_buffer_from_array, m)?)?;
+    Ok(())
+}

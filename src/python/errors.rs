@@ -1,0 +1,165 @@
+//! Maps [`crate::Error`] variants to the exception classes of `ferrograph.errors`.
+//!
+//! The classes are defined in Python (`python/ferrograph/errors.py`) so that they are ordinary,
+//! picklable, documented classes with the right builtin bases (`ShapeError` is also a
+//! `ValueError`, ...). They are imported once per interpreter and cached.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::exceptions::{
+    PyIndexError, PyMemoryError, PyNotImplementedError, PyRuntimeError, PyTypeError, PyValueError,
+};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyType;
+
+use crate::error::Error;
+
+/// The exception classes, in the order of [`class_index`].
+const CLASS_NAMES: [&str; 11] = [
+    "Error",
+    "ShapeError",
+    "DTypeError",
+    "AllocationError",
+    "UnsupportedOpError",
+    "BackendError",
+    "OutOfBoundsError",
+    "StaleTensorError",
+    "NotAllocatedError",
+    "AbortedError",
+    "InvalidArgumentError",
+];
+
+static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+fn class_index(err: &Error) -> usize {
+    match err {
+        Error::Shape(_) => 1,
+        Error::DType(_) => 2,
+        Error::Alloc(_) => 3,
+        Error::UnsupportedOp(_) => 4,
+        Error::Backend(_) => 5,
+        Error::OutOfBounds(_) => 6,
+        Error::Stale(_) => 7,
+        Error::NotAllocated(_) => 8,
+        Error::Aborted => 9,
+        Error::InvalidArgument(_) => 10,
+    }
+}
+
+fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
+    CLASSES.get_or_try_init(py, || {
+        let module = py.import("ferrograph.errors")?;
+        CLASS_NAMES
+            .iter()
+            .map(|name| Ok(module.getattr(*name)?.cast_into::<PyType>()?.unbind()))
+            .collect()
+    })
+}
+
+/// The `ferrograph.errors` class for `err`, or a builtin stand-in when the Python package is
+/// not importable (the native module loaded on its own).
+fn to_pyerr_attached(py: Python<'_>, err: &Error) -> PyErr {
+    let message = err.to_string();
+    match classes(py) {
+        Ok(classes) => PyErr::from_type(classes[class_index(err)].bind(py).clone(), message),
+        Err(_) => match err {
+            Error::Shape(_) | Error::InvalidArgument(_) => PyValueError::new_err(message),
+            Error::DType(_) => PyTypeError::new_err(message),
+            Error::Alloc(_) => PyMemoryError::new_err(message),
+            Error::UnsupportedOp(_) => PyNotImplementedError::new_err(message),
+            Error::OutOfBounds(_) => PyIndexError::new_err(message),
+            _ => PyRuntimeError::new_err(message),
+        },
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(err: Error) -> PyErr {
+        Python::attach(|py| to_pyerr_attached(py, &err))
+    }
+}
+
+/// Shorthand for raising a ferrograph error class from binding code.
+pub(crate) fn shape(message: impl Into<String>) -> PyErr {
+    Error::Shape(message.into()).into()
+}
+
+/// Shorthand for `DTypeError`.
+pub(crate) fn dtype(message: impl Into<String>) -> PyErr {
+    Error::DType(message.into()).into()
+}
+
+/// Shorthand for `InvalidArgumentError`.
+pub(crate) fn invalid(message: impl Into<String>) -> PyErr {
+    Error::InvalidArgument(message.into()).into()
+}
+
+/// The message of a caught panic payload.
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "unknown panic".to_owned()
+    }
+}
+
+/// Runs `f` (a kernel, a conversion, a user callback) and turns a panic into
+/// [`Error::Backend`], so no panic unwinds into Python.
+pub(crate) fn guard<T>(what: &str, f: impl FnOnce() -> crate::Result<T>) -> crate::Result<T> {
+    match catch_unwind(AssertUnwindSafe(f)) {
+        Ok(result) => result,
+        Err(payload) => Err(Error::Backend(format!(
+            "internal error in {what}: {}",
+            panic_message(payload.as_ref())
+        ))),
+    }
+}
+
+/// Names of the exception classes (for `_core.error_class_names()`, used by the tests that
+/// check every variant has a class).
+#[pyfunction]
+pub(crate) fn error_class_names() -> Vec<&'static str> {
+    CLASS_NAMES.to_vec()
+}
+
+/// Raises the exception class mapped from the Rust variant named `variant` (for tests of the
+/// mapping: "Shape", "DType", "Alloc", "UnsupportedOp", "Backend", "OutOfBounds", "Stale",
+/// "NotAllocated", "Aborted", "InvalidArgument").
+#[pyfunction]
+pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
+    let m = message.to_owned();
+    let err = match variant {
+        "Shape" => Error::Shape(m),
+        "DType" => Error::DType(m),
+        "Alloc" => Error::Alloc(m),
+        "UnsupportedOp" => Error::UnsupportedOp(m),
+        "Backend" => Error::Backend(m),
+        "OutOfBounds" => Error::OutOfBounds(m),
+        "Stale" => Error::Stale(m),
+        "NotAllocated" => Error::NotAllocated(m),
+        "Aborted" => Error::Aborted,
+        "InvalidArgument" => Error::InvalidArgument(m),
+        other => return Err(invalid(format!("unknown error variant {other:?}"))),
+    };
+    Err(err.into())
+}
+
+/// A function that panics inside [`guard`] (for the test that panics become `fg.Error`).
+#[pyfunction]
+pub(crate) fn _panic_for_test() -> PyResult<()> {
+    guard("a test", || -> crate::Result<()> {
+        panic!("deliberate test panic")
+    })?;
+    Ok(())
+}
+
+/// Registers the helper functions.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(error_class_names, m)?)?;
+    m.add_function(wrap_pyfunction!(_raise_error, m)?)?;
+    m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! Forwards Rust `log` records to Python's `logging`.
+//!
+//! A record with target `ferrograph::cpu::compute` goes to the logger
+//! `ferrograph.cpu.compute`. Each record attaches to the interpreter for the duration of one
+//! `Logger.log` call, so:
+//!
+//! - long Rust work must run with the interpreter released (`py.detach`), otherwise a worker
+//!   thread that logs would wait for the interpreter held by the caller waiting for that worker;
+//!   every binding that runs long work releases it;
+//! - hot loops must not log (each record costs an attach and a Python call);
+//! - records logged while the interpreter is finalizing, or from inside a logging call on the
+//!   same thread, are dropped instead of blocking.
+//!
+//! The maximum level forwarded is `DEBUG` by default; `_core.set_log_level("trace")` changes
+//! it (Python's logger levels filter further).
+
+use std::cell::Cell;
+
+use log::{Level, LevelFilter, Log, Metadata, Record};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyModule;
+
+struct PythonLogger;
+
+static LOGGER: PythonLogger = PythonLogger;
+static LOGGING: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+thread_local! {
+    /// Set while this thread is inside a forwarded `logging` call (re-entrancy guard).
+    static IN_LOG: Cell<bool> = const { Cell::new(false) };
+}
+
+/// The Python logger name for a Rust log target.
+pub(crate) fn logger_name(target: &str) -> String {
+    let dotted = target.replace("::", ".");
+    if dotted == "ferrograph" || dotted.starts_with("ferrograph.") {
+        dotted
+    } else {
+        format!("ferrograph.{dotted}")
+    }
+}
+
+fn python_level(level: Level) -> i32 {
+    match level {
+        Level::Error => 40,
+        Level::Warn => 30,
+        Level::Info => 20,
+        Level::Debug => 10,
+        Level::Trace => 5,
+    }
+}
+
+fn forward(py: Python<'_>, record: &Record<'_>) -> PyResult<()> {
+    let logging = LOGGING.get_or_try_init(py, || py.import("logging").map(Bound::unbind))?;
+    let logger = logging
+        .bind(py)
+        .call_method1("getLogger", (logger_name(record.target()),))?;
+    let level = python_level(record.level());
+    if logger
+        .call_method1("isEnabledFor", (level,))?
+        .extract::<bool>()?
+    {
+        logger.call_method1("log", (level, "%s", record.args().to_string()))?;
+    }
+    Ok(())
+}
+
+impl Log for PythonLogger {
+    fn enabled(&self, metadata: &Metadata<'_>) -> bool {
+        metadata.level() <= log::max_level()
+    }
+
+    fn log(&self, record: &Record<'_>) {
+        if !self.enabled(record.metadata()) || IN_LOG.with(Cell::get) {
+            return;
+        }
+        IN_LOG.with(|flag| flag.set(true));
+        // `try_attach` returns None while the interpreter is finalizing; never panic here.
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Python::try_attach(|py| {
+                if let Err(err) = forward(py, record) {
+                    // A failing handler must not turn into an exception elsewhere.
+                    err.print(py);
+                }
+            })
+        }));
+        IN_LOG.with(|flag| flag.set(false));
+    }
+
+    fn flush(&self) {}
+}
+
+/// Installs the forwarding logger (once per process; a no-op if another logger is set).
+pub(crate) fn install() {
+    if log::set_logger(&LOGGER).is_ok() {
+        log::set_max_level(LevelFilter::Debug);
+    }
+}
+
+/// Sets the most verbose Rust level forwarded: "off", "error", "warn", "info", "debug",
+/// "trace".
+#[pyfunction]
+fn set_log_level(level: &str) -> PyResult<()> {
+    let filter = match level.to_ascii_lowercase().as_str() {
+        "off" => LevelFilter::Off,
+        "error" => LevelFilter::Error,
+        "warn" | "warning" => LevelFilter::Warn,
+        "info" => LevelFilter::Info,
+        "debug" => LevelFilter::Debug,
+        "trace" => LevelFilter::Trace,
+        other => {
+            return Err(super::errors::invalid(format!(
+                "unknown log level {other:?}; expected off, error, warn, info, debug or trace"
+            )))
+        }
+    };
+    log::set_max_level(filter);
+    Ok(())
+}
+
+/// Emits one Rust log record (`target` like `"ferrograph::cpu::compute"`), for tests and for
+/// checking a logging setup. The interpreter is released while the record is logged, as it is
+/// during real work.
+#[pyfunction]
+fn _log_for_test(py: Python<'_>, target: &str, level: &str, message: &str) -> PyResult<()> {
+    let level = match level.to_ascii_lowercase().as_str() {
+        "error" => Level::Error,
+        "warn" | "warning" => Level::Warn,
+        "info" => Level::Info,
+        "debug" => Level::Debug,
+        "trace" => Level::Trace,
+        other => return Err(super::errors::invalid(format!("unknown level {other:?}"))),
+    };
+    let (target, message) = (target.to_owned(), message.to_owned());
+    py.detach(move || log::log!(target: &target, level, "{message}"));
+    Ok(())
+}
+
+/// Registers the logging functions.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,79 @@
+"""Errors, logging, version and CPU information."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+import ferrograph as fg
+from ferrograph import _core
+
+VARIANTS = {
+    "Shape": (fg.ShapeError, ValueError),
+    "DType": (fg.DTypeError, TypeError),
+    "Alloc": (fg.AllocationError, MemoryError),
+    "UnsupportedOp": (fg.UnsupportedOpError, NotImplementedError),
+    "Backend": (fg.BackendError, RuntimeError),
+    "OutOfBounds": (fg.OutOfBoundsError, IndexError),
+    "Stale": (fg.StaleTensorError, RuntimeError),
+    "NotAllocated": (fg.NotAllocatedError, RuntimeError),
+    "Aborted": (fg.AbortedError, RuntimeError),
+    "InvalidArgument": (fg.InvalidArgumentError, ValueError),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_each_rust_error_maps_to_its_class(variant: str) -> None:
+    cls, builtin = VARIANTS[variant]
+    with pytest.raises(cls) as info:
+        _core._raise_error(variant, "message")
+    assert isinstance(info.value, fg.Error) and isinstance(info.value, builtin)
+    assert type(info.value) is cls
+
+
+def test_error_class_names_are_exported() -> None:
+    for name in _core.error_class_names():
+        assert issubclass(getattr(fg, name), fg.Error) or getattr(fg, name) is fg.Error
+
+
+def test_panics_become_fg_errors() -> None:
+    with pytest.raises(fg.Error, match="deliberate test panic"):
+        _core._panic_for_test()
+
+
+def test_rust_logs_reach_python_logging(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="ferrograph"):
+        _core._log_for_test("ferrograph::cpu::compute", "info", "hello from rust")
+        _core._log_for_test("ferrograph::sched", "debug", "planned 3 splits")
+    records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
+    assert ("ferrograph.cpu.compute", logging.INFO, "hello from rust") in records
+    assert ("ferrograph.sched", logging.DEBUG, "planned 3 splits") in records
+
+
+def test_log_levels_filter(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="ferrograph"):
+        _core._log_for_test("ferrograph::x", "info", "dropped")
+    assert not [r for r in caplog.records if r.getMessage() == "dropped"]
+    fg.set_log_level("error")
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ferrograph"):
+            _core._log_for_test("ferrograph::x", "warn", "also dropped")
+        assert not [r for r in caplog.records if r.getMessage() == "also dropped"]
+    finally:
+        fg.set_log_level("debug")
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.set_log_level("loud")
+
+
+def test_version_and_cpu() -> None:
+    assert fg.__version__ == fg.version() == "0.1.0"
+    features = fg.cpu.features()
+    assert isinstance(features, dict) and all(isinstance(v, bool) for v in features.values())
+    assert isinstance(fg.cpu.system_info(), str) and fg.system_info() == fg.cpu.system_info()
+    assert isinstance(fg.simd_path(), str) and fg.cpu.simd_path() == fg.simd_path()
+
+
+def test_all_is_complete() -> None:
+    for name in fg.__all__:
+        assert hasattr(fg, name), name
