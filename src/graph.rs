@@ -94,6 +94,21 @@ impl Graph {
         Ok(())
     }
 
+    /// Appends one leaf without visiting anything (for graphs assembled by hand, such as the
+    /// scheduler's internal graph).
+    pub fn add_leaf(&mut self, tensor: &Tensor) -> Result<()> {
+        if self.index.contains_key(&tensor.id()) {
+            return Err(Error::InvalidArgument(format!(
+                "{} is already in the graph",
+                tensor.label()
+            )));
+        }
+        self.leafs.push(tensor.clone());
+        self.index
+            .insert(tensor.id(), Position::Leaf(self.leafs.len() - 1));
+        Ok(())
+    }
+
     /// The computed tensors, in execution order.
     pub fn nodes(&self) -> &[Tensor] {
         &self.nodes

@@ -19,6 +19,7 @@ pub mod graph;
 pub mod ops;
 pub mod quant;
 pub mod registry;
+pub mod sched;
 pub mod tensor;
 pub mod util;
 
