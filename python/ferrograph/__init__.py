@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import cpu, ops
+from . import cpu, ops, plugins
 from ._core import (
     Backend,
     Buffer,
@@ -54,11 +54,13 @@ from ._core import (
     init_by_type,
     quantize,
     reg_by_name,
+    register_backend,
     registrations,
     set_log_level,
     simd_path,
     system_info,
     tensor_alloc,
+    unregister_backend,
     view_init,
 )
 from ._core import version as _native_version
@@ -109,6 +111,13 @@ def aligned_empty(
     raw = np.empty(nbytes + alignment, dtype=np.uint8)
     start = (-raw.ctypes.data) % alignment
     return raw[start : start + nbytes].view(dt).reshape(dims)
+
+
+def load_all_backends() -> list[str]:
+    """Registers every backend that can be found: Python plugins advertised under the
+    ``ferrograph.backends`` entry-point group. Returns the names registered; failures are
+    logged under ``ferrograph.plugins`` and skipped."""
+    return plugins.load_entry_point_backends()
 
 
 def version() -> str:
@@ -179,16 +188,20 @@ __all__ = [
     "int16",
     "int32",
     "int64",
+    "load_all_backends",
     "ops",
+    "plugins",
     "q4_0",
     "q8_0",
     "quantize",
     "reg_by_name",
+    "register_backend",
     "registrations",
     "set_log_level",
     "simd_path",
     "system_info",
     "tensor_alloc",
+    "unregister_backend",
     "version",
     "view_init",
 ]

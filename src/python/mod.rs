@@ -18,6 +18,7 @@ mod errors;
 mod graph;
 mod log;
 mod ops;
+mod plugin;
 mod system;
 mod tensor;
 
@@ -35,6 +36,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<graph::PyGraph>()?;
     backend::register(m)?;
     alloc::register(m)?;
+    plugin::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;
     m.add_submodule(&ops_module)?;

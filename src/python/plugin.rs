@@ -1,0 +1,469 @@
+//! Backends written in Python: core trait implementations (`Registration`, `Device`,
+//! `BufferType`, buffer memory, `Backend`) that forward to Python objects following the protocol
+//! documented in `python/ferrograph/plugins.py`.
+//!
+//! Every call re-attaches to the interpreter, so these objects work from compute threads that
+//! released it. A Python exception becomes [`Error::Backend`] naming the plugin and the method,
+//! so a failing plugin never takes the process (or the registry) down.
+
+use std::any::Any;
+use std::fmt;
+use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict};
+
+use super::backend::PyDeviceType;
+use super::graph::PyGraph;
+use super::tensor::PyTensor;
+use crate::backend::{Backend, Guid};
+use crate::buffer::{Buffer, BufferMemory, BufferType};
+use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
+use crate::error::{Error, Result, Status};
+use crate::graph::Graph;
+use crate::registry::Registration;
+use crate::tensor::Tensor;
+
+/// Turns a Python exception raised by `plugin.method` into a backend error.
+fn plugin_error(plugin: &str, method: &str, err: PyErr) -> Error {
+    Error::Backend(format!("Python backend {plugin:?}: {method} raised {err}"))
+}
+
+/// Calls `obj.method(*args)` and extracts the result, mapping exceptions to [`Error`].
+fn call<T>(
+    plugin: &str,
+    obj: &Py<PyAny>,
+    method: &str,
+    args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>,
+    extract: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> Result<T> {
+    Python::attach(|py| {
+        let run = || -> PyResult<T> {
+            let args = args(py)?;
+            let result = obj.bind(py).call_method1(method, args)?;
+            extract(&result)
+        };
+        run().map_err(|e| plugin_error(plugin, method, e))
+    })
+}
+
+/// Reads attribute `name` of `obj` (calling it when it is a method).
+fn attr<'py, T>(
+    plugin: &str,
+    obj: &Bound<'py, PyAny>,
+    name: &str,
+    extract: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+) -> Result<T> {
+    let run = || -> PyResult<T> {
+        let mut value = obj.getattr(name)?;
+        if value.is_callable() {
+            value = value.call0()?;
+        }
+        extract(&value)
+    };
+    run().map_err(|e| plugin_error(plugin, name, e))
+}
+
+/// The memory of a buffer made by a Python buffer type (`read`/`write`/`fill` methods).
+struct PluginMemory {
+    plugin: String,
+    obj: Py<PyAny>,
+    size: usize,
+}
+
+impl BufferMemory for PluginMemory {
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        None
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        call(
+            &self.plugin,
+            &self.obj,
+            "write",
+            |py| (offset, PyBytes::new(py, data)).into_pyobject(py),
+            |_| Ok(()),
+        )
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        let len = out.len();
+        let bytes: Vec<u8> = call(
+            &self.plugin,
+            &self.obj,
+            "read",
+            |py| (offset, len).into_pyobject(py),
+            |r| r.extract::<Vec<u8>>(),
+        )?;
+        if bytes.len() != len {
+            return Err(Error::Backend(format!(
+                "Python backend {:?}: read({offset}, {len}) returned {} bytes",
+                self.plugin,
+                bytes.len()
+            )));
+        }
+        out.copy_from_slice(&bytes);
+        Ok(())
+    }
+
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        call(
+            &self.plugin,
+            &self.obj,
+            "fill",
+            |py| (offset, len, value).into_pyobject(py),
+            |_| Ok(()),
+        )
+    }
+}
+
+/// A buffer type implemented in Python (`alloc_buffer(size)`, `alignment`, `max_size`).
+pub(crate) struct PluginBufferType {
+    plugin: String,
+    obj: Py<PyAny>,
+    name: String,
+    alignment: usize,
+    max_size: usize,
+}
+
+impl fmt::Debug for PluginBufferType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PluginBufferType({})", self.name)
+    }
+}
+
+impl PluginBufferType {
+    fn new(plugin: &str, obj: &Bound<'_, PyAny>) -> Result<Self> {
+        let name = attr(plugin, obj, "name", |v| v.extract::<String>())?;
+        let alignment = attr(plugin, obj, "alignment", |v| v.extract::<usize>())?;
+        let max_size = if obj.hasattr("max_size").unwrap_or(false) {
+            attr(plugin, obj, "max_size", |v| v.extract::<usize>())?
+        } else {
+            usize::MAX
+        };
+        if alignment == 0 || !alignment.is_power_of_two() {
+            return Err(Error::Backend(format!(
+                "Python backend {plugin:?}: buffer type alignment must be a power of two, got {alignment}"
+            )));
+        }
+        Ok(PluginBufferType {
+            plugin: plugin.to_owned(),
+            obj: obj.clone().unbind(),
+            name,
+            alignment,
+            max_size,
+        })
+    }
+}
+
+impl BufferType for PluginBufferType {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer> {
+        if size > self.max_size {
+            return Err(Error::Alloc(format!(
+                "{} bytes exceed the maximum buffer size {} of {}",
+                size, self.max_size, self.name
+            )));
+        }
+        let memory = call(
+            &self.plugin,
+            &self.obj,
+            "alloc_buffer",
+            |py| (size,).into_pyobject(py),
+            |r| Ok(r.clone().unbind()),
+        )?;
+        let memory = PluginMemory {
+            plugin: self.plugin.clone(),
+            obj: memory,
+            size,
+        };
+        Ok(Buffer::new(Box::new(memory), self))
+    }
+
+    fn alignment(&self) -> usize {
+        self.alignment
+    }
+
+    fn max_size(&self) -> usize {
+        self.max_size
+    }
+
+    fn is_host(&self) -> bool {
+        false
+    }
+}
+
+/// A device implemented in Python.
+pub(crate) struct PluginDevice {
+    registration: String,
+    obj: Py<PyAny>,
+    name: String,
+    description: String,
+    device_type: DeviceType,
+    buffer_type: Arc<dyn BufferType>,
+    accepts_host_buffers: bool,
+    me: OnceLock<std::sync::Weak<PluginDevice>>,
+}
+
+impl fmt::Debug for PluginDevice {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "PluginDevice({})", self.name)
+    }
+}
+
+impl PluginDevice {
+    fn new(registration: &str, obj: &Bound<'_, PyAny>) -> Result<Arc<Self>> {
+        let name = attr(registration, obj, "name", |v| v.extract::<String>())?;
+        let description = if obj.hasattr("description").unwrap_or(false) {
+            attr(registration, obj, "description", |v| v.extract::<String>())?
+        } else {
+            format!("{name} (Python backend)")
+        };
+        let device_type = if obj.hasattr("type").unwrap_or(false) {
+            attr(registration, obj, "type", |v| {
+                if let Ok(t) = v.extract::<PyDeviceType>() {
+                    return Ok(DeviceType::from(t));
+                }
+                let name: String = v.extract()?;
+                DeviceType::from_name(&name).map_err(PyErr::from)
+            })?
+        } else {
+            DeviceType::Accel
+        };
+        let buft_obj = attr(registration, obj, "buffer_type", |v| Ok(v.clone()))?;
+        let buffer_type: Arc<dyn BufferType> =
+            Arc::new(PluginBufferType::new(registration, &buft_obj)?);
+        let accepts_host_buffers = obj
+            .getattr("accepts_host_buffers")
+            .and_then(|v| v.is_truthy())
+            .unwrap_or(false);
+        let device = Arc::new(PluginDevice {
+            registration: registration.to_owned(),
+            obj: obj.clone().unbind(),
+            name,
+            description,
+            device_type,
+            buffer_type,
+            accepts_host_buffers,
+            me: OnceLock::new(),
+        });
+        let _ = device.me.set(Arc::downgrade(&device));
+        Ok(device)
+    }
+}
+
+impl Device for PluginDevice {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn description(&self) -> String {
+        self.description.clone()
+    }
+
+    fn memory(&self) -> (usize, usize) {
+        Python::attach(|py| {
+            let obj = self.obj.bind(py);
+            if !obj.hasattr("memory").unwrap_or(false) {
+                return (0, 0);
+            }
+            attr(&self.registration, obj, "memory", |v| {
+                v.extract::<(usize, usize)>()
+            })
+            .unwrap_or_else(|e| {
+                log::warn!("{e}");
+                (0, 0)
+            })
+        })
+    }
+
+    fn device_type(&self) -> DeviceType {
+        self.device_type
+    }
+
+    fn caps(&self) -> DeviceCaps {
+        DeviceCaps::default()
+    }
+
+    fn registration_name(&self) -> &str {
+        &self.registration
+    }
+
+    fn init_backend(&self, params: &BackendParams) -> Result<Arc<dyn Backend>> {
+        let me = self
+            .me
+            .get()
+            .and_then(std::sync::Weak::upgrade)
+            .ok_or_else(|| Error::Backend(format!("device {} is gone", self.name)))?;
+        let backend = call(
+            &self.registration,
+            &self.obj,
+            "init_backend",
+            |py| {
+                let d = PyDict::new(py);
+                for (k, v) in &params.extra {
+                    d.set_item(k, v)?;
+                }
+                (d,).into_pyobject(py)
+            },
+            |r| Ok(r.clone().unbind()),
+        )?;
+        let name = Python::attach(|py| {
+            attr(&self.registration, backend.bind(py), "name", |v| {
+                v.extract::<String>()
+            })
+        })
+        .unwrap_or_else(|_| self.name.clone());
+        Ok(Arc::new(PluginBackend {
+            obj: backend,
+            name,
+            device: me,
+        }))
+    }
+
+    fn buffer_type(&self) -> Arc<dyn BufferType> {
+        self.buffer_type.clone()
+    }
+
+    fn supports_op(&self, op: &Tensor) -> bool {
+        let result = call(
+            &self.registration,
+            &self.obj,
+            "supports_op",
+            |py| (PyTensor::wrap(py, op.clone())?,).into_pyobject(py),
+            |r| r.is_truthy(),
+        );
+        result.unwrap_or_else(|e| {
+            log::warn!("{e}; treating the op as unsupported");
+            false
+        })
+    }
+
+    fn supports_buft(&self, buffer_type: &dyn BufferType) -> bool {
+        let own = std::ptr::addr_eq(
+            Arc::as_ptr(&self.buffer_type),
+            buffer_type as *const dyn BufferType,
+        );
+        own || (self.accepts_host_buffers && buffer_type.is_host())
+    }
+}
+
+/// A backend implemented in Python (`graph_compute(graph)`, optional `synchronize()`).
+pub(crate) struct PluginBackend {
+    obj: Py<PyAny>,
+    name: String,
+    device: Arc<PluginDevice>,
+}
+
+/// GUID of every Python backend (they are told apart by name).
+const PLUGIN_GUID: Guid = *b"ferrograph-py-be";
+
+impl Backend for PluginBackend {
+    fn guid(&self) -> Guid {
+        PLUGIN_GUID
+    }
+
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn device(&self) -> Arc<dyn Device> {
+        self.device.clone()
+    }
+
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
+
+    fn graph_compute_async(&self, graph: &Graph) -> Result<Status> {
+        let aborted = call(
+            &self.name,
+            &self.obj,
+            "graph_compute",
+            |py| {
+                let g = Bound::new(
+                    py,
+                    PyGraph {
+                        inner: graph.clone(),
+                    },
+                )?;
+                (g,).into_pyobject(py)
+            },
+            |r| Ok(r.extract::<bool>().ok() == Some(false)),
+        )?;
+        Ok(if aborted {
+            Status::Aborted
+        } else {
+            Status::Success
+        })
+    }
+
+    fn synchronize(&self) -> Result<()> {
+        Python::attach(|py| {
+            let obj = self.obj.bind(py);
+            if obj.hasattr("synchronize").unwrap_or(false) {
+                obj.call_method0("synchronize")
+                    .map(|_| ())
+                    .map_err(|e| plugin_error(&self.name, "synchronize", e))
+            } else {
+                Ok(())
+            }
+        })
+    }
+}
+
+/// A registration implemented in Python (`name`, `devices()`).
+pub(crate) struct PluginRegistration {
+    name: String,
+    devices: Vec<Arc<dyn Device>>,
+}
+
+impl Registration for PluginRegistration {
+    fn name(&self) -> &str {
+        &self.name
+    }
+
+    fn devices(&self) -> Vec<Arc<dyn Device>> {
+        self.devices.clone()
+    }
+}
+
+/// Registers a backend written in Python: `registration` has a `name` and a `devices()`
+/// method (see `ferrograph.plugins`). Its devices join `fg.devices()`, and
+/// `fg.init_backend(name)` opens them. A registration whose objects break the protocol is
+/// rejected with BackendError and leaves the registry unchanged.
+#[pyfunction]
+pub(crate) fn register_backend<'py>(registration: &Bound<'py, PyAny>) -> PyResult<()> {
+    let name = attr("?", registration, "name", |v| v.extract::<String>())?;
+    let device_objs = attr(&name, registration, "devices", |v| {
+        v.try_iter()?.collect::<PyResult<Vec<Bound<'py, PyAny>>>>()
+    })?;
+    let devices = device_objs
+        .iter()
+        .map(|d| PluginDevice::new(&name, d).map(|d| d as Arc<dyn Device>))
+        .collect::<Result<Vec<_>>>()?;
+    crate::registry::register(Arc::new(PluginRegistration { name, devices }))?;
+    Ok(())
+}
+
+/// Removes a registration (and its devices) by name.
+#[pyfunction]
+pub(crate) fn unregister_backend(name: &str) -> PyResult<()> {
+    crate::registry::unregister(name)?;
+    Ok(())
+}
+
+/// Registers the functions.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(register_backend, m)?)?;
+    m.add_function(wrap_pyfunction!(unregister_backend, m)?)?;
+    Ok(())
+}
