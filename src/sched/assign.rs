@@ -100,7 +100,12 @@ impl<'a> Oracle<'a> {
 
     /// ggml's `buffer_supported`: backend `b` can read tensor `u` where it lives (its buffer,
     /// or the buffer type of the backend it is assigned to).
-    pub fn buffer_supported(&mut self, b: usize, u: usize, assigned: &[Option<Assignment>]) -> bool {
+    pub fn buffer_supported(
+        &mut self,
+        b: usize,
+        u: usize,
+        assigned: &[Option<Assignment>],
+    ) -> bool {
         if let Some(info) = &self.input.topo.buf[u] {
             let buft = info.buft.clone();
             return self.supports_buft(b, &buft);
@@ -122,7 +127,8 @@ impl<'a> Oracle<'a> {
     fn backend_from_buffer(&mut self, u: usize) -> Option<usize> {
         let info = self.input.topo.buf[u].as_ref()?;
         let buft = info.buft.clone();
-        (0..self.input.backends.len()).find(|&b| self.supports_buft(b, &buft) && self.supports_op(b, u))
+        (0..self.input.backends.len())
+            .find(|&b| self.supports_buft(b, &buft) && self.supports_op(b, u))
     }
 }
 
@@ -237,29 +243,30 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
     for accel_only in [true, false] {
         for down in [true, false] {
             let mut carry: Option<usize> = None;
-            let mut step = |i: usize, assigned: &mut Vec<Option<Assignment>>, oracle: &mut Oracle<'_>| {
-                match assigned[i] {
-                    Some(a) => {
-                        carry = if accel_only && a.backend == cpu {
-                            None
-                        } else {
-                            Some(a.backend)
-                        };
-                    }
-                    None => {
-                        if let Some(b) = carry {
-                            if oracle.supports_op(b, i) {
-                                let cause = if accel_only {
-                                    Cause::ExpandAccel
-                                } else {
-                                    Cause::ExpandAny
-                                };
-                                assigned[i] = Some(Assignment { backend: b, cause });
+            let mut step =
+                |i: usize, assigned: &mut Vec<Option<Assignment>>, oracle: &mut Oracle<'_>| {
+                    match assigned[i] {
+                        Some(a) => {
+                            carry = if accel_only && a.backend == cpu {
+                                None
+                            } else {
+                                Some(a.backend)
+                            };
+                        }
+                        None => {
+                            if let Some(b) = carry {
+                                if oracle.supports_op(b, i) {
+                                    let cause = if accel_only {
+                                        Cause::ExpandAccel
+                                    } else {
+                                        Cause::ExpandAny
+                                    };
+                                    assigned[i] = Some(Assignment { backend: b, cause });
+                                }
                             }
                         }
                     }
-                }
-            };
+                };
             if down {
                 for &i in &nodes {
                     step(i, &mut assigned, oracle);

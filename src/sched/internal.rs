@@ -124,7 +124,9 @@ pub(crate) fn build(
             };
             copy.set_name(&format!(
                 "{}#{}#{}",
-                backend_names.get(plan.to_backend).map_or("?", String::as_str),
+                backend_names
+                    .get(plan.to_backend)
+                    .map_or("?", String::as_str),
                 name,
                 slot
             ));
@@ -194,7 +196,9 @@ pub(crate) fn build(
         .into_iter()
         .map(|c| {
             c.ok_or_else(|| {
-                crate::error::Error::InvalidArgument("internal: a copy of the plan was not made".into())
+                crate::error::Error::InvalidArgument(
+                    "internal: a copy of the plan was not made".into(),
+                )
             })
         })
         .collect::<Result<Vec<_>>>()?;

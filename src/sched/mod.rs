@@ -245,11 +245,7 @@ impl Scheduler {
             callback: None,
             debug: std::env::var_os("FERROGRAPH_SCHED_DEBUG").is_some(),
         };
-        scheduler.set_n_copies(if parallel {
-            DEFAULT_PARALLEL_COPIES
-        } else {
-            1
-        })?;
+        scheduler.set_n_copies(if parallel { DEFAULT_PARALLEL_COPIES } else { 1 })?;
         Ok(scheduler)
     }
 
@@ -291,9 +287,7 @@ impl Scheduler {
     /// the plan cache.
     pub fn set_n_copies(&mut self, n_copies: usize) -> Result<()> {
         if n_copies == 0 {
-            return Err(Error::InvalidArgument(
-                "n_copies must be at least 1".into(),
-            ));
+            return Err(Error::InvalidArgument("n_copies must be at least 1".into()));
         }
         self.synchronize_backends()?;
         self.n_copies = n_copies;
@@ -377,7 +371,11 @@ impl Scheduler {
     }
 
     /// Pins `tensor` to `backend` for the following graphs (until [`Scheduler::reset`]).
-    pub fn set_tensor_backend(&mut self, tensor: &Tensor, backend: &Arc<dyn Backend>) -> Result<()> {
+    pub fn set_tensor_backend(
+        &mut self,
+        tensor: &Tensor,
+        backend: &Arc<dyn Backend>,
+    ) -> Result<()> {
         let b = self.index_of(backend)?;
         if !backend.supports_op(tensor) {
             return Err(Error::UnsupportedOp(format!(
@@ -489,7 +487,10 @@ impl Scheduler {
         match self.instance.as_mut() {
             Some(inst) if keep => inst.topo = topo,
             _ => {
-                let is_new = self.instance.as_ref().is_none_or(|i| !Arc::ptr_eq(&i.core, &core));
+                let is_new = self
+                    .instance
+                    .as_ref()
+                    .is_none_or(|i| !Arc::ptr_eq(&i.core, &core));
                 self.instance = Some(Instance {
                     graph: graph.clone(),
                     topo,
@@ -751,7 +752,11 @@ impl Scheduler {
             leafs: (core.n_nodes..inst.topo.len()).map(entry).collect(),
             splits: core.splits.clone(),
             copies: core.copies.clone(),
-            graph_inputs: core.graph_inputs.iter().map(|&u| core.tensor_ref(u)).collect(),
+            graph_inputs: core
+                .graph_inputs
+                .iter()
+                .map(|&u| core.tensor_ref(u))
+                .collect(),
             buffer_sizes: (0..self.backends.len())
                 .map(|b| self.buffer_size_of(b))
                 .collect(),
