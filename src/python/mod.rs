@@ -21,6 +21,7 @@ mod ops;
 mod plugin;
 mod system;
 mod tensor;
+mod utils;
 
 /// The native module `ferrograph._core`.
 #[pymodule]
@@ -37,6 +38,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     backend::register(m)?;
     alloc::register(m)?;
     plugin::register(m)?;
+    utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;
     m.add_submodule(&ops_module)?;

@@ -1,0 +1,259 @@
+//! Utilities from Python: clocks, status strings, GUIDs, the global abort callback, thread
+//! pools, `graph_compute_with_ctx`, graph copies and the two-backend comparison helper.
+
+use std::sync::Arc;
+
+use pyo3::prelude::*;
+
+use super::backend::{check_status, PyBackend, PyBuffer};
+use super::errors::{guard, invalid};
+use super::graph::PyGraph;
+use super::tensor::PyTensor;
+use crate::cpu::backend::as_cpu;
+use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
+use crate::error::Status;
+use crate::graph_copy::{self as copying, GraphCopy};
+
+/// Milliseconds since the library's clock started.
+#[pyfunction]
+fn time_ms() -> i64 {
+    crate::util::time_ms()
+}
+
+/// Microseconds since the library's clock started.
+#[pyfunction]
+fn time_us() -> i64 {
+    crate::util::time_us()
+}
+
+/// The CPU's cycle counter (a monotonic counter where there is none).
+#[pyfunction]
+fn cycles() -> i64 {
+    crate::util::cycles()
+}
+
+/// Cycles per millisecond (measured once).
+#[pyfunction]
+fn cycles_per_ms() -> i64 {
+    crate::util::cycles_per_ms()
+}
+
+/// The source revision the library was built from ("unknown" outside a git build).
+#[pyfunction]
+fn commit() -> &'static str {
+    crate::util::commit()
+}
+
+/// The text of a status code (0 success, 1 aborted, -1 failed, -2 allocation failed).
+#[pyfunction]
+fn status_to_string(code: i32) -> PyResult<&'static str> {
+    let status = [
+        Status::Success,
+        Status::Aborted,
+        Status::Failed,
+        Status::AllocFailed,
+    ]
+    .into_iter()
+    .find(|s| s.code() == code)
+    .ok_or_else(|| invalid(format!("unknown status code {code}")))?;
+    Ok(status.as_str())
+}
+
+/// Whether two backend GUIDs are equal.
+#[pyfunction]
+fn guid_matches(a: &[u8], b: &[u8]) -> bool {
+    a.len() == 16 && a == b
+}
+
+/// Installs (or with None clears) the process-wide abort callback, polled by every CPU
+/// computation beside each backend's own; returning True stops it with `AbortedError`.
+#[pyfunction]
+fn set_global_abort_callback(callback: Option<Py<PyAny>>) {
+    let callback = callback.map(|callable| -> crate::registry::AbortCallback {
+        Arc::new(move || {
+            Python::attach(|py| match callable.call0(py) {
+                Ok(result) => result.bind(py).is_truthy().unwrap_or(true),
+                Err(err) => {
+                    log::error!("global abort callback raised {err}; aborting");
+                    true
+                }
+            })
+        })
+    });
+    crate::cpu::backend::set_global_abort_callback(callback);
+}
+
+/// Computes `graph` on the host with `n_threads` threads and no backend object (ggml's
+/// `graph_compute_with_ctx`): every tensor needs host memory, e.g. from `Context(no_alloc=False)`.
+#[pyfunction]
+#[pyo3(signature = (graph, n_threads = 1))]
+fn graph_compute_with_ctx(py: Python<'_>, graph: &PyGraph, n_threads: usize) -> PyResult<()> {
+    let graph = graph.inner.clone();
+    let status = py.detach(|| {
+        guard("graph_compute_with_ctx", || {
+            crate::cpu::backend::graph_compute_with_ctx(&graph, n_threads)
+        })
+    })?;
+    check_status(status)
+}
+
+/// A persistent pool of worker threads for CPU backends (ggml's threadpool API on rayon).
+#[pyclass(name = "Threadpool", module = "ferrograph", frozen)]
+pub struct PyThreadpool {
+    inner: Arc<Threadpool>,
+}
+
+#[pymethods]
+impl PyThreadpool {
+    /// A pool of `n_threads` workers; `paused=True` starts it paused.
+    #[new]
+    #[pyo3(signature = (n_threads, paused = false))]
+    fn new(n_threads: usize, paused: bool) -> PyResult<Self> {
+        if n_threads == 0 {
+            return Err(invalid("n_threads must be at least 1"));
+        }
+        let mut params = ThreadpoolParams::new(n_threads);
+        params.paused = paused;
+        Ok(PyThreadpool {
+            inner: Threadpool::new(&params)?,
+        })
+    }
+
+    /// Number of worker threads.
+    #[getter]
+    fn n_threads(&self) -> usize {
+        self.inner.n_threads()
+    }
+
+    /// Whether the pool is paused.
+    #[getter]
+    fn is_paused(&self) -> bool {
+        self.inner.is_paused()
+    }
+
+    /// Pauses the pool (idle workers sleep); a computation resumes it.
+    fn pause(&self) {
+        self.inner.pause();
+    }
+
+    /// Resumes the pool.
+    fn resume(&self) {
+        self.inner.resume();
+    }
+
+    /// Makes `backend` (a CPU backend) compute on this pool.
+    fn attach(&self, backend: &PyBackend) -> PyResult<()> {
+        as_cpu(backend.inner.as_ref())?.set_threadpool(self.inner.clone());
+        Ok(())
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Threadpool(n_threads={}, paused={})",
+            self.inner.n_threads(),
+            self.inner.is_paused()
+        )
+    }
+}
+
+/// A graph copied to another backend (`fg.graph_copy`).
+#[pyclass(name = "GraphCopy", module = "ferrograph", frozen)]
+pub struct PyGraphCopy {
+    inner: GraphCopy,
+}
+
+#[pymethods]
+impl PyGraphCopy {
+    /// The copied graph.
+    #[getter]
+    fn graph(&self) -> PyGraph {
+        PyGraph {
+            inner: self.inner.graph.clone(),
+        }
+    }
+
+    /// The buffer holding the copies.
+    #[getter]
+    fn buffer(&self) -> PyBuffer {
+        PyBuffer {
+            inner: self.inner.buffer.clone(),
+        }
+    }
+
+    /// The copy of a tensor of the source graph, or None.
+    fn copy_of<'py>(
+        &self,
+        py: Python<'py>,
+        tensor: &PyTensor,
+    ) -> PyResult<Option<Bound<'py, PyTensor>>> {
+        self.inner
+            .copy_of(&tensor.inner)
+            .map(|t| PyTensor::wrap(py, t.clone()))
+            .transpose()
+    }
+}
+
+/// Copies `graph` (tensors, ops and data) into one buffer of `backend`.
+#[pyfunction]
+fn graph_copy(py: Python<'_>, backend: &PyBackend, graph: &PyGraph) -> PyResult<PyGraphCopy> {
+    let backend = backend.inner.clone();
+    let graph = graph.inner.clone();
+    let copy = py.detach(|| copying::graph_copy(backend.as_ref(), &graph))?;
+    Ok(PyGraphCopy { inner: copy })
+}
+
+/// Computes `graph` on `backend1` and a copy on `backend2` node by node, calling
+/// `callback(index, t1, t2)` after each non-view node (return False to stop). Returns True
+/// when every node was compared.
+#[pyfunction]
+fn compare_graph_backend(
+    py: Python<'_>,
+    backend1: &PyBackend,
+    backend2: &PyBackend,
+    graph: &PyGraph,
+    callback: Py<PyAny>,
+) -> PyResult<bool> {
+    let (b1, b2) = (backend1.inner.clone(), backend2.inner.clone());
+    let graph = graph.inner.clone();
+    let mut raised: Option<PyErr> = None;
+    let done = py.detach(|| {
+        copying::compare_graph_backend(b1.as_ref(), b2.as_ref(), &graph, |i, t1, t2| {
+            Python::attach(|py| {
+                let call = || -> PyResult<bool> {
+                    let a = PyTensor::wrap(py, t1.clone())?;
+                    let b = PyTensor::wrap(py, t2.clone())?;
+                    callback.call1(py, (i, a, b))?.bind(py).is_truthy()
+                };
+                match call() {
+                    Ok(go_on) => go_on,
+                    Err(e) => {
+                        raised = Some(e);
+                        false
+                    }
+                }
+            })
+        })
+    })?;
+    match raised {
+        Some(err) => Err(err),
+        None => Ok(done),
+    }
+}
+
+/// Registers the functions and classes.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(time_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(time_us, m)?)?;
+    m.add_function(wrap_pyfunction!(cycles, m)?)?;
+    m.add_function(wrap_pyfunction!(cycles_per_ms, m)?)?;
+    m.add_function(wrap_pyfunction!(commit, m)?)?;
+    m.add_function(wrap_pyfunction!(status_to_string, m)?)?;
+    m.add_function(wrap_pyfunction!(guid_matches, m)?)?;
+    m.add_function(wrap_pyfunction!(set_global_abort_callback, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_compute_with_ctx, m)?)?;
+    m.add_function(wrap_pyfunction!(graph_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(compare_graph_backend, m)?)?;
+    m.add_class::<PyThreadpool>()?;
+    m.add_class::<PyGraphCopy>()?;
+    Ok(())
+}
