@@ -7,12 +7,14 @@
 
 pub mod alloc;
 pub mod backend;
+pub mod blas;
 pub mod buffer;
 pub mod context;
 pub mod convert;
 pub mod cpu;
 pub mod device;
 pub mod dtype;
+pub mod dynload;
 pub mod error;
 pub mod event;
 pub mod graph;
