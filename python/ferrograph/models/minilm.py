@@ -244,6 +244,16 @@ def load_state_dict(model_dir: Path) -> dict[str, npt.NDArray[np.float32]]:
     return state
 
 
+def _open_safetensors(model_dir: Path) -> Any:
+    try:
+        from safetensors import safe_open
+    except ImportError as error:
+        raise MissingDependencyError(
+            f"reading the weights needs safetensors: {INSTALL_HINT}"
+        ) from error
+    return safe_open(str(model_dir / "model.safetensors"), framework="np")
+
+
 def _load_tokenizer(model_dir: Path, max_length: int) -> Tokenizer:
     try:
         from tokenizers import Tokenizer
@@ -409,8 +419,7 @@ class MiniLM:
         self.backend: fg.Backend = backend
         self.n_threads = backend.n_threads if backend.is_cpu else n_threads
         start = time.perf_counter()
-        state = load_state_dict(self.model_dir)
-        self._load_weights(state)
+        self._load_weights()
         logger.info(
             "loaded all-MiniLM-L6-v2 from %s as %s (%.1f MiB of weights) in %.2f s",
             self.model_dir,
@@ -424,29 +433,37 @@ class MiniLM:
 
     # ----- weights -----
 
-    def _load_weights(self, state: Mapping[str, npt.NDArray[np.float32]]) -> None:
+    def _load_weights(self) -> None:
+        """Creates the weight tensors, allocates them in one WEIGHTS buffer and fills them
+        from ``model.safetensors`` one tensor at a time (converting as asked), so the f32
+        file is never held in memory whole."""
         converted = _linear_weight_names(self.config) | {"embeddings.word_embeddings.weight"}
         target = fg.DType(self.weights_dtype)
         ctx = fg.Context()  # metadata only; one backend buffer holds every weight
         tensors: dict[str, fg.Tensor] = {}
-        for name, array in state.items():
-            if name.startswith("pooler."):
-                continue  # sentence-transformers does not use BERT's pooler
-            dtype = target if name in converted else fg.float32
-            tensors[name] = ctx.new_tensor(dtype, array.shape, name=name)
-        self.weights_ctx = ctx
-        buffer = fg.alloc_ctx_tensors(ctx, self.backend)
-        if buffer is None:
-            raise fg.AllocationError("no buffer was allocated for the MiniLM weights")
-        buffer.usage = fg.BufferUsage.WEIGHTS
-        self.weights_buffer = buffer
-        for name, tensor in tensors.items():
-            _set_weight(tensor, state[name])
+        with _open_safetensors(self.model_dir) as file:
+            for key in file.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                name = key.removeprefix("bert.")
+                shape = tuple(file.get_slice(key).get_shape())
+                if name.startswith("pooler.") or name.endswith("position_ids"):
+                    continue  # sentence-transformers does not use BERT's pooler
+                dtype = target if name in converted else fg.float32
+                tensors[name] = ctx.new_tensor(dtype, shape, name=name)
+            expected = {"embeddings.word_embeddings.weight"} | _linear_weight_names(self.config)
+            missing = sorted(expected - tensors.keys())
+            if missing:
+                raise ValueError(f"model.safetensors lacks {missing[:5]}")
+            self.weights_ctx = ctx
+            buffer = fg.alloc_ctx_tensors(ctx, self.backend)
+            if buffer is None:
+                raise fg.AllocationError("no buffer was allocated for the MiniLM weights")
+            buffer.usage = fg.BufferUsage.WEIGHTS
+            self.weights_buffer = buffer
+            prefix = "bert." if any(k.startswith("bert.") for k in file.keys()) else ""  # noqa: SIM118
+            for name, tensor in tensors.items():
+                array = np.ascontiguousarray(file.get_tensor(prefix + name), dtype=np.float32)
+                _set_weight(tensor, array)
         self.weights = tensors
-        expected = {"embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight"}
-        missing = [n for n in expected | _linear_weight_names(self.config) if n not in tensors]
-        if missing:
-            raise ValueError(f"model.safetensors lacks {sorted(missing)[:5]}")
 
     @property
     def weights_nbytes(self) -> int:
