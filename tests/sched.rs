@@ -116,7 +116,7 @@ impl Device for TestDevice {
         "DEV"
     }
     fn init_backend(&self, _params: &BackendParams) -> Result<Arc<dyn Backend>> {
-        Ok(TestBackend::new(self.kind))
+        Ok(TestBackend::shared(self.kind))
     }
     fn buffer_type(&self) -> Arc<dyn BufferType> {
         dev_buft()
@@ -141,7 +141,7 @@ struct TestBackend {
 }
 
 impl TestBackend {
-    fn new(kind: DeviceType) -> Arc<dyn Backend> {
+    fn shared(kind: DeviceType) -> Arc<dyn Backend> {
         Arc::new(TestBackend {
             device: Arc::new(TestDevice { kind }),
             computed: AtomicUsize::new(0),
@@ -219,10 +219,15 @@ fn cpu() -> Arc<dyn Backend> {
 }
 
 fn dev() -> Arc<dyn Backend> {
-    TestBackend::new(DeviceType::Gpu)
+    TestBackend::shared(DeviceType::Gpu)
 }
 
 const LEN: usize = 8;
+
+type MakeBackends = fn() -> Vec<Arc<dyn Backend>>;
+
+/// `(name, ask, values when observed)`.
+type Observation = (String, bool, Vec<f32>);
 
 fn values(seed: usize) -> Vec<f32> {
     (0..LEN)
@@ -424,7 +429,11 @@ fn run_case(spec: &Spec, backends: Vec<Arc<dyn Backend>>, home: Home, parallel: 
         }
         if home != Home::Scheduler {
             for (i, t) in inputs.tensors.iter().enumerate() {
-                assert_eq!(t.to_f32_vec().unwrap(), values(round + i), "input {i} modified");
+                assert_eq!(
+                    t.to_f32_vec().unwrap(),
+                    values(round + i),
+                    "input {i} modified"
+                );
             }
         }
         for (node, (_, _, b)) in built.nodes.iter().zip(&spec.ops) {
@@ -437,7 +446,11 @@ fn run_case(spec: &Spec, backends: Vec<Arc<dyn Backend>>, home: Home, parallel: 
 fn ping_pong(n: usize, backends: usize) -> Spec {
     let mut ops = vec![(Kind::Add, vec![0, 0], 0)];
     for i in 1..n {
-        let kind = if i % 2 == 0 { Kind::Neg } else { Kind::Scale(0.5) };
+        let kind = if i % 2 == 0 {
+            Kind::Neg
+        } else {
+            Kind::Scale(0.5)
+        };
         ops.push((kind, vec![i], i % backends));
     }
     Spec { n_inputs: 1, ops }
@@ -460,7 +473,10 @@ fn ping_pong_chain() {
             // Every edge crosses between device and host memory.
             assert_eq!(plan.copies.len(), 7 + usize::from(home == Home::Scheduler));
         } else {
-            assert!(plan.copies.is_empty(), "host backends read each other's memory");
+            assert!(
+                plan.copies.is_empty(),
+                "host backends read each other's memory"
+            );
         }
     }
 }
@@ -507,7 +523,7 @@ fn chain_through_all_backends() {
 
 #[test]
 fn every_pair_every_home_with_and_without_pipelining() {
-    let pairs: Vec<(&str, fn() -> Vec<Arc<dyn Backend>>)> = vec![
+    let pairs: Vec<(&str, MakeBackends)> = vec![
         ("cpu+cpu", || vec![cpu(), cpu()]),
         ("dev+cpu", || vec![dev(), cpu()]),
     ];
@@ -582,7 +598,10 @@ fn reserve_then_many_computes_and_plan_cache() {
             pin_all(&mut sched, &spec, &rebuilt, &backends);
             sched.alloc_graph(&rebuilt.graph).unwrap();
             set_inputs(&inputs.tensors, round);
-            assert_eq!(sched.graph_compute(&rebuilt.graph).unwrap(), Status::Success);
+            assert_eq!(
+                sched.graph_compute(&rebuilt.graph).unwrap(),
+                Status::Success
+            );
             let out = rebuilt.nodes.last().unwrap().to_f32_vec().unwrap();
             assert_eq!(&out, reference(&spec, round).last().unwrap());
         }
@@ -640,7 +659,9 @@ fn set_and_get_tensor_backend() {
     assert_eq!(plan.leafs[0].assignment.cause, Cause::Input);
     assert_eq!(plan.nodes[0].assignment.cause, Cause::MostOperands);
 
-    sched.set_tensor_backend(&built.nodes[1], &backends[0]).unwrap();
+    sched
+        .set_tensor_backend(&built.nodes[1], &backends[0])
+        .unwrap();
     let got = sched.get_tensor_backend(&built.nodes[1]).unwrap();
     assert!(Arc::ptr_eq(&got, &backends[0]));
     // Pinning after allocation makes the next compute re-allocate with the pin.
@@ -683,7 +704,10 @@ fn set_and_get_tensor_backend() {
     sched.reset();
     sched.alloc_graph(&built.graph).unwrap();
     let plan = sched.plan().unwrap();
-    assert!(plan.nodes.iter().all(|n| n.assignment.cause != Cause::Pinned));
+    assert!(plan
+        .nodes
+        .iter()
+        .all(|n| n.assignment.cause != Cause::Pinned));
     assert_eq!(sched.n_splits(), 1);
 }
 
@@ -698,7 +722,7 @@ fn eval_callback_order_and_cancel() {
     let mut sched = Scheduler::new(backends.clone(), None, 0, false, false).unwrap();
     pin_all(&mut sched, &spec, &built, &backends);
 
-    let seen: Arc<Mutex<Vec<(String, bool, Vec<f32>)>>> = Arc::default();
+    let seen: Arc<Mutex<Vec<Observation>>> = Arc::default();
     let log = seen.clone();
     sched.set_eval_callback(Some(Box::new(move |t: &Tensor, ask: bool| {
         let name = t.name();
@@ -725,10 +749,7 @@ fn eval_callback_order_and_cancel() {
     );
     assert_eq!(observed[0].1, want[1], "observed values are computed");
     assert_eq!(observed[2].1, want[4]);
-    assert_eq!(
-        &built.nodes[5].to_f32_vec().unwrap(),
-        want.last().unwrap()
-    );
+    assert_eq!(&built.nodes[5].to_f32_vec().unwrap(), want.last().unwrap());
 
     // Cancelling at the first observation stops everything.
     let calls = Arc::new(AtomicUsize::new(0));
@@ -759,8 +780,8 @@ fn plan_contents_weights_offload_dot_and_dump() {
     w_host.set_name("w_host");
     let hbufs = alloc_ctx_tensors_from_buft(&hctx, CpuBufferType::shared()).unwrap();
     hbufs[0].set_usage(BufferUsage::Weights);
-    w_dev.set_f32(&vec![2.0; LEN * 4]).unwrap();
-    w_host.set_f32(&vec![3.0; LEN * 4]).unwrap();
+    w_dev.set_f32(&[2.0; LEN * 4]).unwrap();
+    w_host.set_f32(&[3.0; LEN * 4]).unwrap();
 
     let ctx = Context::new(true);
     let x = ctx.new_tensor(DType::F32, &[LEN, 4]).unwrap();
@@ -778,7 +799,7 @@ fn plan_contents_weights_offload_dot_and_dump() {
     let mut sched = Scheduler::new(backends.clone(), None, 0, false, true).unwrap();
     sched.set_offload_policy(OffloadPolicy::Never);
     sched.alloc_graph(&graph).unwrap();
-    x.set_f32(&vec![1.0; LEN * 4]).unwrap();
+    x.set_f32(&[1.0; LEN * 4]).unwrap();
     assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
     assert_eq!(c.to_f32_vec().unwrap(), vec![-6.0; LEN * 4]);
     let plan = sched.plan().unwrap();
@@ -803,19 +824,36 @@ fn plan_contents_weights_offload_dot_and_dump() {
     assert!(text.contains("split 1: CPU"), "{text}");
     assert!(text.contains("(weight)"), "{text}");
     let dot = sched.to_dot().unwrap();
-    assert!(dot.contains("cluster_split1") && dot.contains("color=red"), "{dot}");
+    assert!(
+        dot.contains("cluster_split1") && dot.contains("color=red"),
+        "{dot}"
+    );
 
     // Offload by batch: the host-weight op moves to the device (4 rows >= 4).
     sched.set_offload_policy(OffloadPolicy::MinBatch(4));
     sched.reset();
     sched.alloc_graph(&graph).unwrap();
-    x.set_f32(&vec![1.0; LEN * 4]).unwrap();
+    x.set_f32(&[1.0; LEN * 4]).unwrap();
     assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
     assert_eq!(c.to_f32_vec().unwrap(), vec![-6.0; LEN * 4]);
     let plan = sched.plan().unwrap();
     let b_entry = plan.nodes.iter().find(|t| t.name == "b").unwrap();
-    assert_eq!(b_entry.assignment, ferrograph::sched::Assignment { backend: 0, cause: Cause::Offload });
-    assert_eq!(plan.nodes.iter().find(|t| t.name == "c").unwrap().assignment.backend, 0);
+    assert_eq!(
+        b_entry.assignment,
+        ferrograph::sched::Assignment {
+            backend: 0,
+            cause: Cause::Offload
+        }
+    );
+    assert_eq!(
+        plan.nodes
+            .iter()
+            .find(|t| t.name == "c")
+            .unwrap()
+            .assignment
+            .backend,
+        0
+    );
     // Both splits are on the device: an op reading a weight that must be copied in starts a
     // new split once the current one has inputs (ggml's rule, so weight copies reuse memory).
     assert_eq!(plan.splits.len(), 2, "{plan}");
@@ -851,7 +889,7 @@ fn bad_inputs_are_errors() {
     assert_eq!(sched.n_copies(), 2);
 
     // An op no backend runs: a CPU-type test device that only knows element-wise ops.
-    let limited = TestBackend::new(DeviceType::Cpu);
+    let limited = TestBackend::shared(DeviceType::Cpu);
     let mut sched = Scheduler::new(vec![limited], None, 0, false, false).unwrap();
     let ctx = Context::new(true);
     let x = ctx.new_tensor(DType::F32, &[LEN]).unwrap();

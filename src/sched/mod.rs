@@ -12,7 +12,7 @@
 //! *shadow* of the node (same op and parameters, operands replaced by the copies) in an
 //! internal graph; after allocation every shadowed node of the caller's graph is bound to its
 //! shadow's memory, so results are read from the caller's own tensors. Graphs without copies
-//! are allocated and computed as they are. See [`internal`](self) for the details.
+//! are allocated and computed as they are. The private `internal` module has the details.
 //!
 //! # Differences from ggml
 //!
@@ -363,6 +363,12 @@ impl Scheduler {
 
     fn buffer_size_of(&self, b: usize) -> usize {
         self.galloc.buffer_size(b) + self.pipeline_buffers[b].as_ref().map_or(0, Buffer::size)
+    }
+
+    /// Forgets every cached plan (the next graph is planned from scratch).
+    pub fn clear_plan_cache(&mut self) {
+        self.cache.clear();
+        self.cache_len = 0;
     }
 
     /// `(hits, misses)` of the plan cache.
@@ -767,5 +773,86 @@ impl Scheduler {
     pub fn to_dot(&self) -> Option<String> {
         let inst = self.instance.as_ref()?;
         Some(self.plan()?.to_dot(&inst.graph))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::context::Context;
+    use crate::cpu::backend::CpuBackend;
+    use crate::dtype::DType;
+    use crate::ops;
+
+    fn cpu() -> Arc<dyn Backend> {
+        Arc::new(CpuBackend::new(1).unwrap())
+    }
+
+    fn chain(ctx: &Context) -> (Tensor, Graph) {
+        let x = ctx.new_tensor(DType::F32, &[4, 2]).unwrap();
+        x.set_input();
+        let y = ops::scale(ctx, &x, 2.0, 0.0).unwrap();
+        let z = ops::add(ctx, &y, &x).unwrap();
+        z.set_output();
+        let g = Graph::build(std::slice::from_ref(&z));
+        (x, g)
+    }
+
+    #[test]
+    fn single_cpu_plan_is_one_split_and_cached() {
+        let mut sched = Scheduler::new(vec![cpu()], None, 16, false, false).unwrap();
+        let ctx = Context::new(true);
+        let (x, g) = chain(&ctx);
+        sched.alloc_graph(&g).unwrap();
+        x.set_f32(&[1.0; 8]).unwrap();
+        assert_eq!(sched.graph_compute(&g).unwrap(), Status::Success);
+        assert_eq!(g.node(-1).unwrap().to_f32_vec().unwrap(), vec![3.0; 8]);
+        assert_eq!(sched.n_splits(), 1);
+        let plan = sched.plan().unwrap();
+        assert!(plan.copies.is_empty());
+        assert_eq!(plan.leafs[0].assignment.cause, Cause::Input);
+        // A rebuilt graph of the same shape hits the cache.
+        let ctx2 = Context::new(true);
+        let (_, g2) = chain(&ctx2);
+        sched.reset();
+        sched.alloc_graph(&g2).unwrap();
+        assert_eq!(sched.plan_cache_stats(), (1, 1));
+    }
+
+    #[test]
+    fn offload_policy_values() {
+        let ctx = Context::new(true);
+        let a = ctx.new_tensor(DType::F32, &[4, 3]).unwrap();
+        let b = ctx.new_tensor(DType::F32, &[4, 5]).unwrap();
+        let m = ops::mul_mat(&ctx, &a, &b).unwrap();
+        assert_eq!(assign::op_batch(&m), 5);
+        let backend = cpu();
+        assert!(OffloadPolicy::MinBatch(5).offload(backend.as_ref(), &m));
+        assert!(!OffloadPolicy::MinBatch(6).offload(backend.as_ref(), &m));
+        assert!(!OffloadPolicy::Never.offload(backend.as_ref(), &m));
+        assert!(OffloadPolicy::Always.offload(backend.as_ref(), &m));
+    }
+
+    #[test]
+    fn cause_tags_are_distinct() {
+        let causes = [
+            Cause::Pinned,
+            Cause::Buffer,
+            Cause::Input,
+            Cause::Weight,
+            Cause::Offload,
+            Cause::ExpandAccel,
+            Cause::ExpandAny,
+            Cause::MostOperands,
+            Cause::Upgrade,
+            Cause::ViewSource,
+            Cause::Consumer,
+            Cause::FirstSupporting,
+            Cause::Unused,
+        ];
+        let mut tags: Vec<&str> = causes.iter().map(|c| c.tag()).collect();
+        tags.sort_unstable();
+        tags.dedup();
+        assert_eq!(tags.len(), causes.len());
     }
 }
