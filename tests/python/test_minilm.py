@@ -109,6 +109,15 @@ def test_flash_attention_path_matches(reference: dict[str, Any]) -> None:
     assert cos.min() >= THRESHOLDS["f32"]
 
 
+def test_fused_qkv_matches(reference: dict[str, Any]) -> None:
+    model = minilm.MiniLM(n_threads=2, fuse_qkv=True)
+    assert "encoder.layer.0.attention.self.qkv.weight" in model.weights
+    assert "encoder.layer.0.attention.self.query.weight" not in model.weights
+    got = model.encode(reference["sentences"], batch_size=8)
+    assert cosines(got, reference["embeddings"]).min() >= THRESHOLDS["f32"]
+    assert model.graph(2, 16).graph.n_nodes < model_for("f32").graph(2, 16).graph.n_nodes
+
+
 def test_graph_against_numpy_float64(reference: dict[str, Any]) -> None:
     model = model_for("f32")
     sentences = reference["sentences"][4:8]

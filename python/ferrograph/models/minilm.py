@@ -380,6 +380,10 @@ class MiniLM:
         padding mask and scale, ``mul_mat`` with the values. ``"flash"``: one
         ``flash_attn_ext`` node per layer (fewer nodes and copies; same results to float
         rounding).
+    fuse_qkv
+        Concatenate the query, key and value projections of each layer at load time
+        (``encoder.layer.N.attention.self.qkv.weight`` / ``.bias``) and compute them as one
+        ``mul_mat``; q, k and v are then strided views of its result.
 
     Raises
     ------
@@ -399,6 +403,7 @@ class MiniLM:
         max_length: int = _DEFAULT_MAX_LENGTH,
         backend: fg.Backend | None = None,
         attention: str = "soft_max",
+        fuse_qkv: bool = False,
     ) -> None:
         dtype_name = _weights_dtype_name(weights_dtype)
         self.model_dir = find_model_dir(model_dir)
@@ -412,6 +417,7 @@ class MiniLM:
         if attention not in ATTENTION_MODES:
             raise ValueError(f"attention must be one of {ATTENTION_MODES}, got {attention!r}")
         self.attention = attention
+        self.fuse_qkv = fuse_qkv
         self.max_length = max_length
         self.tokenizer = _load_tokenizer(self.model_dir, max_length)
         if backend is None:
@@ -442,27 +448,41 @@ class MiniLM:
         ctx = fg.Context()  # metadata only; one backend buffer holds every weight
         tensors: dict[str, fg.Tensor] = {}
         with _open_safetensors(self.model_dir) as file:
-            for key in file.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                name = key.removeprefix("bert.")
-                shape = tuple(file.get_slice(key).get_shape())
+            keys = {k.removeprefix("bert."): k for k in file.keys()}  # noqa: SIM118
+            # name -> the file's tensors it is made of (several for a fused QKV projection)
+            sources: dict[str, list[str]] = {}
+            for name in keys:
                 if name.startswith("pooler.") or name.endswith("position_ids"):
                     continue  # sentence-transformers does not use BERT's pooler
-                dtype = target if name in converted else fg.float32
-                tensors[name] = ctx.new_tensor(dtype, shape, name=name)
-            expected = {"embeddings.word_embeddings.weight"} | _linear_weight_names(self.config)
-            missing = sorted(expected - tensors.keys())
+                sources[name] = [name]
+            missing = sorted(_linear_weight_names(self.config) - sources.keys())
             if missing:
                 raise ValueError(f"model.safetensors lacks {missing[:5]}")
+            if self.fuse_qkv:
+                for i in range(self.config.num_hidden_layers):
+                    p = f"encoder.layer.{i}.attention.self."
+                    for kind in ("weight", "bias"):
+                        parts = [f"{p}{n}.{kind}" for n in ("query", "key", "value")]
+                        for part in parts:
+                            del sources[part]
+                        sources[f"{p}qkv.{kind}"] = parts
+                        if kind == "weight":
+                            converted.add(f"{p}qkv.weight")
+            for name, parts in sources.items():
+                shapes = [tuple(file.get_slice(keys[n]).get_shape()) for n in parts]
+                shape = (sum(sh[0] for sh in shapes), *shapes[0][1:])
+                dtype = target if name in converted else fg.float32
+                tensors[name] = ctx.new_tensor(dtype, shape, name=name)
             self.weights_ctx = ctx
             buffer = fg.alloc_ctx_tensors(ctx, self.backend)
             if buffer is None:
                 raise fg.AllocationError("no buffer was allocated for the MiniLM weights")
             buffer.usage = fg.BufferUsage.WEIGHTS
             self.weights_buffer = buffer
-            prefix = "bert." if any(k.startswith("bert.") for k in file.keys()) else ""  # noqa: SIM118
             for name, tensor in tensors.items():
-                array = np.ascontiguousarray(file.get_tensor(prefix + name), dtype=np.float32)
-                _set_weight(tensor, array)
+                arrays = [file.get_tensor(keys[n]) for n in sources[name]]
+                array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+                _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
         self.weights = tensors
 
     @property
@@ -506,8 +526,21 @@ class MiniLM:
         heads, head_dim = cfg.num_attention_heads, cfg.head_dim
         scale = 1.0 / math.sqrt(head_dim)
 
+        if self.fuse_qkv:
+            # one (batch, seq, 3 * hidden) projection; q, k and v are strided views of it
+            qkv = self._linear(x, f"{prefix}attention.self.qkv")
+            row = qkv.strides[-2]
+            part = {"query": 0, "key": 1, "value": 2}
+
         def heads_of(name: str) -> fg.Tensor:
             # (batch, seq, hidden) -> (batch, seq, heads, head_dim)
+            if self.fuse_qkv:
+                return ops.view(
+                    qkv,
+                    (batch, seq, heads, head_dim),
+                    (seq * row, row, head_dim * 4, 4),
+                    part[name] * cfg.hidden_size * 4,
+                )
             t = self._linear(x, f"{prefix}attention.self.{name}")
             return ops.reshape(t, (batch, seq, heads, head_dim))
 
