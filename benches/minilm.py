@@ -230,4 +230,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    # Run as a script, this directory is sys.path[0], and its other scripts (kernels.py, ...)
+    # would shadow packages that transformers probes for; take it off the path.
+    _here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _here]
     sys.exit(main())
