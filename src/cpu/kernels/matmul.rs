@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::gemm::{self, F32Rows};
 use super::par_ranges;
 use super::quant_dot::{
     dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0, dot_q8_0_q8_0_ref,
@@ -230,6 +231,9 @@ pub fn mul_mat(
         ));
     }
     let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
+    if !reference && gemm::applies(&a, &dst, n) {
+        return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
+    }
     let prepared = prepare(a.dtype, b, scratch)?;
     let ti = row_tile(m, n);
     let i_tiles = m.div_ceil(ti);
@@ -274,6 +278,67 @@ pub fn mul_mat(
         }
         Ok(())
     })
+}
+
+/// MUL_MAT through the packed GEMM path (see [`gemm`]): activations as f32 rows, then one
+/// multiplication per batch — batches in parallel when there are many small ones, else each
+/// multiplication threaded.
+fn mul_mat_gemm(
+    dst: &RawTensor,
+    a: &RawTensor,
+    b: RawTensor,
+    (r2, r3): (usize, usize),
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
+    let (ne12, ne13) = (b.ne[2], b.ne[3]);
+    let prepared = prepare(DType::F32, b, scratch)?;
+    let rows_of = |i12: usize, i13: usize| -> F32Rows {
+        match &prepared {
+            Prepared::Direct(b) => F32Rows {
+                // SAFETY: batch (i12, i13) starts inside `b`.
+                ptr: unsafe { b.at(b.row_offset(0, i12, i13)) }.cast::<f32>(),
+                row_stride: b.nb[1] / 4,
+            },
+            Prepared::Packed(data, ne) => F32Rows {
+                ptr: data[flat(ne, 0, i12, i13) * k..].as_ptr(),
+                row_stride: k,
+            },
+            Prepared::Q8(..) => F32Rows {
+                ptr: std::ptr::null(),
+                row_stride: 0,
+            },
+        }
+    };
+    let batches = ne12 * ne13;
+    let threads = rayon::current_num_threads().max(1);
+    let small = m * n * k < 1 << 22;
+    let run = |batch: usize, panel: &mut Vec<f32>, threads: usize| -> Result<()> {
+        let (i12, i13) = (batch % ne12, batch / ne12);
+        // SAFETY: each batch writes its own dst rows (i12, i13), which do not overlap the
+        // read-only weights and activations; every pointer addresses live host memory of the
+        // node's tensors.
+        unsafe {
+            gemm::mul_mat_batch(
+                a,
+                (i12 / r2, i13 / r3),
+                rows_of(i12, i13),
+                n,
+                dst,
+                dst.row_offset(0, i12, i13),
+                panel,
+                threads,
+            )
+        }
+    };
+    if batches >= threads && small && threads > 1 {
+        (0..batches)
+            .into_par_iter()
+            .try_for_each_init(Vec::new, |panel, batch| run(batch, panel, 1))
+    } else {
+        let mut panel = Vec::new();
+        (0..batches).try_for_each(|batch| run(batch, &mut panel, threads))
+    }
 }
 
 /// MUL_MAT_ID: for token `t` and slot `e`, `dst[:, e, t] = experts[ids[e, t]] · b[:, e % n_b, t]`.

@@ -1,0 +1,301 @@
+"""CPU kernels side by side with their peers, measured in one run (issue: CPU kernels).
+
+Run with ``python benches/kernels.py`` after ``bash scripts/dev.sh test`` (which builds the
+release module into ./.venv). Every workload is one ferrograph graph computed on the CPU
+backend with ``--threads`` threads, timed as the best of ``--repeat`` rounds, beside numpy (its
+BLAS limited to the same thread count through threadpoolctl when installed) and PyTorch CPU
+when installed. Prints GFLOPS or GB/s and the ratio ferrograph / peer (above 1: ferrograph is
+faster), plus the fraction of this machine's peaks given by ``--peak-gflops`` and
+``--bandwidth``. ``--quick`` shrinks the big workloads for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import ferrograph as fg
+
+try:  # optional peer
+    import torch
+except ImportError:  # pragma: no cover - depends on the machine
+    torch = None
+
+try:  # optional: limit numpy's BLAS threads to ours
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover
+    threadpool_limits = None
+
+
+def best_seconds(fn: Callable[[], object], repeat: int, min_time: float = 0.05) -> float:
+    """Best wall time of one call of ``fn`` over ``repeat`` rounds."""
+    fn()
+    start = time.perf_counter()
+    calls = 0
+    while time.perf_counter() - start < min_time:
+        fn()
+        calls += 1
+    calls = max(calls // 2, 1)
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls)
+    return best
+
+
+class Table:
+    """Collects rows: workload, implementation, figure, unit, ratio to ferrograph."""
+
+    def __init__(self, peak_gflops: float, bandwidth: float) -> None:
+        self.rows: list[tuple[str, str, float, str, str]] = []
+        self.peak_gflops = peak_gflops
+        self.bandwidth = bandwidth
+
+    def add(self, workload: str, amount: float, unit: str, timings: dict[str, float]) -> None:
+        ours = timings["ferrograph"]
+        for name, seconds in timings.items():
+            figure = amount / seconds / 1e9
+            if name == "ferrograph":
+                peak = self.peak_gflops if unit == "GFLOPS" else self.bandwidth
+                note = f"{figure / peak:.0%} of peak" if peak else ""
+            else:
+                note = f"{seconds / ours:.2f}x"
+            self.rows.append((workload, name, figure, unit, note))
+            print(f"  {workload:<44} {name:<18} {figure:>9.2f} {unit:<7} {note}", flush=True)
+
+
+def compute_fn(cpu: fg.Backend, graph: fg.Graph) -> Callable[[], None]:
+    return lambda: cpu.graph_compute(graph)
+
+
+def mul_mat_case(
+    table: Table,
+    cpu: fg.Backend,
+    repeat: int,
+    dtype: fg.DType,
+    m: int,
+    k: int,
+    n: int,
+    label: str,
+    peers: bool,
+) -> None:
+    rng = np.random.default_rng(0)
+    ctx = fg.Context(no_alloc=False)
+    w = ctx.new_tensor(dtype, (m, k), name="w")
+    x = ctx.new_tensor(fg.float32, (n, k), name="x")
+    y = fg.ops.mul_mat(w, x, ctx=ctx)
+    g = fg.Graph.build(y)
+    wn = (rng.standard_normal((m, k)) * 0.1).astype(np.float32)
+    xn = rng.standard_normal((n, k)).astype(np.float32)
+    w.set(
+        fg.fp32_to_bf16(wn)
+        if dtype == fg.bfloat16
+        else wn.astype(np.float16)
+        if dtype == fg.float16
+        else wn
+    )
+    x.set(xn)
+    flops = 2.0 * m * k * n
+    timings = {"ferrograph": best_seconds(compute_fn(cpu, g), repeat)}
+    if peers:
+        out = np.empty((n, m), np.float32)
+        wt = wn.T
+        timings["numpy"] = best_seconds(lambda: np.matmul(xn, wt, out=out), repeat)
+        if torch is not None:
+            tw, tx = torch.from_numpy(wn), torch.from_numpy(xn)
+            if dtype == fg.float16:
+                tw = tw.half()
+                tx16 = tx.half()
+                timings["torch"] = best_seconds(lambda: torch.matmul(tx16, tw.T), repeat)
+            else:
+                timings["torch"] = best_seconds(lambda: torch.matmul(tx, tw.T), repeat)
+    if n == 1:
+        # One-column products are bound by reading the weights: report GB/s of weight bytes.
+        table.add(f"{label} [GB/s of weights]", w.nbytes, "GB/s", timings)
+    else:
+        table.add(label, flops, "GFLOPS", timings)
+
+
+def binary_case(
+    table: Table,
+    cpu: fg.Backend,
+    repeat: int,
+    name: str,
+    fn: Callable[..., fg.Tensor],
+    npfn: Callable[..., Any],
+    an: np.ndarray,
+    bn: np.ndarray,
+) -> None:
+    ctx = fg.Context(no_alloc=False)
+    a = ctx.new_tensor(fg.float32, an.shape)
+    b = ctx.new_tensor(fg.float32, bn.shape)
+    c = fn(a, b, ctx=ctx)
+    a.set(an)
+    b.set(bn)
+    g = fg.Graph.build(c)
+    out = np.empty_like(an)
+    timings = {
+        "ferrograph": best_seconds(compute_fn(cpu, g), repeat),
+        "numpy": best_seconds(lambda: npfn(an, bn, out=out), repeat),
+    }
+    if torch is not None:
+        ta, tb, tc = torch.from_numpy(an), torch.from_numpy(bn), torch.empty(an.shape)
+        tfn = torch.add if name == "ADD" else torch.mul
+        timings["torch"] = best_seconds(lambda: tfn(ta, tb, out=tc), repeat)
+    size = an.shape[0]
+    table.add(f"{name} f32 {size}x{size} [3 arrays moved]", 3 * an.nbytes, "GB/s", timings)
+
+
+def elementwise_cases(table: Table, cpu: fg.Backend, repeat: int, size: int) -> None:
+    rng = np.random.default_rng(1)
+    an = rng.standard_normal((size, size)).astype(np.float32)
+    bn = rng.standard_normal((size, size)).astype(np.float32)
+    for name, fn, npfn in (
+        ("ADD", fg.ops.add, np.add),
+        ("MUL", fg.ops.mul, np.multiply),
+    ):
+        binary_case(table, cpu, repeat, name, fn, npfn, an, bn)
+
+    # CPY f32 -> f16
+    ctx = fg.Context(no_alloc=False)
+    a = ctx.new_tensor(fg.float32, an.shape)
+    h = ctx.new_tensor(fg.float16, an.shape)
+    c = fg.ops.cpy(a, h, ctx=ctx)
+    a.set(an)
+    g = fg.Graph.build(c)
+    out16 = np.empty(an.shape, np.float16)
+    timings = {
+        "ferrograph": best_seconds(compute_fn(cpu, g), repeat),
+        "numpy": best_seconds(lambda: np.copyto(out16, an, casting="unsafe"), repeat),
+    }
+    if torch is not None:
+        ta, th = torch.from_numpy(an), torch.empty(an.shape, dtype=torch.float16)
+        timings["torch"] = best_seconds(lambda: th.copy_(ta), repeat)
+    table.add(f"CPY f32->f16 {size}x{size} [read+write]", an.nbytes + out16.nbytes, "GB/s", timings)
+
+
+def row_cases(table: Table, cpu: fg.Backend, repeat: int) -> None:
+    rng = np.random.default_rng(2)
+    # Softmax over MiniLM's attention scores: 12 heads x 128 x 128.
+    sn = rng.standard_normal((12, 128, 128)).astype(np.float32)
+    ctx = fg.Context(no_alloc=False)
+    s = ctx.new_tensor(fg.float32, sn.shape)
+    p = fg.ops.soft_max(s, scale=0.125, ctx=ctx)
+    s.set(sn)
+    g = fg.Graph.build(p)
+
+    def np_softmax() -> None:
+        z = sn * 0.125
+        e = np.exp(z - z.max(axis=-1, keepdims=True))
+        e /= e.sum(axis=-1, keepdims=True)
+
+    timings = {
+        "ferrograph": best_seconds(compute_fn(cpu, g), repeat),
+        "numpy": best_seconds(np_softmax, repeat),
+    }
+    if torch is not None:
+        ts = torch.from_numpy(sn)
+        timings["torch"] = best_seconds(lambda: torch.softmax(ts * 0.125, dim=-1), repeat)
+    table.add("SOFT_MAX 12x128x128 [read+write]", 2 * sn.nbytes, "GB/s", timings)
+
+    rn = rng.standard_normal((512, 4096)).astype(np.float32)
+    ctx = fg.Context(no_alloc=False)
+    r = ctx.new_tensor(fg.float32, rn.shape)
+    q = fg.ops.rms_norm(r, 1e-6, ctx=ctx)
+    r.set(rn)
+    g = fg.Graph.build(q)
+
+    def np_rms() -> None:
+        _ = rn / np.sqrt(np.mean(rn * rn, axis=-1, keepdims=True) + 1e-6)
+
+    timings = {
+        "ferrograph": best_seconds(compute_fn(cpu, g), repeat),
+        "numpy": best_seconds(np_rms, repeat),
+    }
+    if torch is not None:
+        tr = torch.from_numpy(rn)
+        timings["torch"] = best_seconds(
+            lambda: tr * torch.rsqrt(tr.pow(2).mean(-1, keepdim=True) + 1e-6), repeat
+        )
+    table.add("RMS_NORM 4096x512 [read+write]", 2 * rn.nbytes, "GB/s", timings)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--peak-gflops", type=float, default=193.0, help="f32 FMA peak")
+    parser.add_argument("--bandwidth", type=float, default=27.0, help="memory GB/s")
+    parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
+    args = parser.parse_args()
+
+    if torch is not None:
+        torch.set_num_threads(args.threads)
+    limiter: Any = threadpool_limits(limits=args.threads) if threadpool_limits is not None else None
+    cpu = fg.init_backend("CPU", n_threads=args.threads)
+    print(f"ferrograph {fg.__version__}; {fg.cpu.system_info()}")
+    print(
+        f"threads={args.threads}; torch={'yes' if torch is not None else 'not installed'}; "
+        f"numpy BLAS limited={'yes' if limiter is not None else 'no (threadpoolctl missing)'}; "
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '-')}"
+    )
+    table = Table(args.peak_gflops, args.bandwidth)
+    big_k, big_m = (1024, 2048) if args.quick else (4096, 14336)
+    square = 1024 if args.quick else 4096
+    r = args.repeat
+    print("\nmatrix products")
+    mul_mat_case(
+        table,
+        cpu,
+        r,
+        fg.float32,
+        square,
+        square,
+        512,
+        f"MUL_MAT f32 {square}x{square} by 512",
+        True,
+    )
+    for m, k in ((384, 1536), (1536, 384), (384, 384)):
+        for n in (128, 4096 if not args.quick else 512):
+            mul_mat_case(
+                table, cpu, r, fg.float32, m, k, n, f"MUL_MAT f32 MiniLM {m}x{k} by {n}", True
+            )
+    for dtype in (fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0):
+        mul_mat_case(
+            table,
+            cpu,
+            r,
+            dtype,
+            big_m,
+            big_k,
+            512,
+            f"MUL_MAT {dtype} {big_k}x{big_m} by 512",
+            dtype == fg.float16,
+        )
+    for dtype in (fg.float32, fg.float16, fg.q8_0, fg.q4_0):
+        mul_mat_case(
+            table,
+            cpu,
+            r,
+            dtype,
+            big_m,
+            big_k,
+            1,
+            f"MUL_MAT {dtype} {big_k}x{big_m} by 1",
+            dtype == fg.float32,
+        )
+    print("\nelementwise and copies")
+    elementwise_cases(table, cpu, r, square)
+    print("\nrow kernels")
+    row_cases(table, cpu, r)
+
+
+if __name__ == "__main__":
+    main()
