@@ -8,19 +8,20 @@
 //! | symbol | meaning |
 //! | --- | --- |
 //! | `ferrograph_backend_abi_version() -> u32` | [`ABI_VERSION`] of the crate it was built with |
-//! | `ferrograph_backend_abi_fingerprint() -> *const c_char` | [`ABI_FINGERPRINT`]: crate version, compiler version, target |
+//! | `ferrograph_backend_abi_fingerprint() -> *const c_char` | [`ABI_FINGERPRINT`]: crate version, compiler version, target, source hash |
 //! | `ferrograph_backend_score() -> i32` | 0 when it cannot run on this machine, else higher for a better variant |
 //! | `ferrograph_backend_init() -> *mut c_void` | a `Box<Arc<dyn Registration>>` the loader takes over, or null on failure |
 //! | `ferrograph_backend_set_logger(log, enabled)` (optional) | routes the library's `log` records to the host's logger |
 //!
 //! The registration crosses the boundary as a Rust trait object, and the tensors, graphs and
 //! buffers the host passes in are Rust structures. Rust promises no layout across compilers
-//! or crate versions, so the loader insists that both sides are the same ferrograph version
+//! or crate versions, so the loader insists that both sides are the same ferrograph sources
 //! built by the same `rustc` for the same target, and refuses any other library with an
-//! error that shows both fingerprints. Two further assumptions cannot be checked and are the
-//! builder's job: both sides use the same global allocator (the default system allocator;
-//! objects made by one side are freed by the other), and both come from one lock file (the
-//! shared dependencies, such as `half`, must match).
+//! error that shows both fingerprints (rebuilding the library fixes it). Two further
+//! assumptions cannot be checked and are the builder's job: both sides use the same global
+//! allocator (the default system allocator; objects made by one side are freed by the
+//! other), and both come from one lock file (dependencies whose types cross the boundary
+//! must be the same versions).
 //!
 //! # The host side
 //!
@@ -64,11 +65,14 @@ const FINGERPRINT_TEXT: &str = concat!(
     env!("FERROGRAPH_RUSTC_VERSION"),
     "; ",
     env!("FERROGRAPH_BUILD_TARGET"),
+    "; sources ",
+    env!("FERROGRAPH_SOURCE_HASH"),
     "\0"
 );
 
-/// What must match between a backend library and its host: the crate version, the compiler
-/// version and the target triple (captured by the build script), as a C string.
+/// What must match between a backend library and its host, as a C string: the crate version,
+/// the compiler version, the target triple and a hash of the crate's sources (captured by
+/// the build script, so a library built before the sources changed is refused too).
 pub const ABI_FINGERPRINT: &CStr = match CStr::from_bytes_with_nul(FINGERPRINT_TEXT.as_bytes()) {
     Ok(text) => text,
     Err(_) => panic!("the ABI fingerprint must end in its only NUL byte"),
@@ -120,8 +124,8 @@ pub fn check_abi(version: u32, fingerprint: &str) -> Result<()> {
     if fingerprint != abi_fingerprint() {
         return Err(Error::Backend(format!(
             "backend ABI fingerprint mismatch: the library was built as [{fingerprint}], this \
-             host is [{}]; both must be the same ferrograph version built by the same compiler \
-             for the same target",
+             host is [{}]; both must be built from the same ferrograph sources by the same \
+             compiler for the same target (rebuild the library)",
             abi_fingerprint()
         )));
     }
@@ -228,6 +232,16 @@ fn open_library(path: &Path) -> Result<Library> {
     opened.map_err(|e| Error::Backend(format!("cannot open {}: {e}", path.display())))
 }
 
+/// A backend error about `path`, carrying `cause`'s message without its kind prefix.
+fn in_file(path: &Path, cause: Option<Error>) -> Error {
+    let detail = match cause {
+        Some(Error::Backend(message)) => message,
+        Some(other) => other.to_string(),
+        None => "unknown error".to_owned(),
+    };
+    Error::Backend(format!("{}: {detail}", path.display()))
+}
+
 fn not_a_backend(path: &Path, symbol: &str) -> Error {
     Error::Backend(format!(
         "{} is not a ferrograph backend library: it has no {symbol} symbol",
@@ -265,13 +279,7 @@ fn probe(path: &Path) -> Result<Probe> {
     if version != ABI_VERSION {
         // Only the version is trusted before it matches: the fingerprint function may have
         // another type in another ABI version.
-        return Err(Error::Backend(format!(
-            "{}: {}",
-            path.display(),
-            check_abi(version, "")
-                .err()
-                .map_or_else(String::new, |e| e.to_string())
-        )));
+        return Err(in_file(path, check_abi(version, "").err()));
     }
     // SAFETY: in this ABI version the function returns a pointer to a static NUL-terminated
     // string inside the library, which is open.
@@ -286,7 +294,7 @@ fn probe(path: &Path) -> Result<Probe> {
     let text = unsafe { CStr::from_ptr(text) }
         .to_string_lossy()
         .into_owned();
-    check_abi(version, &text).map_err(|e| Error::Backend(format!("{}: {e}", path.display())))?;
+    check_abi(version, &text).map_err(|e| in_file(path, Some(e)))?;
     Ok(Probe {
         path: path.to_owned(),
         library,
@@ -297,9 +305,10 @@ fn probe(path: &Path) -> Result<Probe> {
 }
 
 impl Probe {
-    /// Runs the library's score function. From here on the library has run code, so it is
-    /// never closed.
+    /// Connects the library's logger, then runs its score function. From here on the
+    /// library has run code, so it is never closed.
     fn score(&self) -> i32 {
+        self.connect_logger();
         // SAFETY: the ABI check passed, so this is `export_backend!`'s score entry point,
         // which takes nothing and catches panics; the library is open.
         unsafe { (self.score)() }
@@ -400,7 +409,6 @@ fn canonical(path: &Path) -> Result<PathBuf> {
 /// Initialises and registers a probed library whose score is positive. On failure the
 /// library goes to the graveyard (its code ran) and the registry is unchanged.
 fn finish_load(state: &mut LoaderState, probe: Probe, score: i32) -> Result<Arc<dyn Registration>> {
-    probe.connect_logger();
     let registration = match probe.init() {
         Ok(registration) => registration,
         Err(e) => {
@@ -410,7 +418,7 @@ fn finish_load(state: &mut LoaderState, probe: Probe, score: i32) -> Result<Arc<
     };
     if let Err(e) = registry::register(registration.clone()) {
         state.graveyard.push(probe.library);
-        return Err(Error::Backend(format!("{}: {e}", probe.path.display())));
+        return Err(in_file(&probe.path, Some(e)));
     }
     log::info!(
         "loaded backend {} from {} (score {score}, {} device(s))",
@@ -700,7 +708,14 @@ pub mod __export {
     /// Runs the init function and leaks its registration for the loader (null on failure).
     pub fn init<R: IntoRegistration>(make: impl FnOnce() -> R) -> *mut c_void {
         match catch_unwind(AssertUnwindSafe(|| make().into_registration())) {
-            Ok(Ok(registration)) => Box::into_raw(Box::new(registration)).cast::<c_void>(),
+            Ok(Ok(registration)) => {
+                log::debug!(
+                    "backend library created registration {} ({} device(s))",
+                    registration.name(),
+                    registration.devices().len()
+                );
+                Box::into_raw(Box::new(registration)).cast::<c_void>()
+            }
             Ok(Err(e)) => {
                 log::error!("backend init failed: {e}");
                 std::ptr::null_mut()

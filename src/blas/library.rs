@@ -11,7 +11,8 @@ use libloading::Library;
 
 use crate::error::{Error, Result};
 
-/// Environment variable naming a BLAS library (a file name or a path) to try first.
+/// Environment variable naming a BLAS library (a file name or a path) to try first; `none`,
+/// `off` or `0` disable the backend instead.
 pub const BLAS_LIB_ENV: &str = "FERROGRAPH_BLAS_LIB";
 
 /// Library names tried, in order, after [`BLAS_LIB_ENV`].
@@ -337,13 +338,22 @@ fn mapped_openblas() -> Vec<String> {
     found
 }
 
+/// Values of [`BLAS_LIB_ENV`] that turn the BLAS backend off (no device).
+pub const DISABLE_VALUES: &[&str] = &["none", "off", "0"];
+
 /// Tries every candidate in order; the first that opens and has a GEMM wins. The error names
 /// everything tried.
 pub fn find_library() -> Result<BlasLibrary> {
     let mut candidates: Vec<String> = Vec::new();
     if let Ok(file) = std::env::var(BLAS_LIB_ENV) {
-        if !file.trim().is_empty() {
-            candidates.push(file.trim().to_owned());
+        let file = file.trim();
+        if DISABLE_VALUES.iter().any(|v| file.eq_ignore_ascii_case(v)) {
+            return Err(Error::Backend(format!(
+                "BLAS is disabled by {BLAS_LIB_ENV}={file}"
+            )));
+        }
+        if !file.is_empty() {
+            candidates.push(file.to_owned());
         }
     }
     candidates.extend(DEFAULT_CANDIDATES.iter().map(|s| (*s).to_owned()));

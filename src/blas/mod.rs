@@ -29,7 +29,7 @@ pub use backend::{
     as_blas, shared_device, supports_op_with, BlasBackend, BlasDevice, BlasRegistration, BLAS_GUID,
     BLAS_NAME, DEFAULT_MIN_DIM, MIN_DIM_PARAM,
 };
-pub use library::{find_library, BlasLibrary, BLAS_LIB_ENV, DEFAULT_CANDIDATES};
+pub use library::{find_library, BlasLibrary, BLAS_LIB_ENV, DEFAULT_CANDIDATES, DISABLE_VALUES};
 
 use crate::error::Result;
 use crate::registry::Registration;
