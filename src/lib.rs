@@ -18,6 +18,7 @@ pub mod dynload;
 pub mod error;
 pub mod event;
 pub mod graph;
+pub mod graph_copy;
 pub mod ops;
 pub mod quant;
 pub mod registry;

@@ -19,6 +19,7 @@ mod graph;
 mod log;
 mod ops;
 mod plugin;
+mod sched;
 mod system;
 mod tensor;
 mod utils;
@@ -38,6 +39,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     backend::register(m)?;
     alloc::register(m)?;
     plugin::register(m)?;
+    sched::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;

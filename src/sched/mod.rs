@@ -727,9 +727,21 @@ impl Scheduler {
 
     /// Forgets the current allocation and every pin; the next graph must be allocated with
     /// [`Scheduler::alloc_graph`] before computing. Cached plans are kept.
+    ///
+    /// Unlike ggml, the compute memory is invalidated at once: tensors the last allocation
+    /// placed become stale, so reading one after a reset is an error instead of a read of
+    /// memory the next graph may reuse.
     pub fn reset(&mut self) {
         self.pinned.clear();
         self.state = State::Reset;
+        for id in 0..self.bufts.len() {
+            for buffer in self.galloc.buffers(id) {
+                buffer.reset();
+            }
+        }
+        for buffer in self.pipeline_buffers.iter().flatten() {
+            buffer.reset();
+        }
     }
 
     /// The plan of the current graph, with names and buffer sizes.

@@ -1,0 +1,535 @@
+//! The Python `Scheduler` (one graph across several backends) and its inspectable `SchedPlan`.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+use super::alloc::BuftArg;
+use super::backend::{check_status, PyBackend};
+use super::errors::{guard, invalid};
+use super::graph::PyGraph;
+use super::tensor::PyTensor;
+use crate::backend::Backend;
+use crate::buffer::BufferType;
+use crate::sched::{Assignment, CopyPlan, PlannedTensor, SchedPlan, SplitPlan, TensorRef};
+use crate::sched::{OffloadPolicy, Scheduler};
+use crate::tensor::Tensor;
+
+fn tensor_ref(r: TensorRef) -> (&'static str, usize) {
+    match r {
+        TensorRef::Node(i) => ("node", i),
+        TensorRef::Leaf(i) => ("leaf", i),
+        TensorRef::Outside(i) => ("outside", i),
+    }
+}
+
+/// A snapshot of the scheduler's plan for its current graph: where every tensor runs and why,
+/// the splits, the copies between backends and the memory per backend. `print(plan)` gives a
+/// text dump, `plan.to_dot()` GraphViz, and notebooks render a table of splits.
+#[pyclass(name = "SchedPlan", module = "ferrograph", frozen)]
+pub struct PySchedPlan {
+    plan: SchedPlan,
+    dot: String,
+}
+
+impl PySchedPlan {
+    fn backend_name(&self, i: usize) -> String {
+        self.plan
+            .backend_names
+            .get(i)
+            .cloned()
+            .unwrap_or_else(|| format!("#{i}"))
+    }
+
+    fn assignment_dict<'py>(
+        &self,
+        py: Python<'py>,
+        t: &PlannedTensor,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let (kind, index) = tensor_ref(t.tensor);
+        let Assignment { backend, cause } = t.assignment;
+        d.set_item("kind", kind)?;
+        d.set_item("index", index)?;
+        d.set_item("name", &t.name)?;
+        d.set_item("op", &t.op)?;
+        d.set_item("is_view", t.is_view)?;
+        d.set_item("backend", self.backend_name(backend))?;
+        d.set_item("cause", cause.tag())?;
+        Ok(d)
+    }
+
+    fn split_dict<'py>(&self, py: Python<'py>, s: &SplitPlan) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("backend", self.backend_name(s.backend))?;
+        d.set_item("nodes", (s.nodes.start, s.nodes.end))?;
+        d.set_item("n_nodes", s.nodes.len())?;
+        d.set_item("inputs", s.inputs.clone())?;
+        Ok(d)
+    }
+
+    fn copy_dict<'py>(&self, py: Python<'py>, c: &CopyPlan) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        let (kind, index) = tensor_ref(c.source);
+        d.set_item("source_kind", kind)?;
+        d.set_item("source_index", index)?;
+        let name = match c.source {
+            TensorRef::Node(i) => self.plan.nodes.get(i).map(|t| t.name.clone()),
+            other => self
+                .plan
+                .leafs
+                .iter()
+                .find(|t| t.tensor == other)
+                .map(|t| t.name.clone()),
+        };
+        d.set_item("source", name)?;
+        d.set_item("from_backend", self.backend_name(c.from_backend))?;
+        d.set_item("to_backend", self.backend_name(c.to_backend))?;
+        d.set_item("split", c.split)?;
+        d.set_item("user_input", c.user_input)?;
+        d.set_item("nbytes", c.nbytes)?;
+        Ok(d)
+    }
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[pymethods]
+impl PySchedPlan {
+    /// The backends' names, in priority order.
+    #[getter]
+    fn backend_names(&self) -> Vec<String> {
+        self.plan.backend_names.clone()
+    }
+
+    /// Pipeline slots per copied tensor.
+    #[getter]
+    fn n_copies(&self) -> usize {
+        self.plan.n_copies
+    }
+
+    /// Per node: {kind, index, name, op, is_view, backend, cause}.
+    #[getter]
+    fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .plan
+            .nodes
+            .iter()
+            .map(|t| self.assignment_dict(py, t))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// Per leaf (and operand outside the graph): the same fields as `nodes`.
+    #[getter]
+    fn leafs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .plan
+            .leafs
+            .iter()
+            .map(|t| self.assignment_dict(py, t))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// The splits in execution order: {backend, nodes: (start, end), n_nodes, inputs}.
+    #[getter]
+    fn splits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .plan
+            .splits
+            .iter()
+            .map(|s| self.split_dict(py, s))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// The copies between backends: {source, from_backend, to_backend, split, user_input,
+    /// nbytes, ...}.
+    #[getter]
+    fn copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let items = self
+            .plan
+            .copies
+            .iter()
+            .map(|c| self.copy_dict(py, c))
+            .collect::<PyResult<Vec<_>>>()?;
+        PyList::new(py, items)
+    }
+
+    /// Compute memory per backend name, in bytes (pipeline slots included).
+    #[getter]
+    fn buffer_sizes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        for (i, size) in self.plan.buffer_sizes.iter().enumerate() {
+            d.set_item(self.backend_name(i), size)?;
+        }
+        Ok(d)
+    }
+
+    /// GraphViz source: nodes coloured by backend, one cluster per split, copies dashed.
+    fn to_dot(&self) -> String {
+        self.dot.clone()
+    }
+
+    fn __str__(&self) -> String {
+        self.plan.to_string()
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "SchedPlan(backends={:?}, n_splits={}, n_copies={}, n_nodes={})",
+            self.plan.backend_names,
+            self.plan.splits.len(),
+            self.plan.copies.len(),
+            self.plan.nodes.len()
+        )
+    }
+
+    fn _repr_html_(&self) -> String {
+        let mut html = String::from(
+            "<table><thead><tr><th>split</th><th>backend</th><th>nodes</th>\
+             <th>first node</th><th>inputs copied</th></tr></thead><tbody>",
+        );
+        for (i, s) in self.plan.splits.iter().enumerate() {
+            let first = self
+                .plan
+                .nodes
+                .get(s.nodes.start)
+                .map(|t| format!("{} ({})", t.name, t.op))
+                .unwrap_or_default();
+            let inputs: Vec<String> = s
+                .inputs
+                .iter()
+                .filter_map(|&c| self.plan.copies.get(c))
+                .map(|c| {
+                    let (kind, index) = tensor_ref(c.source);
+                    format!("{kind} {index} from {}", self.backend_name(c.from_backend))
+                })
+                .collect();
+            html.push_str(&format!(
+                "<tr><td>{i}</td><td>{}</td><td>{}..{}</td><td>{}</td><td>{}</td></tr>",
+                escape(&self.backend_name(s.backend)),
+                s.nodes.start,
+                s.nodes.end,
+                escape(&first),
+                escape(&inputs.join(", "))
+            ));
+        }
+        html.push_str("</tbody></table>");
+        let sizes: Vec<String> = self
+            .plan
+            .buffer_sizes
+            .iter()
+            .enumerate()
+            .map(|(i, s)| format!("{}: {:.2} MiB", self.backend_name(i), *s as f64 / 1048576.0))
+            .collect();
+        html.push_str(&format!(
+            "<p>{} splits, {} copies; compute memory {}</p>",
+            self.plan.splits.len(),
+            self.plan.copies.len(),
+            escape(&sizes.join(", "))
+        ));
+        html
+    }
+}
+
+/// Runs one graph across several backends: assigns every op to a backend, cuts the graph into
+/// splits where the backend changes, copies tensors a backend cannot read, allocates compute
+/// memory with a lifetime-aware plan, and computes the splits in order.
+///
+/// `backends` are in priority order and the last must be a CPU backend. `parallel=True`
+/// pipelines inputs over `n_copies` slots (default 4). `op_offload` lets a higher-priority
+/// backend take an op whose weights sit in host memory.
+#[pyclass(name = "Scheduler", module = "ferrograph", frozen)]
+pub struct PyScheduler {
+    inner: Mutex<Scheduler>,
+    backends: Vec<Arc<dyn Backend>>,
+}
+
+impl PyScheduler {
+    fn lock(&self) -> MutexGuard<'_, Scheduler> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+#[pymethods]
+impl PyScheduler {
+    #[new]
+    #[pyo3(signature = (backends, buffer_types = None, graph_size = 2048, parallel = false, op_offload = true))]
+    fn new(
+        backends: Vec<PyRef<'_, PyBackend>>,
+        buffer_types: Option<Vec<BuftArg<'_>>>,
+        graph_size: usize,
+        parallel: bool,
+        op_offload: bool,
+    ) -> PyResult<Self> {
+        let backends: Vec<Arc<dyn Backend>> = backends.iter().map(|b| b.inner.clone()).collect();
+        let bufts: Option<Vec<Arc<dyn BufferType>>> =
+            buffer_types.map(|list| list.iter().map(BuftArg::resolve).collect());
+        let scheduler = Scheduler::new(backends.clone(), bufts, graph_size, parallel, op_offload)?;
+        Ok(PyScheduler {
+            inner: Mutex::new(scheduler),
+            backends,
+        })
+    }
+
+    /// Number of backends.
+    #[getter]
+    fn n_backends(&self) -> usize {
+        self.backends.len()
+    }
+
+    /// The backends, in priority order.
+    #[getter]
+    fn backends(&self) -> Vec<PyBackend> {
+        self.backends
+            .iter()
+            .map(|b| PyBackend { inner: b.clone() })
+            .collect()
+    }
+
+    /// The backend at index `i`.
+    fn get_backend(&self, i: usize) -> PyResult<PyBackend> {
+        self.backends
+            .get(i)
+            .map(|b| PyBackend { inner: b.clone() })
+            .ok_or_else(|| {
+                crate::Error::OutOfBounds(format!(
+                    "backend index {i} is outside 0..{}",
+                    self.backends.len()
+                ))
+                .into()
+            })
+    }
+
+    /// Splits of the current graph.
+    #[getter]
+    fn n_splits(&self) -> usize {
+        self.lock().n_splits()
+    }
+
+    /// Pipeline slots per copied tensor (settable; 1 turns pipelining off).
+    #[getter]
+    fn get_n_copies(&self) -> usize {
+        self.lock().n_copies()
+    }
+
+    #[setter]
+    fn set_n_copies(&self, n: usize) -> PyResult<()> {
+        self.lock().set_n_copies(n)?;
+        Ok(())
+    }
+
+    /// Whether higher-priority backends may take ops whose weights are in host memory.
+    #[getter]
+    fn get_op_offload(&self) -> bool {
+        self.lock().op_offload()
+    }
+
+    #[setter]
+    fn set_op_offload(&self, on: bool) {
+        self.lock().set_op_offload(on);
+    }
+
+    /// The offload policy: "device" (ask the backend), "never", "always", or an int — the
+    /// minimum batch for which an op is offloaded.
+    #[getter]
+    fn get_offload_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(match self.lock().offload_policy() {
+            OffloadPolicy::Device => "device".into_pyobject(py)?.into_any(),
+            OffloadPolicy::Never => "never".into_pyobject(py)?.into_any(),
+            OffloadPolicy::Always => "always".into_pyobject(py)?.into_any(),
+            OffloadPolicy::MinBatch(n) => n.into_pyobject(py)?.into_any(),
+        })
+    }
+
+    #[setter]
+    fn set_offload_policy(&self, policy: &Bound<'_, PyAny>) -> PyResult<()> {
+        let policy = if let Ok(n) = policy.extract::<usize>() {
+            OffloadPolicy::MinBatch(n)
+        } else {
+            match policy.extract::<String>()?.to_ascii_lowercase().as_str() {
+                "device" => OffloadPolicy::Device,
+                "never" => OffloadPolicy::Never,
+                "always" => OffloadPolicy::Always,
+                other => {
+                    return Err(invalid(format!(
+                        "unknown offload policy {other:?}: use 'device', 'never', 'always' or \
+                         a minimum batch size"
+                    )))
+                }
+            }
+        };
+        self.lock().set_offload_policy(policy);
+        Ok(())
+    }
+
+    /// The compute buffer type used for `backend`.
+    fn get_buffer_type(&self, backend: &PyBackend) -> PyResult<super::backend::PyBufferType> {
+        Ok(super::backend::PyBufferType {
+            inner: self.lock().buffer_type(&backend.inner)?,
+        })
+    }
+
+    /// Bytes of compute memory allocated for `backend`.
+    fn get_buffer_size(&self, backend: &PyBackend) -> PyResult<usize> {
+        Ok(self.lock().buffer_size(&backend.inner)?)
+    }
+
+    /// Pins `tensor` (and, through assignment, its neighbours) to `backend`.
+    fn set_tensor_backend(&self, tensor: &PyTensor, backend: &PyBackend) -> PyResult<()> {
+        self.lock()
+            .set_tensor_backend(&tensor.inner, &backend.inner)?;
+        Ok(())
+    }
+
+    /// The backend `tensor` is pinned or assigned to, or None.
+    fn get_tensor_backend(&self, tensor: &PyTensor) -> Option<PyBackend> {
+        self.lock()
+            .get_tensor_backend(&tensor.inner)
+            .map(|inner| PyBackend { inner })
+    }
+
+    /// Per-node evaluation callback `callback(tensor, ask) -> bool`: called with ask=True
+    /// before a node to ask whether the caller wants to observe it, then with ask=False once
+    /// it is computed (its data readable); returning False then cancels the whole compute,
+    /// which raises AbortedError. None removes the callback. An exception in the callback
+    /// cancels as well and is logged.
+    fn set_eval_callback(&self, callback: Option<Py<PyAny>>) {
+        let callback = callback.map(|callable| -> crate::sched::EvalCallback {
+            Box::new(move |tensor: &Tensor, ask: bool| {
+                Python::attach(|py| {
+                    let run = || -> PyResult<bool> {
+                        let t = PyTensor::wrap(py, tensor.clone())?;
+                        callable.call1(py, (t, ask))?.bind(py).is_truthy()
+                    };
+                    run().unwrap_or_else(|err| {
+                        log::error!("eval callback raised {err}; cancelling the compute");
+                        false
+                    })
+                })
+            })
+        });
+        self.lock().set_eval_callback(callback);
+    }
+
+    /// Assigns backends and cuts `graph` into splits (no memory is allocated).
+    fn split_graph(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        let graph = graph.inner.clone();
+        py.detach(|| self.lock().split_graph(&graph))?;
+        Ok(())
+    }
+
+    /// Plans `graph` (a measure graph of the largest shapes you will compute) and sizes the
+    /// compute buffers, so later graphs up to that size allocate without growing.
+    fn reserve(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        let graph = graph.inner.clone();
+        py.detach(|| self.lock().reserve(&graph))?;
+        Ok(())
+    }
+
+    /// The compute bytes per backend `reserve(graph)` would need, without allocating.
+    fn reserve_size(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<Vec<usize>> {
+        let graph = graph.inner.clone();
+        Ok(py.detach(|| self.lock().reserve_size(&graph))?)
+    }
+
+    /// Splits and allocates `graph` (compute does this automatically when needed).
+    fn alloc_graph(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        let graph = graph.inner.clone();
+        py.detach(|| self.lock().alloc_graph(&graph))?;
+        Ok(())
+    }
+
+    /// Computes `graph` across the backends and waits. Raises AbortedError when the eval
+    /// callback (or an abort callback) cancelled it.
+    fn graph_compute(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        let graph = graph.inner.clone();
+        let status = py.detach(|| {
+            guard("Scheduler.graph_compute", || {
+                self.lock().graph_compute(&graph)
+            })
+        })?;
+        check_status(status)
+    }
+
+    /// Queues the computation of `graph`; `synchronize()` waits.
+    fn graph_compute_async(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        let graph = graph.inner.clone();
+        let status = py.detach(|| {
+            guard("Scheduler.graph_compute_async", || {
+                self.lock().graph_compute_async(&graph)
+            })
+        })?;
+        check_status(status)
+    }
+
+    /// Waits for every backend.
+    fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| self.lock().synchronize())?;
+        Ok(())
+    }
+
+    /// Forgets the current allocation (its tensors become stale) and the pins.
+    fn reset(&self) {
+        self.lock().reset();
+    }
+
+    /// The plan for the current graph, or None before the first split.
+    #[getter]
+    fn plan(&self) -> Option<PySchedPlan> {
+        let sched = self.lock();
+        let plan = sched.plan()?;
+        let dot = sched.to_dot().unwrap_or_default();
+        Some(PySchedPlan { plan, dot })
+    }
+
+    /// GraphViz source of the current plan, or None.
+    fn to_dot(&self) -> Option<String> {
+        self.lock().to_dot()
+    }
+
+    /// Drops every cached plan (the next compute re-plans).
+    fn clear_plan_cache(&self) {
+        self.lock().clear_plan_cache();
+    }
+
+    /// (hits, misses) of the plan cache.
+    #[getter]
+    fn plan_cache_stats(&self) -> (u64, u64) {
+        self.lock().plan_cache_stats()
+    }
+
+    fn __repr__(&self) -> String {
+        let sched = self.lock();
+        format!(
+            "Scheduler(backends={:?}, n_splits={}, n_copies={})",
+            self.backends
+                .iter()
+                .map(|b| b.name().to_owned())
+                .collect::<Vec<_>>(),
+            sched.n_splits(),
+            sched.n_copies()
+        )
+    }
+
+    fn _repr_html_(&self) -> String {
+        match self.plan() {
+            Some(plan) => plan._repr_html_(),
+            None => format!("<p>{}</p>", escape(&self.__repr__())),
+        }
+    }
+}
+
+/// Registers the classes.
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyScheduler>()?;
+    m.add_class::<PySchedPlan>()?;
+    Ok(())
+}
