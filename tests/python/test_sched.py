@@ -88,7 +88,7 @@ def test_cpu_only_scheduler_reserve_and_recompute(
 def test_cpu_and_python_backend_with_pins(
     cpu: fg.Backend, npb: fg.Backend, rng: np.random.Generator
 ) -> None:
-    g, x, (h, s, y), w1n, w2n, _w = _mlp(rng, cpu)
+    g, x, (_h, s, y), w1n, w2n, _w = _mlp(rng, cpu)
     sched = fg.Scheduler([npb, cpu])
     sched.set_tensor_backend(s, npb)
     assert sched.get_tensor_backend(s) == npb
@@ -133,7 +133,7 @@ def test_pipelined_scheduler_matches(
 
 
 def test_eval_callback_order_and_cancel(cpu: fg.Backend, rng: np.random.Generator) -> None:
-    g, x, (_, _, y), *_ = _mlp(rng, cpu)
+    g, x, (_, _, _y), *_ = _mlp(rng, cpu)
     sched = fg.Scheduler([cpu])
     seen: list[tuple[str, bool]] = []
 
