@@ -153,17 +153,28 @@ pub fn compute_graph(
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
 ) -> Result<Status> {
+    let nodes = graph.nodes();
     let mut scratch = Vec::with_capacity(work_size(graph, pool.current_num_threads()));
-    for node in graph.nodes() {
-        if abort.is_some_and(|f| f()) {
-            return Ok(Status::Aborted);
+    // One hand-over to the pool for the whole graph: entering the pool wakes a worker and
+    // blocks the caller (tens of µs on a busy machine), far more than a small node costs. Small
+    // nodes then run on that worker alone and large ones split over the pool from there.
+    pool.install(|| {
+        for node in nodes {
+            if abort.is_some_and(|f| f()) {
+                return Ok(Status::Aborted);
+            }
+            if is_noop(node) {
+                continue;
+            }
+            compute_in_pool(node, options, &mut scratch)?;
         }
-        if matches!(node.op(), Op::None) || node.op().is_view_op() {
-            continue;
-        }
-        compute_node(node, pool, options, &mut scratch)?;
-    }
-    Ok(Status::Success)
+        Ok(Status::Success)
+    })
+}
+
+/// Leaves and view ops: nothing to compute.
+fn is_noop(node: &Tensor) -> bool {
+    matches!(node.op(), Op::None) || node.op().is_view_op()
 }
 
 /// Computes one node on `pool`, using `scratch` for converted operands (grown as needed).
@@ -175,23 +186,44 @@ pub fn compute_node(
     options: &ComputeOptions,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    if matches!(node.op(), Op::None) || node.op().is_view_op() {
+    if is_noop(node) {
         return Ok(());
     }
+    pool.install(|| compute_in_pool(node, options, scratch))
+}
+
+/// Computes one non-view node on the current rayon pool.
+fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8>) -> Result<()> {
     if !supports_op(node) {
         return Err(unsupported(node));
     }
     let dst = RawTensor::new(node)?;
-    let srcs = node
-        .srcs()
-        .iter()
-        .map(RawTensor::new)
-        .collect::<Result<Vec<_>>>()?;
+    let n_srcs = node.srcs().len();
+    if n_srcs > MAX_INLINE_SRCS {
+        // Custom ops may take any number of operands.
+        let srcs = node
+            .srcs()
+            .iter()
+            .map(RawTensor::new)
+            .collect::<Result<Vec<_>>>()?;
+        if node.is_empty() {
+            return Ok(());
+        }
+        return run(node, dst, &srcs, options, scratch);
+    }
+    // Operand views on the stack: no allocation per node.
+    let mut srcs = [dst; MAX_INLINE_SRCS];
+    for (slot, src) in srcs.iter_mut().zip(node.srcs()) {
+        *slot = RawTensor::new(src)?;
+    }
     if node.is_empty() {
         return Ok(());
     }
-    pool.install(|| run(node, dst, &srcs, options, scratch))
+    run(node, dst, &srcs[..n_srcs], options, scratch)
 }
+
+/// Operands resolved without a heap allocation (every built-in op has at most four).
+const MAX_INLINE_SRCS: usize = 6;
 
 fn run(
     node: &Tensor,
