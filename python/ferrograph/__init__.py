@@ -38,7 +38,10 @@ from ._core import (
     TensorAllocator,
     Threadpool,
     alloc_ctx_tensors,
+    backend_search_paths,
     bf16_to_fp32,
+    blas_available,
+    blas_unavailable_reason,
     commit,
     compare_graph_backend,
     cpu_buffer_from_array,
@@ -63,9 +66,14 @@ from ._core import (
     init_backend,
     init_best,
     init_by_type,
+    load_backend,
+    load_backends_from_path,
+    load_dynamic_backends,
+    loaded_backends,
     quantize,
     reg_by_name,
     register_backend,
+    register_blas,
     registrations,
     set_global_abort_callback,
     set_log_level,
@@ -75,6 +83,7 @@ from ._core import (
     tensor_alloc,
     time_ms,
     time_us,
+    unload_backend,
     unregister_backend,
     view_init,
 )
@@ -129,10 +138,11 @@ def aligned_empty(
 
 
 def load_all_backends() -> list[str]:
-    """Registers every backend that can be found: Python plugins advertised under the
-    ``ferrograph.backends`` entry-point group. Returns the names registered; failures are
-    logged under ``ferrograph.plugins`` and skipped."""
-    return plugins.load_entry_point_backends()
+    """Registers every backend that can be found: backend libraries in the directories of
+    ``FERROGRAPH_BACKEND_PATH`` (and the executable's and current directories), then Python
+    plugins advertised under the ``ferrograph.backends`` entry-point group. Returns the names
+    registered; whatever is skipped is logged with the reason under ``ferrograph.*``."""
+    return load_dynamic_backends() + plugins.load_entry_point_backends()
 
 
 def version() -> str:
@@ -174,9 +184,12 @@ __all__ = [
     "__version__",
     "aligned_empty",
     "alloc_ctx_tensors",
+    "backend_search_paths",
     "bf16",
     "bf16_to_fp32",
     "bfloat16",
+    "blas_available",
+    "blas_unavailable_reason",
     "commit",
     "compare_graph_backend",
     "cpu",
@@ -215,6 +228,10 @@ __all__ = [
     "int32",
     "int64",
     "load_all_backends",
+    "load_backend",
+    "load_backends_from_path",
+    "load_dynamic_backends",
+    "loaded_backends",
     "ops",
     "plugins",
     "q4_0",
@@ -222,6 +239,7 @@ __all__ = [
     "quantize",
     "reg_by_name",
     "register_backend",
+    "register_blas",
     "registrations",
     "set_global_abort_callback",
     "set_log_level",
@@ -231,6 +249,7 @@ __all__ = [
     "tensor_alloc",
     "time_ms",
     "time_us",
+    "unload_backend",
     "unregister_backend",
     "version",
     "view_init",

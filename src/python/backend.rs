@@ -817,7 +817,7 @@ impl PyEvent {
 /// A backend registration: one implementation and its devices.
 #[pyclass(name = "Registration", module = "ferrograph", frozen)]
 pub struct PyRegistration {
-    inner: Arc<dyn Registration>,
+    pub(crate) inner: Arc<dyn Registration>,
 }
 
 #[pymethods]

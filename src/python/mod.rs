@@ -14,6 +14,7 @@ mod backend;
 mod context;
 mod convert;
 mod dtype;
+mod dynload;
 mod errors;
 mod graph;
 mod log;
@@ -39,6 +40,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     backend::register(m)?;
     alloc::register(m)?;
     plugin::register(m)?;
+    dynload::register(m)?;
     sched::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
