@@ -58,6 +58,10 @@ pub struct TensorNode {
     name: Mutex<String>,
     flags: AtomicU8,
     storage: Mutex<Option<Storage>>,
+    /// Lock-free mirror of the binding: the bound buffer's id (0 when unbound).
+    bound_buffer: AtomicU64,
+    /// Lock-free mirror of the binding: the buffer's generation when bound.
+    bound_generation: AtomicU64,
     context: Weak<ContextInner>,
 }
 
@@ -186,6 +190,8 @@ impl Tensor {
             name: Mutex::new(String::new()),
             flags: AtomicU8::new(0),
             storage: Mutex::new(None),
+            bound_buffer: AtomicU64::new(0),
+            bound_generation: AtomicU64::new(0),
             context,
         })))
     }
@@ -417,17 +423,53 @@ impl Tensor {
                 self.label()
             )));
         }
-        *lock(&self.0.storage) = Some(Storage {
+        let generation = buffer.generation();
+        let mut storage = lock(&self.0.storage);
+        *storage = Some(Storage {
             buffer: buffer.clone(),
             offset,
-            generation: buffer.generation(),
+            generation,
         });
+        self.0.bound_buffer.store(buffer.id(), Ordering::Release);
+        self.0.bound_generation.store(generation, Ordering::Release);
+        drop(storage);
         Ok(())
     }
 
     /// Removes the storage binding (the tensor becomes unallocated).
     pub fn unbind(&self) {
-        *lock(&self.0.storage) = None;
+        let mut storage = lock(&self.0.storage);
+        *storage = None;
+        self.0.bound_buffer.store(0, Ordering::Release);
+        self.0.bound_generation.store(0, Ordering::Release);
+    }
+
+    /// The id of the buffer this tensor itself is bound to ([`Tensor::bind`]), or `None`.
+    ///
+    /// A lock-free read for hot paths (plan caches): it says nothing about whether the
+    /// binding is still live (see [`Tensor::binding_is_live`]), and views report `None`
+    /// (they are never bound; their bytes live in their source).
+    pub fn bound_buffer_id(&self) -> Option<u64> {
+        match self.0.bound_buffer.load(Ordering::Acquire) {
+            0 => None,
+            id => Some(id),
+        }
+    }
+
+    /// The generation the bound buffer had when this tensor was bound (0 when unbound);
+    /// lock-free, to be read with [`Tensor::bound_buffer_id`]. The binding is live while the
+    /// buffer's [`Buffer::generation`] still equals it and the buffer is not freed.
+    pub fn bound_generation(&self) -> u64 {
+        self.0.bound_generation.load(Ordering::Acquire)
+    }
+
+    /// Whether the tensor's own binding is live (bound, buffer neither freed nor reset since):
+    /// [`Tensor::is_allocated`] for non-views without cloning the storage or building an
+    /// error.
+    pub fn binding_is_live(&self) -> bool {
+        lock(&self.0.storage)
+            .as_ref()
+            .is_some_and(|s| !s.buffer.is_freed() && s.buffer.generation() == s.generation)
     }
 
     /// Whether the tensor (or its view source) is bound to a live buffer.

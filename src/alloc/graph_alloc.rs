@@ -101,7 +101,7 @@ enum SrcRef {
 
 #[derive(Debug, Clone)]
 struct NodeEntry {
-    op: &'static str,
+    op: std::mem::Discriminant<Op>,
     flags: u8,
     place: Place,
     srcs: Vec<SrcRef>,
@@ -347,11 +347,22 @@ impl Planning<'_> {
     }
 }
 
-/// Whether `tensor` is bound to live memory that is not one of `our_buffers`.
+/// Whether the non-view `tensor` is bound to live memory that is not one of `our_buffers`
+/// (the buffer id is read lock-free; only a foreign binding takes the lock to check it is
+/// live).
 fn is_external(tensor: &Tensor, our_buffers: &[u64]) -> bool {
-    tensor
-        .storage()
-        .is_ok_and(|s| !our_buffers.contains(&s.buffer.id()))
+    match tensor.bound_buffer_id() {
+        None => false,
+        Some(id) => !our_buffers.contains(&id) && tensor.binding_is_live(),
+    }
+}
+
+/// Whether `t` sits at `pos` in `graph` (a pointer comparison, no index lookup).
+fn at_position(graph: &Graph, pos: Position, t: &Tensor) -> bool {
+    match pos {
+        Position::Node(i) => graph.nodes().get(i).is_some_and(|n| n.same(t)),
+        Position::Leaf(i) => graph.leafs().get(i).is_some_and(|l| l.same(t)),
+    }
 }
 
 impl GraphAllocator {
@@ -519,7 +530,7 @@ impl GraphAllocator {
                 });
             }
             nodes.push(NodeEntry {
-                op: node.op().name(),
+                op: std::mem::discriminant(node.op()),
                 flags: node.flags() & PLAN_FLAGS,
                 place: place_of(&p, node)?,
                 srcs,
@@ -654,7 +665,7 @@ impl GraphAllocator {
         for (i, (node, entry)) in graph.nodes().iter().zip(&stored.nodes).enumerate() {
             let same_srcs = node.srcs().len() == entry.srcs.len()
                 && node.srcs().iter().zip(&entry.srcs).all(|(src, r)| match r {
-                    SrcRef::InGraph(pos) => graph.position(src) == Some(*pos),
+                    SrcRef::InGraph(pos) => at_position(graph, *pos, src),
                     SrcRef::Outside { place, root } => {
                         !graph.contains(src)
                             && fits(src, place)
@@ -670,7 +681,7 @@ impl GraphAllocator {
                     .srcs()
                     .first()
                     .is_some_and(|p| node.same_layout(p) && (!p.is_view() || p.view_offset() == 0));
-            if node.op().name() != entry.op
+            if std::mem::discriminant(node.op()) != entry.op
                 || node.flags() & PLAN_FLAGS != entry.flags
                 || !same_srcs
                 || !inplace_ok
