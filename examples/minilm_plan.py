@@ -19,8 +19,10 @@ from ferrograph.models import MiniLM
 
 model = MiniLM(weights_dtype="f16", n_threads=2)
 print(model)
-print(f"weights: {model.weights_nbytes / 2**20:.1f} MiB in a {model.weights_buffer.usage.name} "
-      f"buffer of {model.weights_buffer.size / 2**20:.1f} MiB")
+print(
+    f"weights: {model.weights_nbytes / 2**20:.1f} MiB in a {model.weights_buffer.usage.name} "
+    f"buffer of {model.weights_buffer.size / 2**20:.1f} MiB"
+)
 
 # %% [markdown]
 # ## Embeddings
@@ -59,43 +61,61 @@ print(f"GraphViz: {dot} (render with `dot -Tsvg {dot} -o minilm_graph.svg`)")
 
 # %% [markdown]
 # ## The memory plan
-# One `GraphAllocator` serves every shape: `encode` reserves it once for its largest batch
-# (sentences are sorted by length, so that is the first), and the smaller graphs, which have
-# the same structure, replay that plan. Intermediate tensors share memory once they are dead.
+# The model's `Scheduler` serves every shape: `encode` reserves it once for its largest batch
+# (sentences are sorted by length, so that is the first), and smaller graphs fit inside that
+# reservation. Intermediate tensors share memory once they are dead.
 
 # %%
-model.allocator.reserve(graph)
+model.scheduler.reserve(graph)
 plan = model.memory_plan
 assert plan is not None
-print(f"compute buffer: {plan['total'] / 2**10:.1f} KiB for {plan['tensor_bytes'] / 2**10:.1f} "
-      f"KiB of tensors (peak live {plan['peak_live_bytes'] / 2**10:.1f} KiB, "
-      f"fragmentation {plan['fragmentation']:.2%})")
+print(
+    f"compute buffer: {plan['total'] / 2**10:.1f} KiB for {plan['tensor_bytes'] / 2**10:.1f} "
+    f"KiB of tensors (peak live {plan['peak_live_bytes'] / 2**10:.1f} KiB, "
+    f"fragmentation {plan['fragmentation']:.2%})"
+)
 for buffer in plan["buffers"]:
-    print(f"  buffer {buffer['buffer_id']} ({buffer['buffer_type']}): {buffer['size']} bytes, "
-          f"chunks {buffer['chunk_sizes']}")
+    print(
+        f"  buffer {buffer['buffer_id']} ({buffer['buffer_type']}): {buffer['size']} bytes, "
+        f"chunks {buffer['chunk_sizes']}"
+    )
 print(f"  {'tensor':<24} {'offset':>9} {'size':>9}  live")
 for t in sorted(plan["tensors"], key=lambda t: (t["offset"], t["first_use"]))[:25]:
-    print(f"  {t['name'] or '#' + str(t['id']):<24} {t['offset']:>9} {t['size']:>9}  "
-          f"{t['first_use']}..{t['last_use']}")
+    print(
+        f"  {t['name'] or '#' + str(t['id']):<24} {t['offset']:>9} {t['size']:>9}  "
+        f"{t['first_use']}..{t['last_use']}"
+    )
 
 # %% [markdown]
 # The largest shape of the default batch size (32 sentences of 128 tokens):
 
 # %%
 big = model.graph(32, 128).graph
-sizes = model.allocator.reserve_n_size(big)
+sizes = model.scheduler.reserve_size(big)
 print(f"32 x 128: {big.n_nodes} nodes, compute buffer {sizes[0] / 2**20:.1f} MiB")
 
 # %% [markdown]
 # ## The scheduler's split plan
-# With one CPU backend everything is one split; with more backends (a GPU, a plug-in) the
-# scheduler assigns nodes to backends and copies tensors between them.
+# With one CPU backend everything is one split; with more backends (BLAS, a GPU, a Python
+# plug-in) the scheduler assigns nodes to backends and copies tensors between them. In a
+# notebook, `sched.plan` renders as a table of splits; `sched.plan.to_dot()` draws it.
 
 # %%
-if hasattr(fg, "Scheduler"):
-    sched = fg.Scheduler([model.backend])
-    sched.reserve(graph)
-    print(f"splits: {sched.n_splits}, copies: {sched.n_copies}")
-    print(sched.plan)
-else:
-    print("fg.Scheduler is not available in this build yet")
+backends = [model.backend]
+if fg.blas_available():
+    if fg.dev_by_name("BLAS") is None:
+        fg.register_blas()
+    backends.insert(0, fg.init_backend("BLAS", n_threads=2))
+sched = fg.Scheduler(backends)
+sched.reserve(graph)
+plan = sched.plan
+assert plan is not None
+print(f"backends: {plan.backend_names}; splits: {sched.n_splits}; copies: {len(plan.copies)}")
+for i, split in enumerate(plan.splits[:12]):
+    print(f"  split {i}: {split['backend']:<5} nodes {split['nodes'][0]}..{split['nodes'][1]}")
+causes: dict[str, int] = {}
+for node in plan.nodes:
+    causes[f"{node['backend']}/{node['cause']}"] = (
+        causes.get(f"{node['backend']}/{node['cause']}", 0) + 1
+    )
+print("assignments by backend/cause:", causes)

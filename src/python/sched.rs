@@ -490,6 +490,16 @@ impl PyScheduler {
         Some(PySchedPlan { plan, dot })
     }
 
+    /// The compute memory plan (see `GraphAllocator.plan`): per backend buffer id its size,
+    /// each tensor's offset and lifetime, peak and fragmentation; None before allocation.
+    #[getter]
+    fn memory_plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        match self.lock().memory_plan() {
+            Some(plan) => Ok(Some(super::alloc::memory_plan_dict(py, plan)?)),
+            None => Ok(None),
+        }
+    }
+
     /// GraphViz source of the current plan, or None.
     fn to_dot(&self) -> Option<String> {
         self.lock().to_dot()

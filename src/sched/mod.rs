@@ -41,7 +41,6 @@ mod plan;
 mod split;
 mod topology;
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::alloc::GraphAllocator;
@@ -59,7 +58,7 @@ pub use plan::{Assignment, Cause, CopyPlan, PlannedTensor, SchedPlan, SplitPlan,
 use assign::{AssignInput, Oracle};
 use internal::Internal;
 use plan::PlanCore;
-use topology::{Signature, Topology};
+use topology::{IdMap, Signature, Topology};
 
 /// Pipeline slots used when the scheduler is created with `parallel = true`.
 pub const DEFAULT_PARALLEL_COPIES: usize = 4;
@@ -112,6 +111,8 @@ struct CachedPlan {
 /// The current graph: its indexing, plan and internal graphs per slot.
 struct Instance {
     graph: Graph,
+    /// The scheduler's [`Scheduler::plan_epoch`] when the plan was chosen.
+    plan_epoch: u64,
     topo: Topology,
     core: Arc<PlanCore>,
     slots: Vec<Option<Internal>>,
@@ -131,8 +132,11 @@ pub struct Scheduler {
     op_offload: bool,
     policy: OffloadPolicy,
     events: Vec<Vec<Option<Arc<dyn Event>>>>,
-    pinned: HashMap<u64, usize>,
-    cache: HashMap<u64, Vec<CachedPlan>>,
+    pinned: IdMap<usize>,
+    /// Bumped whenever pins or planning settings change: a current graph planned under an
+    /// older epoch must be planned again.
+    plan_epoch: u64,
+    cache: IdMap<Vec<CachedPlan>>,
     cache_len: usize,
     cache_hits: u64,
     cache_misses: u64,
@@ -234,8 +238,12 @@ impl Scheduler {
             op_offload,
             policy: OffloadPolicy::Device,
             events: Vec::new(),
-            pinned: HashMap::with_capacity(graph_size_hint.min(1 << 16) / 8),
-            cache: HashMap::new(),
+            pinned: IdMap::with_capacity_and_hasher(
+                graph_size_hint.min(1 << 16) / 8,
+                Default::default(),
+            ),
+            plan_epoch: 0,
+            cache: IdMap::default(),
             cache_len: 0,
             cache_hits: 0,
             cache_misses: 0,
@@ -308,8 +316,7 @@ impl Scheduler {
                     .collect()
             })
             .collect();
-        self.cache.clear();
-        self.cache_len = 0;
+        self.forget_plans();
         self.instance = None;
         self.reserved_core = None;
         for buffer in self.pipeline_buffers.iter_mut().filter_map(Option::take) {
@@ -330,8 +337,7 @@ impl Scheduler {
     pub fn set_op_offload(&mut self, on: bool) {
         if self.op_offload != on {
             self.op_offload = on;
-            self.cache.clear();
-            self.cache_len = 0;
+            self.forget_plans();
         }
     }
 
@@ -344,8 +350,7 @@ impl Scheduler {
     pub fn set_offload_policy(&mut self, policy: OffloadPolicy) {
         if self.policy != policy {
             self.policy = policy;
-            self.cache.clear();
-            self.cache_len = 0;
+            self.forget_plans();
         }
     }
 
@@ -367,8 +372,14 @@ impl Scheduler {
 
     /// Forgets every cached plan (the next graph is planned from scratch).
     pub fn clear_plan_cache(&mut self) {
+        self.forget_plans();
+    }
+
+    /// Empties the cache and makes the current graph's plan stale.
+    fn forget_plans(&mut self) {
         self.cache.clear();
         self.cache_len = 0;
+        self.plan_epoch += 1;
     }
 
     /// `(hits, misses)` of the plan cache.
@@ -391,8 +402,11 @@ impl Scheduler {
                 backend.name()
             )));
         }
-        if self.pinned.insert(tensor.id(), b) != Some(b) && self.state == State::Allocated {
-            self.state = State::Fresh;
+        if self.pinned.insert(tensor.id(), b) != Some(b) {
+            self.plan_epoch += 1;
+            if self.state == State::Allocated {
+                self.state = State::Fresh;
+            }
         }
         Ok(())
     }
@@ -443,7 +457,33 @@ impl Scheduler {
     /// Assigns backends and cuts splits for `graph` (using the plan cache), making it the
     /// current graph. Nothing is allocated.
     pub fn split_graph(&mut self, graph: &Graph) -> Result<()> {
-        let topo = Topology::build(graph, &self.own_buffer_ids());
+        let own = self.own_buffer_ids();
+        // The current graph again (same epoch: same tensors), nothing changed since.
+        if let Some(inst) = &self.instance {
+            if inst.plan_epoch == self.plan_epoch
+                && inst.graph.epoch() == graph.epoch()
+                && inst.topo.state_matches(graph, &own)
+            {
+                self.cache_hits += 1;
+                if self.state == State::Allocated {
+                    self.state = State::Fresh;
+                }
+                return Ok(());
+            }
+        }
+        // A rebuilt graph of the current graph's structure: re-indexed by identity checks
+        // against the current topology, no hashing. (Pins are by tensor, so only without any.)
+        if let Some(inst) = &self.instance {
+            if inst.plan_epoch == self.plan_epoch && self.pinned.is_empty() {
+                if let Some(topo) = inst.topo.rebind(&inst.graph, graph, &own) {
+                    let core = inst.core.clone();
+                    self.cache_hits += 1;
+                    self.install(graph, topo, core);
+                    return Ok(());
+                }
+            }
+        }
+        let topo = Topology::build(graph, &own);
         let signature = topo.signature(graph, &self.pinned);
         let cached = self.cache.get(&signature.hash).and_then(|bucket| {
             bucket
@@ -486,12 +526,22 @@ impl Scheduler {
                 core
             }
         };
+        self.install(graph, topo, core);
+        Ok(())
+    }
+
+    /// Makes `graph` (indexed as `topo`, planned as `core`) the current graph. Internal graphs
+    /// are kept when the graph and plan are the same as before.
+    fn install(&mut self, graph: &Graph, topo: Topology, core: Arc<PlanCore>) {
         let keep = self
             .instance
             .as_ref()
             .is_some_and(|i| Arc::ptr_eq(&i.core, &core) && same_graph(&i.graph, graph));
         match self.instance.as_mut() {
-            Some(inst) if keep => inst.topo = topo,
+            Some(inst) if keep => {
+                inst.topo = topo;
+                inst.plan_epoch = self.plan_epoch;
+            }
             _ => {
                 let is_new = self
                     .instance
@@ -499,6 +549,7 @@ impl Scheduler {
                     .is_none_or(|i| !Arc::ptr_eq(&i.core, &core));
                 self.instance = Some(Instance {
                     graph: graph.clone(),
+                    plan_epoch: self.plan_epoch,
                     topo,
                     core,
                     slots: (0..self.n_copies).map(|_| None).collect(),
@@ -513,7 +564,6 @@ impl Scheduler {
         if self.state == State::Allocated {
             self.state = State::Fresh;
         }
-        Ok(())
     }
 
     /// Builds the internal graph of the current instance for `slot` and binds its pipelined
@@ -732,7 +782,10 @@ impl Scheduler {
     /// placed become stale, so reading one after a reset is an error instead of a read of
     /// memory the next graph may reuse.
     pub fn reset(&mut self) {
-        self.pinned.clear();
+        if !self.pinned.is_empty() {
+            self.pinned.clear();
+            self.plan_epoch += 1;
+        }
         self.state = State::Reset;
         for id in 0..self.bufts.len() {
             for buffer in self.galloc.buffers(id) {
@@ -779,6 +832,12 @@ impl Scheduler {
                 .map(|b| self.buffer_size_of(b))
                 .collect(),
         })
+    }
+
+    /// The graph allocator's memory plan for the scheduler's current (internal) graph:
+    /// offsets, lifetimes and sizes per backend buffer id.
+    pub fn memory_plan(&self) -> Option<&crate::alloc::MemoryPlan> {
+        self.galloc.plan()
     }
 
     /// The plan of the current graph as GraphViz DOT (see [`SchedPlan::to_dot`]).

@@ -144,17 +144,37 @@ def test_plan_reserved_once_and_replayed(reference: dict[str, Any]) -> None:
     model.encode(sentences, batch_size=8)
     # sorted by length: the first batch (8 sentences, 128 tokens) is the largest shape
     assert model._reserved == (8, 128)
-    size = model.allocator.buffer_size(0)
+    size = model.scheduler.get_buffer_size(model.backend)
     plan = model.memory_plan
     assert plan is not None and size > 0
     n_graphs = len(model._graphs)
     assert n_graphs >= 2  # several (batch, seq) shapes were run
     model.encode(sentences, batch_size=8)
     assert len(model._graphs) == n_graphs  # graphs come from the cache
-    assert model.allocator.buffer_size(0) == size  # no new reservation
+    assert model.scheduler.get_buffer_size(model.backend) == size  # no new reservation
     assert model._reserved == (8, 128)
-    model.encode(["short one"])  # smaller shapes replay the reserved plan
-    assert model.allocator.buffer_size(0) == size
+    model.encode(["short one"])  # smaller shapes fit the reservation
+    assert model.scheduler.get_buffer_size(model.backend) == size
+    split_plan = model.split_plan
+    assert split_plan is not None and split_plan.backend_names == ["CPU"]
+    assert model.scheduler.n_splits == 1
+
+
+def test_blas_accelerator_in_front_matches(reference: dict[str, Any]) -> None:
+    if not fg.blas_available():
+        pytest.skip(f"no BLAS library: {fg.blas_unavailable_reason()}")
+    model = minilm.MiniLM(n_threads=2, blas=True)
+    try:
+        sentences = reference["sentences"][:6]
+        got = model.encode(sentences)
+        expected = minilm.MiniLM(n_threads=2).encode(sentences)
+        np.testing.assert_allclose(got, expected, atol=1e-5)
+        plan = model.split_plan
+        assert plan is not None and plan.backend_names == ["BLAS", "CPU"]
+        assert any(n["backend"] == "BLAS" for n in plan.nodes)
+    finally:
+        if fg.reg_by_name("BLAS") is not None:
+            fg.unregister_backend("BLAS")
 
 
 def test_weights_are_in_a_weights_buffer() -> None:

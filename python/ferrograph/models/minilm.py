@@ -18,10 +18,12 @@ How it runs
   marked ``fg.BufferUsage.WEIGHTS``; the matrix weights (and the word-embedding table) are
   optionally converted to f16, bf16 or q8_0 at load time, biases, layer norms and the
   position / token-type tables stay f32.
-* For each (batch, sequence length) shape one graph is built (metadata only) and cached. A
-  single :class:`ferrograph.GraphAllocator` is reserved once for the largest shape of an
-  :meth:`MiniLM.encode` call (sentences are sorted by length, so that is the first batch);
-  every other batch has the same structure and replays that plan. Per batch only the input
+* For each (batch, sequence length) shape one graph is built (metadata only) and cached. The
+  graphs run through a :class:`ferrograph.Scheduler` (the CPU backend, with the BLAS
+  accelerator in front when ``blas=True`` and a BLAS library is present) that is reserved
+  once for the largest shape of an :meth:`MiniLM.encode` call (sentences are sorted by
+  length, so that is the first batch); every other batch fits that reservation and the
+  scheduler's plan cache skips re-planning a shape it has seen. Per batch only the input
   tensors are set again.
 * The graph: ``get_rows`` on the word and token-type tables plus a view of the position table,
   layer norm as ``norm`` then ``mul`` / ``add``, multi-head attention with the padding mask in
@@ -374,7 +376,11 @@ class MiniLM:
         Tokens per sentence after truncation ([CLS] and [SEP] included).
     backend
         A backend to compute on (for example ``fg.init_backend("CPU", n_threads=4)``);
-        ``n_threads`` is ignored when given.
+        ``n_threads`` is ignored when given. It must be a CPU backend (the scheduler's last).
+    blas
+        Put the BLAS accelerator (``fg.register_blas()``) before the CPU in the scheduler so
+        large matrix products run through the BLAS library found at run time; ignored (with
+        a log message) when no BLAS library is available.
     attention
         ``"soft_max"`` (default): ``mul_mat`` of keys and queries, ``soft_max`` with the
         padding mask and scale, ``mul_mat`` with the values. ``"flash"``: one
@@ -404,6 +410,7 @@ class MiniLM:
         backend: fg.Backend | None = None,
         attention: str = "soft_max",
         fuse_qkv: bool = False,
+        blas: bool = False,
     ) -> None:
         dtype_name = _weights_dtype_name(weights_dtype)
         self.model_dir = find_model_dir(model_dir)
@@ -433,7 +440,12 @@ class MiniLM:
             self.weights_nbytes / 2**20,
             time.perf_counter() - start,
         )
-        self.allocator = fg.GraphAllocator(self.backend.default_buffer_type)
+        backends = [self.backend]
+        if blas:
+            accelerator = _blas_backend(self.n_threads)
+            if accelerator is not None:
+                backends.insert(0, accelerator)
+        self.scheduler = fg.Scheduler(backends)
         self._reserved: tuple[int, int] = (0, 0)
         self._graphs: OrderedDict[tuple[int, int], _ShapeGraph] = OrderedDict()
 
@@ -646,14 +658,19 @@ class MiniLM:
             return
         shape = (max(batch, rb), max(seq, rs))
         g = self.graph(*shape)
-        self.allocator.reserve(g.graph)
+        self.scheduler.reserve(g.graph)
         self._reserved = shape
         logger.debug("reserved compute memory for batch %d seq %d", *shape)
 
     @property
     def memory_plan(self) -> dict[str, Any] | None:
         """The reserved compute memory plan (``None`` before the first :meth:`encode`)."""
-        return self.allocator.plan
+        return self.scheduler.memory_plan
+
+    @property
+    def split_plan(self) -> fg.SchedPlan | None:
+        """The scheduler's plan for the last graph: backends per node, splits, copies."""
+        return self.scheduler.plan
 
     # ----- running -----
 
@@ -662,7 +679,7 @@ class MiniLM:
         b, s = batch.shape
         self.reserve(b, s)
         g = self.graph(b, s)
-        self.allocator.alloc_graph(g.graph)
+        self.scheduler.alloc_graph(g.graph)
         real = batch.attention_mask.astype(np.float32)
         mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
         mask = np.ascontiguousarray(np.broadcast_to(mask, (b, 1, s, s)), dtype=np.float32)
@@ -671,7 +688,7 @@ class MiniLM:
         g.token_type_ids.set(batch.token_type_ids.reshape(-1))
         g.attn_mask.set(mask)
         g.pool_weights.set((real / counts)[:, None, :].astype(np.float32))
-        self.backend.graph_compute(g.graph)
+        self.scheduler.graph_compute(g.graph)
         result: npt.NDArray[np.float32] = np.array(g.output.numpy(), dtype=np.float32, copy=True)
         return result
 
@@ -731,6 +748,16 @@ class MiniLM:
     def tokenize(self, sentences: Sequence[str]) -> Batch:
         """Tokenizes and pads ``sentences`` as :meth:`encode` does (without sorting)."""
         return tokenize(self.tokenizer, sentences)
+
+
+def _blas_backend(n_threads: int) -> fg.Backend | None:
+    """The in-process BLAS accelerator, registered on first use; None without a library."""
+    if not fg.blas_available():
+        logger.info("no BLAS library (%s): running on the CPU alone", fg.blas_unavailable_reason())
+        return None
+    if fg.dev_by_name("BLAS") is None:
+        fg.register_blas()
+    return fg.init_backend("BLAS", n_threads=n_threads)
 
 
 def _set_weight(tensor: fg.Tensor, array: npt.NDArray[np.float32]) -> None:
