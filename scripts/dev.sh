@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: sets up ./.venv, builds the native module, and runs
 # the main job or the tests.
 #
-#   bash scripts/dev.sh demo        # the main job
+#   bash scripts/dev.sh embed "a sentence" "another"   # the main job: MiniLM embeddings
+#   bash scripts/dev.sh demo        # a small graph computed and checked against numpy
 #   bash scripts/dev.sh test        # every test: Rust (cargo test) and Python (pytest)
 #   bash scripts/dev.sh bench       # benchmarks: cargo bench + benches/compare.py
 #   bash scripts/dev.sh lint        # cargo fmt --check, clippy, ruff, mypy
@@ -45,6 +46,15 @@ setup() {
 }
 
 case "${1:-}" in
+  embed)
+    setup
+    shift
+    if [ "$#" -eq 0 ]; then
+      set -- "A man is eating food." "A man is eating a piece of bread." \
+        "The girl is carrying a baby." "A man is riding a horse." "Il pleut depuis ce matin."
+    fi
+    python -m ferrograph embed "$@"
+    ;;
   demo)
     setup
     shift
@@ -62,17 +72,20 @@ case "${1:-}" in
     setup
     cargo bench
     python benches/compare.py
+    python benches/compare_kernels.py
+    python benches/minilm.py
     ;;
   lint)
     setup
     cargo fmt --all -- --check
     cargo clippy -q --all-targets -- -D warnings
     cargo clippy -q --all-targets --features python -- -D warnings
-    ruff check python tests benches
+    ruff check python tests benches examples
+    ruff format --check python tests benches examples
     mypy python/ferrograph
     ;;
   *)
-    echo "usage: bash scripts/dev.sh demo|test|bench|lint" >&2
+    echo "usage: bash scripts/dev.sh embed [sentences...]|demo|test|bench|lint" >&2
     exit 2
     ;;
 esac
