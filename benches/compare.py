@@ -88,7 +88,9 @@ def bench_conversions(n: int, repeat: int) -> None:
     bf_out = fg.fp32_to_bf16(x32)
     timings = {
         "ferrograph": best_seconds(lambda: fg.fp32_to_bf16(x32, out=bf_out), repeat),
-        "memcpy (np.copyto)": best_seconds(lambda: np.copyto(bits_out, copy_src16.view(np.uint16)), repeat),
+        "memcpy (np.copyto)": best_seconds(
+            lambda: np.copyto(bits_out, copy_src16.view(np.uint16)), repeat
+        ),
     }
     try:
         import ml_dtypes
@@ -112,6 +114,28 @@ def bench_conversions(n: int, repeat: int) -> None:
     report(f"bf16 -> f32 rows, n={n}", out32.nbytes, timings)
 
 
+def bench_tensor_io(n: int, repeat: int) -> None:
+    """Tensor set/get between numpy and a CPU tensor, beside a plain numpy copy."""
+    rng = np.random.default_rng(1)
+    src = rng.standard_normal(n).astype(np.float32)
+    dst = np.empty_like(src)
+    ctx = fg.Context()
+    t = ctx.new_tensor(fg.float32, (n,), name="t")
+    cpu = fg.init_backend("CPU")
+    buf = fg.alloc_ctx_tensors(ctx, cpu)
+    assert buf is not None
+    timings = {
+        "ferrograph": best_seconds(lambda: t.set(src), repeat),
+        "memcpy (np.copyto)": best_seconds(lambda: np.copyto(dst, src), repeat),
+    }
+    report(f"tensor.set(numpy) f32, n={n}", src.nbytes, timings)
+    timings = {
+        "ferrograph": best_seconds(lambda: t.numpy(), repeat),
+        "np.array copy": best_seconds(lambda: np.array(src, copy=True), repeat),
+    }
+    report(f"tensor.numpy() f32, n={n}", src.nbytes, timings)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=1 << 24, help="elements per row conversion")
@@ -125,6 +149,7 @@ def main() -> None:
     print(f"ferrograph {fg.__version__}; {fg.cpu.system_info()}")
     print(f"threads={args.threads}; torch={'yes' if torch is not None else 'not installed'}")
     bench_conversions(args.n, args.repeat)
+    bench_tensor_io(args.n, args.repeat)
 
 
 if __name__ == "__main__":
