@@ -7,6 +7,7 @@
 
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Error, Result};
 use crate::ops::Op;
@@ -27,6 +28,15 @@ pub struct Graph {
     nodes: Vec<Tensor>,
     leafs: Vec<Tensor>,
     index: HashMap<u64, Position>,
+    /// See [`Graph::epoch`].
+    epoch: u64,
+}
+
+/// Source of graph epochs (0 is the empty graph's).
+static NEXT_GRAPH_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+fn next_epoch() -> u64 {
+    NEXT_GRAPH_EPOCH.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Graph {
@@ -78,6 +88,7 @@ impl Graph {
             Position::Node(self.nodes.len() - 1)
         };
         self.index.insert(tensor.id(), position);
+        self.epoch = next_epoch();
     }
 
     /// Appends one node without visiting its operands (ggml's `graph_add_node`).
@@ -91,6 +102,7 @@ impl Graph {
         self.nodes.push(tensor.clone());
         self.index
             .insert(tensor.id(), Position::Node(self.nodes.len() - 1));
+        self.epoch = next_epoch();
         Ok(())
     }
 
@@ -106,7 +118,17 @@ impl Graph {
         self.leafs.push(tensor.clone());
         self.index
             .insert(tensor.id(), Position::Leaf(self.leafs.len() - 1));
+        self.epoch = next_epoch();
         Ok(())
+    }
+
+    /// A stamp of the graph's contents: it changes (to a process-unique value) whenever a
+    /// node or leaf is added, and clones keep it. Two graphs with the same epoch therefore
+    /// hold the same tensors in the same order (0: an empty graph that was never modified).
+    /// Lets callers such as the scheduler recognise a graph they indexed before without
+    /// walking it. Tensor flags and storage bindings are not covered.
+    pub fn epoch(&self) -> u64 {
+        self.epoch
     }
 
     /// The computed tensors, in execution order.
@@ -173,6 +195,9 @@ impl Graph {
             graph
                 .index
                 .insert(tensor.id(), Position::Node(graph.nodes.len() - 1));
+        }
+        if !graph.nodes.is_empty() {
+            graph.epoch = next_epoch();
         }
         Ok(graph)
     }

@@ -17,7 +17,6 @@
 //!
 //! View ops (reshape, view, permute, transpose) are skipped by passes 2 and 3.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 
 use crate::backend::Backend;
@@ -28,7 +27,7 @@ use crate::ops::Op;
 use crate::tensor::Tensor;
 
 use super::plan::{Assignment, Cause};
-use super::topology::{Topology, NONE};
+use super::topology::{IdMap, Topology, NONE};
 use super::OffloadPolicy;
 
 /// Inputs of the passes.
@@ -39,7 +38,7 @@ pub(crate) struct AssignInput<'a> {
     pub bufts: &'a [Arc<dyn BufferType>],
     /// `buft_ok[b][k]`: backend `b` can use `bufts[k]`.
     pub buft_ok: &'a [Vec<bool>],
-    pub pinned: &'a HashMap<u64, usize>,
+    pub pinned: &'a IdMap<usize>,
     pub op_offload: bool,
     pub policy: OffloadPolicy,
 }

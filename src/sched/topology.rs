@@ -2,18 +2,58 @@
 //! leafs, then operands outside the graph), operands and view roots by index, where each
 //! tensor already lives, and a signature of all of it for the plan cache.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::Arc;
 
-use crate::buffer::{BufferType, BufferUsage};
-use crate::graph::{Graph, Position};
+use crate::buffer::{Buffer, BufferType, BufferUsage};
+use crate::graph::Graph;
 use crate::ops::Op;
 use crate::tensor::Tensor;
 
 /// No tensor.
 pub(crate) const NONE: u32 = u32::MAX;
+
+/// A multiplicative (Fx-style) hasher for integer keys and word streams: the scheduler's keys
+/// are process-unique counters, so SipHash's protection buys nothing and costs most of the
+/// indexing time.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FastHasher(u64);
+
+const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+
+impl Hasher for FastHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(SEED);
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+/// A hash map keyed by tensor ids (or other counters) with [`FastHasher`].
+pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<FastHasher>>;
 
 /// A buffer a tensor already lives in (not one of the scheduler's own).
 #[derive(Clone, Debug)]
@@ -21,6 +61,39 @@ pub(crate) struct BufInfo {
     pub buft: Arc<dyn BufferType>,
     pub weights: bool,
     pub host: bool,
+    /// The buffer itself, to tell cheaply whether the binding is still live.
+    pub buffer: Buffer,
+}
+
+/// What a tensor looked like when it was indexed, beyond its immutable metadata: its flags and
+/// its binding (buffer id and generation; 0 when unbound or bound to one of the scheduler's
+/// own buffers). Compared on every cache hit to catch flags set or tensors moved since.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Snap {
+    pub flags: u8,
+    pub bound: u64,
+    pub generation: u64,
+}
+
+impl Snap {
+    fn of(t: &Tensor, own_buffers: &[u64]) -> Snap {
+        let bound = match t.bound_buffer_id() {
+            Some(id) if !own_buffers.contains(&id) => id,
+            _ => 0,
+        };
+        Snap {
+            flags: t.flags(),
+            bound,
+            generation: if bound == 0 { 0 } else { t.bound_generation() },
+        }
+    }
+}
+
+fn same_meta(a: &Tensor, b: &Tensor) -> bool {
+    a.same_layout(b)
+        && a.view_offset() == b.view_offset()
+        && a.is_view() == b.is_view()
+        && a.op() == b.op()
 }
 
 /// Unified indexing of a graph's tensors.
@@ -36,6 +109,8 @@ pub(crate) struct Topology {
     pub view_root: Vec<u32>,
     /// Per unified tensor: the buffer it (or its view root) already lives in.
     pub buf: Vec<Option<BufInfo>>,
+    /// Per unified tensor: flags and binding when indexed.
+    pub snap: Vec<Snap>,
 }
 
 impl Topology {
@@ -44,17 +119,17 @@ impl Topology {
     pub fn build(graph: &Graph, own_buffers: &[u64]) -> Topology {
         let n_nodes = graph.n_nodes();
         let n_leafs = graph.n_leafs();
+        let mut index: IdMap<u32> = IdMap::default();
+        index.reserve(n_nodes + n_leafs);
+        for (u, t) in graph.nodes().iter().chain(graph.leafs()).enumerate() {
+            index.insert(t.id(), u as u32);
+        }
         let mut extras: Vec<Tensor> = Vec::new();
-        let mut extra_index: HashMap<u64, u32> = HashMap::new();
         let mut unified = |t: &Tensor, extras: &mut Vec<Tensor>| -> u32 {
-            match graph.position(t) {
-                Some(Position::Node(i)) => i as u32,
-                Some(Position::Leaf(i)) => (n_nodes + i) as u32,
-                None => *extra_index.entry(t.id()).or_insert_with(|| {
-                    extras.push(t.clone());
-                    (n_nodes + n_leafs + extras.len() - 1) as u32
-                }),
-            }
+            *index.entry(t.id()).or_insert_with(|| {
+                extras.push(t.clone());
+                (n_nodes + n_leafs + extras.len() - 1) as u32
+            })
         };
         let mut src_start = Vec::with_capacity(n_nodes + 1);
         let mut srcs = Vec::with_capacity(n_nodes * 2);
@@ -81,47 +156,163 @@ impl Topology {
             });
             k += 1;
         }
-        let total = n_nodes + n_leafs + extras.len();
-        let mut buf: Vec<Option<BufInfo>> = vec![None; total];
-        let tensor_at = |u: usize| -> &Tensor {
-            if u < n_nodes {
-                &graph.nodes()[u]
-            } else if u < n_nodes + n_leafs {
-                &graph.leafs()[u - n_nodes]
-            } else {
-                &extras[u - n_nodes - n_leafs]
-            }
-        };
-        for (u, slot) in buf.iter_mut().enumerate() {
-            let t = tensor_at(u);
-            if t.is_view() {
-                continue;
-            }
-            if let Ok(storage) = t.storage() {
-                if !own_buffers.contains(&storage.buffer.id()) {
-                    *slot = Some(BufInfo {
-                        buft: storage.buffer.buffer_type().clone(),
-                        weights: storage.buffer.usage() == BufferUsage::Weights,
-                        host: storage.buffer.is_host(),
-                    });
-                }
-            }
-        }
-        for u in 0..total {
-            let root = view_root[u];
-            if root != NONE {
-                buf[u] = buf[root as usize].clone();
-            }
-        }
-        Topology {
+        let mut topo = Topology {
             n_nodes,
             n_leafs,
             extras,
             src_start,
             srcs,
             view_root,
-            buf,
+            buf: Vec::new(),
+            snap: Vec::new(),
+        };
+        topo.index_state(graph, own_buffers);
+        topo
+    }
+
+    /// Fills `buf` and `snap` from the tensors' current flags and bindings.
+    fn index_state(&mut self, graph: &Graph, own_buffers: &[u64]) {
+        let total = self.len();
+        let mut buf: Vec<Option<BufInfo>> = Vec::with_capacity(total);
+        let mut snap = Vec::with_capacity(total);
+        for u in 0..total {
+            let t = self.tensor(graph, u);
+            let s = Snap::of(t, own_buffers);
+            snap.push(s);
+            // Views are never bound; a live foreign binding is the only case to look at.
+            buf.push(if s.bound != 0 {
+                t.storage().ok().map(|storage| BufInfo {
+                    buft: storage.buffer.buffer_type().clone(),
+                    weights: storage.buffer.usage() == BufferUsage::Weights,
+                    host: storage.buffer.is_host(),
+                    buffer: storage.buffer,
+                })
+            } else {
+                None
+            });
         }
+        for u in 0..total {
+            let root = self.view_root[u];
+            if root != NONE {
+                buf[u] = buf[root as usize].clone();
+            }
+        }
+        self.buf = buf;
+        self.snap = snap;
+    }
+
+    /// Whether every tensor's flags and binding are still what was indexed (own buffers
+    /// count as unbound), so `buf` and the plans derived from it still hold. Lock-free for
+    /// unbound tensors and tensors in the scheduler's buffers.
+    pub fn state_matches(&self, graph: &Graph, own_buffers: &[u64]) -> bool {
+        (0..self.len()).all(|u| {
+            let t = self.tensor(graph, u);
+            let recorded = self.snap[u];
+            if Snap::of(t, own_buffers) != recorded {
+                return false;
+            }
+            if recorded.bound == 0 || self.view_root[u] != NONE {
+                return true;
+            }
+            // Bound to a foreign buffer: still live (or still dead), same usage.
+            match &self.buf[u] {
+                Some(info) => {
+                    !info.buffer.is_freed()
+                        && info.buffer.generation() == recorded.generation
+                        && (info.buffer.usage() == BufferUsage::Weights) == info.weights
+                }
+                None => true,
+            }
+        })
+    }
+
+    /// Re-indexes `graph` from this topology of `old`, without hashing: succeeds when `graph`
+    /// has the same node and leaf counts, every operand and view source at the same unified
+    /// position (checked by identity; outside operands may be other tensors of the same kind),
+    /// the same dtype, shape, strides, op and view offset everywhere, and the same flags and
+    /// bindings (see [`Topology::state_matches`]). That is everything the signature covers,
+    /// so the plan of `old` is the plan of `graph`.
+    pub fn rebind(&self, old: &Graph, graph: &Graph, own_buffers: &[u64]) -> Option<Topology> {
+        if graph.n_nodes() != self.n_nodes || graph.n_leafs() != self.n_leafs {
+            return None;
+        }
+        let base = self.n_nodes + self.n_leafs;
+        let mut extras: Vec<Tensor> = Vec::with_capacity(self.extras.len());
+        // Whether `t` is what unified index `e` is in the new graph (extras in first-seen order).
+        let mut resolve = |e: u32, t: &Tensor, extras: &mut Vec<Tensor>| -> bool {
+            let e = e as usize;
+            if e < base {
+                let now = if e < self.n_nodes {
+                    &graph.nodes()[e]
+                } else {
+                    &graph.leafs()[e - self.n_nodes]
+                };
+                return now.same(t);
+            }
+            let k = e - base;
+            if k < extras.len() {
+                return extras[k].same(t);
+            }
+            if k != extras.len() || !same_meta(t, &self.extras[k]) || graph.contains(t) {
+                return false;
+            }
+            extras.push(t.clone());
+            true
+        };
+        for (i, (node, before)) in graph.nodes().iter().zip(old.nodes()).enumerate() {
+            let expected = self.srcs(i);
+            if !same_meta(node, before) || node.srcs().len() != expected.len() {
+                return None;
+            }
+            for (src, &e) in node.srcs().iter().zip(expected) {
+                if !resolve(e, src, &mut extras) {
+                    return None;
+                }
+            }
+        }
+        for (leaf, before) in graph.leafs().iter().zip(old.leafs()) {
+            if !same_meta(leaf, before) {
+                return None;
+            }
+        }
+        let roots_ok =
+            |u: usize,
+             t: &Tensor,
+             extras: &mut Vec<Tensor>,
+             resolve: &mut dyn FnMut(u32, &Tensor, &mut Vec<Tensor>) -> bool| {
+                match (t.view_src(), self.view_root[u]) {
+                    (None, NONE) => true,
+                    (Some(root), e) if e != NONE => resolve(e, root, extras),
+                    _ => false,
+                }
+            };
+        for (u, t) in graph.nodes().iter().chain(graph.leafs()).enumerate() {
+            if !roots_ok(u, t, &mut extras, &mut resolve) {
+                return None;
+            }
+        }
+        let mut k = 0;
+        while k < extras.len() {
+            let t = extras[k].clone();
+            if !roots_ok(base + k, &t, &mut extras, &mut resolve) {
+                return None;
+            }
+            k += 1;
+        }
+        if extras.len() != self.extras.len() {
+            return None;
+        }
+        let topo = Topology {
+            n_nodes: self.n_nodes,
+            n_leafs: self.n_leafs,
+            extras,
+            src_start: self.src_start.clone(),
+            srcs: self.srcs.clone(),
+            view_root: self.view_root.clone(),
+            buf: self.buf.clone(),
+            snap: self.snap.clone(),
+        };
+        topo.state_matches(graph, own_buffers).then_some(topo)
     }
 
     /// Number of unified tensors.
@@ -146,7 +337,7 @@ impl Topology {
     }
 
     /// The signature of the graph's shape for the plan cache: everything the passes read.
-    pub fn signature(&self, graph: &Graph, pinned: &HashMap<u64, usize>) -> Signature {
+    pub fn signature(&self, graph: &Graph, pinned: &IdMap<usize>) -> Signature {
         let mut words: Vec<u64> = Vec::with_capacity(self.len() * 14 + self.srcs.len() + 4);
         words.push(self.n_nodes as u64);
         words.push(self.n_leafs as u64);
@@ -177,8 +368,10 @@ impl Topology {
                 words.push(pinned.get(&t.id()).map_or(u64::MAX, |&b| b as u64));
             }
         }
-        let mut hasher = DefaultHasher::new();
-        words.hash(&mut hasher);
+        let mut hasher = FastHasher::default();
+        for &w in &words {
+            hasher.write_u64(w);
+        }
         for op in &ops {
             op.name().hash(&mut hasher);
         }
