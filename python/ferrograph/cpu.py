@@ -2,9 +2,47 @@
 
 from __future__ import annotations
 
-from . import _core
+from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["features", "simd_path", "system_info"]
+import numpy as np
+import numpy.typing as npt
+
+from . import _core
+from .dtypes import DType
+
+__all__ = ["TypeTraits", "features", "simd_path", "system_info", "type_traits"]
+
+
+@dataclass(frozen=True)
+class TypeTraits:
+    """What the CPU backend knows about one element type (ggml's ``get_type_traits_cpu``).
+
+    ``from_float(x)`` converts a 1-d float32 array into a row of the type (its bytes, uint8);
+    ``vec_dot(x, y, n)`` is the dot product of ``n`` elements of a row of this type with a row
+    of ``vec_dot_type`` (the type activations are converted to, e.g. q8_0 for q4_0 weights).
+    """
+
+    dtype: DType
+    has_from_float: bool
+    has_vec_dot: bool
+    vec_dot_type: DType
+    nrows: int
+
+    def from_float(self, x: npt.ArrayLike) -> npt.NDArray[np.uint8]:
+        """The row of this type for the float32 values ``x`` (as bytes)."""
+        return _core.cpu_from_float(self.dtype, np.ascontiguousarray(x, dtype=np.float32))
+
+    def vec_dot(self, x: Any, y: Any, n: int) -> float:
+        """Dot product of ``n`` elements: ``x`` a row of this type, ``y`` of ``vec_dot_type``."""
+        return float(_core.cpu_vec_dot(self.dtype, n, bytes(x), bytes(y)))
+
+
+def type_traits(dtype: Any) -> TypeTraits:
+    """The CPU type traits of ``dtype`` (a ``fg.DType``, name or numpy dtype)."""
+    dt = DType(dtype)
+    has_from_float, has_vec_dot, partner, nrows = _core.cpu_type_traits(dt)
+    return TypeTraits(dt, has_from_float, has_vec_dot, DType(partner), nrows)
 
 
 def features() -> dict[str, bool]:

@@ -6,6 +6,7 @@ pub mod features;
 pub mod kernels;
 pub mod sysinfo;
 pub mod threadpool;
+pub mod type_traits;
 
 pub use compute::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
 

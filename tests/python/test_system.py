@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 
 import ferrograph as fg
@@ -77,3 +78,23 @@ def test_version_and_cpu() -> None:
 def test_all_is_complete() -> None:
     for name in fg.__all__:
         assert hasattr(fg, name), name
+
+
+def test_cpu_type_traits() -> None:
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal(64).astype(np.float32)
+    y = rng.standard_normal(64).astype(np.float32)
+    exact = float(x.astype(np.float64) @ y.astype(np.float64))
+    for name, tol in (("f32", 1e-4), ("f16", 2e-2), ("bf16", 2e-1), ("q8_0", 2e-1), ("q4_0", 1.0)):
+        traits = fg.cpu.type_traits(name)
+        assert traits.has_from_float and traits.has_vec_dot and traits.nrows == 1
+        xr = traits.from_float(x)
+        yr = fg.cpu.type_traits(traits.vec_dot_type).from_float(y)
+        assert xr.dtype == np.uint8 and xr.nbytes == traits.dtype.row_size(64)
+        assert abs(traits.vec_dot(xr, yr, 64) - exact) < tol, name
+    assert fg.cpu.type_traits("q4_0").vec_dot_type is fg.q8_0
+    assert not fg.cpu.type_traits("i32").has_vec_dot
+    with pytest.raises(fg.ShapeError):
+        fg.cpu.type_traits("f16").vec_dot(b"\0" * 8, b"\0" * 6, 4)
+    with pytest.raises(fg.UnsupportedOpError):
+        fg.cpu.type_traits("i32").vec_dot(b"", b"", 0)

@@ -1,0 +1,204 @@
+//! The CPU's per-type traits (ggml's `get_type_traits_cpu`): how to convert f32 rows into a
+//! type, and the dot product the matrix-vector kernels use for it with its partner type.
+//!
+//! Rows are byte slices so one signature serves every type, quantized ones included. A row of
+//! `n` elements of type `t` takes `t.row_size(n)` bytes; the functions check the lengths.
+
+use half::{bf16, f16};
+
+use super::kernels::quant_dot;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Converts `n` f32 values into a row of the type (`out` holds `row_size(n)` bytes).
+pub type FromFloat = fn(&[f32], &mut [u8]) -> Result<()>;
+
+/// Dot product of `n` elements: a row of the type and a row of its `vec_dot_type`.
+pub type VecDot = fn(usize, &[u8], &[u8]) -> Result<f32>;
+
+/// What the CPU backend knows about one type.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuTypeTraits {
+    /// The type these traits describe.
+    pub dtype: DType,
+    /// f32 → this type, if the CPU can produce it.
+    pub from_float: Option<FromFloat>,
+    /// The dot product with [`CpuTypeTraits::vec_dot_type`] rows, if any.
+    pub vec_dot: Option<VecDot>,
+    /// The type the other operand of `vec_dot` must have (activations are converted to it).
+    pub vec_dot_type: DType,
+    /// Rows one `vec_dot` call handles.
+    pub nrows: usize,
+}
+
+fn check(what: &str, dtype: DType, n: usize, bytes: usize) -> Result<()> {
+    let need = dtype.row_size(n)?;
+    if bytes != need {
+        return Err(Error::Shape(format!(
+            "{what}: {n} {} elements take {need} bytes, got {bytes}",
+            dtype.name()
+        )));
+    }
+    Ok(())
+}
+
+fn as_f32(bytes: &[u8]) -> Result<&[f32]> {
+    bytemuck::try_cast_slice(bytes)
+        .map_err(|e| Error::InvalidArgument(format!("f32 row is not aligned: {e}")))
+}
+
+fn from_f32(x: &[f32], out: &mut [u8]) -> Result<()> {
+    check("from_float f32", DType::F32, x.len(), out.len())?;
+    out.copy_from_slice(bytemuck::cast_slice(x));
+    Ok(())
+}
+
+fn from_f16(x: &[f32], out: &mut [u8]) -> Result<()> {
+    check("from_float f16", DType::F16, x.len(), out.len())?;
+    let mut tmp = vec![f16::ZERO; x.len()];
+    crate::convert::fp32_to_fp16_row(x, &mut tmp)?;
+    out.copy_from_slice(bytemuck::cast_slice(&tmp));
+    Ok(())
+}
+
+fn from_bf16(x: &[f32], out: &mut [u8]) -> Result<()> {
+    check("from_float bf16", DType::BF16, x.len(), out.len())?;
+    let mut tmp = vec![bf16::ZERO; x.len()];
+    crate::convert::fp32_to_bf16_row(x, &mut tmp)?;
+    out.copy_from_slice(bytemuck::cast_slice(&tmp));
+    Ok(())
+}
+
+fn from_q8_0(x: &[f32], out: &mut [u8]) -> Result<()> {
+    check("from_float q8_0", DType::Q8_0, x.len(), out.len())?;
+    quant_dot::quantize_row_q8_0(x, out);
+    Ok(())
+}
+
+fn from_q4_0(x: &[f32], out: &mut [u8]) -> Result<()> {
+    check("from_float q4_0", DType::Q4_0, x.len(), out.len())?;
+    quant_dot::quantize_row_q4_0(x, out);
+    Ok(())
+}
+
+fn dot_f32(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
+    check("vec_dot f32", DType::F32, n, x.len())?;
+    check("vec_dot f32", DType::F32, n, y.len())?;
+    let (a, b) = (
+        as_f32(x).map(<[f32]>::to_vec),
+        as_f32(y).map(<[f32]>::to_vec),
+    );
+    // Copies only when the caller's bytes are not f32-aligned.
+    let a = a.unwrap_or_else(|_| {
+        x.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    });
+    let b = b.unwrap_or_else(|_| {
+        y.chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect()
+    });
+    Ok(quant_dot::dot_f32(&a, &b))
+}
+
+fn widen<T: Copy + bytemuck::Pod>(bytes: &[u8], f: fn(T) -> f32) -> Vec<f32> {
+    bytes
+        .chunks_exact(std::mem::size_of::<T>())
+        .map(|c| f(bytemuck::pod_read_unaligned(c)))
+        .collect()
+}
+
+fn dot_f16(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
+    check("vec_dot f16", DType::F16, n, x.len())?;
+    check("vec_dot f16", DType::F16, n, y.len())?;
+    let (a, b) = (widen(x, f16::to_f32), widen(y, f16::to_f32));
+    Ok(quant_dot::dot_f32(&a, &b))
+}
+
+fn dot_bf16(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
+    check("vec_dot bf16", DType::BF16, n, x.len())?;
+    check("vec_dot bf16", DType::BF16, n, y.len())?;
+    let (a, b) = (widen(x, bf16::to_f32), widen(y, bf16::to_f32));
+    Ok(quant_dot::dot_f32(&a, &b))
+}
+
+fn dot_q8_0(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
+    check("vec_dot q8_0", DType::Q8_0, n, x.len())?;
+    check("vec_dot q8_0", DType::Q8_0, n, y.len())?;
+    Ok(quant_dot::dot_q8_0_q8_0(x, y))
+}
+
+fn dot_q4_0(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
+    check("vec_dot q4_0", DType::Q4_0, n, x.len())?;
+    check("vec_dot q4_0 (partner q8_0)", DType::Q8_0, n, y.len())?;
+    Ok(quant_dot::dot_q4_0_q8_0(x, y))
+}
+
+/// The CPU traits of `dtype`.
+pub fn type_traits(dtype: DType) -> CpuTypeTraits {
+    let (from_float, vec_dot, vec_dot_type): (Option<FromFloat>, Option<VecDot>, DType) =
+        match dtype {
+            DType::F32 => (Some(from_f32), Some(dot_f32), DType::F32),
+            DType::F16 => (Some(from_f16), Some(dot_f16), DType::F16),
+            DType::BF16 => (Some(from_bf16), Some(dot_bf16), DType::BF16),
+            DType::Q8_0 => (Some(from_q8_0), Some(dot_q8_0), DType::Q8_0),
+            DType::Q4_0 => (Some(from_q4_0), Some(dot_q4_0), DType::Q8_0),
+            other => (None, None, other),
+        };
+    CpuTypeTraits {
+        dtype,
+        from_float,
+        vec_dot,
+        vec_dot_type,
+        nrows: 1,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(dtype: DType, x: &[f32]) -> Vec<u8> {
+        let traits = type_traits(dtype);
+        let mut out = vec![0u8; dtype.row_size(x.len()).unwrap()];
+        (traits.from_float.unwrap())(x, &mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn dot_products_match_f64_within_type_error() {
+        let n = 64;
+        let x: Vec<f32> = (0..n).map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.25).collect();
+        let y: Vec<f32> = (0..n).map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.5).collect();
+        let exact: f64 = x.iter().zip(&y).map(|(a, b)| *a as f64 * *b as f64).sum();
+        for (dtype, tol) in [
+            (DType::F32, 1e-5),
+            (DType::F16, 1e-3),
+            (DType::BF16, 2e-2),
+            (DType::Q8_0, 2e-2),
+            (DType::Q4_0, 1.5e-1),
+        ] {
+            let traits = type_traits(dtype);
+            let xs = row(dtype, &x);
+            let ys = row(traits.vec_dot_type, &y);
+            let got = (traits.vec_dot.unwrap())(n, &xs, &ys).unwrap();
+            let rel = (got as f64 - exact).abs() / exact.abs().max(1.0);
+            assert!(rel < tol, "{dtype:?}: {got} vs {exact}");
+            assert_eq!(traits.nrows, 1);
+        }
+        assert_eq!(type_traits(DType::Q4_0).vec_dot_type, DType::Q8_0);
+        assert!(type_traits(DType::I32).vec_dot.is_none());
+    }
+
+    #[test]
+    fn lengths_are_checked() {
+        let traits = type_traits(DType::F16);
+        let mut out = vec![0u8; 3];
+        assert!((traits.from_float.unwrap())(&[1.0, 2.0], &mut out).is_err());
+        assert!((traits.vec_dot.unwrap())(4, &[0; 8], &[0; 6]).is_err());
+        let q = type_traits(DType::Q8_0);
+        let mut out = vec![0u8; 34];
+        assert!((q.from_float.unwrap())(&[0.0; 31], &mut out).is_err());
+    }
+}
