@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
-from collections.abc import Callable
 
 import numpy as np
+from _bench_timing import best_seconds
 
 import ferrograph as fg
 
@@ -24,24 +23,6 @@ try:  # optional peer
     import torch
 except ImportError:  # pragma: no cover - depends on the machine
     torch = None
-
-
-def best_seconds(fn: Callable[[], object], repeat: int, min_time: float = 0.2) -> float:
-    """Best wall time of ``fn`` over ``repeat`` rounds of enough calls to last ``min_time``."""
-    fn()
-    start = time.perf_counter()
-    calls = 0
-    while time.perf_counter() - start < min_time:
-        fn()
-        calls += 1
-    calls = max(calls // 2, 1)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls)
-    return best
 
 
 def report(title: str, out_bytes: int, timings: dict[str, float]) -> None:

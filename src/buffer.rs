@@ -193,6 +193,33 @@ impl Drop for HostMemory {
     }
 }
 
+/// Copies `data` to `base + offset`.
+///
+/// # Safety
+/// `base + offset .. + data.len()` must be writable memory that `data` does not overlap.
+unsafe fn host_write(base: NonNull<u8>, offset: usize, data: &[u8]) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base.as_ptr().add(offset), data.len()) }
+}
+
+/// Copies `out.len()` bytes from `base + offset` into `out`.
+///
+/// # Safety
+/// `base + offset .. + out.len()` must be readable memory that `out` does not overlap.
+unsafe fn host_read(base: NonNull<u8>, offset: usize, out: &mut [u8]) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::ptr::copy_nonoverlapping(base.as_ptr().add(offset), out.as_mut_ptr(), out.len()) }
+}
+
+/// Sets `len` bytes at `base + offset` to `value`.
+///
+/// # Safety
+/// `base + offset .. + len` must be writable memory.
+unsafe fn host_fill(base: NonNull<u8>, offset: usize, len: usize, value: u8) {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::ptr::write_bytes(base.as_ptr().add(offset), value, len) }
+}
+
 impl BufferMemory for HostMemory {
     fn size(&self) -> usize {
         self.size
@@ -205,27 +232,19 @@ impl BufferMemory for HostMemory {
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         // SAFETY: `Buffer` checked `offset + data.len() <= size`; the source is a separate
         // borrowed slice, so the ranges cannot overlap.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
+        unsafe { host_write(self.ptr, offset, data) };
         Ok(())
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
         // SAFETY: bounds checked by `Buffer`; `out` is an exclusive borrow distinct from us.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        unsafe { host_read(self.ptr, offset, out) };
         Ok(())
     }
 
     fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
         // SAFETY: bounds checked by `Buffer`.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), value, len) };
+        unsafe { host_fill(self.ptr, offset, len, value) };
         Ok(())
     }
 }
@@ -280,27 +299,19 @@ impl BufferMemory for ForeignHostMemory {
 
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         // SAFETY: bounds checked by `Buffer`; validity guaranteed by the creator (see `new`).
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.as_ptr().add(offset), data.len())
-        };
+        unsafe { host_write(self.ptr, offset, data) };
         Ok(())
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        // SAFETY: as in `write`.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                self.ptr.as_ptr().add(offset),
-                out.as_mut_ptr(),
-                out.len(),
-            )
-        };
+        // SAFETY: as in `write`; `out` is an exclusive borrow distinct from this memory.
+        unsafe { host_read(self.ptr, offset, out) };
         Ok(())
     }
 
     fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
         // SAFETY: as in `write`.
-        unsafe { std::ptr::write_bytes(self.ptr.as_ptr().add(offset), value, len) };
+        unsafe { host_fill(self.ptr, offset, len, value) };
         Ok(())
     }
 }
