@@ -2,7 +2,8 @@
 //! intermediate 1536, sequence 128, ≈212 nodes) on the CPU backend: planning a new graph
 //! (assignment and split passes, plan cache off), re-planning through the cache, reset +
 //! alloc on a warm scheduler (same graph and rebuilt graph), and one compute of a tiny graph
-//! (the per-compute floor). ggml's figures for comparison: 14–24 µs split, 26 µs reset+alloc.
+//! (the per-compute floor). The `*_prev_alive` variants keep the previous graph alive until
+//! the timing ends, so freeing its tensors is not counted. ggml's figures for comparison: 14–24 µs split, 26 µs reset+alloc.
 
 use std::sync::Arc;
 
@@ -178,6 +179,35 @@ fn bench_sched(c: &mut Criterion) {
             },
             BatchSize::SmallInput,
         )
+    });
+    // The same rebuilt-graph cases with the previous graph kept alive by the caller until the
+    // timing ends: the scheduler then drops only its references, and freeing the previous
+    // graph's tensors (the caller's graph teardown, which ggml's figures do not include
+    // either) is left out.
+    let rebuilt_prev_alive = |sched: &mut Scheduler, iters: u64, reset: bool| {
+        let mut total = std::time::Duration::ZERO;
+        let mut prev = build();
+        ok(sched.alloc_graph(&prev), "alloc");
+        for _ in 0..iters {
+            let g = build();
+            let start = std::time::Instant::now();
+            if reset {
+                sched.reset();
+                ok(sched.alloc_graph(&g), "alloc");
+            } else {
+                ok(sched.split_graph(&g), "split");
+            }
+            total += start.elapsed();
+            prev = g;
+        }
+        drop(prev);
+        total
+    };
+    group.bench_function("split_new_graph_cached_prev_alive", |b| {
+        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, false))
+    });
+    group.bench_function("reset_alloc_rebuilt_graph_prev_alive", |b| {
+        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, true))
     });
     group.finish();
 

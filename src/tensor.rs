@@ -407,6 +407,19 @@ impl Tensor {
                 self.label()
             )));
         }
+        {
+            // Rebinding to the place it already had (allocators replaying a plan): the bounds
+            // and alignment were checked then and cannot have changed; refresh the generation.
+            let mut storage = lock(&self.0.storage);
+            if let Some(s) = storage.as_mut() {
+                if s.offset == offset && s.buffer.same(buffer) {
+                    let generation = buffer.generation();
+                    s.generation = generation;
+                    self.0.bound_generation.store(generation, Ordering::Release);
+                    return Ok(());
+                }
+            }
+        }
         let end = offset.checked_add(self.nbytes());
         if end.is_none_or(|end| end > buffer.size()) {
             return Err(Error::Alloc(format!(

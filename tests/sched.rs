@@ -914,3 +914,174 @@ fn bad_inputs_are_errors() {
     let err = sched.alloc_graph(&graph).unwrap_err();
     assert!(matches!(err, Error::UnsupportedOp(_)), "{err}");
 }
+
+// ----- the plan cache never returns a stale plan -----
+
+fn stats_after(sched: &mut Scheduler, graph: &Graph) -> (u64, u64) {
+    sched.alloc_graph(graph).unwrap();
+    sched.plan_cache_stats()
+}
+
+/// The plan entry of the tensor named like `t` (the test names them all).
+fn assignment_of(sched: &Scheduler, t: &Tensor) -> (usize, Cause) {
+    let plan = sched.plan().unwrap();
+    let entry = plan
+        .nodes
+        .iter()
+        .chain(&plan.leafs)
+        .find(|e| e.name == t.name())
+        .unwrap_or_else(|| panic!("{} not in the plan", t.label()));
+    (entry.assignment.backend, entry.assignment.cause)
+}
+
+/// The same graph object computed again after something subtle changed: every change must
+/// re-plan (a cache miss), and results stay right.
+#[test]
+fn same_graph_replans_after_pins_flags_and_buffer_moves() {
+    let backends = vec![dev(), cpu()];
+    let mut sched = Scheduler::new(backends.clone(), None, 0, false, false).unwrap();
+    let wctx = Context::new(true);
+    let w = wctx.new_tensor(DType::F32, &[LEN]).unwrap();
+    w.set_name("w");
+    let _host = alloc_ctx_tensors_from_buft(&wctx, CpuBufferType::shared()).unwrap();
+    let w_values: Vec<f32> = (0..LEN).map(|i| i as f32).collect();
+    w.set_f32(&w_values).unwrap();
+    let ctx = Context::new(true);
+    let x = ctx.new_tensor(DType::F32, &[LEN]).unwrap();
+    x.set_name("x");
+    x.set_input();
+    let y = ops::add(&ctx, &x, &w).unwrap();
+    y.set_name("y");
+    let z = ops::scale(&ctx, &y, 2.0, 0.0).unwrap();
+    z.set_name("z");
+    z.set_output();
+    let graph = Graph::build(std::slice::from_ref(&z));
+    let x_values: Vec<f32> = (0..LEN).map(|i| 10.0 - i as f32).collect();
+    let expected: Vec<f32> = x_values
+        .iter()
+        .zip(&w_values)
+        .map(|(a, b)| (a + b) * 2.0)
+        .collect();
+    let check = |sched: &mut Scheduler| {
+        x.set_f32(&x_values).unwrap();
+        assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
+        assert_eq!(z.to_f32_vec().unwrap(), expected);
+    };
+
+    let (_, m0) = stats_after(&mut sched, &graph);
+    check(&mut sched);
+    assert_eq!(assignment_of(&sched, &w), (1, Cause::Buffer));
+    // Nothing changed: a hit.
+    sched.reset();
+    let (h1, m1) = stats_after(&mut sched, &graph);
+    assert_eq!(m1, m0);
+    check(&mut sched);
+
+    // A pin: re-planned, y on the device.
+    sched.set_tensor_backend(&y, &backends[0]).unwrap();
+    let (_, m2) = stats_after(&mut sched, &graph);
+    assert_eq!(m2, m1 + 1, "a new pin must re-plan");
+    assert_eq!(assignment_of(&sched, &y), (0, Cause::Pinned));
+    check(&mut sched);
+
+    // reset drops the pin: the unpinned plan comes back (from the cache), y not pinned.
+    sched.reset();
+    sched.alloc_graph(&graph).unwrap();
+    assert_ne!(assignment_of(&sched, &y).1, Cause::Pinned);
+    check(&mut sched);
+    let (h3, m3) = sched.plan_cache_stats();
+    assert!(h3 > h1);
+
+    // An output flag set on y: re-planned (flags change planning and allocation).
+    y.set_output();
+    let (_, m4) = stats_after(&mut sched, &graph);
+    assert_eq!(m4, m3 + 1, "a flag change must re-plan");
+    check(&mut sched);
+    assert_eq!(
+        y.to_f32_vec().unwrap(),
+        expected.iter().map(|v| v / 2.0).collect::<Vec<_>>()
+    );
+
+    // The weight moved into device memory: re-planned, w now decides for the device.
+    let dev_buffer = dev_buft().alloc_buffer(w.nbytes()).unwrap();
+    w.bind(&dev_buffer, 0).unwrap();
+    w.set_f32(&w_values).unwrap();
+    let (_, m5) = stats_after(&mut sched, &graph);
+    assert_eq!(m5, m4 + 1, "a tensor moved to another buffer must re-plan");
+    assert_eq!(assignment_of(&sched, &w), (0, Cause::Buffer));
+    check(&mut sched);
+
+    // Its buffer reset (the binding went stale): re-planned, w is then the scheduler's to
+    // place; the value set after allocation is used.
+    dev_buffer.reset();
+    let (_, m6) = stats_after(&mut sched, &graph);
+    assert_eq!(m6, m5 + 1, "a stale binding must re-plan");
+    assert_ne!(assignment_of(&sched, &w).1, Cause::Buffer);
+    w.set_f32(&w_values).unwrap();
+    check(&mut sched);
+}
+
+/// Rebuilt graphs: identical structure hits the cache, any difference (op, shape, input
+/// flag, a weight in another buffer) re-plans, and results stay right.
+#[test]
+fn rebuilt_graphs_replan_on_any_difference() {
+    let backends = vec![dev(), cpu()];
+    let mut sched = Scheduler::new(backends, None, 0, false, false).unwrap();
+    let wctx = Context::new(true);
+    let w = wctx.new_tensor(DType::F32, &[LEN]).unwrap();
+    let w2 = wctx.new_tensor(DType::F32, &[2 * LEN]).unwrap();
+    let _host = alloc_ctx_tensors_from_buft(&wctx, CpuBufferType::shared()).unwrap();
+    let wd = wctx.new_tensor(DType::F32, &[LEN]).unwrap();
+    let dev_buffer = dev_buft().alloc_buffer(wd.nbytes()).unwrap();
+    wd.bind(&dev_buffer, 0).unwrap();
+    for t in [&w, &w2, &wd] {
+        let v: Vec<f32> = (0..t.nelements()).map(|i| i as f32 * 0.5).collect();
+        t.set_f32(&v).unwrap();
+    }
+    // (x op w) * 3, x an input of w's shape unless `input` is false.
+    let run = |sched: &mut Scheduler, w: &Tensor, sub: bool, input: bool| {
+        let ctx = Context::new(true);
+        let x = ctx.new_tensor(DType::F32, &w.ne()[..1]).unwrap();
+        if input {
+            x.set_input();
+        }
+        let y = if sub {
+            ops::sub(&ctx, &x, w).unwrap()
+        } else {
+            ops::add(&ctx, &x, w).unwrap()
+        };
+        let z = ops::scale(&ctx, &y, 3.0, 0.0).unwrap();
+        z.set_output();
+        let graph = Graph::build(std::slice::from_ref(&z));
+        sched.reset();
+        sched.alloc_graph(&graph).unwrap();
+        let xs: Vec<f32> = (0..x.nelements()).map(|i| 1.0 + i as f32).collect();
+        x.set_f32(&xs).unwrap();
+        assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
+        let ws = w.to_f32_vec().unwrap();
+        let expected: Vec<f32> = xs
+            .iter()
+            .zip(&ws)
+            .map(|(a, b)| if sub { a - b } else { a + b } * 3.0)
+            .collect();
+        assert_eq!(z.to_f32_vec().unwrap(), expected);
+        sched.plan_cache_stats().1
+    };
+    let m0 = run(&mut sched, &w, false, true);
+    assert_eq!(
+        run(&mut sched, &w, false, true),
+        m0,
+        "same structure: a hit"
+    );
+    let m1 = run(&mut sched, &w, true, true);
+    assert_eq!(m1, m0 + 1, "another op must re-plan");
+    let m2 = run(&mut sched, &w2, true, true);
+    assert_eq!(m2, m1 + 1, "another shape must re-plan");
+    let m3 = run(&mut sched, &w2, true, false);
+    assert_eq!(m3, m2 + 1, "a missing input flag must re-plan");
+    let m4 = run(&mut sched, &w, true, true);
+    assert_eq!(m4, m3, "back to an earlier shape: from the cache");
+    let m5 = run(&mut sched, &wd, true, true);
+    assert_eq!(m5, m4 + 1, "a weight in another buffer must re-plan");
+    assert_eq!(run(&mut sched, &wd, true, true), m5);
+}

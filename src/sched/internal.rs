@@ -68,7 +68,13 @@ pub(crate) fn build(
     if identity {
         let mut split_graphs = Vec::with_capacity(core.splits.len());
         for split in &core.splits {
-            split_graphs.push(graph.view(split.nodes.start, split.nodes.end)?);
+            // One split of the whole graph computes the graph itself (a clone shares the
+            // tensors and copies the index instead of rebuilding it).
+            split_graphs.push(if split.nodes.start == 0 && split.nodes.end == n_nodes {
+                graph.clone()
+            } else {
+                graph.view(split.nodes.start, split.nodes.end)?
+            });
         }
         return Ok(Internal {
             graph: None,

@@ -475,11 +475,14 @@ impl Scheduler {
         // against the current topology, no hashing. (Pins are by tensor, so only without any.)
         if let Some(inst) = &self.instance {
             if inst.plan_epoch == self.plan_epoch && self.pinned.is_empty() {
-                if let Some(topo) = inst.topo.rebind(&inst.graph, graph, &own) {
-                    let core = inst.core.clone();
-                    self.cache_hits += 1;
-                    self.install(graph, topo, core);
-                    return Ok(());
+                if let Some(extras) = inst.topo.rebind(&inst.graph, graph, &own) {
+                    if let Some(old) = self.instance.take() {
+                        let mut topo = old.topo;
+                        topo.extras = extras;
+                        self.cache_hits += 1;
+                        self.install(graph, topo, old.core);
+                        return Ok(());
+                    }
                 }
             }
         }

@@ -205,8 +205,15 @@ impl Topology {
     /// count as unbound), so `buf` and the plans derived from it still hold. Lock-free for
     /// unbound tensors and tensors in the scheduler's buffers.
     pub fn state_matches(&self, graph: &Graph, own_buffers: &[u64]) -> bool {
-        (0..self.len()).all(|u| {
-            let t = self.tensor(graph, u);
+        self.state_matches_with(graph, &self.extras, own_buffers)
+    }
+
+    /// [`Topology::state_matches`] with other outside operands.
+    fn state_matches_with(&self, graph: &Graph, extras: &[Tensor], own_buffers: &[u64]) -> bool {
+        let base = self.n_nodes + self.n_leafs;
+        let tensors = graph.nodes().iter().chain(graph.leafs()).chain(extras);
+        tensors.enumerate().all(|(u, t)| {
+            debug_assert!(u < base + self.extras.len());
             let recorded = self.snap[u];
             if Snap::of(t, own_buffers) != recorded {
                 return false;
@@ -231,8 +238,9 @@ impl Topology {
     /// position (checked by identity; outside operands may be other tensors of the same kind),
     /// the same dtype, shape, strides, op and view offset everywhere, and the same flags and
     /// bindings (see [`Topology::state_matches`]). That is everything the signature covers,
-    /// so the plan of `old` is the plan of `graph`.
-    pub fn rebind(&self, old: &Graph, graph: &Graph, own_buffers: &[u64]) -> Option<Topology> {
+    /// so the plan of `old` is the plan of `graph`. Returns the outside operands of `graph`
+    /// (this topology with them in place of its own indexes `graph`).
+    pub fn rebind(&self, old: &Graph, graph: &Graph, own_buffers: &[u64]) -> Option<Vec<Tensor>> {
         if graph.n_nodes() != self.n_nodes || graph.n_leafs() != self.n_leafs {
             return None;
         }
@@ -302,17 +310,8 @@ impl Topology {
         if extras.len() != self.extras.len() {
             return None;
         }
-        let topo = Topology {
-            n_nodes: self.n_nodes,
-            n_leafs: self.n_leafs,
-            extras,
-            src_start: self.src_start.clone(),
-            srcs: self.srcs.clone(),
-            view_root: self.view_root.clone(),
-            buf: self.buf.clone(),
-            snap: self.snap.clone(),
-        };
-        topo.state_matches(graph, own_buffers).then_some(topo)
+        self.state_matches_with(graph, &extras, own_buffers)
+            .then_some(extras)
     }
 
     /// Number of unified tensors.
