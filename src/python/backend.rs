@@ -247,6 +247,35 @@ impl PyBuffer {
         self.inner.alignment()
     }
 
+    /// The buffer type's name (`"CPU"`).
+    #[getter]
+    fn name(&self) -> String {
+        self.inner.buffer_type().name().to_owned()
+    }
+
+    /// The largest buffer of this buffer's type.
+    #[getter]
+    fn max_size(&self) -> usize {
+        self.inner.buffer_type().max_size()
+    }
+
+    /// Bytes `tensor` needs in this buffer (padding included).
+    fn alloc_size(&self, tensor: &PyTensor) -> usize {
+        self.inner.buffer_type().alloc_size(tensor.inner.nbytes())
+    }
+
+    /// Binds `tensor` to this buffer at byte `offset` (ggml's `buffer_init_tensor` after
+    /// `tensor_alloc`): bounds and alignment checked; views are bound to their source.
+    #[pyo3(signature = (tensor, offset = 0))]
+    fn init_tensor(&self, tensor: &PyTensor, offset: usize) -> PyResult<()> {
+        if tensor.inner.is_view() {
+            crate::alloc::view_init(&tensor.inner)?;
+        } else {
+            crate::alloc::tensor_alloc(&tensor.inner, &self.inner, offset)?;
+        }
+        Ok(())
+    }
+
     /// Whether the memory is host-addressable.
     #[getter]
     fn is_host(&self) -> bool {
@@ -1034,8 +1063,88 @@ fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
     })
 }
 
+/// Writes raw bytes (a bytes object or a C-contiguous numpy array's memory) into `tensor` at
+/// byte `offset` (ggml's `tensor_set`; bounds checked). `Tensor.set(array)` is the typed form.
+#[pyfunction]
+#[pyo3(signature = (tensor, data, offset = 0))]
+fn tensor_set(
+    py: Python<'_>,
+    tensor: &PyTensor,
+    data: &Bound<'_, PyAny>,
+    offset: usize,
+) -> PyResult<()> {
+    let t = tensor.inner.clone();
+    if is_ndarray(data)? {
+        let view = byte_view(data)?;
+        let view = view.readonly();
+        let bytes = view
+            .as_slice()
+            .map_err(|_| invalid("the array must be C-contiguous"))?;
+        py.detach(|| t.write_bytes(offset, bytes))?;
+    } else {
+        let bytes: Vec<u8> = data.extract()?;
+        t.write_bytes(offset, &bytes)?;
+    }
+    Ok(())
+}
+
+/// Reads `size` bytes of `tensor` at byte `offset` (all of it by default) as bytes (ggml's
+/// `tensor_get`; bounds checked). `Tensor.numpy()` is the typed form.
+#[pyfunction]
+#[pyo3(signature = (tensor, offset = 0, size = None))]
+fn tensor_get<'py>(
+    py: Python<'py>,
+    tensor: &PyTensor,
+    offset: usize,
+    size: Option<usize>,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let size = size.unwrap_or_else(|| tensor.inner.nbytes().saturating_sub(offset));
+    let mut out = vec![0u8; size];
+    let t = tensor.inner.clone();
+    py.detach(|| t.read_bytes(offset, &mut out))?;
+    Ok(PyBytes::new(py, &out))
+}
+
+/// Sets `size` bytes of `tensor` at `offset` (all of it by default) to `value`.
+#[pyfunction]
+#[pyo3(signature = (tensor, value = 0, offset = 0, size = None))]
+fn tensor_memset(tensor: &PyTensor, value: u8, offset: usize, size: Option<usize>) -> PyResult<()> {
+    let size = size.unwrap_or_else(|| tensor.inner.nbytes().saturating_sub(offset));
+    tensor.inner.fill_bytes(offset, size, value)?;
+    Ok(())
+}
+
+/// Copies `src` into `dst` (same dtype, shape and strides) across any two buffers.
+#[pyfunction]
+fn tensor_copy(py: Python<'_>, src: &PyTensor, dst: &PyTensor) -> PyResult<()> {
+    let (s, d) = (src.inner.clone(), dst.inner.clone());
+    py.detach(|| crate::backend::tensor_copy(&s, &d))?;
+    Ok(())
+}
+
+/// Queues a copy of `src` (on `src_backend`) into `dst` (on `dst_backend`), falling back to a
+/// synchronous copy where the backends cannot do it asynchronously.
+#[pyfunction]
+fn tensor_copy_async(
+    py: Python<'_>,
+    src_backend: &PyBackend,
+    dst_backend: &PyBackend,
+    src: &PyTensor,
+    dst: &PyTensor,
+) -> PyResult<()> {
+    let (sb, db) = (src_backend.inner.clone(), dst_backend.inner.clone());
+    let (s, d) = (src.inner.clone(), dst.inner.clone());
+    py.detach(|| crate::backend::tensor_copy_async(sb.as_ref(), db.as_ref(), &s, &d))?;
+    Ok(())
+}
+
 /// Registers the classes and functions.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(tensor_set, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_get, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_memset, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_copy, m)?)?;
+    m.add_function(wrap_pyfunction!(tensor_copy_async, m)?)?;
     m.add_class::<PyDeviceType>()?;
     m.add_class::<PyBufferUsage>()?;
     m.add_class::<PyBufferType>()?;

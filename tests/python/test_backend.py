@@ -239,3 +239,45 @@ def test_graph_allocator_plan_and_reuse(cpu: fg.Backend, rng: np.random.Generato
         h.numpy()
     with pytest.raises(fg.InvalidArgumentError):
         fg.GraphAllocator([])
+
+
+def test_raw_tensor_io_memset_and_copies(cpu: fg.Backend) -> None:
+    from ferrograph.plugins import NumpyRegistration
+
+    ctx = fg.Context()
+    a = ctx.new_tensor(fg.float32, (2, 4), name="a")
+    b = ctx.new_tensor(fg.float32, (2, 4), name="b")
+    c = ctx.new_tensor(fg.float32, (4, 2), name="c")
+    buf = fg.alloc_ctx_tensors(ctx, cpu)
+    assert buf is not None and buf.name == "CPU" and buf.max_size >= buf.size
+    assert buf.alloc_size(a) == 32
+    data = np.arange(8, dtype=np.float32)
+    fg.tensor_set(a, data)
+    assert fg.tensor_get(a) == data.tobytes()
+    assert fg.tensor_get(a, offset=4, size=8) == data[1:3].tobytes()
+    fg.tensor_memset(a, 0, offset=0, size=8)
+    np.testing.assert_array_equal(a.numpy().ravel()[:3], [0, 0, 2])
+    with pytest.raises(fg.OutOfBoundsError):
+        fg.tensor_set(a, b"\0" * 40)
+    with pytest.raises(fg.OutOfBoundsError):
+        fg.tensor_memset(a, 1, offset=30, size=4)
+    fg.tensor_copy(a, b)
+    np.testing.assert_array_equal(b.numpy(), a.numpy())
+    with pytest.raises(fg.ShapeError):
+        fg.tensor_copy(a, c)  # different layout
+    # Across a backend whose memory is not host memory.
+    fg.register_backend(NumpyRegistration("NPCOPY"))
+    try:
+        other = fg.init_backend("NPCOPY")
+        octx = fg.Context()
+        d = octx.new_tensor(fg.float32, (2, 4), name="d")
+        assert fg.alloc_ctx_tensors(octx, other) is not None
+        fg.tensor_copy_async(cpu, other, a, d)
+        other.synchronize()
+        np.testing.assert_array_equal(d.numpy(), a.numpy())
+    finally:
+        fg.unregister_backend("NPCOPY")
+    e = ctx.new_tensor(fg.float32, (4,), name="e")
+    spare = cpu.alloc_buffer(64)
+    spare.init_tensor(e, 0)
+    assert e.buffer == spare
