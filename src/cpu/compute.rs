@@ -254,8 +254,17 @@ fn run(
         | Op::Clamp { .. }
         | Op::Scale { .. }
         | Op::Unary(_)
-        | Op::LeakyRelu { .. } => unary::elementwise(node.op(), dst, src(0)?),
-        Op::Glu { op, swapped } => unary::glu(*op, *swapped, dst, src(0)?, srcs.get(1).copied()),
+        | Op::LeakyRelu { .. } => {
+            unary::elementwise(node.op(), dst, src(0)?, options.use_reference)
+        }
+        Op::Glu { op, swapped } => unary::glu(
+            *op,
+            *swapped,
+            dst,
+            src(0)?,
+            srcs.get(1).copied(),
+            options.use_reference,
+        ),
         Op::Sum => reduce::sum(dst, src(0)?),
         Op::SumRows => reduce::sum_rows(dst, src(0)?, false),
         Op::Mean => reduce::sum_rows(dst, src(0)?, true),

@@ -22,6 +22,46 @@ pub mod view;
 
 use std::ops::Range;
 
+/// Whether the CPU runs AVX2 and FMA code (checked once; std caches the probe).
+#[inline]
+pub(crate) fn has_avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Defines a function whose body is compiled twice, for the baseline target and with AVX2+FMA
+/// enabled, the latter chosen at run time when the CPU has them. For loops the compiler
+/// auto-vectorises: a portable build then still runs 8-wide (the body must not depend on
+/// which copy runs, only get faster).
+macro_rules! simd_fn {
+    ($(#[$meta:meta])* $vis:vis fn $name:ident($($arg:ident: $ty:ty),* $(,)?) $(-> $ret:ty)? $body:block) => {
+        $(#[$meta])*
+        $vis fn $name($($arg: $ty),*) $(-> $ret)? {
+            #[inline(always)]
+            fn body($($arg: $ty),*) $(-> $ret)? $body
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
+                    body($($arg),*)
+                }
+                if $crate::cpu::kernels::has_avx2_fma() {
+                    // SAFETY: the CPU supports AVX2 and FMA (checked just above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            body($($arg),*)
+        }
+    };
+}
+pub(crate) use simd_fn;
+
 use rayon::prelude::*;
 
 use crate::error::Result;
