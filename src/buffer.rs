@@ -65,6 +65,14 @@ pub trait BufferType: Send + Sync + fmt::Debug {
     fn is_host(&self) -> bool;
 }
 
+/// Whether two buffer types make interchangeable memory: the same object, or two host buffer
+/// types with the same name and alignment (a backend library loaded at run time carries its own
+/// copy of the CPU buffer type, which must count as the host's).
+pub fn same_buffer_type(a: &Arc<dyn BufferType>, b: &Arc<dyn BufferType>) -> bool {
+    std::ptr::addr_eq(Arc::as_ptr(a), Arc::as_ptr(b))
+        || (a.is_host() && b.is_host() && a.name() == b.name() && a.alignment() == b.alignment())
+}
+
 /// The memory behind a buffer. Offsets and lengths are checked by [`Buffer`] before any call.
 pub trait BufferMemory: Send + Sync {
     /// Size in bytes.

@@ -59,7 +59,7 @@ use std::sync::Arc;
 
 use crate::alloc::dyn_alloc::{align_up, DynAllocator};
 use crate::alloc::plan::{BufferPlan, MemoryPlan, TensorPlan};
-use crate::buffer::{Buffer, BufferType, BufferUsage};
+use crate::buffer::{same_buffer_type, Buffer, BufferType, BufferUsage};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Position};
 use crate::ops::Op;
@@ -372,12 +372,12 @@ impl GraphAllocator {
     }
 
     /// An allocator for several buffer types; buffer id `i` is `bufts[i]`. Ids with the same
-    /// buffer type (the same `Arc`) share one planner and one set of buffers.
+    /// buffer type (see [`same_buffer_type`]) share one planner and one set of buffers.
     pub fn new_n(bufts: &[Arc<dyn BufferType>]) -> GraphAllocator {
         let mut slots: Vec<Slot> = Vec::new();
         let mut slot_of = Vec::with_capacity(bufts.len());
         for (id, buft) in bufts.iter().enumerate() {
-            let existing = slots.iter().position(|s| Arc::ptr_eq(&s.buft, buft));
+            let existing = slots.iter().position(|s| same_buffer_type(&s.buft, buft));
             let slot = existing.unwrap_or_else(|| {
                 slots.push(Slot {
                     buft: buft.clone(),

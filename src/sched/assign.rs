@@ -20,7 +20,7 @@
 use std::sync::Arc;
 
 use crate::backend::Backend;
-use crate::buffer::BufferType;
+use crate::buffer::{same_buffer_type, BufferType};
 use crate::error::{Error, Result};
 use crate::graph::Graph;
 use crate::ops::Op;
@@ -309,7 +309,7 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             Some(a) if a.cause != Cause::Pinned => {
                 let cur = a.backend;
                 for b in 0..cur {
-                    if !Arc::ptr_eq(&input.bufts[b], &input.bufts[cur]) || !oracle.supports_op(b, i)
+                    if !same_buffer_type(&input.bufts[b], &input.bufts[cur]) || !oracle.supports_op(b, i)
                     {
                         continue;
                     }

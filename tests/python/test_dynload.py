@@ -80,6 +80,14 @@ def test_load_the_blas_backend_library(rng: np.random.Generator) -> None:
         blas.graph_compute(fg.Graph.build(y))
         ref = xn.astype(np.float64) @ wn.astype(np.float64).T
         np.testing.assert_allclose(y.numpy(), ref, rtol=1e-3, atol=1e-3)
+        # Under the scheduler: the library's host buffer type counts as the CPU's, so the
+        # product moves to BLAS without copies.
+        sched = fg.Scheduler([blas, fg.init_backend("CPU")])
+        sched.graph_compute(fg.Graph.build(y))
+        np.testing.assert_allclose(y.numpy(), ref, rtol=1e-3, atol=1e-3)
+        plan = sched.plan
+        assert plan is not None and plan.copies == []
+        assert {n["op"]: n["backend"] for n in plan.nodes}["MUL_MAT"] == "BLAS"
     finally:
         fg.unload_backend("BLAS")
     assert fg.dev_by_name("BLAS") is None
