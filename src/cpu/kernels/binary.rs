@@ -7,7 +7,7 @@
 
 use super::copy;
 use super::view::{RawTensor, SendPtr};
-use super::{par_ranges, row_grain};
+use super::{par_ranges, row_grain, simd_fn};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::Op;
@@ -20,12 +20,14 @@ enum Kind {
     Div,
 }
 
-fn apply(kind: Kind, x: &mut [f32], y: &[f32]) {
-    match kind {
-        Kind::Add => x.iter_mut().zip(y).for_each(|(a, b)| *a += b),
-        Kind::Sub => x.iter_mut().zip(y).for_each(|(a, b)| *a -= b),
-        Kind::Mul => x.iter_mut().zip(y).for_each(|(a, b)| *a *= b),
-        Kind::Div => x.iter_mut().zip(y).for_each(|(a, b)| *a /= b),
+simd_fn! {
+    fn apply(kind: Kind, x: &mut [f32], y: &[f32]) {
+        match kind {
+            Kind::Add => x.iter_mut().zip(y).for_each(|(a, b)| *a += b),
+            Kind::Sub => x.iter_mut().zip(y).for_each(|(a, b)| *a -= b),
+            Kind::Mul => x.iter_mut().zip(y).for_each(|(a, b)| *a *= b),
+            Kind::Div => x.iter_mut().zip(y).for_each(|(a, b)| *a /= b),
+        }
     }
 }
 

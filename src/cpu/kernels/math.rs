@@ -53,7 +53,26 @@ pub fn tanh_via_exp(x: f32) -> f32 {
     1.0 - 2.0 / (exp(2.0 * x) + 1.0)
 }
 
+/// The largest element (−∞ for an empty slice; NaN elements are ignored), with eight lanes so
+/// that it vectorises.
+#[inline(always)]
+pub fn max_f32(x: &[f32]) -> f32 {
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = x.chunks_exact(8);
+    for c in &mut chunks {
+        for k in 0..8 {
+            lanes[k] = if c[k] > lanes[k] { c[k] } else { lanes[k] };
+        }
+    }
+    let tail = chunks
+        .remainder()
+        .iter()
+        .fold(f32::NEG_INFINITY, |a, &v| a.max(v));
+    lanes.iter().fold(tail, |a, &v| a.max(v))
+}
+
 /// Σx in f64 with eight lanes.
+#[inline(always)]
 pub fn sum_f64(x: &[f32]) -> f64 {
     let mut lanes = [0f64; 8];
     let mut chunks = x.chunks_exact(8);
@@ -67,6 +86,7 @@ pub fn sum_f64(x: &[f32]) -> f64 {
 }
 
 /// Σ(x − shift)² in f64 with eight lanes.
+#[inline(always)]
 pub fn sum_sq_f64(x: &[f32], shift: f32) -> f64 {
     let mut lanes = [0f64; 8];
     let mut chunks = x.chunks_exact(8);

@@ -5,7 +5,7 @@
 
 use super::math::{sum_f64, sum_sq_f64};
 use super::view::RawTensor;
-use super::{par_ranges, row_grain};
+use super::{par_ranges, row_grain, simd_fn};
 use crate::error::Result;
 
 #[derive(Clone, Copy)]
@@ -13,6 +13,34 @@ enum Kind {
     Norm,
     Rms,
     L2,
+}
+
+simd_fn! {
+    /// Normalises one row in place.
+    fn norm_row(kind: Kind, x: &mut [f32], eps: f32) {
+        let n0 = x.len();
+        match kind {
+            Kind::Norm => {
+                let mean = (sum_f64(x) / n0 as f64) as f32;
+                x.iter_mut().for_each(|v| *v -= mean);
+                let sum2 = sum_sq_f64(x, 0.0);
+                let variance = (sum2 / n0 as f64) as f32;
+                let scale = 1.0 / (variance + eps).sqrt();
+                x.iter_mut().for_each(|v| *v *= scale);
+            }
+            Kind::Rms => {
+                let sum2 = sum_sq_f64(x, 0.0);
+                let mean = (sum2 / n0 as f64) as f32;
+                let scale = 1.0 / (mean + eps).sqrt();
+                x.iter_mut().for_each(|v| *v *= scale);
+            }
+            Kind::L2 => {
+                let sum2 = sum_sq_f64(x, 0.0);
+                let scale = 1.0 / (sum2.sqrt() as f32).max(eps);
+                x.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+    }
 }
 
 fn rows(kind: Kind, dst: RawTensor, a: RawTensor, eps: f32) -> Result<()> {
@@ -24,27 +52,7 @@ fn rows(kind: Kind, dst: RawTensor, a: RawTensor, eps: f32) -> Result<()> {
             // SAFETY: the row lies inside both tensors and is read before this task, its only
             // writer, stores it.
             unsafe { a.load_row(i1, i2, i3, &mut x)? };
-            match kind {
-                Kind::Norm => {
-                    let mean = (sum_f64(&x) / n0 as f64) as f32;
-                    x.iter_mut().for_each(|v| *v -= mean);
-                    let sum2 = sum_sq_f64(&x, 0.0);
-                    let variance = (sum2 / n0 as f64) as f32;
-                    let scale = 1.0 / (variance + eps).sqrt();
-                    x.iter_mut().for_each(|v| *v *= scale);
-                }
-                Kind::Rms => {
-                    let sum2 = sum_sq_f64(&x, 0.0);
-                    let mean = (sum2 / n0 as f64) as f32;
-                    let scale = 1.0 / (mean + eps).sqrt();
-                    x.iter_mut().for_each(|v| *v *= scale);
-                }
-                Kind::L2 => {
-                    let sum2 = sum_sq_f64(&x, 0.0);
-                    let scale = 1.0 / (sum2.sqrt() as f32).max(eps);
-                    x.iter_mut().for_each(|v| *v *= scale);
-                }
-            }
+            norm_row(kind, &mut x, eps);
             // SAFETY: as above.
             unsafe { dst.store_row(i1, i2, i3, &x)? };
         }

@@ -4,7 +4,7 @@
 
 use super::math;
 use super::view::RawTensor;
-use super::{par_ranges, row_grain};
+use super::{par_ranges, row_grain, simd_fn};
 use crate::error::Result;
 
 /// ggml's ALiBi slope of head `h` of `n_head` for `max_bias` (1 when `max_bias` is 0).
@@ -40,23 +40,37 @@ pub fn soft_max(
             // SAFETY: the row lies inside `a` and `dst` and is read before this task, its only
             // writer, stores it; the mask row lies inside the mask (builder check), read-only.
             unsafe { a.load_row(i1, i2, i3, &mut x)? };
-            x.iter_mut().for_each(|v| *v *= scale);
-            if let Some(mask) = &mask {
+            let masked = if let Some(mask) = &mask {
                 // SAFETY: as above.
                 unsafe { mask.load_row(i1, i2 % mask.ne[2], i3 % mask.ne[3], &mut m)? };
-                let slope = alibi_slope(max_bias, n_head, i2);
-                x.iter_mut().zip(&m).for_each(|(v, &mv)| *v += slope * mv);
-            }
-            let max = x.iter().fold(f32::NEG_INFINITY, |acc, &v| acc.max(v));
-            x.iter_mut().for_each(|v| *v = math::exp(*v - max));
-            let sum = math::sum_f64(&x);
-            let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
-            x.iter_mut().for_each(|v| *v *= inv);
+                Some((m.as_slice(), alibi_slope(max_bias, n_head, i2)))
+            } else {
+                None
+            };
+            soft_max_row(&mut x, masked, scale);
             // SAFETY: as above.
             unsafe { dst.store_row(i1, i2, i3, &x)? };
         }
         Ok(())
     })
+}
+
+simd_fn! {
+    /// `x = softmax(x·scale + slope·mask)` in place (max-subtracted exp, f64 sum).
+    fn soft_max_row(x: &mut [f32], mask: Option<(&[f32], f32)>, scale: f32) {
+        match mask {
+            Some((m, slope)) => x
+                .iter_mut()
+                .zip(m)
+                .for_each(|(v, &mv)| *v = *v * scale + slope * mv),
+            None => x.iter_mut().for_each(|v| *v *= scale),
+        }
+        let max = math::max_f32(x);
+        x.iter_mut().for_each(|v| *v = math::exp(*v - max));
+        let sum = math::sum_f64(x);
+        let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
+        x.iter_mut().for_each(|v| *v *= inv);
+    }
 }
 
 /// DIAG_MASK_INF: elements with column `i0 > n_past + i1` become −∞.
