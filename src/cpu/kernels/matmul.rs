@@ -16,8 +16,8 @@ use rayon::prelude::*;
 use super::gemm::{self, F32Rows};
 use super::par_ranges;
 use super::quant_dot::{
-    dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0, dot_q8_0_q8_0_ref,
-    quantize_row_q8_0, Q8_0_BYTES, QK,
+    dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
+    dot_q8_0_q8_0_ref, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
 use super::view::{read_index, RawTensor};
 use crate::dtype::DType;
@@ -41,6 +41,13 @@ fn f32_direct(t: &RawTensor) -> bool {
         && (t.ne[0] <= 1 || t.nb[0] == 4)
         && (t.ptr.0 as usize) % 4 == 0
         && t.nb[1..].iter().all(|s| s % 4 == 0)
+}
+
+fn f16_direct(t: &RawTensor) -> bool {
+    t.dtype == DType::F16
+        && (t.ne[0] <= 1 || t.nb[0] == 2)
+        && (t.ptr.0 as usize) % 2 == 0
+        && t.nb[1..].iter().all(|s| s % 2 == 0)
 }
 
 /// Activations ready for dot products.
@@ -172,6 +179,21 @@ fn run_tile(
                         std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
                     };
                     write(col, i, dot(arow, brow));
+                }
+            }
+        }
+        DType::F16 if !reference && f16_direct(a) => {
+            // Few columns: dot products straight from the f16 weights (half the bytes of an
+            // f32 copy, no conversion pass).
+            for col in cols {
+                let brow = b.f32_row(k, col.b);
+                for i in rows.clone() {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and holds
+                    // `k` dense, 2-byte aligned f16 values (checked by `f16_direct`).
+                    let arow = unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)).cast::<u16>(), k)
+                    };
+                    write(col, i, dot_f16_f32(arow, brow));
                 }
             }
         }

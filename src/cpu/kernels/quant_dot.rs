@@ -148,6 +148,47 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     dot_f32_ref(a, b)
 }
 
+/// f16 (as raw bits) · f32 dot product, scalar reference with 8 accumulators.
+pub fn dot_f16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len());
+    let (a, b) = (&a[..n], &b[..n]);
+    let mut acc = [0f32; 8];
+    let mut ca = a.chunks_exact(8);
+    let mut cb = b.chunks_exact(8);
+    for (x, y) in (&mut ca).zip(&mut cb) {
+        for k in 0..8 {
+            acc[k] += f16_bits_to_f32(x[k]) * y[k];
+        }
+    }
+    let mut sum: f32 = acc.iter().sum();
+    for (&x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        sum += f16_bits_to_f32(x) * y;
+    }
+    sum
+}
+
+/// Whether the F16C path of [`dot_f16_f32`] can run on this CPU.
+fn has_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        has_avx2_fma() && is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// f16 · f32 dot product (weights read as f16, no f32 copy), SIMD when available.
+pub fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if has_f16c() {
+        // SAFETY: AVX2, FMA and F16C were detected at run time.
+        return unsafe { avx2::dot_f16_f32(a, b) };
+    }
+    dot_f16_f32_ref(a, b)
+}
+
 /// q8_0 · q8_0 over whole blocks, scalar reference (integer products per block).
 pub fn dot_q8_0_q8_0_ref(a: &[u8], b: &[u8]) -> f32 {
     let mut sum = 0f32;
@@ -241,6 +282,42 @@ mod avx2 {
         let mut sum = unsafe { hsum(total) };
         while i < n {
             sum += a[i] * b[i];
+            i += 1;
+        }
+        sum
+    }
+
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // SAFETY: every load reads 8 elements below `n` from both slices.
+        unsafe {
+            while i + 32 <= n {
+                for (k, slot) in acc.iter_mut().enumerate() {
+                    let h = _mm_loadu_si128(pa.add(i + 8 * k).cast::<__m128i>());
+                    let x = _mm256_cvtph_ps(h);
+                    let y = _mm256_loadu_ps(pb.add(i + 8 * k));
+                    *slot = _mm256_fmadd_ps(x, y, *slot);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let x = _mm256_cvtph_ps(_mm_loadu_si128(pa.add(i).cast::<__m128i>()));
+                let y = _mm256_loadu_ps(pb.add(i));
+                acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
+                i += 8;
+            }
+        }
+        let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        // SAFETY: AVX2 is enabled for this function.
+        let mut sum = unsafe { hsum(total) };
+        while i < n {
+            sum += super::f16_bits_to_f32(a[i]) * b[i];
             i += 1;
         }
         sum
@@ -342,6 +419,12 @@ mod tests {
             let b = values(n, 2);
             let d = dot_f32(&a, &b) - dot_f32_ref(&a, &b);
             assert!(d.abs() < 1e-4, "n={n} diff {d}");
+            let h: Vec<u16> = a
+                .iter()
+                .map(|&v| half::f16::from_f32(v).to_bits())
+                .collect();
+            let d = dot_f16_f32(&h, &b) - dot_f16_f32_ref(&h, &b);
+            assert!(d.abs() < 1e-4, "f16 n={n} diff {d}");
         }
         let x = values(128, 3);
         let y = values(128, 4);
