@@ -14,8 +14,9 @@ use super::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::Result;
 
-/// Columns (activation rows) from which the GEMM path beats per-element dot products.
-pub const MIN_COLS: usize = 8;
+/// Columns (activation rows) from which the GEMM path beats the register-tiled dot products
+/// (`dot_tile`): below this the gemm crate spends most of its time packing the weights.
+pub const MIN_COLS: usize = 32;
 
 /// Weight rows converted to f32 per panel for non-f32 weights.
 const PANEL_ROWS: usize = 256;

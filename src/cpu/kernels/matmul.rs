@@ -13,6 +13,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
+use super::dot_tile::dots_4x2;
 use super::gemm::{self, F32Rows};
 use super::par_ranges;
 use super::quant_dot::{
@@ -207,11 +208,13 @@ fn run_tile(
                     unsafe { a.load_row(i, i02, i03, &mut abuf[ii * k..(ii + 1) * k])? };
                 }
             }
-            for col in cols {
-                let brow = b.f32_row(k, col.b);
-                for (ii, i) in rows.clone().enumerate() {
-                    let arow: &[f32] = if direct {
-                        // SAFETY: dense aligned f32 row inside `a` (checked by `f32_direct`).
+            let arows: Vec<&[f32]> = rows
+                .clone()
+                .enumerate()
+                .map(|(ii, i)| {
+                    if direct {
+                        // SAFETY: dense aligned f32 row inside `a` (checked by `f32_direct`),
+                        // read-only during the product.
                         unsafe {
                             std::slice::from_raw_parts(
                                 a.at(a.row_offset(i, i02, i03)).cast::<f32>(),
@@ -220,8 +223,31 @@ fn run_tile(
                         }
                     } else {
                         &abuf[ii * k..(ii + 1) * k]
-                    };
-                    write(col, i, dot(arow, brow));
+                    }
+                })
+                .collect();
+            let (mut c0, mut r_tiled) = (0, 0);
+            if !reference {
+                // 4 rows x 2 columns per pass (register tiles); the edges below.
+                r_tiled = arows.len() / 4 * 4;
+                while c0 + 2 <= cols.len() {
+                    let brows = [b.f32_row(k, cols[c0].b), b.f32_row(k, cols[c0 + 1].b)];
+                    for r0 in (0..r_tiled).step_by(4) {
+                        let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
+                        let out = dots_4x2(a4, brows);
+                        for (dr, pair) in out.iter().enumerate() {
+                            write(&cols[c0], rows.start + r0 + dr, pair[0]);
+                            write(&cols[c0 + 1], rows.start + r0 + dr, pair[1]);
+                        }
+                    }
+                    c0 += 2;
+                }
+            }
+            for (ci, col) in cols.iter().enumerate() {
+                let brow = b.f32_row(k, col.b);
+                let first_row = if ci < c0 { r_tiled } else { 0 };
+                for (ii, arow) in arows.iter().enumerate().skip(first_row) {
+                    write(col, rows.start + ii, dot(arow, brow));
                 }
             }
         }

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod binary;
 pub mod copy;
 pub mod custom;
+pub mod dot_tile;
 pub mod gemm;
 pub mod math;
 pub mod matmul;
