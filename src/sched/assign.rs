@@ -309,7 +309,8 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             Some(a) if a.cause != Cause::Pinned => {
                 let cur = a.backend;
                 for b in 0..cur {
-                    if !same_buffer_type(&input.bufts[b], &input.bufts[cur]) || !oracle.supports_op(b, i)
+                    if !same_buffer_type(&input.bufts[b], &input.bufts[cur])
+                        || !oracle.supports_op(b, i)
                     {
                         continue;
                     }
