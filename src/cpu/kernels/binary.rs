@@ -50,6 +50,10 @@ pub fn binary(op: &Op, dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()>
     if b.ne.contains(&0) {
         return Ok(());
     }
+    let dense_f32 = |t: &RawTensor| t.dtype == DType::F32 && (t.ne[0] <= 1 || t.nb[0] == 4);
+    if dense_f32(&dst) && dense_f32(&a) && dense_f32(&b) && a.ne == dst.ne && nb0 == n0 {
+        return binary_dense_f32(kind, dst, a, b);
+    }
     par_ranges(dst.nrows(), row_grain(n0), |rows| {
         let mut x = vec![0f32; n0];
         let mut y = vec![0f32; n0];
@@ -72,6 +76,52 @@ pub fn binary(op: &Op, dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()>
                 apply(kind, &mut x, &y);
                 dst.store_row(i1, i2, i3, &x)?;
             }
+        }
+        Ok(())
+    })
+}
+
+/// The common case of dense f32 rows with `b` broadcast only over whole rows: each dst row is
+/// computed in place (a copied in first unless the op already runs in place), with no staging
+/// buffers, so large operands stream at memory bandwidth.
+fn binary_dense_f32(kind: Kind, dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()> {
+    let n0 = dst.ne[0];
+    par_ranges(dst.nrows(), row_grain(n0), |rows| {
+        let mut y = Vec::new();
+        for r in rows {
+            let (i1, i2, i3) = dst.row_coords(r);
+            let key = (i1 % b.ne[1], i2 % b.ne[2], i3 % b.ne[3]);
+            // SAFETY: the three rows lie inside their tensors (coordinates in range, rows of
+            // `n0` dense f32). This task owns the dst row; `a` and `b` are only read.
+            let (out, src, other) = unsafe {
+                (
+                    dst.at(dst.row_offset(i1, i2, i3)).cast::<f32>(),
+                    a.at(a.row_offset(i1, i2, i3)).cast::<f32>().cast_const(),
+                    b.at(b.row_offset(key.0, key.1, key.2))
+                        .cast::<f32>()
+                        .cast_const(),
+                )
+            };
+            let overlaps = (other as usize) < (out as usize) + n0 * 4
+                && (out as usize) < (other as usize) + n0 * 4;
+            let other: &[f32] = if overlaps {
+                // b's row shares memory with the dst row (dst = a op b in place on b): read
+                // it before it is overwritten.
+                y.clear();
+                // SAFETY: `other` addresses n0 f32 inside `b` (see above).
+                y.extend_from_slice(unsafe { std::slice::from_raw_parts(other, n0) });
+                &y
+            } else {
+                // SAFETY: as above; checked not to overlap the dst row.
+                unsafe { std::slice::from_raw_parts(other, n0) }
+            };
+            if !std::ptr::eq(src, out) {
+                // SAFETY: both rows hold n0 f32; `copy` tolerates overlap.
+                unsafe { std::ptr::copy(src, out, n0) };
+            }
+            // SAFETY: the dst row is this task's alone and no shared slice points into it.
+            let x = unsafe { std::slice::from_raw_parts_mut(out, n0) };
+            apply(kind, x, other);
         }
         Ok(())
     })
