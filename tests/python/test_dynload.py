@@ -57,7 +57,15 @@ def test_bad_libraries_leave_the_registry_intact(tmp_path: Path) -> None:
 def test_load_the_blas_backend_library(rng: np.random.Generator) -> None:
     path = _need_library()
     _need_blas()
-    reg = fg.load_backend(path)
+    try:
+        reg = fg.load_backend(path)
+    except fg.BackendError as exc:
+        if "fingerprint mismatch" in str(exc) and not os.environ.get("CI"):
+            pytest.skip(
+                "libferrograph_blas.so was built from other sources than this module: "
+                "rebuild it with `cargo build -p ferrograph-blas`"
+            )
+        raise
     try:
         assert reg.name == "BLAS"
         assert any(b["name"] == "BLAS" for b in fg.loaded_backends())
