@@ -1,7 +1,50 @@
-//! Small utilities: version, clocks and cycle counters.
+//! Small utilities: version, clocks, cycle counters, and the id-keyed hash map.
 
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::OnceLock;
 use std::time::Instant;
+
+/// A multiplicative (Fx-style) hasher for integer keys and word streams: tensor and buffer ids
+/// are process-unique counters, so SipHash's protection buys nothing and costs most of the
+/// indexing time of the scheduler and the graph allocator.
+#[derive(Default, Clone, Copy)]
+pub(crate) struct FastHasher(u64);
+
+const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
+
+impl Hasher for FastHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for chunk in bytes.chunks(8) {
+            let mut word = [0u8; 8];
+            word[..chunk.len()].copy_from_slice(chunk);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(SEED);
+    }
+
+    fn write_u32(&mut self, n: u32) {
+        self.write_u64(u64::from(n));
+    }
+
+    fn write_u8(&mut self, n: u8) {
+        self.write_u64(u64::from(n));
+    }
+
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}
+
+/// A hash map keyed by tensor ids (or other counters) with [`FastHasher`].
+pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<FastHasher>>;
 
 /// The library version (from `Cargo.toml`).
 pub fn version() -> &'static str {

@@ -54,7 +54,7 @@
 //! (f32 ≈ −4.3e8) instead of plausible old values. Inputs must be set after `alloc_graph`
 //! anyway; with poison on, that is enforced in practice.
 
-use std::collections::HashMap;
+use crate::util::IdMap;
 use std::sync::Arc;
 
 use crate::alloc::dyn_alloc::{align_up, DynAllocator};
@@ -164,7 +164,7 @@ struct Info {
 struct Planning<'a> {
     slots: &'a [Slot],
     planners: Vec<DynAllocator>,
-    info: HashMap<u64, Info>,
+    info: IdMap<Info>,
     records: Vec<TensorPlan>,
     our_buffers: Vec<u64>,
 }
@@ -460,7 +460,10 @@ impl GraphAllocator {
                 .iter()
                 .map(|s| DynAllocator::new(s.planner.alignment(), s.planner.max_chunk_size()))
                 .collect(),
-            info: HashMap::with_capacity(graph.n_nodes() + graph.n_leafs()),
+            info: IdMap::with_capacity_and_hasher(
+                graph.n_nodes() + graph.n_leafs(),
+                Default::default(),
+            ),
             records: Vec::with_capacity(graph.n_nodes() + graph.n_leafs()),
             our_buffers: self.our_buffer_ids(),
         };

@@ -2,8 +2,7 @@
 //! leafs, then operands outside the graph), operands and view roots by index, where each
 //! tensor already lives, and a signature of all of it for the plan cache.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, BufferType, BufferUsage};
@@ -14,46 +13,7 @@ use crate::tensor::Tensor;
 /// No tensor.
 pub(crate) const NONE: u32 = u32::MAX;
 
-/// A multiplicative (Fx-style) hasher for integer keys and word streams: the scheduler's keys
-/// are process-unique counters, so SipHash's protection buys nothing and costs most of the
-/// indexing time.
-#[derive(Default, Clone, Copy)]
-pub(crate) struct FastHasher(u64);
-
-const SEED: u64 = 0x51_7c_c1_b7_27_22_0a_95;
-
-impl Hasher for FastHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-
-    fn write(&mut self, bytes: &[u8]) {
-        for chunk in bytes.chunks(8) {
-            let mut word = [0u8; 8];
-            word[..chunk.len()].copy_from_slice(chunk);
-            self.write_u64(u64::from_le_bytes(word));
-        }
-    }
-
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (self.0.rotate_left(5) ^ n).wrapping_mul(SEED);
-    }
-
-    fn write_u32(&mut self, n: u32) {
-        self.write_u64(u64::from(n));
-    }
-
-    fn write_u8(&mut self, n: u8) {
-        self.write_u64(u64::from(n));
-    }
-
-    fn write_usize(&mut self, n: usize) {
-        self.write_u64(n as u64);
-    }
-}
-
-/// A hash map keyed by tensor ids (or other counters) with [`FastHasher`].
-pub(crate) type IdMap<V> = HashMap<u64, V, BuildHasherDefault<FastHasher>>;
+pub(crate) use crate::util::{FastHasher, IdMap};
 
 /// A buffer a tensor already lives in (not one of the scheduler's own).
 #[derive(Clone, Debug)]
