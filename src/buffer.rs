@@ -16,6 +16,25 @@ use crate::error::{Error, Result};
 /// Alignment of host buffers in bytes (enough for any SIMD load on the supported ISAs).
 pub const HOST_ALIGNMENT: usize = 64;
 
+/// Host buffers of at least this many bytes are huge-page aligned and advised to use huge pages.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// Asks the kernel to back `len` bytes at `ptr` with transparent huge pages (advice only: a
+/// refusal changes nothing but speed).
+fn advise_huge_pages(ptr: *mut u8, len: usize) {
+    #[cfg(target_os = "linux")]
+    {
+        // SAFETY: madvise only reads the address range, which belongs to a live allocation
+        // of `len` bytes; MADV_HUGEPAGE does not change the memory's contents or validity.
+        let rc = unsafe { libc::madvise(ptr.cast::<libc::c_void>(), len, libc::MADV_HUGEPAGE) };
+        if rc != 0 {
+            log::debug!("madvise(MADV_HUGEPAGE) of {len} bytes was refused");
+        }
+    }
+    #[cfg(not(target_os = "linux"))]
+    let _ = (ptr, len);
+}
+
 /// What a buffer holds; the scheduler treats weight buffers specially.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum BufferUsage {
@@ -167,6 +186,11 @@ unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
     /// Allocates `size` zeroed bytes aligned to `align` (a power of two).
+    ///
+    /// Allocations of [`HUGE_PAGE`] bytes or more are aligned to a huge page and, on Linux,
+    /// advised to use transparent huge pages before they are first touched: large weight and
+    /// compute buffers then cost far fewer TLB misses (measured: tensor copies and big matrix
+    /// products run at memory speed instead of page-walk speed).
     pub fn new(size: usize, align: usize) -> Result<Self> {
         if size == 0 {
             return Ok(Self {
@@ -175,13 +199,27 @@ impl HostMemory {
                 layout: None,
             });
         }
+        let huge = size >= HUGE_PAGE;
+        let align = if huge { align.max(HUGE_PAGE) } else { align };
         let layout = Layout::from_size_align(size, align).map_err(|e| {
             Error::Alloc(format!(
                 "cannot lay out {size} bytes aligned to {align}: {e}"
             ))
         })?;
-        // SAFETY: the layout has a non-zero size, checked above.
-        let raw = unsafe { alloc::alloc_zeroed(layout) };
+        let raw = if huge {
+            // SAFETY: the layout has a non-zero size, checked above.
+            let raw = unsafe { alloc::alloc(layout) };
+            if !raw.is_null() {
+                advise_huge_pages(raw, size);
+                // SAFETY: `raw` points at `size` writable bytes just allocated; zeroing them
+                // after the advice lets the first touch fault in huge pages.
+                unsafe { std::ptr::write_bytes(raw, 0, size) };
+            }
+            raw
+        } else {
+            // SAFETY: the layout has a non-zero size, checked above.
+            unsafe { alloc::alloc_zeroed(layout) }
+        };
         let ptr = NonNull::new(raw)
             .ok_or_else(|| Error::Alloc(format!("host allocation of {size} bytes failed")))?;
         Ok(Self {
