@@ -575,6 +575,17 @@ impl BufferType for CpuBufferType {
     }
 }
 
+/// A CPU buffer over `size` bytes of host memory the caller owns (ggml's `cpu_buffer_from_ptr`).
+///
+/// # Safety
+/// `ptr` must be valid for reads and writes of `size` bytes for as long as the buffer (or any
+/// tensor bound to it) lives, and nothing else may free it meanwhile.
+pub unsafe fn cpu_buffer_from_ptr(ptr: *mut u8, size: usize) -> Result<Buffer> {
+    // SAFETY: forwarded to the caller (see above).
+    let memory = unsafe { ForeignHostMemory::new(ptr, size, None)? };
+    Ok(Buffer::new(Box::new(memory), CpuBufferType::shared()))
+}
+
 /// Allocates a CPU buffer of `size` bytes.
 pub fn alloc_cpu_buffer(size: usize) -> Result<Buffer> {
     Arc::new(CpuBufferType).alloc_buffer(size)

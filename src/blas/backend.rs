@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use super::gemm;
 use super::library::{self, BlasLibrary};
 use crate::backend::{Backend, Guid};
-use crate::buffer::{Buffer, BufferType, CpuBufferType, ForeignHostMemory};
+use crate::buffer::{Buffer, BufferType, CpuBufferType};
 use crate::cpu::backend::default_n_threads;
 use crate::cpu::kernels::view::RawTensor;
 use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
@@ -171,8 +171,7 @@ impl Device for BlasDevice {
         _max_tensor_size: usize,
     ) -> Result<Buffer> {
         // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's life.
-        let memory = unsafe { ForeignHostMemory::new(ptr, size, None)? };
-        Ok(Buffer::new(Box::new(memory), CpuBufferType::shared()))
+        unsafe { crate::buffer::cpu_buffer_from_ptr(ptr, size) }
     }
 
     fn supports_op(&self, op: &Tensor) -> bool {

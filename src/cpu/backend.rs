@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use crate::backend::{Backend, GraphPlan, Guid};
-use crate::buffer::{Buffer, BufferType, CpuBufferType, ForeignHostMemory};
+use crate::buffer::{Buffer, BufferType, CpuBufferType};
 use crate::cpu::compute::{self, ComputeOptions};
 use crate::cpu::sysinfo;
 use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
@@ -98,8 +98,7 @@ impl Device for CpuDevice {
         _max_tensor_size: usize,
     ) -> Result<Buffer> {
         // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's life.
-        let memory = unsafe { ForeignHostMemory::new(ptr, size, None)? };
-        Ok(Buffer::new(Box::new(memory), CpuBufferType::shared()))
+        unsafe { crate::buffer::cpu_buffer_from_ptr(ptr, size) }
     }
 
     fn supports_op(&self, op: &Tensor) -> bool {
