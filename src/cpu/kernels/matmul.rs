@@ -163,7 +163,7 @@ fn run_tile(
         }
     };
     match a.dtype {
-        DType::Q8_0 | DType::Q4_0 => {
+        DType::Q8_0 | DType::Q4_0 if matches!(b, Prepared::Q8(..)) => {
             let row_bytes = a.dtype.row_size(k)?;
             let dot = match (a.dtype, reference) {
                 (DType::Q8_0, false) => dot_q8_0_q8_0,
@@ -255,6 +255,9 @@ fn run_tile(
     Ok(())
 }
 
+/// Largest column count for which quantized weights use integer dot products.
+const QUANT_DOT_MAX_COLS: usize = 2;
+
 fn row_tile(m: usize, n: usize) -> usize {
     if n == 1 {
         64.min(m.max(1))
@@ -282,7 +285,16 @@ pub fn mul_mat(
     if !reference && gemm::applies(&a, &dst, n) {
         return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
     }
-    let prepared = prepare(a.dtype, b, scratch)?;
+    // Quantized weights against a few columns: integer dot products with q8_0 activations
+    // (ggml's way) only for matrix-vector products, where reading the compact weights once is
+    // what counts; from 3 columns the weight rows are dequantized once per tile and reused by the
+    // register-tiled f32 kernel, which is faster and more accurate.
+    let activations = if a.dtype.is_quantized() && !reference && n > QUANT_DOT_MAX_COLS {
+        DType::F32
+    } else {
+        a.dtype
+    };
+    let prepared = prepare(activations, b, scratch)?;
     let ti = row_tile(m, n);
     let i_tiles = m.div_ceil(ti);
     let batches = ne12 * ne13;
