@@ -6,126 +6,13 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use ferrograph::alloc::{alloc_ctx_tensors_from_buft, check_plan, GraphAllocator};
-use ferrograph::buffer::{Buffer, CpuBufferType};
-use ferrograph::context::Context;
-use ferrograph::dtype::DType;
-use ferrograph::graph::Graph;
-use ferrograph::ops::{self, UnaryOp};
+use ferrograph::alloc::{check_plan, GraphAllocator};
+use ferrograph::buffer::CpuBufferType;
 use ferrograph::tensor::Tensor;
-use ferrograph::Result;
 
-const LAYERS: usize = 6;
-const HIDDEN: usize = 384;
-const HEADS: usize = 12;
-const HEAD_DIM: usize = HIDDEN / HEADS;
-const INTERMEDIATE: usize = 1536;
-const SEQ: usize = 128;
-
-struct Layer {
-    wq: Tensor,
-    bq: Tensor,
-    wk: Tensor,
-    bk: Tensor,
-    wv: Tensor,
-    bv: Tensor,
-    wo: Tensor,
-    bo: Tensor,
-    ln1_g: Tensor,
-    ln1_b: Tensor,
-    w1: Tensor,
-    b1: Tensor,
-    w2: Tensor,
-    b2: Tensor,
-    ln2_g: Tensor,
-    ln2_b: Tensor,
-}
-
-/// Weights in their own (external) host buffer.
-struct Weights {
-    layers: Vec<Layer>,
-    _ctx: Context,
-    _buffers: Vec<Buffer>,
-}
-
-fn weights() -> Result<Weights> {
-    let ctx = Context::new(true);
-    let t = |ne: &[usize]| ctx.new_tensor(DType::F16, ne);
-    let v = |n: usize| ctx.new_tensor(DType::F32, &[n]);
-    let mut layers = Vec::new();
-    for _ in 0..LAYERS {
-        layers.push(Layer {
-            wq: t(&[HIDDEN, HIDDEN])?,
-            bq: v(HIDDEN)?,
-            wk: t(&[HIDDEN, HIDDEN])?,
-            bk: v(HIDDEN)?,
-            wv: t(&[HIDDEN, HIDDEN])?,
-            bv: v(HIDDEN)?,
-            wo: t(&[HIDDEN, HIDDEN])?,
-            bo: v(HIDDEN)?,
-            ln1_g: v(HIDDEN)?,
-            ln1_b: v(HIDDEN)?,
-            w1: t(&[HIDDEN, INTERMEDIATE])?,
-            b1: v(INTERMEDIATE)?,
-            w2: t(&[INTERMEDIATE, HIDDEN])?,
-            b2: v(HIDDEN)?,
-            ln2_g: v(HIDDEN)?,
-            ln2_b: v(HIDDEN)?,
-        });
-    }
-    let buffers = alloc_ctx_tensors_from_buft(&ctx, CpuBufferType::shared())?;
-    Ok(Weights {
-        layers,
-        _ctx: ctx,
-        _buffers: buffers,
-    })
-}
-
-/// The encoder graph for `batch` sequences (built in a fresh context).
-fn encoder(w: &Weights, batch: usize) -> Result<Graph> {
-    let ctx = Context::new(true);
-    let mut x = ctx.new_tensor(DType::F32, &[HIDDEN, SEQ, batch])?;
-    x.set_input();
-    x.set_name("embeddings");
-    let mask = ctx.new_tensor(DType::F32, &[SEQ, SEQ])?;
-    mask.set_input();
-    mask.set_name("mask");
-    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
-    for l in &w.layers {
-        let proj = |wt: &Tensor, b: &Tensor, x: &Tensor| -> Result<Tensor> {
-            ops::add(&ctx, &ops::mul_mat(&ctx, wt, x)?, b)
-        };
-        let heads = |t: Tensor| -> Result<Tensor> {
-            let t = ops::reshape(&ctx, &t, &[HEAD_DIM, HEADS, SEQ, batch])?;
-            ops::permute(&ctx, &t, [0, 2, 1, 3])
-        };
-        let q = heads(proj(&l.wq, &l.bq, &x)?)?;
-        let k = heads(proj(&l.wk, &l.bk, &x)?)?;
-        let v = ops::reshape(
-            &ctx,
-            &proj(&l.wv, &l.bv, &x)?,
-            &[HEAD_DIM, HEADS, SEQ, batch],
-        )?;
-        let v = ops::cont(&ctx, &ops::permute(&ctx, &v, [1, 2, 0, 3])?)?; // [SEQ, HEAD_DIM, HEADS, batch]
-        let kq = ops::mul_mat(&ctx, &k, &q)?; // [SEQ_k, SEQ_q, HEADS, batch]
-        let kq = ops::soft_max(&ctx, &kq, Some(&mask), scale, 0.0)?;
-        let kqv = ops::mul_mat(&ctx, &v, &kq)?; // [HEAD_DIM, SEQ, HEADS, batch]
-        let merged = ops::permute(&ctx, &kqv, [0, 2, 1, 3])?;
-        let merged = ops::cont_shape(&ctx, &merged, &[HIDDEN, SEQ, batch])?;
-        let attn = proj(&l.wo, &l.bo, &merged)?;
-        let h = ops::add(&ctx, &attn, &x)?;
-        let h = ops::norm(&ctx, &h, 1e-12)?;
-        let h = ops::add(&ctx, &ops::mul(&ctx, &h, &l.ln1_g)?, &l.ln1_b)?;
-        let ff = ops::unary(&ctx, &proj(&l.w1, &l.b1, &h)?, UnaryOp::Gelu)?;
-        let ff = proj(&l.w2, &l.b2, &ff)?;
-        let out = ops::add(&ctx, &ff, &h)?;
-        let out = ops::norm(&ctx, &out, 1e-12)?;
-        x = ops::add(&ctx, &ops::mul(&ctx, &out, &l.ln2_g)?, &l.ln2_b)?;
-    }
-    x.set_output();
-    x.set_name("hidden_states");
-    Ok(Graph::build(&[x]))
-}
+#[path = "common/minilm.rs"]
+mod minilm;
+use minilm::{encoder, weights};
 
 fn mib(bytes: usize) -> f64 {
     bytes as f64 / (1024.0 * 1024.0)

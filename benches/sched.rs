@@ -1,5 +1,5 @@
 //! Scheduler overheads on a MiniLM-shaped encoder (6 layers, hidden 384, 12 heads,
-//! intermediate 1536, sequence 128, ≈212 nodes) on the CPU backend: planning a new graph
+//! intermediate 1536, sequence 128, ≈198 nodes, `common/minilm.rs`) on the CPU backend: planning a new graph
 //! (assignment and split passes, plan cache off), re-planning through the cache, reset +
 //! alloc on a warm scheduler (same graph and rebuilt graph), and one compute of a tiny graph
 //! (the per-compute floor). The `*_prev_alive` variants keep the previous graph alive until
@@ -8,110 +8,18 @@
 use std::sync::Arc;
 
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
-use ferrograph::alloc::alloc_ctx_tensors_from_buft;
 use ferrograph::backend::Backend;
-use ferrograph::buffer::{Buffer, BufferUsage, CpuBufferType};
 use ferrograph::context::Context;
 use ferrograph::cpu::backend::CpuBackend;
 use ferrograph::dtype::DType;
 use ferrograph::graph::Graph;
-use ferrograph::ops::{self, UnaryOp};
+use ferrograph::ops;
 use ferrograph::sched::Scheduler;
-use ferrograph::tensor::Tensor;
 use ferrograph::Result;
 
-const LAYERS: usize = 6;
-const HIDDEN: usize = 384;
-const HEADS: usize = 12;
-const HEAD_DIM: usize = HIDDEN / HEADS;
-const INTERMEDIATE: usize = 1536;
-const SEQ: usize = 128;
-
-struct Layer {
-    w: [Tensor; 6],
-    b: [Tensor; 6],
-    ln: [Tensor; 4],
-}
-
-struct Weights {
-    layers: Vec<Layer>,
-    _ctx: Context,
-    _buffers: Vec<Buffer>,
-}
-
-fn weights() -> Result<Weights> {
-    let ctx = Context::new(true);
-    let mut layers = Vec::new();
-    for _ in 0..LAYERS {
-        let sq = || ctx.new_tensor(DType::F16, &[HIDDEN, HIDDEN]);
-        let v = |n: usize| ctx.new_tensor(DType::F32, &[n]);
-        layers.push(Layer {
-            // q, k, v, o, ffn up, ffn down
-            w: [
-                sq()?,
-                sq()?,
-                sq()?,
-                sq()?,
-                ctx.new_tensor(DType::F16, &[HIDDEN, INTERMEDIATE])?,
-                ctx.new_tensor(DType::F16, &[INTERMEDIATE, HIDDEN])?,
-            ],
-            b: [
-                v(HIDDEN)?,
-                v(HIDDEN)?,
-                v(HIDDEN)?,
-                v(HIDDEN)?,
-                v(INTERMEDIATE)?,
-                v(HIDDEN)?,
-            ],
-            ln: [v(HIDDEN)?, v(HIDDEN)?, v(HIDDEN)?, v(HIDDEN)?],
-        });
-    }
-    let buffers = alloc_ctx_tensors_from_buft(&ctx, CpuBufferType::shared())?;
-    for b in &buffers {
-        b.set_usage(BufferUsage::Weights);
-    }
-    Ok(Weights {
-        layers,
-        _ctx: ctx,
-        _buffers: buffers,
-    })
-}
-
-fn encoder(w: &Weights) -> Result<Graph> {
-    let ctx = Context::new(true);
-    let mut x = ctx.new_tensor(DType::F32, &[HIDDEN, SEQ, 1])?;
-    x.set_input();
-    let mask = ctx.new_tensor(DType::F32, &[SEQ, SEQ])?;
-    mask.set_input();
-    let scale = 1.0 / (HEAD_DIM as f32).sqrt();
-    for l in &w.layers {
-        let proj = |i: usize, x: &Tensor| -> Result<Tensor> {
-            ops::add(&ctx, &ops::mul_mat(&ctx, &l.w[i], x)?, &l.b[i])
-        };
-        let heads = |t: Tensor| -> Result<Tensor> {
-            let t = ops::reshape(&ctx, &t, &[HEAD_DIM, HEADS, SEQ, 1])?;
-            ops::permute(&ctx, &t, [0, 2, 1, 3])
-        };
-        let q = heads(proj(0, &x)?)?;
-        let k = heads(proj(1, &x)?)?;
-        let v = ops::reshape(&ctx, &proj(2, &x)?, &[HEAD_DIM, HEADS, SEQ, 1])?;
-        let v = ops::cont(&ctx, &ops::permute(&ctx, &v, [1, 2, 0, 3])?)?;
-        let kq = ops::mul_mat(&ctx, &k, &q)?;
-        let kq = ops::soft_max(&ctx, &kq, Some(&mask), scale, 0.0)?;
-        let kqv = ops::mul_mat(&ctx, &v, &kq)?;
-        let merged = ops::permute(&ctx, &kqv, [0, 2, 1, 3])?;
-        let merged = ops::cont_shape(&ctx, &merged, &[HIDDEN, SEQ, 1])?;
-        let h = ops::add(&ctx, &proj(3, &merged)?, &x)?;
-        let h = ops::norm(&ctx, &h, 1e-12)?;
-        let h = ops::add(&ctx, &ops::mul(&ctx, &h, &l.ln[0])?, &l.ln[1])?;
-        let ff = ops::unary(&ctx, &proj(4, &h)?, UnaryOp::Gelu)?;
-        let out = ops::add(&ctx, &proj(5, &ff)?, &h)?;
-        let out = ops::norm(&ctx, &out, 1e-12)?;
-        x = ops::add(&ctx, &ops::mul(&ctx, &out, &l.ln[2])?, &l.ln[3])?;
-    }
-    x.set_output();
-    Ok(Graph::build(&[x]))
-}
+#[path = "common/minilm.rs"]
+mod minilm;
+use minilm::{encoder, weights};
 
 fn ok<T>(r: Result<T>, what: &str) -> T {
     match r {
@@ -122,7 +30,7 @@ fn ok<T>(r: Result<T>, what: &str) -> T {
 
 fn bench_sched(c: &mut Criterion) {
     let w = ok(weights(), "weights");
-    let build = || ok(encoder(&w), "graph");
+    let build = || ok(encoder(&w, 1), "graph");
     let cpu: Arc<dyn Backend> = Arc::new(ok(CpuBackend::new(1), "cpu"));
     let mut sched = ok(
         Scheduler::new(vec![cpu.clone()], None, 512, false, false),
