@@ -23,6 +23,7 @@ use crate::device::{BackendParams, Device, DeviceType};
 use crate::error::{Error, Status};
 use crate::event::Event;
 use crate::registry::{self, Extension, Registration};
+use crate::tensor::Tensor;
 
 /// The kind of a device.
 #[pyclass(
@@ -431,13 +432,7 @@ impl PyDevice {
     /// `n_threads` overrides the thread count where the device has one.
     #[pyo3(signature = (params = "", n_threads = None))]
     fn init_backend(&self, params: &str, n_threads: Option<usize>) -> PyResult<PyBackend> {
-        let mut parsed = BackendParams::parse(params)?;
-        if let Some(n) = n_threads {
-            if n == 0 {
-                return Err(invalid("n_threads must be at least 1"));
-            }
-            parsed.n_threads = Some(n);
-        }
+        let parsed = BackendParams::parse(&params_text(params, n_threads)?)?;
         Ok(PyBackend {
             inner: self.inner.init_backend(&parsed)?,
         })
@@ -504,6 +499,46 @@ impl PyDevice {
     }
 }
 
+/// Calls `write` with the raw bytes of `data`: a C-contiguous numpy array's memory (read in
+/// place, the interpreter released for large arrays) or a bytes-like object.
+fn with_raw_bytes(
+    py: Python<'_>,
+    data: &Bound<'_, PyAny>,
+    write: impl FnOnce(&[u8]) -> crate::Result<()> + Send,
+) -> PyResult<()> {
+    if is_ndarray(data)? {
+        let view = byte_view(data)?;
+        let view = view.readonly();
+        let bytes = view
+            .as_slice()
+            .map_err(|_| invalid("the array must be C-contiguous"))?;
+        if bytes.len() >= DETACH_THRESHOLD {
+            py.detach(|| write(bytes))?;
+        } else {
+            write(bytes)?;
+        }
+    } else {
+        let bytes: Vec<u8> = data.extract()?;
+        write(&bytes)?;
+    }
+    Ok(())
+}
+
+/// `size` bytes (by default the rest of `tensor` from `offset`) filled by `read`, with the
+/// interpreter released, as a bytes object.
+fn read_raw_bytes<'py>(
+    py: Python<'py>,
+    tensor: &Tensor,
+    offset: usize,
+    size: Option<usize>,
+    read: impl FnOnce(&mut [u8]) -> crate::Result<()> + Send,
+) -> PyResult<Bound<'py, PyBytes>> {
+    let size = size.unwrap_or_else(|| tensor.nbytes().saturating_sub(offset));
+    let mut out = vec![0u8; size];
+    py.detach(|| read(&mut out))?;
+    Ok(PyBytes::new(py, &out))
+}
+
 /// Raises `AbortedError` for an aborted status and `BackendError` for a failed one.
 pub(crate) fn check_status(status: Status) -> PyResult<()> {
     match status {
@@ -515,7 +550,7 @@ pub(crate) fn check_status(status: Status) -> PyResult<()> {
 
 /// Wraps a Python callable as an abort callback: it is polled between nodes, and a true result
 /// (or an exception, which is logged) stops the computation.
-fn python_abort_callback(callable: Py<PyAny>) -> crate::registry::AbortCallback {
+pub(crate) fn python_abort_callback(callable: Py<PyAny>) -> crate::registry::AbortCallback {
     Arc::new(move || {
         Python::attach(|py| match callable.call0(py) {
             Ok(result) => result.bind(py).is_truthy().unwrap_or(true),
@@ -677,24 +712,10 @@ impl PyBackend {
         data: &Bound<'_, PyAny>,
         offset: usize,
     ) -> PyResult<()> {
-        let backend = self.inner.clone();
-        let t = tensor.inner.clone();
-        if is_ndarray(data)? {
-            let view = byte_view(data)?;
-            let view = view.readonly();
-            let bytes = view
-                .as_slice()
-                .map_err(|_| invalid("the array must be C-contiguous"))?;
-            if bytes.len() >= DETACH_THRESHOLD {
-                py.detach(|| backend.set_tensor_async(&t, offset, bytes))?;
-            } else {
-                backend.set_tensor_async(&t, offset, bytes)?;
-            }
-        } else {
-            let bytes: Vec<u8> = data.extract()?;
-            backend.set_tensor_async(&t, offset, &bytes)?;
-        }
-        Ok(())
+        let (backend, t) = (self.inner.clone(), tensor.inner.clone());
+        with_raw_bytes(py, data, |bytes| {
+            backend.set_tensor_async(&t, offset, bytes)
+        })
     }
 
     /// Reads `size` bytes of `tensor` at `offset` (all of it by default) as bytes.
@@ -706,12 +727,10 @@ impl PyBackend {
         offset: usize,
         size: Option<usize>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let size = size.unwrap_or_else(|| tensor.inner.nbytes().saturating_sub(offset));
-        let mut out = vec![0u8; size];
-        let backend = self.inner.clone();
-        let t = tensor.inner.clone();
-        py.detach(|| backend.get_tensor_async(&t, offset, &mut out))?;
-        Ok(PyBytes::new(py, &out))
+        let (backend, t) = (self.inner.clone(), tensor.inner.clone());
+        read_raw_bytes(py, &t, offset, size, |out| {
+            backend.get_tensor_async(&t, offset, out)
+        })
     }
 
     /// Whether the backend computes the op producing `tensor`.
@@ -972,6 +991,7 @@ fn reg_by_name(name: &str) -> Option<PyRegistration> {
     registry::reg_by_name(name).map(|inner| PyRegistration { inner })
 }
 
+/// ggml's parameter text with `n_threads` (if given) appended.
 fn params_text(params: &str, n_threads: Option<usize>) -> PyResult<String> {
     match n_threads {
         None => Ok(params.to_owned()),
@@ -1074,18 +1094,7 @@ fn tensor_set(
     offset: usize,
 ) -> PyResult<()> {
     let t = tensor.inner.clone();
-    if is_ndarray(data)? {
-        let view = byte_view(data)?;
-        let view = view.readonly();
-        let bytes = view
-            .as_slice()
-            .map_err(|_| invalid("the array must be C-contiguous"))?;
-        py.detach(|| t.write_bytes(offset, bytes))?;
-    } else {
-        let bytes: Vec<u8> = data.extract()?;
-        t.write_bytes(offset, &bytes)?;
-    }
-    Ok(())
+    with_raw_bytes(py, data, |bytes| t.write_bytes(offset, bytes))
 }
 
 /// Reads `size` bytes of `tensor` at byte `offset` (all of it by default) as bytes (ggml's
@@ -1098,11 +1107,8 @@ fn tensor_get<'py>(
     offset: usize,
     size: Option<usize>,
 ) -> PyResult<Bound<'py, PyBytes>> {
-    let size = size.unwrap_or_else(|| tensor.inner.nbytes().saturating_sub(offset));
-    let mut out = vec![0u8; size];
     let t = tensor.inner.clone();
-    py.detach(|| t.read_bytes(offset, &mut out))?;
-    Ok(PyBytes::new(py, &out))
+    read_raw_bytes(py, &t, offset, size, |out| t.read_bytes(offset, out))
 }
 
 /// Sets `size` bytes of `tensor` at `offset` (all of it by default) to `value`.

@@ -9,7 +9,7 @@
 use std::any::Any;
 use std::fmt;
 use std::ptr::NonNull;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Weak};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
@@ -210,7 +210,8 @@ pub(crate) struct PluginDevice {
     device_type: DeviceType,
     buffer_type: Arc<dyn BufferType>,
     accepts_host_buffers: bool,
-    me: OnceLock<std::sync::Weak<PluginDevice>>,
+    /// The device's own handle, for the backends it opens.
+    me: Weak<PluginDevice>,
 }
 
 impl fmt::Debug for PluginDevice {
@@ -245,7 +246,7 @@ impl PluginDevice {
             .getattr("accepts_host_buffers")
             .and_then(|v| v.is_truthy())
             .unwrap_or(false);
-        let device = Arc::new(PluginDevice {
+        Ok(Arc::new_cyclic(|me| PluginDevice {
             registration: registration.to_owned(),
             obj: obj.clone().unbind(),
             name,
@@ -253,10 +254,8 @@ impl PluginDevice {
             device_type,
             buffer_type,
             accepts_host_buffers,
-            me: OnceLock::new(),
-        });
-        let _ = device.me.set(Arc::downgrade(&device));
-        Ok(device)
+            me: me.clone(),
+        }))
     }
 }
 
@@ -300,8 +299,7 @@ impl Device for PluginDevice {
     fn init_backend(&self, params: &BackendParams) -> Result<Arc<dyn Backend>> {
         let me = self
             .me
-            .get()
-            .and_then(std::sync::Weak::upgrade)
+            .upgrade()
             .ok_or_else(|| Error::Backend(format!("device {} is gone", self.name)))?;
         let backend = call(
             &self.registration,

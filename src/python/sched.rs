@@ -74,15 +74,7 @@ impl PySchedPlan {
         let (kind, index) = tensor_ref(c.source);
         d.set_item("source_kind", kind)?;
         d.set_item("source_index", index)?;
-        let name = match c.source {
-            TensorRef::Node(i) => self.plan.nodes.get(i).map(|t| t.name.clone()),
-            other => self
-                .plan
-                .leafs
-                .iter()
-                .find(|t| t.tensor == other)
-                .map(|t| t.name.clone()),
-        };
+        let name = self.plan.entry(c.source).map(|t| t.name.clone());
         d.set_item("source", name)?;
         d.set_item("from_backend", self.backend_name(c.from_backend))?;
         d.set_item("to_backend", self.backend_name(c.to_backend))?;

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
-use super::backend::{check_status, PyBackend, PyBuffer};
+use super::backend::{check_status, python_abort_callback, PyBackend, PyBuffer};
 use super::errors::{guard, invalid};
 use super::graph::PyGraph;
 use super::tensor::PyTensor;
@@ -69,17 +69,7 @@ fn guid_matches(a: &[u8], b: &[u8]) -> bool {
 /// computation beside each backend's own; returning True stops it with `AbortedError`.
 #[pyfunction]
 fn set_global_abort_callback(callback: Option<Py<PyAny>>) {
-    let callback = callback.map(|callable| -> crate::registry::AbortCallback {
-        Arc::new(move || {
-            Python::attach(|py| match callable.call0(py) {
-                Ok(result) => result.bind(py).is_truthy().unwrap_or(true),
-                Err(err) => {
-                    log::error!("global abort callback raised {err}; aborting");
-                    true
-                }
-            })
-        })
-    });
+    let callback = callback.map(python_abort_callback);
     crate::cpu::backend::set_global_abort_callback(callback);
 }
 

@@ -201,7 +201,8 @@ pub struct SchedPlan {
 }
 
 impl SchedPlan {
-    fn entry(&self, tensor: TensorRef) -> Option<&PlannedTensor> {
+    /// The entry of a node, leaf or outside operand.
+    pub fn entry(&self, tensor: TensorRef) -> Option<&PlannedTensor> {
         match tensor {
             TensorRef::Node(i) => self.nodes.get(i),
             TensorRef::Leaf(_) | TensorRef::Outside(_) => {
