@@ -219,16 +219,7 @@ impl BlasBackend {
 
     /// Sets the thread count (ggml's `set_n_threads` for BLAS).
     pub fn set_n_threads(&self, n_threads: usize) -> Result<()> {
-        if n_threads == 0 {
-            return Err(Error::InvalidArgument(
-                "a BLAS backend needs at least one thread".into(),
-            ));
-        }
-        let mut pool = lock(&self.pool);
-        if pool.n_threads() != n_threads {
-            *pool = Threadpool::new(&ThreadpoolParams::new(n_threads))?;
-        }
-        Ok(())
+        crate::cpu::threadpool::resize_pool(&self.pool, n_threads, "BLAS")
     }
 
     /// This backend's size threshold for matrix products.

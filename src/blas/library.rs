@@ -239,12 +239,14 @@ impl BlasLibrary {
     /// not overlap `A` or `B`, and no one else may touch `C` during the call.
     pub(crate) unsafe fn sgemm(&self, call: &GemmCall) -> Result<()> {
         let trans = |t: bool| if t { CBLAS_TRANS } else { CBLAS_NO_TRANS };
-        match self.sgemm {
-            Sgemm::Lp64(f) => {
+        // The LP64 and ILP64 entry points differ only in their integer type.
+        macro_rules! call_sgemm {
+            ($f:expr, $int:ty) => {{
                 let int = |v: usize| {
-                    i32::try_from(v).map_err(|_| {
+                    <$int>::try_from(v).map_err(|_| {
                         Error::InvalidArgument(format!(
-                            "{v} does not fit the 32-bit sizes of {}",
+                            "{v} does not fit the {}-bit sizes of {}",
+                            <$int>::BITS,
                             self.file
                         ))
                     })
@@ -254,7 +256,7 @@ impl BlasLibrary {
                 // SAFETY: the sizes fit the library's integers, and the caller guarantees
                 // the pointers and strides describe valid matrices (see above).
                 unsafe {
-                    f(
+                    $f(
                         CBLAS_ROW_MAJOR,
                         trans(call.trans_a),
                         trans(call.trans_b),
@@ -271,34 +273,11 @@ impl BlasLibrary {
                         ldc,
                     )
                 };
-            }
-            Sgemm::Ilp64(f) => {
-                let int = |v: usize| {
-                    i64::try_from(v)
-                        .map_err(|_| Error::InvalidArgument(format!("{v} does not fit in i64")))
-                };
-                let (m, n, k) = (int(call.m)?, int(call.n)?, int(call.k)?);
-                let (lda, ldb, ldc) = (int(call.lda)?, int(call.ldb)?, int(call.ldc)?);
-                // SAFETY: as in the 32-bit case.
-                unsafe {
-                    f(
-                        CBLAS_ROW_MAJOR,
-                        trans(call.trans_a),
-                        trans(call.trans_b),
-                        m,
-                        n,
-                        k,
-                        1.0,
-                        call.a,
-                        lda,
-                        call.b,
-                        ldb,
-                        0.0,
-                        call.c,
-                        ldc,
-                    )
-                };
-            }
+            }};
+        }
+        match self.sgemm {
+            Sgemm::Lp64(f) => call_sgemm!(f, i32),
+            Sgemm::Ilp64(f) => call_sgemm!(f, i64),
         }
         Ok(())
     }

@@ -172,16 +172,7 @@ impl CpuBackend {
 
     /// Replaces the pool with one of `n_threads` workers (no-op if unchanged).
     pub fn set_n_threads(&self, n_threads: usize) -> Result<()> {
-        if n_threads == 0 {
-            return Err(Error::InvalidArgument(
-                "a CPU backend needs at least one thread".into(),
-            ));
-        }
-        let mut pool = lock(&self.pool);
-        if pool.n_threads() != n_threads {
-            *pool = Threadpool::new(&ThreadpoolParams::new(n_threads))?;
-        }
-        Ok(())
+        crate::cpu::threadpool::resize_pool(&self.pool, n_threads, "CPU")
     }
 
     /// Runs computations on `threadpool` (which other backends may share).

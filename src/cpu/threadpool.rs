@@ -6,7 +6,7 @@
 //! computation, as ggml's is.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 
@@ -137,6 +137,25 @@ impl std::fmt::Debug for Threadpool {
             self.is_paused()
         )
     }
+}
+
+/// Replaces the pool in `slot` by one of `n_threads` workers unless it already has that many
+/// (the thread-count setter of the CPU and BLAS backends); `who` names the backend in errors.
+pub(crate) fn resize_pool(
+    slot: &Mutex<Arc<Threadpool>>,
+    n_threads: usize,
+    who: &str,
+) -> Result<()> {
+    if n_threads == 0 {
+        return Err(Error::InvalidArgument(format!(
+            "a {who} backend needs at least one thread"
+        )));
+    }
+    let mut pool = slot.lock().unwrap_or_else(|p| p.into_inner());
+    if pool.n_threads() != n_threads {
+        *pool = Threadpool::new(&ThreadpoolParams::new(n_threads))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -42,11 +42,6 @@ fn check(what: &str, dtype: DType, n: usize, bytes: usize) -> Result<()> {
     Ok(())
 }
 
-fn as_f32(bytes: &[u8]) -> Result<&[f32]> {
-    bytemuck::try_cast_slice(bytes)
-        .map_err(|e| Error::InvalidArgument(format!("f32 row is not aligned: {e}")))
-}
-
 fn from_f32(x: &[f32], out: &mut [u8]) -> Result<()> {
     check("from_float f32", DType::F32, x.len(), out.len())?;
     out.copy_from_slice(bytemuck::cast_slice(x));
@@ -84,21 +79,7 @@ fn from_q4_0(x: &[f32], out: &mut [u8]) -> Result<()> {
 fn dot_f32(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
     check("vec_dot f32", DType::F32, n, x.len())?;
     check("vec_dot f32", DType::F32, n, y.len())?;
-    let (a, b) = (
-        as_f32(x).map(<[f32]>::to_vec),
-        as_f32(y).map(<[f32]>::to_vec),
-    );
-    // Copies only when the caller's bytes are not f32-aligned.
-    let a = a.unwrap_or_else(|_| {
-        x.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    });
-    let b = b.unwrap_or_else(|_| {
-        y.chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect()
-    });
+    let (a, b) = (widen(x, |v: f32| v), widen(y, |v: f32| v));
     Ok(quant_dot::dot_f32(&a, &b))
 }
 

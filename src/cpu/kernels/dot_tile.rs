@@ -9,12 +9,10 @@ pub fn dots_4x2(a: [&[f32]; 4], b: [&[f32]; 2]) -> [[f32; 2]; 4] {
     let k = b[0].len();
     debug_assert!(a.iter().all(|r| r.len() == k) && b[1].len() == k);
     #[cfg(target_arch = "x86_64")]
-    {
-        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") {
-            // SAFETY: the CPU has AVX2 and FMA (checked just above); every row holds `k`
-            // elements (checked by the caller's slicing, asserted in debug builds).
-            return unsafe { dots_4x2_avx2(a, b, k) };
-        }
+    if super::has_avx2_fma() {
+        // SAFETY: the CPU has AVX2 and FMA (checked just above); every row holds `k`
+        // elements (checked by the caller's slicing, asserted in debug builds).
+        return unsafe { dots_4x2_avx2(a, b, k) };
     }
     let mut out = [[0f32; 2]; 4];
     for (r, row) in a.iter().enumerate() {

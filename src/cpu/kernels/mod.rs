@@ -23,18 +23,7 @@ pub mod view;
 
 use std::ops::Range;
 
-/// Whether the CPU runs AVX2 and FMA code (checked once; std caches the probe).
-#[inline]
-pub(crate) fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
+pub(crate) use quant_dot::has_avx2_fma;
 
 /// Defines a function whose body is compiled twice, for the baseline target and with AVX2+FMA
 /// enabled, the latter chosen at run time when the CPU has them. For loops the compiler

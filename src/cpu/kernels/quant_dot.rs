@@ -119,8 +119,9 @@ pub fn has_avx2_fma() -> bool {
     }
 }
 
-/// f32 dot product, scalar reference with 8 accumulators.
-pub fn dot_f32_ref(a: &[f32], b: &[f32]) -> f32 {
+/// Dot product of `a` (widened to f32 by `widen`) with `b`, with 8 accumulators: the
+/// scalar reference shared by the f32 and f16 kernels.
+fn dot_widened_ref<T: Copy>(a: &[T], b: &[f32], widen: impl Fn(T) -> f32) -> f32 {
     let n = a.len().min(b.len());
     let (a, b) = (&a[..n], &b[..n]);
     let mut acc = [0f32; 8];
@@ -128,14 +129,19 @@ pub fn dot_f32_ref(a: &[f32], b: &[f32]) -> f32 {
     let mut cb = b.chunks_exact(8);
     for (x, y) in (&mut ca).zip(&mut cb) {
         for k in 0..8 {
-            acc[k] += x[k] * y[k];
+            acc[k] += widen(x[k]) * y[k];
         }
     }
     let mut sum: f32 = acc.iter().sum();
-    for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        sum += x * y;
+    for (&x, y) in ca.remainder().iter().zip(cb.remainder()) {
+        sum += widen(x) * y;
     }
     sum
+}
+
+/// f32 dot product, scalar reference with 8 accumulators.
+pub fn dot_f32_ref(a: &[f32], b: &[f32]) -> f32 {
+    dot_widened_ref(a, b, |x| x)
 }
 
 /// f32 dot product, SIMD when available.
@@ -150,21 +156,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 
 /// f16 (as raw bits) · f32 dot product, scalar reference with 8 accumulators.
 pub fn dot_f16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
-    let n = a.len().min(b.len());
-    let (a, b) = (&a[..n], &b[..n]);
-    let mut acc = [0f32; 8];
-    let mut ca = a.chunks_exact(8);
-    let mut cb = b.chunks_exact(8);
-    for (x, y) in (&mut ca).zip(&mut cb) {
-        for k in 0..8 {
-            acc[k] += f16_bits_to_f32(x[k]) * y[k];
-        }
-    }
-    let mut sum: f32 = acc.iter().sum();
-    for (&x, y) in ca.remainder().iter().zip(cb.remainder()) {
-        sum += f16_bits_to_f32(x) * y;
-    }
-    sum
+    dot_widened_ref(a, b, f16_bits_to_f32)
 }
 
 /// Whether the F16C path of [`dot_f16_f32`] can run on this CPU.
