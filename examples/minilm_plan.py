@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 import ferrograph as fg
-from ferrograph.models import MiniLM
+from ferrograph.models import MiniLM, minilm
 
 model = MiniLM(weights_dtype="f16", n_threads=2)
 print(model)
@@ -102,10 +102,9 @@ print(f"32 x 128: {big.n_nodes} nodes, compute buffer {sizes[0] / 2**20:.1f} MiB
 
 # %%
 backends = [model.backend]
-if fg.blas_available():
-    if fg.dev_by_name("BLAS") is None:
-        fg.register_blas()
-    backends.insert(0, fg.init_backend("BLAS", n_threads=2))
+blas = minilm.blas_backend(n_threads=2)  # None without a BLAS library
+if blas is not None:
+    backends.insert(0, blas)
 sched = fg.Scheduler(backends)
 sched.reserve(graph)
 plan = sched.plan

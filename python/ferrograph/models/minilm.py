@@ -69,6 +69,7 @@ __all__ = [
     "MiniLMConfig",
     "MissingDependencyError",
     "ModelNotFoundError",
+    "blas_backend",
     "find_model_dir",
     "load_state_dict",
     "numpy_encode",
@@ -442,7 +443,7 @@ class MiniLM:
         )
         backends = [self.backend]
         if blas:
-            accelerator = _blas_backend(self.n_threads)
+            accelerator = blas_backend(self.n_threads)
             if accelerator is not None:
                 backends.insert(0, accelerator)
         self.scheduler = fg.Scheduler(backends)
@@ -750,8 +751,9 @@ class MiniLM:
         return tokenize(self.tokenizer, sentences)
 
 
-def _blas_backend(n_threads: int) -> fg.Backend | None:
-    """The in-process BLAS accelerator, registered on first use; None without a library."""
+def blas_backend(n_threads: int) -> fg.Backend | None:
+    """The in-process BLAS accelerator with `n_threads` threads, registered on first use;
+    None (and a log line saying why) when no BLAS library is found."""
     if not fg.blas_available():
         logger.info("no BLAS library (%s): running on the CPU alone", fg.blas_unavailable_reason())
         return None
