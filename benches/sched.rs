@@ -92,18 +92,22 @@ fn bench_sched(c: &mut Criterion) {
     // timing ends: the scheduler then drops only its references, and freeing the previous
     // graph's tensors (the caller's graph teardown, which ggml's figures do not include
     // either) is left out.
-    let rebuilt_prev_alive = |sched: &mut Scheduler, iters: u64, reset: bool| {
+    let rebuilt_prev_alive = |sched: &mut Scheduler, iters: u64, what: Timed| {
         let mut total = std::time::Duration::ZERO;
         let mut prev = build();
         ok(sched.alloc_graph(&prev), "alloc");
         for _ in 0..iters {
             let g = build();
+            if what == Timed::SplitUncached {
+                sched.clear_plan_cache();
+            }
             let start = std::time::Instant::now();
-            if reset {
-                sched.reset();
-                ok(sched.alloc_graph(&g), "alloc");
-            } else {
-                ok(sched.split_graph(&g), "split");
+            match what {
+                Timed::ResetAlloc => {
+                    sched.reset();
+                    ok(sched.alloc_graph(&g), "alloc");
+                }
+                Timed::SplitCached | Timed::SplitUncached => ok(sched.split_graph(&g), "split"),
             }
             total += start.elapsed();
             prev = g;
@@ -111,11 +115,17 @@ fn bench_sched(c: &mut Criterion) {
         drop(prev);
         total
     };
+    // A graph built just before it is split (warm in the caches, as in an application that
+    // builds and schedules one graph at a time), with the plan cache cleared: the full
+    // assignment and split passes.
+    group.bench_function("split_new_graph_prev_alive", |b| {
+        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, Timed::SplitUncached))
+    });
     group.bench_function("split_new_graph_cached_prev_alive", |b| {
-        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, false))
+        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, Timed::SplitCached))
     });
     group.bench_function("reset_alloc_rebuilt_graph_prev_alive", |b| {
-        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, true))
+        b.iter_custom(|iters| rebuilt_prev_alive(&mut sched, iters, Timed::ResetAlloc))
     });
     group.finish();
 
@@ -132,6 +142,17 @@ fn bench_sched(c: &mut Criterion) {
     c.bench_function("sched/tiny_compute", |b| {
         b.iter(|| ok(small.graph_compute(&tiny), "compute"))
     });
+}
+
+/// What the `*_prev_alive` benchmarks time.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Timed {
+    /// `split_graph` with the plan cache cleared first.
+    SplitUncached,
+    /// `split_graph` through the plan cache.
+    SplitCached,
+    /// `reset` + `alloc_graph`.
+    ResetAlloc,
 }
 
 criterion_group!(benches, bench_sched);

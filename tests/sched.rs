@@ -1021,6 +1021,47 @@ fn same_graph_replans_after_pins_flags_and_buffer_moves() {
     check(&mut sched);
 }
 
+/// Re-allocating the very graph allocated last skips the allocator's plan check only while
+/// nothing changed: an intermediate the caller placed in their own buffer since then keeps
+/// that memory (and its value) instead of being put back into the compute buffer.
+#[test]
+fn same_graph_realloc_keeps_a_binding_made_since() {
+    let mut sched = Scheduler::new(vec![cpu()], None, 0, false, false).unwrap();
+    let ctx = Context::new(true);
+    let x = ctx.new_tensor(DType::F32, &[LEN]).unwrap();
+    x.set_input();
+    let y = ops::scale(&ctx, &x, 2.0, 0.0).unwrap();
+    let z = ops::scale(&ctx, &y, 1.0, 1.0).unwrap();
+    z.set_output();
+    let graph = Graph::build(std::slice::from_ref(&z));
+    let x_values: Vec<f32> = (0..LEN).map(|i| i as f32).collect();
+    sched.alloc_graph(&graph).unwrap();
+    x.set_f32(&x_values).unwrap();
+    assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
+    let first = z.to_f32_vec().unwrap();
+    assert_eq!(first[3], 7.0);
+    // Twice the same graph, unchanged: the fast path, still right.
+    sched.reset();
+    sched.alloc_graph(&graph).unwrap();
+    x.set_f32(&x_values).unwrap();
+    assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
+    assert_eq!(z.to_f32_vec().unwrap(), first);
+    // Now y lives in the caller's buffer.
+    let own = CpuBufferType::shared().alloc_buffer(y.nbytes()).unwrap();
+    y.bind(&own, 0).unwrap();
+    sched.reset();
+    sched.alloc_graph(&graph).unwrap();
+    let storage = y.storage().unwrap();
+    assert!(
+        storage.buffer.same(&own),
+        "y was moved out of the caller's buffer"
+    );
+    x.set_f32(&x_values).unwrap();
+    assert_eq!(sched.graph_compute(&graph).unwrap(), Status::Success);
+    assert_eq!(z.to_f32_vec().unwrap(), first);
+    assert_eq!(y.to_f32_vec().unwrap()[3], 6.0);
+}
+
 /// Rebuilt graphs: identical structure hits the cache, any difference (op, shape, input
 /// flag, a weight in another buffer) re-plans, and results stay right.
 #[test]

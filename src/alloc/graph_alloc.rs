@@ -121,6 +121,8 @@ struct StoredPlan {
     leafs: Vec<LeafEntry>,
     nodes: Vec<NodeEntry>,
     memory: MemoryPlan,
+    /// The epoch of the graph last found to match this plan (planned from it, or checked).
+    matched_epoch: Option<u64>,
 }
 
 /// Flags that change a plan.
@@ -570,6 +572,7 @@ impl GraphAllocator {
                 leafs,
                 nodes,
                 memory,
+                matched_epoch: None,
             },
             p.planners,
         ))
@@ -707,8 +710,31 @@ impl GraphAllocator {
     /// [`Error::Alloc`] with several. Resets the compute buffers first (tensors bound to them
     /// before become stale) and, with poison on, fills them with [`POISON_BYTE`].
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
+        self.alloc_graph_with(graph, false)
+    }
+
+    /// [`GraphAllocator::alloc_graph`] for a caller that has checked that no tensor of `graph`
+    /// changed its flags or its binding outside this allocator's buffers since `graph` was
+    /// last planned or allocated here (the scheduler does, for the graph it allocated last):
+    /// when the plan's last match is this very graph (same epoch), the match is not checked
+    /// again.
+    pub(crate) fn alloc_graph_unchanged(&mut self, graph: &Graph) -> Result<()> {
+        self.alloc_graph_with(graph, true)
+    }
+
+    fn alloc_graph_with(&mut self, graph: &Graph, unchanged: bool) -> Result<()> {
         let mut our_buffers = self.our_buffer_ids();
-        if let Some(reason) = self.mismatch(graph, &our_buffers) {
+        let matched = self
+            .stored
+            .as_ref()
+            .and_then(|s| s.matched_epoch)
+            .is_some_and(|e| e != 0 && e == graph.epoch());
+        let mismatch = if unchanged && matched {
+            None
+        } else {
+            self.mismatch(graph, &our_buffers)
+        };
+        if let Some(reason) = mismatch {
             if self.slot_of.len() != 1 {
                 return Err(Error::Alloc(format!(
                     "the graph does not match the reserved plan ({reason}); call reserve_n \
@@ -726,6 +752,9 @@ impl GraphAllocator {
                     buffer.clear(POISON_BYTE)?;
                 }
             }
+        }
+        if let Some(stored) = &mut self.stored {
+            stored.matched_epoch = Some(graph.epoch());
         }
         let Some(stored) = &self.stored else {
             return Err(Error::Alloc("no plan after reserving".into()));

@@ -105,9 +105,8 @@ impl<'a> Oracle<'a> {
         u: usize,
         assigned: &[Option<Assignment>],
     ) -> bool {
-        if let Some(info) = &self.input.topo.buf[u] {
-            let buft = info.buft.clone();
-            return self.supports_buft(b, &buft);
+        if let Some(info) = self.input.topo.buf_info(u) {
+            return self.supports_buft(b, &info.buft);
         }
         let mut owner = assigned[u].map(|a| a.backend);
         if owner.is_none() {
@@ -124,10 +123,9 @@ impl<'a> Oracle<'a> {
 
     /// The first backend that can use `u`'s buffer and run the op.
     fn backend_from_buffer(&mut self, u: usize) -> Option<usize> {
-        let info = self.input.topo.buf[u].as_ref()?;
-        let buft = info.buft.clone();
+        let info = self.input.topo.buf_info(u)?;
         (0..self.input.backends.len())
-            .find(|&b| self.supports_buft(b, &buft) && self.supports_op(b, u))
+            .find(|&b| self.supports_buft(b, &info.buft) && self.supports_op(b, u))
     }
 }
 
@@ -188,7 +186,7 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             continue;
         }
         let t = topo.tensor(graph, u);
-        if topo.buf[u].is_some() {
+        if topo.buf[u] != NONE {
             match oracle.backend_from_buffer(u) {
                 Some(b) => set(&mut assigned, u, b, Cause::Buffer),
                 None => {
@@ -197,7 +195,7 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
                          that memory runs the op",
                         t.label(),
                         t.op().display_name(),
-                        topo.buf[u].as_ref().map_or("?", |b| b.buft.name())
+                        topo.buf_info(u).map_or("?", |b| b.buft.name())
                     )))
                 }
             }
@@ -215,9 +213,8 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             .srcs(u)
             .iter()
             .map(|&s| s as usize)
-            .find(|&s| topo.buf[s].as_ref().is_some_and(|b| b.weights));
-        let Some(w) = weight else { continue };
-        let Some(info) = topo.buf[w].clone() else {
+            .find(|&s| topo.buf_info(s).is_some_and(|b| b.weights));
+        let Some(info) = weight.and_then(|w| topo.buf_info(w)) else {
             continue;
         };
         let from_weight = (0..n_backends)

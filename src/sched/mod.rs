@@ -140,6 +140,9 @@ pub struct Scheduler {
     cache_len: usize,
     cache_hits: u64,
     cache_misses: u64,
+    /// The last `split_graph` found the current graph itself again, with no tensor's flags or
+    /// foreign binding changed: the graph allocator may skip re-checking its plan.
+    unchanged: bool,
     instance: Option<Instance>,
     pipeline_buffers: Vec<Option<Buffer>>,
     state: State,
@@ -246,6 +249,7 @@ impl Scheduler {
             cache: IdMap::default(),
             cache_len: 0,
             cache_hits: 0,
+            unchanged: false,
             cache_misses: 0,
             instance: None,
             pipeline_buffers: vec![None; n_backends],
@@ -458,6 +462,7 @@ impl Scheduler {
     /// current graph. Nothing is allocated.
     pub fn split_graph(&mut self, graph: &Graph) -> Result<()> {
         let own = self.own_buffer_ids();
+        self.unchanged = false;
         // The current graph again (same epoch: same tensors), nothing changed since.
         if let Some(inst) = &self.instance {
             if inst.plan_epoch == self.plan_epoch
@@ -465,6 +470,7 @@ impl Scheduler {
                 && inst.topo.state_matches(graph, &own)
             {
                 self.cache_hits += 1;
+                self.unchanged = true;
                 if self.state == State::Allocated {
                     self.state = State::Fresh;
                 }
@@ -706,7 +712,12 @@ impl Scheduler {
             }
         }
         let graph = internal.graph.as_ref().unwrap_or(&inst.graph);
-        if let Err(first) = self.galloc.alloc_graph(graph) {
+        let first_try = if self.unchanged {
+            self.galloc.alloc_graph_unchanged(graph)
+        } else {
+            self.galloc.alloc_graph(graph)
+        };
+        if let Err(first) = first_try {
             log::debug!("scheduler: re-reserving after allocation failed ({first})");
             self.synchronize_backends()?;
             self.galloc

@@ -50,7 +50,7 @@ pub(crate) fn split(
         if !start_new && current.as_ref().is_some_and(|c| !c.inputs.is_empty()) {
             for &s in topo.srcs(i) {
                 let s = s as usize;
-                let is_weight = topo.buf[s].as_ref().is_some_and(|info| info.weights);
+                let is_weight = topo.buf_info(s).is_some_and(|info| info.weights);
                 if is_weight
                     && backend_of(s) != b
                     && !oracle.buffer_supported(b, s, assigned)
@@ -145,7 +145,7 @@ pub(crate) fn split(
         };
         for &u in &graph_inputs {
             let t = topo.tensor(graph, u);
-            if t.is_view() || topo.buf[u].is_some() || topo.view_root[u] != NONE {
+            if t.is_view() || topo.buf[u] != NONE || topo.view_root[u] != NONE {
                 continue;
             }
             add(None, u, backend_of(u), t.nbytes())?;

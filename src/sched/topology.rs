@@ -67,8 +67,11 @@ pub(crate) struct Topology {
     pub srcs: Vec<u32>,
     /// Per unified tensor: the tensor it views, or [`NONE`].
     pub view_root: Vec<u32>,
-    /// Per unified tensor: the buffer it (or its view root) already lives in.
-    pub buf: Vec<Option<BufInfo>>,
+    /// The distinct foreign buffers tensors of the graph already live in.
+    pub buffers: Vec<BufInfo>,
+    /// Per unified tensor: the index in `buffers` of the buffer it (or its view root) already
+    /// lives in, or [`NONE`].
+    pub buf: Vec<u32>,
     /// Per unified tensor: flags and binding when indexed.
     pub snap: Vec<Snap>,
 }
@@ -79,14 +82,10 @@ impl Topology {
     pub fn build(graph: &Graph, own_buffers: &[u64]) -> Topology {
         let n_nodes = graph.n_nodes();
         let n_leafs = graph.n_leafs();
-        let mut index: IdMap<u32> = IdMap::default();
-        index.reserve(n_nodes + n_leafs);
-        for (u, t) in graph.nodes().iter().chain(graph.leafs()).enumerate() {
-            index.insert(t.id(), u as u32);
-        }
+        let mut index = UnifiedIndex::new(graph);
         let mut extras: Vec<Tensor> = Vec::new();
         let mut unified = |t: &Tensor, extras: &mut Vec<Tensor>| -> u32 {
-            *index.entry(t.id()).or_insert_with(|| {
+            index.get_or_insert(t.id(), || {
                 extras.push(t.clone());
                 (n_nodes + n_leafs + extras.len() - 1) as u32
             })
@@ -123,6 +122,7 @@ impl Topology {
             src_start,
             srcs,
             view_root,
+            buffers: Vec::new(),
             buf: Vec::new(),
             snap: Vec::new(),
         };
@@ -130,35 +130,50 @@ impl Topology {
         topo
     }
 
-    /// Fills `buf` and `snap` from the tensors' current flags and bindings.
+    /// Fills `buffers`, `buf` and `snap` from the tensors' current flags and bindings.
     fn index_state(&mut self, graph: &Graph, own_buffers: &[u64]) {
         let total = self.len();
-        let mut buf: Vec<Option<BufInfo>> = Vec::with_capacity(total);
+        let mut buffers: Vec<BufInfo> = Vec::new();
+        let mut buf: Vec<u32> = Vec::with_capacity(total);
         let mut snap = Vec::with_capacity(total);
         for u in 0..total {
             let t = self.tensor(graph, u);
             let s = Snap::of(t, own_buffers);
             snap.push(s);
             // Views are never bound; a live foreign binding is the only case to look at.
-            buf.push(if s.bound != 0 {
-                t.storage().ok().map(|storage| BufInfo {
-                    buft: storage.buffer.buffer_type().clone(),
-                    weights: storage.buffer.usage() == BufferUsage::Weights,
-                    host: storage.buffer.is_host(),
-                    buffer: storage.buffer,
-                })
-            } else {
-                None
-            });
+            let mut slot = NONE;
+            if s.bound != 0 {
+                if let Some(k) = buffers.iter().position(|b| b.buffer.id() == s.bound) {
+                    slot = k as u32;
+                } else if let Ok(storage) = t.storage() {
+                    buffers.push(BufInfo {
+                        buft: storage.buffer.buffer_type().clone(),
+                        weights: storage.buffer.usage() == BufferUsage::Weights,
+                        host: storage.buffer.is_host(),
+                        buffer: storage.buffer,
+                    });
+                    slot = (buffers.len() - 1) as u32;
+                }
+            }
+            buf.push(slot);
         }
         for u in 0..total {
             let root = self.view_root[u];
             if root != NONE {
-                buf[u] = buf[root as usize].clone();
+                buf[u] = buf[root as usize];
             }
         }
+        self.buffers = buffers;
         self.buf = buf;
         self.snap = snap;
+    }
+
+    /// The foreign buffer unified tensor `u` (or its view root) already lives in.
+    pub fn buf_info(&self, u: usize) -> Option<&BufInfo> {
+        match self.buf[u] {
+            NONE => None,
+            k => Some(&self.buffers[k as usize]),
+        }
     }
 
     /// Whether every tensor's flags and binding are still what was indexed (own buffers
@@ -182,7 +197,7 @@ impl Topology {
                 return true;
             }
             // Bound to a foreign buffer: still live (or still dead), same usage.
-            match &self.buf[u] {
+            match self.buf_info(u) {
                 Some(info) => {
                     !info.buffer.is_freed()
                         && info.buffer.generation() == recorded.generation
@@ -297,7 +312,7 @@ impl Topology {
 
     /// The signature of the graph's shape for the plan cache: everything the passes read.
     pub fn signature(&self, graph: &Graph, pinned: &IdMap<usize>) -> Signature {
-        let mut words: Vec<u64> = Vec::with_capacity(self.len() * 14 + self.srcs.len() + 4);
+        let mut words: Vec<u64> = Vec::with_capacity(self.len() * 11 + self.srcs.len() + 4);
         words.push(self.n_nodes as u64);
         words.push(self.n_leafs as u64);
         words.push(self.extras.len() as u64);
@@ -309,13 +324,13 @@ impl Topology {
                 words.push(self.src_start[u + 1] as u64 - self.src_start[u] as u64);
                 words.extend(self.srcs(u).iter().map(|&s| s as u64));
             }
-            words.push(t.dtype() as u64);
+            words.push(
+                t.dtype() as u64 | u64::from(t.flags()) << 8 | u64::from(self.view_root[u]) << 32,
+            );
             words.extend(t.ne().iter().map(|&n| n as u64));
             words.extend(t.nb().iter().map(|&n| n as u64));
-            words.push(u64::from(t.flags()));
-            words.push(self.view_root[u] as u64);
             words.push(t.view_offset() as u64);
-            words.push(match &self.buf[u] {
+            words.push(match self.buf_info(u) {
                 Some(b) => {
                     (Arc::as_ptr(&b.buft) as *const () as u64)
                         ^ (u64::from(b.weights) << 63)
@@ -328,11 +343,9 @@ impl Topology {
             }
         }
         let mut hasher = FastHasher::default();
-        for &w in &words {
-            hasher.write_u64(w);
-        }
+        hasher.write_u64(hash_words(&words));
         for op in &ops {
-            op.name().hash(&mut hasher);
+            std::mem::discriminant(op).hash(&mut hasher);
         }
         Signature {
             hash: hasher.finish(),
@@ -342,10 +355,87 @@ impl Topology {
     }
 }
 
+/// A hash of `words` in four independent lanes (one multiply chain per lane, so the lanes
+/// overlap in the pipeline), folded with [`FastHasher`].
+fn hash_words(words: &[u64]) -> u64 {
+    const K: [u64; 4] = [
+        0x9e37_79b9_7f4a_7c15,
+        0xc2b2_ae3d_27d4_eb4f,
+        0x1656_67b1_9e37_79f9,
+        0x85eb_ca77_c2b2_ae63,
+    ];
+    let mut lanes = K;
+    let mut chunks = words.chunks_exact(4);
+    for chunk in &mut chunks {
+        for ((lane, &w), k) in lanes.iter_mut().zip(chunk).zip(K) {
+            *lane = (lane.rotate_left(5) ^ w).wrapping_mul(k);
+        }
+    }
+    let mut hasher = FastHasher::default();
+    for lane in lanes.into_iter().chain(chunks.remainder().iter().copied()) {
+        hasher.write_u64(lane);
+    }
+    hasher.write_usize(words.len());
+    hasher.finish()
+}
+
 /// The shape of a graph as far as scheduling is concerned (see [`Topology::signature`]).
 #[derive(Debug, Clone, PartialEq)]
 pub(crate) struct Signature {
     pub hash: u64,
     words: Vec<u64>,
     ops: Vec<Op>,
+}
+
+/// Tensor id → unified index while a topology is built. Tensor ids come from one counter, so
+/// a graph's nodes and leafs usually occupy a narrow id range: that range is a dense table
+/// (no hashing); ids outside it (or every id, for a graph whose ids are scattered) go to a
+/// hash map.
+struct UnifiedIndex {
+    base: u64,
+    dense: Vec<u32>,
+    sparse: IdMap<u32>,
+}
+
+impl UnifiedIndex {
+    /// Indexes `graph`'s nodes, then leafs, in unified order.
+    fn new(graph: &Graph) -> UnifiedIndex {
+        let tensors = || graph.nodes().iter().chain(graph.leafs());
+        let count = graph.n_nodes() + graph.n_leafs();
+        let (lo, hi) = tensors().fold((u64::MAX, 0), |(lo, hi), t| {
+            (lo.min(t.id()), hi.max(t.id()))
+        });
+        let mut index = UnifiedIndex {
+            base: lo,
+            dense: Vec::new(),
+            sparse: IdMap::default(),
+        };
+        // Dense when the table is at most a few times the tensor count.
+        let span = hi.saturating_sub(lo).saturating_add(1);
+        if count > 0 && span <= 4 * count as u64 + 256 {
+            index.dense = vec![NONE; span as usize];
+        } else {
+            index.sparse.reserve(count);
+        }
+        for (u, t) in tensors().enumerate() {
+            index.get_or_insert(t.id(), || u as u32);
+        }
+        index
+    }
+
+    /// The index of `id`, inserting `make()` when it has none yet.
+    fn get_or_insert(&mut self, id: u64, make: impl FnOnce() -> u32) -> u32 {
+        let slot = id
+            .checked_sub(self.base)
+            .and_then(|k| self.dense.get_mut(k as usize));
+        match slot {
+            Some(slot) => {
+                if *slot == NONE {
+                    *slot = make();
+                }
+                *slot
+            }
+            None => *self.sparse.entry(id).or_insert_with(make),
+        }
+    }
 }
