@@ -759,6 +759,11 @@ fn mul_mat_float_weights_with_batch_broadcast() {
             (1, 5, 1, [1, 1], [1, 1]),
             (128, 33, 1, [3, 2], [1, 1]),
             (64, 17, 16, [1, 1], [1, 1]),
+            // Register tiles of 2 and 3 columns (4 = 2+2, 7 = 3+2+2, 13 = 3+3+3+2+2), leftover
+            // rows (18 = 4·4 + 2, 9 = 2·4 + 1) and row tails (k not a multiple of 8).
+            (37, 18, 13, [1, 1], [1, 1]),
+            (40, 9, 7, [2, 1], [1, 1]),
+            (9, 6, 4, [1, 1], [1, 2]),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, bs[0], bs[1]]).unwrap();

@@ -1,20 +1,28 @@
-//! Register-tiled dot products for matrix products with few columns: 4 weight rows × 2
-//! activation rows per pass, so every loaded vector feeds two or four multiply-adds instead of
-//! one. Used by MUL_MAT below the GEMM path's column threshold (see `gemm::MIN_COLS`).
+//! Register-tiled dot products for matrix products with few columns: 4 weight rows × up to 3
+//! activation rows per pass, so every loaded vector feeds several multiply-adds instead of
+//! one, and the 4 row sums of a column are reduced together (one horizontal-add tree, not four
+//! separate horizontal sums — with short rows the reductions are a large share of the work).
+//! Used by MUL_MAT below the GEMM path's column threshold (see `gemm::MIN_COLS`).
 
 use super::quant_dot::dot_f32;
 
-/// `out[r][c] = a[r] · b[c]` for 4 rows of `a` and 2 of `b`, all of length `k`.
-pub fn dots_4x2(a: [&[f32]; 4], b: [&[f32]; 2]) -> [[f32; 2]; 4] {
+/// Activation rows per pass of [`dots_4xc`] (the widest tile that fits the 16 AVX registers:
+/// 12 accumulators, 3 activation vectors, 1 weight vector).
+pub const MAX_TILE_COLS: usize = 3;
+
+/// `out[r][c] = a[r] · b[c]` for 4 rows of `a` and `C` (1 to [`MAX_TILE_COLS`]) of `b`, all of
+/// length `k`.
+pub fn dots_4xc<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C]) -> [[f32; C]; 4] {
+    debug_assert!((1..=MAX_TILE_COLS).contains(&C));
     let k = b[0].len();
-    debug_assert!(a.iter().all(|r| r.len() == k) && b[1].len() == k);
+    debug_assert!(a.iter().chain(&b).all(|r| r.len() == k));
     #[cfg(target_arch = "x86_64")]
     if super::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA (checked just above); every row holds `k`
         // elements (checked by the caller's slicing, asserted in debug builds).
-        return unsafe { dots_4x2_avx2(a, b, k) };
+        return unsafe { dots_4xc_avx2(a, b, k) };
     }
-    let mut out = [[0f32; 2]; 4];
+    let mut out = [[0f32; C]; 4];
     for (r, row) in a.iter().enumerate() {
         for (c, col) in b.iter().enumerate() {
             out[r][c] = dot_f32(row, col);
@@ -23,45 +31,52 @@ pub fn dots_4x2(a: [&[f32]; 4], b: [&[f32]; 2]) -> [[f32; 2]; 4] {
     out
 }
 
-/// Sum of the 8 lanes of `v`.
+/// The 8-lane sums of `v[0..4]`, as the 4 lanes of one vector.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-fn hsum(v: std::arch::x86_64::__m256) -> f32 {
+fn hsum4(v: [std::arch::x86_64::__m256; 4]) -> std::arch::x86_64::__m128 {
     use std::arch::x86_64::*;
-    let lo = _mm256_castps256_ps128(v);
-    let hi = _mm256_extractf128_ps::<1>(v);
-    let s = _mm_add_ps(lo, hi);
-    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    let s = _mm_add_ss(s, _mm_shuffle_ps::<0b01>(s, s));
-    _mm_cvtss_f32(s)
+    // hadd pairs neighbours within each 128-bit half: after two rounds lane r of each half
+    // holds half of row r's sum; adding the halves finishes it.
+    let h01 = _mm256_hadd_ps(v[0], v[1]);
+    let h23 = _mm256_hadd_ps(v[2], v[3]);
+    let h = _mm256_hadd_ps(h01, h23);
+    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
 }
 
 /// # Safety
 /// The CPU must support AVX2 and FMA, and every slice must hold at least `k` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots_4x2_avx2(a: [&[f32]; 4], b: [&[f32]; 2], k: usize) -> [[f32; 2]; 4] {
+unsafe fn dots_4xc_avx2<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C], k: usize) -> [[f32; C]; 4] {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); 2]; 4];
+    // acc[c][r]: column-major so each column's four row accumulators reduce together.
+    let mut acc = [[_mm256_setzero_ps(); 4]; C];
     let full = k / 8 * 8;
     let mut i = 0;
     while i < full {
         // SAFETY: i + 8 <= k and every slice holds k elements (caller).
         unsafe {
-            let b0 = _mm256_loadu_ps(b[0].as_ptr().add(i));
-            let b1 = _mm256_loadu_ps(b[1].as_ptr().add(i));
+            let mut bv = [_mm256_setzero_ps(); C];
+            for (v, col) in bv.iter_mut().zip(&b) {
+                *v = _mm256_loadu_ps(col.as_ptr().add(i));
+            }
             for r in 0..4 {
                 let w = _mm256_loadu_ps(a[r].as_ptr().add(i));
-                acc[r][0] = _mm256_fmadd_ps(w, b0, acc[r][0]);
-                acc[r][1] = _mm256_fmadd_ps(w, b1, acc[r][1]);
+                for c in 0..C {
+                    acc[c][r] = _mm256_fmadd_ps(w, bv[c], acc[c][r]);
+                }
             }
         }
         i += 8;
     }
-    let mut out = [[0f32; 2]; 4];
-    for r in 0..4 {
-        for c in 0..2 {
-            let mut s = hsum(acc[r][c]);
+    let mut out = [[0f32; C]; 4];
+    for c in 0..C {
+        let mut sums = [0f32; 4];
+        // SAFETY: `sums` holds 4 floats, the width of the stored vector.
+        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(acc[c])) };
+        for r in 0..4 {
+            let mut s = sums[r];
             for j in full..k {
                 s += a[r][j] * b[c][j];
             }
@@ -75,34 +90,41 @@ unsafe fn dots_4x2_avx2(a: [&[f32]; 4], b: [&[f32]; 2], k: usize) -> [[f32; 2]; 
 mod tests {
     use super::*;
 
+    /// Checks a `C`-column tile against f64 dot products.
+    fn check<const C: usize>(rows: &[Vec<f32>], k: usize) {
+        let a = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
+        let b: [&[f32]; C] = std::array::from_fn(|c| &rows[4 + c][..]);
+        let got = dots_4xc(a, b);
+        for r in 0..4 {
+            for c in 0..C {
+                let exact: f64 = a[r]
+                    .iter()
+                    .zip(b[c])
+                    .map(|(x, y)| *x as f64 * *y as f64)
+                    .sum();
+                let err = (got[r][c] as f64 - exact).abs();
+                assert!(
+                    err <= 1e-4 * (1.0 + exact.abs()),
+                    "k={k} C={C} r={r} c={c}: {} vs {exact}",
+                    got[r][c]
+                );
+            }
+        }
+    }
+
     #[test]
-    fn matches_f64_dots_for_odd_lengths() {
+    fn matches_f64_dots_for_odd_lengths_and_every_width() {
         for k in [1usize, 7, 8, 9, 31, 384, 1537] {
-            let rows: Vec<Vec<f32>> = (0..6)
+            let rows: Vec<Vec<f32>> = (0..7)
                 .map(|r| {
                     (0..k)
                         .map(|i| ((i * 3 + r * 7) % 17) as f32 * 0.1 - 0.8)
                         .collect()
                 })
                 .collect();
-            let a = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
-            let b = [&rows[4][..], &rows[5][..]];
-            let got = dots_4x2(a, b);
-            for r in 0..4 {
-                for c in 0..2 {
-                    let exact: f64 = a[r]
-                        .iter()
-                        .zip(b[c])
-                        .map(|(x, y)| *x as f64 * *y as f64)
-                        .sum();
-                    let err = (got[r][c] as f64 - exact).abs();
-                    assert!(
-                        err <= 1e-4 * (1.0 + exact.abs()),
-                        "k={k} r={r} c={c}: {} vs {exact}",
-                        got[r][c]
-                    );
-                }
-            }
+            check::<1>(&rows, k);
+            check::<2>(&rows, k);
+            check::<3>(&rows, k);
         }
     }
 }

@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::dot_tile::dots_4x2;
+use super::dot_tile::{dots_4xc, MAX_TILE_COLS};
 use super::gemm::{self, F32Rows};
 use super::par_ranges;
 use super::quant_dot::{
@@ -226,33 +226,59 @@ fn run_tile(
                     }
                 })
                 .collect();
-            let (mut c0, mut r_tiled) = (0, 0);
+            let mut r_tiled = 0;
             if !reference {
-                // 4 rows x 2 columns per pass (register tiles); the edges below.
+                // 4 rows x 2-3 columns per pass (register tiles); leftover rows below. Rows
+                // outside, columns inside: each 4-row block is fetched from memory once, in
+                // address order (a steady stream for the prefetcher), then reused from L1 by
+                // every column group. Groups are balanced (13 columns: 3+3+3+2+2) so no pass
+                // has a single column, which would be bound by loads.
                 r_tiled = arows.len() / 4 * 4;
-                while c0 + 2 <= cols.len() {
-                    let brows = [b.f32_row(k, cols[c0].b), b.f32_row(k, cols[c0 + 1].b)];
-                    for r0 in (0..r_tiled).step_by(4) {
-                        let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
-                        let out = dots_4x2(a4, brows);
-                        for (dr, pair) in out.iter().enumerate() {
-                            write(&cols[c0], rows.start + r0 + dr, pair[0]);
-                            write(&cols[c0 + 1], rows.start + r0 + dr, pair[1]);
+                let n_groups = cols.len().div_ceil(MAX_TILE_COLS);
+                let (base, extra) = (cols.len() / n_groups, cols.len() % n_groups);
+                for r0 in (0..r_tiled).step_by(4) {
+                    let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
+                    let row0 = rows.start + r0;
+                    let mut c0 = 0;
+                    for g in 0..n_groups {
+                        let width = base + usize::from(g < extra);
+                        let group = &cols[c0..c0 + width];
+                        match width {
+                            1 => tile::<1>(a4, group, b, k, row0, &write),
+                            2 => tile::<2>(a4, group, b, k, row0, &write),
+                            _ => tile::<3>(a4, group, b, k, row0, &write),
                         }
+                        c0 += width;
                     }
-                    c0 += 2;
                 }
             }
-            for (ci, col) in cols.iter().enumerate() {
+            for col in cols {
                 let brow = b.f32_row(k, col.b);
-                let first_row = if ci < c0 { r_tiled } else { 0 };
-                for (ii, arow) in arows.iter().enumerate().skip(first_row) {
+                for (ii, arow) in arows.iter().enumerate().skip(r_tiled) {
                     write(col, rows.start + ii, dot(arow, brow));
                 }
             }
         }
     }
     Ok(())
+}
+
+/// One register tile of [`run_tile`]'s f32 path: weight rows `a4` (rows `row0..row0 + 4`)
+/// against the `C` columns of `group`, each result passed to `write`.
+fn tile<const C: usize>(
+    a4: [&[f32]; 4],
+    group: &[Col],
+    b: &Prepared<'_>,
+    k: usize,
+    row0: usize,
+    write: &dyn Fn(&Col, usize, f32),
+) {
+    let brows: [&[f32]; C] = std::array::from_fn(|c| b.f32_row(k, group[c].b));
+    for (dr, row) in dots_4xc(a4, brows).iter().enumerate() {
+        for (col, &v) in group.iter().zip(row) {
+            write(col, row0 + dr, v);
+        }
+    }
 }
 
 /// Largest column count for which quantized weights use integer dot products.
