@@ -117,7 +117,7 @@ impl DType {
     /// Bytes taken by a row of `n` elements; an error if `n` is not a multiple of the block size.
     pub fn row_size(self, n: usize) -> Result<usize> {
         let block = self.block_size();
-        if n % block != 0 {
+        if !n.is_multiple_of(block) {
             return Err(Error::Shape(format!(
                 "a row of {n} elements is not a whole number of {} blocks of {block}",
                 self.name()

@@ -1086,7 +1086,7 @@ pub fn leaky_relu(ctx: &Context, a: &Tensor, negative_slope: f32) -> Result<Tens
 pub fn glu(ctx: &Context, a: &Tensor, op: GluOp, swapped: bool) -> Result<Tensor> {
     require_float(op.name(), a)?;
     let mut ne = a.ne();
-    if ne[0] % 2 != 0 {
+    if !ne[0].is_multiple_of(2) {
         return Err(Error::Shape(format!(
             "{}: the row length of {} must be even",
             op.name(),
@@ -1345,7 +1345,7 @@ pub fn rope(
             describe(a)
         )));
     }
-    if params.n_dims == 0 || params.n_dims % 2 != 0 || params.n_dims > ne[0] {
+    if params.n_dims == 0 || !params.n_dims.is_multiple_of(2) || params.n_dims > ne[0] {
         return Err(Error::InvalidArgument(format!(
             "ROPE: n_dims {} must be even, positive and at most {}",
             params.n_dims, ne[0]

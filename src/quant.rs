@@ -175,7 +175,7 @@ impl Block for BlockQ4_0 {
 
 /// Checks that `n_values` values fill exactly `n_blocks` blocks of `B`.
 fn check_row<B: Block>(n_values: usize, n_blocks: usize) -> Result<()> {
-    if n_values % B::QK != 0 {
+    if !n_values.is_multiple_of(B::QK) {
         return Err(crate::shape_err!(
             "{}: {} values is not a multiple of the block size {}",
             B::NAME,
@@ -214,7 +214,7 @@ fn dequantize_row<B: Block>(x: &[B], y: &mut [f32]) -> Result<()> {
 /// Checks that `len` bytes are a whole number of `B` blocks.
 fn check_byte_len<B: Block>(len: usize) -> Result<()> {
     let size = std::mem::size_of::<B>();
-    if len % size != 0 {
+    if !len.is_multiple_of(size) {
         return Err(crate::shape_err!(
             "{}: {} bytes is not a multiple of the block size of {} bytes",
             B::NAME,
@@ -241,7 +241,7 @@ fn view<B: Block>(bytes: &[u8]) -> Result<&[B]> {
         return Ok(&[]);
     }
     let addr = bytes.as_ptr() as usize;
-    if addr % std::mem::align_of::<B>() != 0 {
+    if !addr.is_multiple_of(std::mem::align_of::<B>()) {
         return Err(misaligned::<B>(addr));
     }
     bytemuck::try_cast_slice(bytes).map_err(|e| {
@@ -255,7 +255,7 @@ fn view_mut<B: Block>(bytes: &mut [u8]) -> Result<&mut [B]> {
         return Ok(&mut []);
     }
     let addr = bytes.as_ptr() as usize;
-    if addr % std::mem::align_of::<B>() != 0 {
+    if !addr.is_multiple_of(std::mem::align_of::<B>()) {
         return Err(misaligned::<B>(addr));
     }
     bytemuck::try_cast_slice_mut(bytes).map_err(|e| {

@@ -131,7 +131,7 @@ pub fn span_bytes(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) 
 
 /// Checks a shape for overflow and block alignment, naming the tensor in errors.
 pub(crate) fn check_shape(dtype: DType, ne: &[usize; MAX_DIMS], what: &str) -> Result<()> {
-    if ne[0] % dtype.block_size() != 0 {
+    if !ne[0].is_multiple_of(dtype.block_size()) {
         return Err(Error::Shape(format!(
             "{what}: the row length {} is not a multiple of the {} block size {}",
             ne[0],
@@ -430,7 +430,7 @@ impl Tensor {
             )));
         }
         let align = buffer.alignment().max(1);
-        if offset % align != 0 {
+        if !offset.is_multiple_of(align) {
             return Err(Error::Alloc(format!(
                 "offset {offset} of {} is not a multiple of the buffer's alignment {align}",
                 self.label()

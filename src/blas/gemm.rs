@@ -16,7 +16,7 @@ fn layout_error(what: &str, detail: &str) -> Error {
 }
 
 fn aligned_f32(t: &RawTensor) -> bool {
-    (t.ptr.0 as usize) % std::mem::align_of::<f32>() == 0
+    (t.ptr.0 as usize).is_multiple_of(std::mem::align_of::<f32>())
 }
 
 /// The row stride, in f32 elements, of a `rows × cols` f32 matrix whose rows are
@@ -25,7 +25,7 @@ fn leading_dim(rows: usize, cols: usize, stride_bytes: usize, what: &str) -> Res
     if rows <= 1 {
         return Ok(cols.max(1));
     }
-    if stride_bytes % 4 != 0 || stride_bytes / 4 < cols.max(1) {
+    if !stride_bytes.is_multiple_of(4) || stride_bytes / 4 < cols.max(1) {
         return Err(layout_error(
             what,
             &format!("rows {stride_bytes} bytes apart hold {cols} f32 values"),
@@ -49,7 +49,11 @@ fn check_dense_f32_rows(t: &RawTensor, what: &str) -> Result<()> {
 
 /// The batch broadcast factors of `b` over `a` in dims 2 and 3.
 fn broadcast(a: &RawTensor, b: &RawTensor, op: &str) -> Result<(usize, usize)> {
-    if a.ne[2] == 0 || a.ne[3] == 0 || b.ne[2] % a.ne[2] != 0 || b.ne[3] % a.ne[3] != 0 {
+    if a.ne[2] == 0
+        || a.ne[3] == 0
+        || !b.ne[2].is_multiple_of(a.ne[2])
+        || !b.ne[3].is_multiple_of(a.ne[3])
+    {
         return Err(Error::Shape(format!(
             "{op}: batch dimensions {:?} do not broadcast to {:?}",
             &a.ne[2..],

@@ -1067,7 +1067,7 @@ fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
         .extract()?;
     let size: usize = array.getattr("nbytes")?.extract()?;
     let alignment = crate::buffer::HOST_ALIGNMENT;
-    if size > 0 && address % alignment != 0 {
+    if size > 0 && !address.is_multiple_of(alignment) {
         return Err(invalid(format!(
             "the array's data at {address:#x} is not aligned to {alignment} bytes, which CPU \
              buffers need; allocate it aligned (e.g. fg.aligned_empty) or copy it"

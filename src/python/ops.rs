@@ -180,7 +180,7 @@ fn reshape<'py>(
         .iter()
         .map(|&d| {
             if d == -1 {
-                if known == 0 || total % known != 0 {
+                if known == 0 || !total.is_multiple_of(known) {
                     Err(errors::shape(format!(
                         "RESHAPE: cannot infer -1 in {wanted:?} for {total} elements"
                     )))

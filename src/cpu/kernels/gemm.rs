@@ -40,7 +40,7 @@ unsafe impl Sync for F32Rows {}
 fn weights_direct(a: &RawTensor) -> bool {
     a.dtype == DType::F32
         && (a.ne[0] <= 1 || a.nb[0] == 4)
-        && (a.ptr.0 as usize) % 4 == 0
+        && (a.ptr.0 as usize).is_multiple_of(4)
         && a.nb[1..].iter().all(|s| s % 4 == 0)
 }
 
@@ -50,7 +50,7 @@ pub fn applies(a: &RawTensor, dst: &RawTensor, n_cols: usize) -> bool {
         && a.ne[0] >= 8
         && dst.dtype == DType::F32
         && dst.nb[0] == 4
-        && (dst.ptr.0 as usize) % 4 == 0
+        && (dst.ptr.0 as usize).is_multiple_of(4)
         && dst.nb[1..].iter().all(|s| s % 4 == 0)
         && matches!(
             a.dtype,

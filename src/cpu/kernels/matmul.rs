@@ -40,14 +40,14 @@ pub fn scratch_bytes(weights: DType, b_ne: &[usize; MAX_DIMS], b_contiguous: boo
 fn f32_direct(t: &RawTensor) -> bool {
     t.dtype == DType::F32
         && (t.ne[0] <= 1 || t.nb[0] == 4)
-        && (t.ptr.0 as usize) % 4 == 0
+        && (t.ptr.0 as usize).is_multiple_of(4)
         && t.nb[1..].iter().all(|s| s % 4 == 0)
 }
 
 fn f16_direct(t: &RawTensor) -> bool {
     t.dtype == DType::F16
         && (t.ne[0] <= 1 || t.nb[0] == 2)
-        && (t.ptr.0 as usize) % 2 == 0
+        && (t.ptr.0 as usize).is_multiple_of(2)
         && t.nb[1..].iter().all(|s| s % 2 == 0)
 }
 

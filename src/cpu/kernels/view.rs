@@ -144,7 +144,7 @@ impl RawTensor {
 }
 
 fn aligned<T>(ptr: *const u8) -> bool {
-    (ptr as usize) % std::mem::align_of::<T>() == 0
+    (ptr as usize).is_multiple_of(std::mem::align_of::<T>())
 }
 
 /// Reads `out.len()` elements of `dtype` starting at `ptr`, `stride` bytes apart (ignored for
