@@ -764,6 +764,8 @@ fn mul_mat_float_weights_with_batch_broadcast() {
             (37, 18, 13, [1, 1], [1, 1]),
             (40, 9, 7, [2, 1], [1, 1]),
             (9, 6, 4, [1, 1], [1, 2]),
+            // GEMM path with converted weights split into per-thread panels (m ≥ 128).
+            (40, 300, 33, [1, 1], [1, 1]),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, bs[0], bs[1]]).unwrap();
@@ -843,6 +845,7 @@ fn mul_mat_quantized_weights() {
             (64usize, 7usize, 5usize, 1usize),
             (96, 33, 1, 2),
             (256, 16, 9, 1),
+            (64, 200, 40, 1),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, 2]).unwrap();

@@ -36,6 +36,23 @@ unsafe impl Send for F32Rows {}
 // SAFETY: as above.
 unsafe impl Sync for F32Rows {}
 
+/// The output pointer shared by the panels of one product, which write disjoint columns.
+#[derive(Clone, Copy)]
+struct SendPtr(*mut f32);
+
+impl SendPtr {
+    /// The pointer (a method, so closures capture the whole `SendPtr`, not the raw field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
+
+// SAFETY: each panel writes only its own output columns (see `mul_mat_batch`), so sharing the
+// base pointer between threads never lets two of them write the same element.
+unsafe impl Send for SendPtr {}
+// SAFETY: as above.
+unsafe impl Sync for SendPtr {}
+
 /// Whether the weights' rows can be read in place as f32 (dense, aligned).
 fn weights_direct(a: &RawTensor) -> bool {
     a.dtype == DType::F32
@@ -136,7 +153,8 @@ pub unsafe fn mul_mat_batch(
     let dst_stride = dst.nb[1] / 4;
     // SAFETY: offsets inside `dst` (caller).
     let dst_ptr = unsafe { dst.at(dst_offset) }.cast::<f32>();
-    if weights_direct(a) {
+    let direct = weights_direct(a);
+    if direct {
         // SAFETY: the batch's weight rows are dense f32 inside `a` (checked above).
         unsafe {
             let w = a.at(a.row_offset(0, i02, i03)).cast::<f32>();
@@ -144,40 +162,74 @@ pub unsafe fn mul_mat_batch(
         }
         return Ok(());
     }
-    let rows = PANEL_ROWS.min(m.max(1));
-    panel.resize(rows * k, 0.0);
-    for start in (0..m).step_by(rows) {
+    // Panels per thread when the product is split between threads by panel: a multiple of
+    // the thread count, so every thread gets the same number of equal panels.
+    let per_thread = threads > 1 && m >= 64 * threads;
+    let (rows, n_panels) = if per_thread {
+        let n_panels = threads * m.div_ceil(threads * PANEL_ROWS);
+        let rows = m.div_ceil(n_panels).next_multiple_of(16);
+        (rows, m.div_ceil(rows))
+    } else {
+        let rows = PANEL_ROWS.min(m.max(1));
+        (rows, m.div_ceil(rows))
+    };
+    let dst_ptr = SendPtr(dst_ptr);
+    // One panel: convert weight rows start.. into `panel`, then multiply with `gemm_threads`.
+    let run_panel = |start: usize, panel: &mut Vec<f32>, gemm_threads: usize| -> Result<()> {
         let count = rows.min(m - start);
-        let convert = |(r, out): (usize, &mut [f32])| {
-            // SAFETY: weight row (start + r, i02, i03) lies inside `a` (read-only).
-            unsafe { a.load_row(start + r, i02, i03, out) }
-        };
-        if threads > 1 {
-            panel[..count * k]
-                .par_chunks_mut(k)
-                .enumerate()
-                .with_min_len(8)
-                .try_for_each(convert)?;
+        let (weights, w_stride) = if direct {
+            // SAFETY: weight row (start, i02, i03) lies inside `a`, whose rows are dense f32.
+            let w = unsafe { a.at(a.row_offset(start, i02, i03)) }
+                .cast::<f32>()
+                .cast_const();
+            (w, a.nb[1] / 4)
         } else {
-            panel[..count * k]
-                .chunks_mut(k)
-                .enumerate()
-                .try_for_each(convert)?;
-        }
-        // SAFETY: the panel holds `count` dense rows of `k`; the output columns
-        // start..start+count of each dst row are inside `dst`.
+            panel.resize(count * k, 0.0);
+            let convert = |(r, out): (usize, &mut [f32])| {
+                // SAFETY: weight row (start + r, i02, i03) lies inside `a` (read-only).
+                unsafe { a.load_row(start + r, i02, i03, out) }
+            };
+            if gemm_threads > 1 {
+                panel
+                    .par_chunks_mut(k)
+                    .enumerate()
+                    .with_min_len(8)
+                    .try_for_each(convert)?;
+            } else {
+                panel.chunks_mut(k).enumerate().try_for_each(convert)?;
+            }
+            (panel.as_ptr(), k)
+        };
+        // SAFETY: `weights` addresses `count` dense rows of `k` with stride `w_stride`; the
+        // output columns start..start+count of each dst row are inside `dst` and belong to
+        // this panel alone.
         unsafe {
             sgemm(
                 count,
                 n,
                 k,
-                panel.as_ptr(),
-                k,
+                weights,
+                w_stride,
                 b,
-                dst_ptr.add(start),
+                dst_ptr.get().add(start),
                 dst_stride,
-                threads,
+                gemm_threads,
             );
+        }
+        Ok(())
+    };
+    if per_thread {
+        // Panels in parallel, each converted and multiplied (single-threaded) by the thread
+        // that took it: no synchronisation inside a panel and no imbalance from splitting a
+        // small product between threads. Measured against threading each panel's product:
+        // 1.0-1.4x on f16 and q8_0 weights (MiniLM shapes, 4096² and 14336×4096). f32
+        // weights keep the crate's own threading, which was as fast or faster.
+        (0..n_panels)
+            .into_par_iter()
+            .try_for_each_init(Vec::new, |panel, p| run_panel(p * rows, panel, 1))?;
+    } else {
+        for p in 0..n_panels {
+            run_panel(p * rows, panel, threads)?;
         }
     }
     Ok(())
