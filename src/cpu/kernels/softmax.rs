@@ -66,7 +66,7 @@ simd_fn! {
             None => x.iter_mut().for_each(|v| *v *= scale),
         }
         let max = math::max_f32(x);
-        x.iter_mut().for_each(|v| *v = math::exp(*v - max));
+        math::exp_sub_row(x, max);
         let sum = math::sum_f64(x);
         let inv = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
         x.iter_mut().for_each(|v| *v *= inv);
