@@ -183,9 +183,11 @@ fn run_tile(
                 }
             }
         }
-        DType::F16 if !reference && f16_direct(a) => {
-            // Few columns: dot products straight from the f16 weights (half the bytes of an
-            // f32 copy, no conversion pass).
+        DType::F16 if !reference && f16_direct(a) && cols.len() <= F16_DOT_MAX_COLS => {
+            // One or two columns: dot products straight from the f16 weights (half the bytes
+            // of an f32 copy, no conversion pass). With more, each weight row would be
+            // converted once per column: the rows are converted once per tile instead and go
+            // through the register-tiled f32 kernel below.
             for col in cols {
                 let brow = b.f32_row(k, col.b);
                 for i in rows.clone() {
@@ -280,6 +282,9 @@ fn tile<const C: usize>(
         }
     }
 }
+
+/// Largest column count for which f16 weights are read by f16 dot products (see `run_tile`).
+const F16_DOT_MAX_COLS: usize = 2;
 
 /// Largest column count for which quantized weights use integer dot products.
 const QUANT_DOT_MAX_COLS: usize = 2;
