@@ -1,18 +1,28 @@
 """CPU kernels side by side with their peers, measured in one run (issue: CPU kernels).
 
-Run with ``python benches/kernels.py`` after ``bash scripts/dev.sh test`` (which builds the
+Run with ``python benches/compare_kernels.py`` after ``bash scripts/dev.sh test`` (which builds the
 release module into ./.venv). Every workload is one ferrograph graph computed on the CPU
 backend with ``--threads`` threads, timed as the best of ``--repeat`` rounds, beside numpy (its
 BLAS limited to the same thread count through threadpoolctl when installed) and PyTorch CPU
 when installed. Prints GFLOPS or GB/s and the ratio ferrograph / peer (above 1: ferrograph is
 faster), plus the fraction of this machine's peaks given by ``--peak-gflops`` and
 ``--bandwidth``. ``--quick`` shrinks the big workloads for a smoke run.
+
+The peers' worker threads are told not to spin once a call returns (``OMP_WAIT_POLICY``
+for PyTorch's OpenMP, ``OPENBLAS_THREAD_TIMEOUT`` for numpy's OpenBLAS; both only when not
+set already): by default they busy-wait for a while after each call, and on a 2-core machine
+that spinning steals the cores from whatever is measured next (it cut ferrograph's figures
+by up to a third when measured right after a peer).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
 from collections.abc import Callable
 from typing import Any
 
