@@ -273,7 +273,7 @@ fn tile<const C: usize>(
     b: &Prepared<'_>,
     k: usize,
     row0: usize,
-    write: &dyn Fn(&Col, usize, f32),
+    write: &impl Fn(&Col, usize, f32),
 ) {
     let brows: [&[f32]; C] = std::array::from_fn(|c| b.f32_row(k, group[c].b));
     for (dr, row) in dots_4xc(a4, brows).iter().enumerate() {
