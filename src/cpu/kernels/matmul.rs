@@ -13,7 +13,7 @@ use std::ops::Range;
 
 use rayon::prelude::*;
 
-use super::dot_tile::{dots_4xc, MAX_TILE_COLS};
+use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
 use super::par_ranges;
 use super::quant_dot::{
@@ -230,13 +230,13 @@ fn run_tile(
                 .collect();
             let mut r_tiled = 0;
             if !reference {
-                // 4 rows x 2-3 columns per pass (register tiles); leftover rows below. Rows
+                // 4 rows x 2-4 columns per pass (register tiles); leftover rows below. Rows
                 // outside, columns inside: each 4-row block is fetched from memory once, in
                 // address order (a steady stream for the prefetcher), then reused from L1 by
-                // every column group. Groups are balanced (13 columns: 3+3+3+2+2) so no pass
-                // has a single column, which would be bound by loads.
+                // every column group. Groups are balanced (13 columns: 4+3+3+3 with AVX-512,
+                // else 3+3+3+2+2) so no pass has a single column, which would be bound by loads.
                 r_tiled = arows.len() / 4 * 4;
-                let n_groups = cols.len().div_ceil(MAX_TILE_COLS);
+                let n_groups = cols.len().div_ceil(max_tile_cols());
                 let (base, extra) = (cols.len() / n_groups, cols.len() % n_groups);
                 for r0 in (0..r_tiled).step_by(4) {
                     let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
@@ -248,7 +248,8 @@ fn run_tile(
                         match width {
                             1 => tile::<1>(a4, group, b, k, row0, &write),
                             2 => tile::<2>(a4, group, b, k, row0, &write),
-                            _ => tile::<3>(a4, group, b, k, row0, &write),
+                            3 => tile::<3>(a4, group, b, k, row0, &write),
+                            _ => tile::<4>(a4, group, b, k, row0, &write),
                         }
                         c0 += width;
                     }
