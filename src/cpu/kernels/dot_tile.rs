@@ -173,24 +173,37 @@ unsafe fn dots_4xc_avx2<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C], k: usize
 mod tests {
     use super::*;
 
-    /// Checks a `C`-column tile against f64 dot products.
+    /// Checks a `C`-column tile, through every SIMD path this CPU has, against f64 dot products.
     fn check<const C: usize>(rows: &[Vec<f32>], k: usize) {
         let a = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
         let b: [&[f32]; C] = std::array::from_fn(|c| &rows[4 + c][..]);
-        let got = dots_4xc(a, b);
-        for r in 0..4 {
-            for c in 0..C {
-                let exact: f64 = a[r]
-                    .iter()
-                    .zip(b[c])
-                    .map(|(x, y)| *x as f64 * *y as f64)
-                    .sum();
-                let err = (got[r][c] as f64 - exact).abs();
-                assert!(
-                    err <= 1e-4 * (1.0 + exact.abs()),
-                    "k={k} C={C} r={r} c={c}: {} vs {exact}",
-                    got[r][c]
-                );
+        let mut paths = vec![("dispatch", dots_4xc(a, b))];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::super::has_avx2_fma() {
+                // SAFETY: AVX2 and FMA were detected; every row holds `k` elements.
+                paths.push(("avx2", unsafe { dots_4xc_avx2(a, b, k) }));
+            }
+            if has_avx512f() {
+                // SAFETY: AVX-512F was detected; every row holds `k` elements.
+                paths.push(("avx512", unsafe { dots_4xc_avx512(a, b, k) }));
+            }
+        }
+        for (path, got) in paths {
+            for r in 0..4 {
+                for c in 0..C {
+                    let exact: f64 = a[r]
+                        .iter()
+                        .zip(b[c])
+                        .map(|(x, y)| *x as f64 * *y as f64)
+                        .sum();
+                    let err = (got[r][c] as f64 - exact).abs();
+                    assert!(
+                        err <= 1e-4 * (1.0 + exact.abs()),
+                        "{path} k={k} C={C} r={r} c={c}: {} vs {exact}",
+                        got[r][c]
+                    );
+                }
             }
         }
     }
