@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::buffer::{Buffer, BufferType, BufferUsage};
 use crate::graph::Graph;
 use crate::ops::Op;
-use crate::tensor::Tensor;
+use crate::tensor::{contiguous_strides, Tensor};
 
 /// No tensor.
 pub(crate) const NONE: u32 = u32::MAX;
@@ -312,7 +312,7 @@ impl Topology {
 
     /// The signature of the graph's shape for the plan cache: everything the passes read.
     pub fn signature(&self, graph: &Graph, pinned: &IdMap<usize>) -> Signature {
-        let mut words: Vec<u64> = Vec::with_capacity(self.len() * 11 + self.srcs.len() + 4);
+        let mut words: Vec<u64> = Vec::with_capacity(self.len() * 6 + self.srcs.len() + 4);
         words.push(self.n_nodes as u64);
         words.push(self.n_leafs as u64);
         words.push(self.extras.len() as u64);
@@ -324,11 +324,28 @@ impl Topology {
                 words.push(self.src_start[u + 1] as u64 - self.src_start[u] as u64);
                 words.extend(self.srcs(u).iter().map(|&s| s as u64));
             }
+            // Header: dtype, flags, how ne and nb follow, view root. Shapes whose sizes fit 32
+            // bits go as two words, strides of a dense layout as none (the header says which,
+            // so the encoding stays unambiguous).
+            let (ne, nb) = (t.ne(), t.nb());
+            let narrow = ne.iter().all(|&n| n <= u32::MAX as usize);
+            let dense = contiguous_strides(t.dtype(), &ne) == nb;
             words.push(
-                t.dtype() as u64 | u64::from(t.flags()) << 8 | u64::from(self.view_root[u]) << 32,
+                t.dtype() as u64
+                    | u64::from(t.flags()) << 8
+                    | u64::from(narrow) << 16
+                    | u64::from(dense) << 17
+                    | u64::from(self.view_root[u]) << 32,
             );
-            words.extend(t.ne().iter().map(|&n| n as u64));
-            words.extend(t.nb().iter().map(|&n| n as u64));
+            if narrow {
+                words.push(ne[0] as u64 | (ne[1] as u64) << 32);
+                words.push(ne[2] as u64 | (ne[3] as u64) << 32);
+            } else {
+                words.extend(ne.iter().map(|&n| n as u64));
+            }
+            if !dense {
+                words.extend(nb.iter().map(|&n| n as u64));
+            }
             words.push(t.view_offset() as u64);
             words.push(match self.buf_info(u) {
                 Some(b) => {
