@@ -883,6 +883,31 @@ mod tests {
         (x, g)
     }
 
+    /// The plan-cache signature encodes shapes and strides compactly (dense strides as a flag):
+    /// graphs that differ only in a view's strides, or in a shape beyond 32 bits, must not
+    /// share a signature, and identical rebuilt graphs must.
+    #[test]
+    fn signature_tells_strides_and_wide_shapes_apart() {
+        let sig = |row_stride: usize, wide: bool| {
+            let ctx = Context::new(true);
+            let x = ctx.new_tensor(DType::F32, &[8, 4]).unwrap();
+            let v = ops::view(&ctx, &x, &[4, 2], &[row_stride], 0).unwrap();
+            let mut outs = vec![ops::scale(&ctx, &v, 2.0, 0.0).unwrap()];
+            if wide {
+                // Metadata only (no_alloc): a shape past 32 bits is never materialised.
+                let big = ctx.new_tensor(DType::F32, &[1usize << 33]).unwrap();
+                outs.push(ops::scale(&ctx, &big, 1.0, 0.0).unwrap());
+            }
+            let g = Graph::build(&outs);
+            let topo = Topology::build(&g, &[]);
+            topo.signature(&g, &IdMap::default())
+        };
+        assert_eq!(sig(32, false), sig(32, false), "identical graphs");
+        assert_ne!(sig(32, false), sig(16, false), "row strides 32 vs 16 bytes");
+        assert_eq!(sig(16, true), sig(16, true), "identical wide graphs");
+        assert_ne!(sig(16, true), sig(16, false));
+    }
+
     #[test]
     fn single_cpu_plan_is_one_split_and_cached() {
         let mut sched = Scheduler::new(vec![cpu()], None, 16, false, false).unwrap();
