@@ -2,27 +2,42 @@
 //! compiler can auto-vectorise (libm's `expf` is a call per element), and sums with eight
 //! independent f64 lanes (a single accumulator serialises on the add latency).
 
+/// The constants of [`exp`], shared with its explicit-SIMD row form so the two cannot drift.
+mod exp_consts {
+    /// Below this e^x is 0 in f32 (inputs are clamped here first).
+    pub const LO: f32 = -104.0;
+    /// Above this e^x is +∞ in f32.
+    pub const HI: f32 = 88.722_84;
+    pub const LOG2E: f32 = std::f32::consts::LOG2_E;
+    /// ln 2 split in two so that n·ln 2 is subtracted without losing bits.
+    pub const LN2_HI: f32 = 0.693_359_4;
+    pub const LN2_LO: f32 = -2.121_944_4e-4;
+    /// 1.5·2²³: adding and subtracting it rounds to the nearest integer.
+    pub const ROUND: f32 = 12_582_912.0;
+    /// Cephes polynomial for (e^r − 1 − r)/r², highest degree first.
+    pub const POLY: [f32; 6] = [
+        1.987_569_1e-4,
+        1.398_2e-3,
+        8.333_452e-3,
+        4.166_579_6e-2,
+        1.666_666_5e-1,
+        0.5,
+    ];
+}
+
 /// e^x with ~2 ulp error (Cephes polynomial, range reduction by ln 2); exact 0 below the f32
 /// range, +∞ above it, NaN propagated.
 #[inline(always)]
 pub fn exp(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let xc = x.clamp(-104.0, 88.722_84);
+    use exp_consts::*;
+    let xc = x.clamp(LO, HI);
     // Round to nearest with the 1.5·2²³ trick: `f32::round` is a libm call without SSE4.1.
-    const ROUND: f32 = 12_582_912.0;
     let shifted = xc * LOG2E + ROUND;
     let n = shifted - ROUND;
     // The integer n from the same bits (a saturating `as` cast would block vectorisation).
     let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
     let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_1e-4f32;
-    p = p * r + 1.398_2e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5;
+    let p = POLY[1..].iter().fold(POLY[0], |p, &c| p * r + c);
     let y = p * r * r + r + 1.0;
     // 2ⁿ in two normal factors so that results near both ends of the range (including
     // subnormals) come out right.
@@ -32,8 +47,8 @@ pub fn exp(x: f32) -> f32 {
     let s2 = f32::from_bits(((n - half + 127) as u32) << 23);
     let v = y * s1 * s2;
     // Selects rather than a branch chain, so loops over rows vectorise.
-    let v = if x < -104.0 { 0.0 } else { v };
-    let v = if x > 88.722_84 { f32::INFINITY } else { v };
+    let v = if x < LO { 0.0 } else { v };
+    let v = if x > HI { f32::INFINITY } else { v };
     if x.is_nan() {
         x
     } else {
@@ -60,22 +75,16 @@ pub fn exp_sub_row(x: &mut [f32], shift: f32) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn exp_sub_row_avx2(x: &mut [f32], shift: f32) {
+    use exp_consts::*;
     use std::arch::x86_64::*;
-    let lo = _mm256_set1_ps(-104.0);
-    let hi = _mm256_set1_ps(88.722_84);
-    let log2e = _mm256_set1_ps(std::f32::consts::LOG2_E);
-    let round = _mm256_set1_ps(12_582_912.0);
-    let round_bits = _mm256_set1_epi32(12_582_912f32.to_bits() as i32);
-    let ln2_hi = _mm256_set1_ps(0.693_359_4);
-    let ln2_lo = _mm256_set1_ps(-2.121_944_4e-4);
-    let c = [
-        _mm256_set1_ps(1.987_569_1e-4),
-        _mm256_set1_ps(1.398_2e-3),
-        _mm256_set1_ps(8.333_452e-3),
-        _mm256_set1_ps(4.166_579_6e-2),
-        _mm256_set1_ps(1.666_666_5e-1),
-        _mm256_set1_ps(0.5),
-    ];
+    let lo = _mm256_set1_ps(LO);
+    let hi = _mm256_set1_ps(HI);
+    let log2e = _mm256_set1_ps(LOG2E);
+    let round = _mm256_set1_ps(ROUND);
+    let round_bits = _mm256_set1_epi32(ROUND.to_bits() as i32);
+    let ln2_hi = _mm256_set1_ps(LN2_HI);
+    let ln2_lo = _mm256_set1_ps(LN2_LO);
+    let c = POLY.map(|k| _mm256_set1_ps(k));
     let one = _mm256_set1_ps(1.0);
     let bias = _mm256_set1_epi32(127);
     let sh = _mm256_set1_ps(shift);
