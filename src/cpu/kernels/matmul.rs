@@ -183,11 +183,9 @@ fn run_tile(
                 }
             }
         }
-        DType::F16 if !reference && f16_direct(a) && cols.len() <= F16_DOT_MAX_COLS => {
-            // One or two columns: dot products straight from the f16 weights (half the bytes
-            // of an f32 copy, no conversion pass). With more, each weight row would be
-            // converted once per column: the rows are converted once per tile instead and go
-            // through the register-tiled f32 kernel below.
+        DType::F16 if !reference && f16_direct(a) && cols.len() <= DIRECT_DOT_MAX_COLS => {
+            // Few columns (DIRECT_DOT_MAX_COLS): dot products straight from the f16 weights,
+            // half the bytes of an f32 copy and no conversion pass.
             for col in cols {
                 let brow = b.f32_row(k, col.b);
                 for i in rows.clone() {
@@ -284,11 +282,13 @@ fn tile<const C: usize>(
     }
 }
 
-/// Largest column count for which f16 weights are read by f16 dot products (see `run_tile`).
-const F16_DOT_MAX_COLS: usize = 2;
-
-/// Largest column count for which quantized weights use integer dot products.
-const QUANT_DOT_MAX_COLS: usize = 2;
+/// Largest column count for which compact weights (f16, q8_0, q4_0) are read by dot products
+/// of their own type (f16 · f32, integer dots against q8_0 activations): reading the compact
+/// rows once is what counts there. With more columns the rows are converted to f32 once per
+/// tile and reused by the register-tiled f32 kernel, which is faster (and, for quantized
+/// weights, more accurate). Quantized products decide by the whole product's column count
+/// (activations are quantized before the tiles); f16 by each tile's.
+const DIRECT_DOT_MAX_COLS: usize = 2;
 
 fn row_tile(m: usize, n: usize) -> usize {
     if n == 1 {
@@ -317,11 +317,9 @@ pub fn mul_mat(
     if !reference && gemm::applies(&a, &dst, n) {
         return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
     }
-    // Quantized weights against a few columns: integer dot products with q8_0 activations
-    // (ggml's way) only for matrix-vector products, where reading the compact weights once is
-    // what counts; from 3 columns the weight rows are dequantized once per tile and reused by the
-    // register-tiled f32 kernel, which is faster and more accurate.
-    let activations = if a.dtype.is_quantized() && !reference && n > QUANT_DOT_MAX_COLS {
+    // Quantized weights: integer dot products with q8_0 activations (ggml's way) only up to
+    // DIRECT_DOT_MAX_COLS columns.
+    let activations = if a.dtype.is_quantized() && !reference && n > DIRECT_DOT_MAX_COLS {
         DType::F32
     } else {
         a.dtype
