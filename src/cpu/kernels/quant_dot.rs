@@ -149,7 +149,7 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx2_fma() {
         // SAFETY: AVX2 and FMA were detected at run time.
-        return unsafe { avx2::dot_f32(a, b) };
+        return unsafe { x86::dot_f32(a, b) };
     }
     dot_f32_ref(a, b)
 }
@@ -195,7 +195,7 @@ pub fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_f16c() {
         // SAFETY: AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2::dot_f16_f32(a, b) };
+        return unsafe { x86::dot_f16_f32(a, b) };
     }
     dot_f16_f32_ref(a, b)
 }
@@ -233,7 +233,7 @@ pub fn dot_q8_0_q8_0(a: &[u8], b: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_f16c() {
         // SAFETY: AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2::dot_q8_0_q8_0(a, b) };
+        return unsafe { x86::dot_q8_0_q8_0(a, b) };
     }
     dot_q8_0_q8_0_ref(a, b)
 }
@@ -243,18 +243,19 @@ pub fn dot_q4_0_q8_0(a: &[u8], b: &[u8]) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if has_avx512_vnni() {
         // SAFETY: AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL were detected at run time.
-        return unsafe { avx2::dot_q4_0_q8_0_vnni(a, b) };
+        return unsafe { x86::dot_q4_0_q8_0_vnni(a, b) };
     }
     #[cfg(target_arch = "x86_64")]
     if has_f16c() {
         // SAFETY: AVX2, FMA and F16C were detected at run time.
-        return unsafe { avx2::dot_q4_0_q8_0(a, b) };
+        return unsafe { x86::dot_q4_0_q8_0(a, b) };
     }
     dot_q4_0_q8_0_ref(a, b)
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+/// x86-64 kernels: AVX2/FMA/F16C, and AVX512-VNNI for q4_0 (each function says what it needs).
+mod x86 {
     use super::{Q4_0_BYTES, Q8_0_BYTES};
     use std::arch::x86_64::*;
 
@@ -519,15 +520,15 @@ mod tests {
             if has_f16c() {
                 // SAFETY: AVX2, FMA and F16C were detected.
                 unsafe {
-                    close(avx2::dot_q8_0_q8_0(&qa, &qb), r8, "q8_0 avx2");
-                    close(avx2::dot_q4_0_q8_0(&q4, &qb), r4, "q4_0 avx2");
+                    close(x86::dot_q8_0_q8_0(&qa, &qb), r8, "q8_0 avx2");
+                    close(x86::dot_q4_0_q8_0(&q4, &qb), r4, "q4_0 avx2");
                 }
             }
             #[cfg(target_arch = "x86_64")]
             if has_avx512_vnni() {
                 // SAFETY: the VNNI path's features were detected.
                 close(
-                    unsafe { avx2::dot_q4_0_q8_0_vnni(&q4, &qb) },
+                    unsafe { x86::dot_q4_0_q8_0_vnni(&q4, &qb) },
                     r4,
                     "q4_0 vnni",
                 );
