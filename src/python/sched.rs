@@ -91,6 +91,16 @@ fn escape(s: &str) -> String {
         .replace('>', "&gt;")
 }
 
+/// A Python list of one dict per item.
+fn dict_list<'py, T>(
+    py: Python<'py>,
+    items: &[T],
+    to_dict: impl Fn(&T) -> PyResult<Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let dicts = items.iter().map(to_dict).collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, dicts)
+}
+
 #[pymethods]
 impl PySchedPlan {
     /// The backends' names, in priority order.
@@ -108,50 +118,26 @@ impl PySchedPlan {
     /// Per node: {kind, index, name, op, is_view, backend, cause}.
     #[getter]
     fn nodes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .plan
-            .nodes
-            .iter()
-            .map(|t| self.assignment_dict(py, t))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        dict_list(py, &self.plan.nodes, |t| self.assignment_dict(py, t))
     }
 
     /// Per leaf (and operand outside the graph): the same fields as `nodes`.
     #[getter]
     fn leafs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .plan
-            .leafs
-            .iter()
-            .map(|t| self.assignment_dict(py, t))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        dict_list(py, &self.plan.leafs, |t| self.assignment_dict(py, t))
     }
 
     /// The splits in execution order: {backend, nodes: (start, end), n_nodes, inputs}.
     #[getter]
     fn splits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .plan
-            .splits
-            .iter()
-            .map(|s| self.split_dict(py, s))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        dict_list(py, &self.plan.splits, |s| self.split_dict(py, s))
     }
 
     /// The copies between backends: {source, from_backend, to_backend, split, user_input,
     /// nbytes, ...}.
     #[getter]
     fn copies<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let items = self
-            .plan
-            .copies
-            .iter()
-            .map(|c| self.copy_dict(py, c))
-            .collect::<PyResult<Vec<_>>>()?;
-        PyList::new(py, items)
+        dict_list(py, &self.plan.copies, |c| self.copy_dict(py, c))
     }
 
     /// Compute memory per backend name, in bytes (pipeline slots included).
