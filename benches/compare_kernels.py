@@ -264,30 +264,14 @@ def main() -> None:
             mul_mat_case(
                 table, cpu, r, fg.float32, m, k, n, f"MUL_MAT f32 MiniLM {m}x{k} by {n}", True
             )
-    for dtype in (fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0):
-        mul_mat_case(
-            table,
-            cpu,
-            r,
-            dtype,
-            big_m,
-            big_k,
-            512,
-            f"MUL_MAT {dtype} {big_k}x{big_m} by 512",
-            dtype == fg.float16,
-        )
-    for dtype in (fg.float32, fg.float16, fg.q8_0, fg.q4_0):
-        mul_mat_case(
-            table,
-            cpu,
-            r,
-            dtype,
-            big_m,
-            big_k,
-            1,
-            f"MUL_MAT {dtype} {big_k}x{big_m} by 1",
-            dtype == fg.float32,
-        )
+    # (columns, weight types, the type measured beside its peers)
+    for n, dtypes, with_peers in (
+        (512, (fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0), fg.float16),
+        (1, (fg.float32, fg.float16, fg.q8_0, fg.q4_0), fg.float32),
+    ):
+        for dtype in dtypes:
+            label = f"MUL_MAT {dtype} {big_k}x{big_m} by {n}"
+            mul_mat_case(table, cpu, r, dtype, big_m, big_k, n, label, dtype == with_peers)
     print("\nelementwise and copies")
     elementwise_cases(table, cpu, r, square)
     print("\nrow kernels")
