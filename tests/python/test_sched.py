@@ -54,6 +54,23 @@ def _mlp(
     return fg.Graph.build(y), x, [h, s, y], w1n, w2n, weights
 
 
+def _compute_checked(
+    sched: fg.Scheduler,
+    g: fg.Graph,
+    x: fg.Tensor,
+    y: fg.Tensor,
+    xn: np.ndarray,
+    w: tuple[np.ndarray, np.ndarray],
+    alloc: bool = True,
+) -> None:
+    """(Allocates,) sets the input, computes and checks ``y`` against numpy."""
+    if alloc:
+        sched.alloc_graph(g)
+    x.set(xn)
+    sched.graph_compute(g)
+    np.testing.assert_allclose(y.numpy(), _reference(xn, *w), rtol=1e-4, atol=1e-4)
+
+
 def _reference(xn: np.ndarray, w1n: np.ndarray, w2n: np.ndarray) -> np.ndarray:
     h = np.maximum(xn @ w1n.T, 0) * 0.5
     return h @ w2n.T + xn
@@ -69,10 +86,7 @@ def test_cpu_only_scheduler_reserve_and_recompute(
     assert sched.get_buffer_size(cpu) > 0
     for _ in range(3):
         xn = rng.standard_normal((4, 8)).astype(np.float32)
-        sched.alloc_graph(g)
-        x.set(xn)
-        sched.graph_compute(g)
-        np.testing.assert_allclose(y.numpy(), _reference(xn, w1n, w2n), rtol=1e-4, atol=1e-4)
+        _compute_checked(sched, g, x, y, xn, (w1n, w2n))
     assert sched.n_splits == 1
     plan = sched.plan
     assert plan is not None and plan.backend_names == ["CPU"]
@@ -95,10 +109,7 @@ def test_cpu_and_python_backend_with_pins(
     assert sched.get_tensor_backend(s) == npb
     xn = rng.standard_normal((4, 8)).astype(np.float32)
     keep = xn.copy()
-    sched.alloc_graph(g)
-    x.set(xn)
-    sched.graph_compute(g)
-    np.testing.assert_allclose(y.numpy(), _reference(xn, w1n, w2n), rtol=1e-4, atol=1e-4)
+    _compute_checked(sched, g, x, y, xn, (w1n, w2n))
     np.testing.assert_array_equal(x.numpy(), keep)  # inputs unchanged
     assert sched.n_splits >= 3  # CPU -> NPSCHED -> CPU
     plan = sched.plan
@@ -111,9 +122,7 @@ def test_cpu_and_python_backend_with_pins(
     assert plan.buffer_sizes["NPSCHED"] > 0
     # Recompute with new inputs; the plan is reused.
     xn2 = rng.standard_normal((4, 8)).astype(np.float32)
-    x.set(xn2)
-    sched.graph_compute(g)
-    np.testing.assert_allclose(y.numpy(), _reference(xn2, w1n, w2n), rtol=1e-4, atol=1e-4)
+    _compute_checked(sched, g, x, y, xn2, (w1n, w2n), alloc=False)
 
 
 def test_pipelined_scheduler_matches(
@@ -125,10 +134,7 @@ def test_pipelined_scheduler_matches(
     sched.set_tensor_backend(s, npb)
     for _ in range(3):
         xn = rng.standard_normal((4, 8)).astype(np.float32)
-        sched.alloc_graph(g)
-        x.set(xn)
-        sched.graph_compute(g)
-        np.testing.assert_allclose(y.numpy(), _reference(xn, w1n, w2n), rtol=1e-4, atol=1e-4)
+        _compute_checked(sched, g, x, y, xn, (w1n, w2n))
     sched.n_copies = 1
     assert sched.n_copies == 1
 
