@@ -1021,9 +1021,11 @@ fn same_graph_replans_after_pins_flags_and_buffer_moves() {
     check(&mut sched);
 }
 
-/// Re-allocating the very graph allocated last skips the allocator's plan check only while
-/// nothing changed: an intermediate the caller placed in their own buffer since then keeps
-/// that memory (and its value) instead of being put back into the compute buffer.
+/// Re-allocating the very graph allocated last (the path where the allocator may skip its plan
+/// check): an intermediate the caller placed in their own buffer since then keeps that memory
+/// (and its value) instead of being put back into the compute buffer. The new binding changes
+/// the plan too, which forces a reserve, so this stays right even if the scheduler's
+/// "unchanged" test were wrong: it checks the behaviour, not that one guard alone.
 #[test]
 fn same_graph_realloc_keeps_a_binding_made_since() {
     let mut sched = Scheduler::new(vec![cpu()], None, 0, false, false).unwrap();
