@@ -48,20 +48,45 @@ fn from_f32(x: &[f32], out: &mut [u8]) -> Result<()> {
     Ok(())
 }
 
+/// f32 → a 16-bit float type with `convert`, straight into `out` when it is 2-byte aligned,
+/// else through a temporary row.
+fn from_f32_to_16<T: bytemuck::Pod>(
+    what: &str,
+    dtype: DType,
+    x: &[f32],
+    out: &mut [u8],
+    convert: fn(&[f32], &mut [T]) -> Result<()>,
+) -> Result<()> {
+    check(what, dtype, x.len(), out.len())?;
+    match bytemuck::try_cast_slice_mut::<u8, T>(out) {
+        Ok(direct) => convert(x, direct),
+        Err(_) => {
+            let mut tmp = vec![T::zeroed(); x.len()];
+            convert(x, &mut tmp)?;
+            out.copy_from_slice(bytemuck::cast_slice(&tmp));
+            Ok(())
+        }
+    }
+}
+
 fn from_f16(x: &[f32], out: &mut [u8]) -> Result<()> {
-    check("from_float f16", DType::F16, x.len(), out.len())?;
-    let mut tmp = vec![f16::ZERO; x.len()];
-    crate::convert::fp32_to_fp16_row(x, &mut tmp)?;
-    out.copy_from_slice(bytemuck::cast_slice(&tmp));
-    Ok(())
+    from_f32_to_16::<f16>(
+        "from_float f16",
+        DType::F16,
+        x,
+        out,
+        crate::convert::fp32_to_fp16_row,
+    )
 }
 
 fn from_bf16(x: &[f32], out: &mut [u8]) -> Result<()> {
-    check("from_float bf16", DType::BF16, x.len(), out.len())?;
-    let mut tmp = vec![bf16::ZERO; x.len()];
-    crate::convert::fp32_to_bf16_row(x, &mut tmp)?;
-    out.copy_from_slice(bytemuck::cast_slice(&tmp));
-    Ok(())
+    from_f32_to_16::<bf16>(
+        "from_float bf16",
+        DType::BF16,
+        x,
+        out,
+        crate::convert::fp32_to_bf16_row,
+    )
 }
 
 fn from_q8_0(x: &[f32], out: &mut [u8]) -> Result<()> {
@@ -170,6 +195,26 @@ mod tests {
         }
         assert_eq!(type_traits(DType::Q4_0).vec_dot_type, DType::Q8_0);
         assert!(type_traits(DType::I32).vec_dot.is_none());
+    }
+
+    /// from_float into an aligned and a misaligned byte slice gives the same bytes (the
+    /// 16-bit types convert in place when they can, through a temporary row when not).
+    #[test]
+    fn half_from_float_any_alignment() {
+        let x: Vec<f32> = (0..19).map(|i| i as f32 * 0.37 - 3.0).collect();
+        for dtype in [DType::F16, DType::BF16] {
+            let from = type_traits(dtype).from_float.unwrap();
+            let mut aligned = vec![0u16; x.len()];
+            from(&x, bytemuck::cast_slice_mut(&mut aligned)).unwrap();
+            let mut buf = vec![0u8; 2 * x.len() + 1];
+            from(&x, &mut buf[1..]).unwrap();
+            assert_eq!(
+                &buf[1..],
+                bytemuck::cast_slice::<u16, u8>(&aligned),
+                "{dtype:?}"
+            );
+            assert_ne!(aligned, vec![0u16; x.len()]);
+        }
     }
 
     #[test]
