@@ -90,6 +90,9 @@ class Spec:
     tokenizer_truncation: int | None = None  # tokenizer.json's own (ignored by s-t)
     bert_prefix: bool = False
     extra_config: dict[str, Any] = field(default_factory=dict)
+    json_lowercase: bool = True  # tokenizer.json's BertNormalizer
+    tokenizer_config: dict[str, Any] = field(default_factory=dict)  # None values remove a key
+    sbert_lower_case: bool | None = None  # sentence_bert_config.json do_lower_case
 
 
 def _write_tokenizer(path: Path, spec: Spec) -> None:
@@ -98,7 +101,10 @@ def _write_tokenizer(path: Path, spec: Spec) -> None:
     vocab = {token: i for i, token in enumerate(VOCAB)}
     tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=100))
     tok.normalizer = normalizers.BertNormalizer(
-        clean_text=True, handle_chinese_chars=True, strip_accents=None, lowercase=True
+        clean_text=True,
+        handle_chinese_chars=True,
+        strip_accents=None,
+        lowercase=spec.json_lowercase,
     )
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     tok.post_processor = processors.TemplateProcessing(
@@ -124,6 +130,11 @@ def _write_tokenizer(path: Path, spec: Spec) -> None:
     }
     if spec.model_max_length is not None:
         config["model_max_length"] = spec.model_max_length
+    for key, value in spec.tokenizer_config.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
 
 
@@ -265,6 +276,8 @@ def write_model(path: Path, spec: Spec) -> Path:
         st_version = "2.2.2"
     if spec.max_seq_length is not None:
         sbert["max_seq_length"] = spec.max_seq_length
+    if spec.sbert_lower_case is not None:
+        sbert["do_lower_case"] = spec.sbert_lower_case
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2), "utf-8")
     (path / "sentence_bert_config.json").write_text(json.dumps(sbert, indent=2), "utf-8")
     st_config = {"__version__": {"sentence_transformers": st_version}}
@@ -299,6 +312,28 @@ SPECS: dict[str, Spec] = {
     ),
     "v6-prefixed-truncation": Spec(
         seed=7, bert_prefix=True, tokenizer_truncation=8, model_max_length=None, max_pos=28
+    ),
+    # text normalisation: tokenizer_config.json's BERT settings beat tokenizer.json's normalizer
+    "v6-cased-by-config": Spec(layers=1, seed=8, tokenizer_config={"do_lower_case": False}),
+    "v6-uncased-by-default": Spec(
+        layers=1, seed=9, json_lowercase=False, tokenizer_config={"do_lower_case": None}
+    ),
+    "v6-strip-accents-cased": Spec(
+        layers=1, seed=10, tokenizer_config={"do_lower_case": False, "strip_accents": True}
+    ),
+    "v2-sbert-lower-case": Spec(
+        layout="v2",
+        layers=1,
+        seed=11,
+        json_lowercase=False,
+        tokenizer_config={"do_lower_case": False},
+        sbert_lower_case=True,
+    ),
+    "v6-generic-fast-tokenizer": Spec(
+        layers=1,
+        seed=12,
+        json_lowercase=False,
+        tokenizer_config={"tokenizer_class": "PreTrainedTokenizerFast"},
     ),
 }
 
@@ -405,6 +440,8 @@ def _edit_json(path: Path, **changes: Any) -> None:
         ("sentence_bert_config.json", {"max_seq_length": 1}, "max_seq_length"),
         ("config_sentence_transformers.json", {"default_prompt_name": "query"}, "prompt"),
         ("config_sentence_transformers.json", {"model_type": "SparseEncoder"}, "model_type"),
+        ("tokenizer_config.json", {"tokenizer_class": "XLMRobertaTokenizer"}, "tokenizer_class"),
+        ("tokenizer_config.json", {"do_lower_case": "yes"}, "do_lower_case"),
     ],
 )
 def test_unsupported_settings_are_named(
@@ -432,6 +469,21 @@ def test_unsupported_modules_are_named(tmp_path: Path, module_type: str, named: 
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModelError, match=named):
         read_settings(path)
+
+
+def test_text_normalisation_follows_the_tokenizer_class(model_dirs: dict[str, Path]) -> None:
+    def tokens(name: str, text: str) -> list[int]:
+        return SentenceEncoder(model_dirs[name]).tokenize([text]).input_ids[0].tolist()
+
+    unk, hello = VOCAB.index("[UNK]"), VOCAB.index("hello")
+    assert tokens("v6-gelu_new-cls", "HELLO")[1] == hello  # uncased
+    assert tokens("v6-cased-by-config", "HELLO")[1] == unk  # tokenizer_config says cased
+    assert tokens("v6-uncased-by-default", "HELLO")[1] == hello  # BERT's default: uncased
+    assert tokens("v2-sbert-lower-case", "HELLO")[1] == hello  # sentence_bert_config lowers
+    assert tokens("v6-generic-fast-tokenizer", "HELLO")[1] == unk  # tokenizer.json as it is
+    accented = tokens("v6-strip-accents-cased", "ά")[1]
+    assert accented == VOCAB.index("α")  # accents stripped although cased
+    assert tokens("v6-cased-by-config", "ά")[1] == unk
 
 
 def test_bad_files(tmp_path: Path) -> None:

@@ -5,10 +5,18 @@ sentence-transformers calls the Hugging Face tokenizer with ``truncation="longes
 ``max_length`` = the model's ``max_seq_length``, which overrides the truncation written in
 ``tokenizer.json``; with ``do_lower_case`` it puts a ``Lowercase`` normalizer in front when the
 tokenizer has none. :func:`load_tokenizer` sets up the same.
+
+The Hugging Face BERT tokenizer (``tokenizer_class`` ``BertTokenizer`` / ``BertTokenizerFast``,
+or none: the class a ``bert`` model gets) takes its text normalisation from
+``tokenizer_config.json`` (``do_lower_case``, ``strip_accents``, ``tokenize_chinese_chars``, with
+BERT's defaults), not from ``tokenizer.json``'s normalizer, so the normalizer is rebuilt from those
+here too. A generic fast tokenizer (``PreTrainedTokenizerFast``) uses ``tokenizer.json`` as it is.
+Other tokenizer classes raise :class:`~ferrograph.models.UnsupportedModelError`.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import numpy.typing as npt
 
+from .settings import UnsupportedModelError
 from .weights import INSTALL_HINT, MissingDependencyError
 
 if TYPE_CHECKING:
@@ -39,6 +48,55 @@ def _has_lowercase(normalizer: Any) -> bool:
     return False
 
 
+_BERT_CLASSES = (None, "BertTokenizer", "BertTokenizerFast")
+_VERBATIM_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _apply_tokenizer_config(tokenizer: Tokenizer, model_dir: Path) -> None:
+    """Gives ``tokenizer`` the normaliser the Hugging Face tokenizer class would use."""
+    from tokenizers import normalizers
+
+    path = model_dir / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if path.is_file():
+        try:
+            loaded = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise UnsupportedModelError(f"{path} is not valid JSON: {error}") from error
+        if not isinstance(loaded, dict):
+            raise UnsupportedModelError(f"{path} must hold a JSON object")
+        config = loaded
+    kind = config.get("tokenizer_class")
+    if kind in _VERBATIM_CLASSES:
+        return
+    if kind not in _BERT_CLASSES:
+        raise UnsupportedModelError(
+            f"{path}: tokenizer_class {kind!r} is not supported (BertTokenizer, "
+            "BertTokenizerFast or PreTrainedTokenizerFast)"
+        )
+    raw = json.loads(tokenizer.to_str())
+    model_type = (raw.get("model") or {}).get("type")
+    pre_type = (raw.get("pre_tokenizer") or {}).get("type")
+    if model_type != "WordPiece" or pre_type != "BertPreTokenizer":
+        raise UnsupportedModelError(
+            f"{model_dir / 'tokenizer.json'}: a {model_type} model with a {pre_type} "
+            "pre-tokenizer, but tokenizer_config.json asks for BERT's WordPiece tokenizer"
+        )
+    lowercase, strip_accents = config.get("do_lower_case", True), config.get("strip_accents")
+    chinese = config.get("tokenize_chinese_chars", True)
+    for key, value in (("do_lower_case", lowercase), ("tokenize_chinese_chars", chinese)):
+        if not isinstance(value, bool):
+            raise UnsupportedModelError(f"{path}: {key} must be true or false")
+    if strip_accents is not None and not isinstance(strip_accents, bool):
+        raise UnsupportedModelError(f"{path}: strip_accents must be true, false or null")
+    tokenizer.normalizer = normalizers.BertNormalizer(
+        clean_text=True,
+        handle_chinese_chars=chinese,
+        strip_accents=strip_accents,
+        lowercase=lowercase,
+    )
+
+
 def load_tokenizer(model_dir: Path, max_length: int, do_lower_case: bool = False) -> Tokenizer:
     """The model's fast tokenizer, truncating to ``max_length`` tokens, not padding.
 
@@ -46,6 +104,8 @@ def load_tokenizer(model_dir: Path, max_length: int, do_lower_case: bool = False
     ------
     MissingDependencyError
         If ``tokenizers`` is not installed.
+    UnsupportedModelError
+        For a tokenizer class other than BERT's or the generic fast one.
     """
     try:
         from tokenizers import Tokenizer
@@ -54,6 +114,7 @@ def load_tokenizer(model_dir: Path, max_length: int, do_lower_case: bool = False
     except ImportError as error:
         raise MissingDependencyError(f"tokenization needs tokenizers: {INSTALL_HINT}") from error
     tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    _apply_tokenizer_config(tokenizer, model_dir)
     if do_lower_case and not _has_lowercase(tokenizer.normalizer):
         current = tokenizer.normalizer
         if current is None:
