@@ -550,7 +550,7 @@ def test_vectors_match_numpy_reference(model_dirs: dict[str, Path], name: str) -
 
 def test_max_pooling_is_the_maximum_over_real_tokens(model_dirs: dict[str, Path]) -> None:
     # odd and even lengths, padding inside a batch: the halving tree must see every token
-    model = SentenceEncoder(model_dirs["v6-relu-max-norm"], seq_bucket=1)
+    model = SentenceEncoder(model_dirs["v6-relu-max-norm"], bucket_lengths=False)
     sentences = ["a", "a b", "a b c", "a b c d e", "the cat sat on the mat " * 3]
     got = model.encode(sentences, batch_size=5)
     np.testing.assert_allclose(got, reference_vectors(model, sentences), atol=2e-5)
@@ -608,24 +608,40 @@ def test_model_length_beyond_positions_is_an_error_not_a_crash(tmp_path: Path) -
 
 
 def test_graph_cache_is_bounded_and_lengths_bucketed(model_dirs: dict[str, Path]) -> None:
+    wide = SentenceEncoder(model_dirs["v2-gelu-mean-norm"])  # 64 positions
+    lengths = (1, 15, 16, 17, 19, 31, 32, 33, 37, 63, 64)
+    assert [wide.padded_length(n) for n in lengths] == [1, 15, 16, 18, 20, 32, 32, 36, 40, 64, 64]
+    for n in range(1, 65):  # at most 1/8 more tokens, never past the positions
+        assert n <= wide.padded_length(n) <= min(64, n + n // 8)
+    assert len({wide.padded_length(n) for n in range(1, 65)}) == 15 + 8 + 8 + 1
+
     model = SentenceEncoder(model_dirs["v6-prefixed-truncation"])  # 28 positions
-    assert [model.padded_length(n) for n in (1, 8, 9, 17, 25, 28)] == [8, 8, 16, 24, 28, 28]
+    assert model.padded_length(27) == 28
+    built: list[tuple[int, int]] = []
+    build = model.build_graph
+
+    def counting(batch: int, seq: int) -> Any:
+        built.append((batch, seq))
+        return build(batch, seq)
+
+    model.build_graph = counting  # type: ignore[method-assign]
     words = ["the", "cat", "sat", "on", "mat", "dog", "runs"]
-    sentences = [" ".join(words[: 1 + i % 7] * (1 + i // 7)) for i in range(26)]
-    for batch_size in range(1, 40, 3):  # many (batch, length) combinations
+    sentences = [" ".join(words[: 1 + i % 7] * (1 + i // 7)) for i in range(30)]
+    for batch_size in range(1, 31):  # many (batch, length) combinations
         model.encode(sentences, batch_size=batch_size)
-    assert len(model._graphs) <= GRAPH_CACHE_SIZE
-    assert {seq for _, seq in model._graphs} <= {8, 16, 24, 28}
-    exact = SentenceEncoder(model_dirs["v6-prefixed-truncation"], seq_bucket=1)
+    assert len(set(built)) > GRAPH_CACHE_SIZE  # more shapes than the cache holds ...
+    assert len(model._graphs) == GRAPH_CACHE_SIZE  # ... and it stayed at its bound
+    allowed = set(range(1, 16)) | {16, 18, 20, 22, 24, 26, 28}
+    assert {seq for _, seq in built} <= allowed
+    exact = SentenceEncoder(model_dirs["v6-prefixed-truncation"], bucket_lengths=False)
+    assert exact.padded_length(17) == 17
     np.testing.assert_allclose(
         exact.encode(sentences, batch_size=7), model.encode(sentences, batch_size=7), atol=2e-6
     )
-    with pytest.raises(fg.InvalidArgumentError, match="seq_bucket"):
-        SentenceEncoder(model_dirs["v6-prefixed-truncation"], seq_bucket=0)
 
 
 def test_sorted_batches_pad_little(model_dirs: dict[str, Path]) -> None:
-    model = SentenceEncoder(model_dirs["v2-gelu-mean-norm"], seq_bucket=1)
+    model = SentenceEncoder(model_dirs["v2-gelu-mean-norm"], bucket_lengths=False)
     shapes: list[tuple[int, int]] = []
     run = model.run_batch
 

@@ -168,7 +168,7 @@ class MiniLM(SentenceEncoder):
         attention: str = "soft_max",
         fuse_qkv: bool = False,
         blas: bool = False,
-        seq_bucket: int = 8,
+        bucket_lengths: bool = True,
     ) -> None:
         super().__init__(
             find_model_dir(model_dir),
@@ -179,7 +179,7 @@ class MiniLM(SentenceEncoder):
             blas=blas,
             attention=attention,
             fuse_qkv=fuse_qkv,
-            seq_bucket=seq_bucket,
+            bucket_lengths=bucket_lengths,
         )
 
     @property

@@ -20,10 +20,12 @@ How it runs
   tables stay f32.
 * :meth:`SentenceEncoder.encode` tokenizes everything, sorts the sentences by token count
   (longest first) and cuts batches from that order, so a batch pads little; results come back
-  in the input order. Each batch is padded to its longest sentence rounded up to a multiple of
-  ``seq_bucket`` (8 by default) tokens: **bucketed lengths**, so many distinct sentence lengths
-  share few graph shapes. Padding never changes a vector (padded keys are masked out of the
-  attention, padded tokens get no pooling weight).
+  in the input order. Each batch is padded to its longest sentence rounded up to a **length
+  bucket** (:meth:`SentenceEncoder.padded_length`): exact below 16 tokens, then steps of 1/8 to
+  1/16 of the length (16, 18, ..., 32, 36, ..., 64, 72, ..., 128, 144, ..., 256, 288, ...), so
+  a batch is padded by at most 1/8 more tokens while all lengths up to 512 share at most 56
+  graph shapes. Padding never changes a vector (padded keys are masked out of the attention,
+  padded tokens get no pooling weight).
 * One graph is built (metadata only) per (batch, padded length) shape and kept in a cache of at
   most :data:`GRAPH_CACHE_SIZE` shapes, least recently used evicted first, so the cache stays
   bounded whatever the inputs. The graphs run through a :class:`ferrograph.Scheduler` reserved
@@ -145,9 +147,10 @@ class SentenceEncoder:
     fuse_qkv
         Concatenate each layer's query, key and value projections at load time and compute
         them as one ``mul_mat``.
-    seq_bucket
-        Batches are padded to a multiple of this many tokens (1: to their exact longest
-        sentence). Fewer distinct lengths mean fewer graphs to build and plan.
+    bucket_lengths
+        Pad each batch to its length bucket (:meth:`padded_length`; default) rather than to
+        its exact longest sentence: fewer distinct shapes to build and plan, at most 1/8 more
+        tokens.
 
     Raises
     ------
@@ -158,7 +161,7 @@ class SentenceEncoder:
     MissingDependencyError
         If ``safetensors`` or ``tokenizers`` is not installed.
     fg.InvalidArgumentError
-        For a bad ``weights_dtype``, ``max_seq_length``, ``attention`` or ``seq_bucket``.
+        For a bad ``weights_dtype``, ``max_seq_length`` or ``attention``.
     """
 
     def __init__(
@@ -171,22 +174,20 @@ class SentenceEncoder:
         blas: bool = False,
         attention: str = "soft_max",
         fuse_qkv: bool = False,
-        seq_bucket: int = 8,
+        bucket_lengths: bool = True,
     ) -> None:
         dtype_name = weights_dtype_name(weights_dtype)
         if attention not in ATTENTION_MODES:
             raise fg.InvalidArgumentError(
                 f"attention must be one of {ATTENTION_MODES}, got {attention!r}"
             )
-        if isinstance(seq_bucket, bool) or not isinstance(seq_bucket, int) or seq_bucket < 1:
-            raise fg.InvalidArgumentError(f"seq_bucket must be a positive int, got {seq_bucket!r}")
         self.settings: ModelSettings = read_settings(model_dir)
         self.model_dir: Path = self.settings.model_dir
         self.config = self.settings.bert
         self.weights_dtype = dtype_name
         self.attention = attention
         self.fuse_qkv = fuse_qkv
-        self.seq_bucket = seq_bucket
+        self.bucket_lengths = bool(bucket_lengths)
         self._max_seq_length = self.settings.max_seq_length
         self.tokenizer: Tokenizer = load_tokenizer(
             self.settings.transformer_dir, self._max_seq_length, self.settings.do_lower_case
@@ -425,10 +426,13 @@ class SentenceEncoder:
                 k = len(weighted_modes)
                 view = ops.view(weighted, (batch, hidden), (k * hidden * 4, 4), j * hidden * 4)
                 parts.append(ops.cont(view))
-        out = parts[0]
+        # Concatenate the (batch, hidden) vectors as (batch, hidden, 1) along the middle axis:
+        # axis 1 of a 3-D tensor is the same axis whether ``concat`` counts numpy's way or
+        # ggml's (reversed), so this does not depend on the convention.
+        out = ops.reshape(parts[0], (batch, hidden, 1))
         for part in parts[1:]:
-            out = ops.concat(out, part, 0)  # ggml dimension 0 = numpy's last axis
-        return out
+            out = ops.concat(out, ops.reshape(part, (batch, hidden, 1)), 1)
+        return ops.reshape(out, (batch, len(modes) * hidden))
 
     def build_graph(self, batch: int, seq: int) -> ShapeGraph:
         """Builds (without caching) the graph for ``batch`` sentences of ``seq`` tokens.
@@ -518,9 +522,16 @@ class SentenceEncoder:
     # ----- running -----
 
     def padded_length(self, longest: int) -> int:
-        """The length a batch whose longest sentence has ``longest`` tokens is padded to:
-        rounded up to a multiple of ``seq_bucket``, at most ``max_position_embeddings``."""
-        bucketed = -(-longest // self.seq_bucket) * self.seq_bucket
+        """The length a batch whose longest sentence has ``longest`` tokens is padded to.
+
+        With ``bucket_lengths``: ``longest`` rounded up to a multiple of the power of two
+        nearest below ``longest / 8`` (so exact below 16 tokens, at most 1/8 more tokens above),
+        never beyond ``max_position_embeddings``; without, ``longest`` itself.
+        """
+        if not self.bucket_lengths or longest < 16:
+            return longest
+        step = 1 << (longest.bit_length() - 4)  # 2 ** (floor(log2(longest)) - 3)
+        bucketed = -(-longest // step) * step
         return max(longest, min(bucketed, self.config.max_position_embeddings))
 
     def _pool_inputs(
