@@ -513,7 +513,11 @@ class _Ops:
     @staticmethod
     def permute(a: Tensor, axes: Sequence[int], *, ctx: Context | None = None) -> Tensor: ...
     @staticmethod
-    def transpose(a: Tensor, *, ctx: Context | None = None) -> Tensor: ...
+    def permute_ggml(a: Tensor, axes: Sequence[int], *, ctx: Context | None = None) -> Tensor: ...
+    @staticmethod
+    def transpose(
+        a: Tensor, axes: Sequence[int] | None = None, *, ctx: Context | None = None
+    ) -> Tensor: ...
     @staticmethod
     def get_rows(a: Tensor, b: Tensor, *, ctx: Context | None = None) -> Tensor: ...
     @staticmethod
@@ -530,6 +534,15 @@ class _Ops:
     def add1(a: Tensor, b: Tensor, *, ctx: Context | None = None) -> Tensor: ...
     @staticmethod
     def acc(
+        a: Tensor,
+        b: Tensor,
+        strides: Sequence[int] | None = None,
+        offset: int = 0,
+        *,
+        ctx: Context | None = None,
+    ) -> Tensor: ...
+    @staticmethod
+    def acc_ggml(
         a: Tensor,
         b: Tensor,
         nb1: int,
@@ -564,7 +577,9 @@ class _Ops:
     @staticmethod
     def repeat(a: Tensor, b: Tensor, *, ctx: Context | None = None) -> Tensor: ...
     @staticmethod
-    def concat(a: Tensor, b: Tensor, dim: int, *, ctx: Context | None = None) -> Tensor: ...
+    def concat(a: Tensor, b: Tensor, axis: int = 0, *, ctx: Context | None = None) -> Tensor: ...
+    @staticmethod
+    def concat_ggml(a: Tensor, b: Tensor, dim: int, *, ctx: Context | None = None) -> Tensor: ...
     @staticmethod
     def unary(a: Tensor, op: str, *, ctx: Context | None = None) -> Tensor: ...
     @staticmethod

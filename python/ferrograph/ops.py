@@ -1,4 +1,4 @@
-"""Op builders: every op ferrograph computes, with ggml's semantics and argument order.
+"""Op builders: every op ferrograph computes, with numpy's axes and ggml's op set.
 
 Each builder returns a new :class:`~ferrograph.Tensor` (metadata only: nothing is computed
 until a graph runs) and validates its operands, raising :class:`~ferrograph.ShapeError`,
@@ -8,23 +8,26 @@ Context resolution
 ------------------
 Every builder takes an optional keyword ``ctx=``. Without it, the result is recorded in the
 innermost context entered with ``with ctx:``, else in the context of the first tensor operand;
-with none of these an ``InvalidArgumentError`` is raised::
+with none of these an ``InvalidArgumentError`` is raised.
 
-    ctx = fg.Context()
-    x = ctx.new_tensor(fg.float32, (8, 4096))
-    y = fg.ops.gelu(x)                 # recorded in x's context
-    with other_ctx:
-        z = fg.ops.add(x, x)           # recorded in other_ctx
+Axes: numpy's convention everywhere
+-----------------------------------
+Shapes are numpy-ordered (last axis fastest) and every argument that names an axis or a stride
+has numpy's meaning; negative axes count from the end:
 
-Shapes
-------
-Shapes are numpy-ordered: ``reshape(a, (8, -1))``, ``view(a, shape, strides, offset)`` and
-``cont(a, shape)`` take numpy shapes and byte strides. Two builders keep ggml's meaning:
+* ``reshape(a, (8, -1))``, ``cont(a, shape)``: numpy shapes;
+* ``view(a, shape, strides, offset)``: ``np.lib.stride_tricks.as_strided`` with byte
+  ``strides`` in numpy order (the last axis must be dense) starting ``offset`` bytes in;
+* ``permute(a, axes)`` and ``transpose(a, axes)``: ``np.transpose(a, axes)``;
+  ``transpose(a)`` swaps the last two axes (``np.matrix_transpose``);
+* ``concat(a, b, axis)``: ``np.concatenate((a, b), axis)``;
+* ``acc(a, b, strides, offset)``: adds ``b`` into the strided region of a copy of ``a``.
 
-* ``mul_mat(a, b)`` is ``b @ a.T`` in numpy terms (``a`` holds the weights, one row per output).
-* ``permute(a, axes)``: ``axes[i]`` is where ggml dimension ``i`` of ``a`` goes, and ggml
-  dimension 0 is numpy's *last* axis. For a numpy-style transpose of the last two axes use
-  ``transpose(a)``. ``concat(a, b, dim)`` also counts ``dim`` in ggml order.
+For code ported from ggml, where dimension 0 is the *fastest* (numpy's last) axis, ggml's forms
+are kept under names that say so: ``permute_ggml(a, axes)`` (``axes[i]`` is where ggml dimension
+``i`` goes), ``concat_ggml(a, b, dim)`` and ``acc_ggml(a, b, nb1, nb2, nb3, offset)``. One
+builder keeps ggml's *meaning* under its ggml name: ``mul_mat(a, b)`` is ``b @ a.T`` in numpy
+terms (``a`` holds the weights, one row per output).
 
 Unary functions are available by name (``gelu``, ``relu``, ``silu``, ...) and through
 ``unary(a, "gelu")``; gated units through ``glu(a, "swiglu")`` or ``swiglu(a)`` /
@@ -39,11 +42,13 @@ from ._core import ops as _native
 __all__ = [
     "abs",
     "acc",
+    "acc_ggml",
     "add",
     "add1",
     "argmax",
     "clamp",
     "concat",
+    "concat_ggml",
     "cont",
     "cos",
     "cpy",
@@ -74,6 +79,7 @@ __all__ = [
     "norm",
     "out_prod",
     "permute",
+    "permute_ggml",
     "reglu",
     "relu",
     "repeat",
@@ -108,6 +114,7 @@ cont = _native.cont
 reshape = _native.reshape
 view = _native.view
 permute = _native.permute
+permute_ggml = _native.permute_ggml
 transpose = _native.transpose
 get_rows = _native.get_rows
 set_rows = _native.set_rows
@@ -117,6 +124,7 @@ mul = _native.mul
 div = _native.div
 add1 = _native.add1
 acc = _native.acc
+acc_ggml = _native.acc_ggml
 scale = _native.scale
 sqr = _native.sqr
 sqrt = _native.sqrt
@@ -130,6 +138,7 @@ mean = _native.mean
 argmax = _native.argmax
 repeat = _native.repeat
 concat = _native.concat
+concat_ggml = _native.concat_ggml
 unary = _native.unary
 unary_op_names = _native.unary_op_names
 abs = _native.abs

@@ -2,8 +2,12 @@
 //!
 //! Every builder takes an optional keyword `ctx=`; without it the result goes to the innermost
 //! context entered with `with ctx:`, else to the context of the first tensor operand, else
-//! InvalidArgumentError. Shapes are numpy-ordered (`reshape`, `view`, `cont`); `permute` and
-//! `concat`'s `dim` keep ggml's meaning (dimension 0 is numpy's last axis).
+//! InvalidArgumentError.
+//!
+//! Every argument that names an axis or a stride follows numpy: shapes, `strides` and
+//! `axes`/`axis` count from the first (slowest) axis, negative values count from the end.
+//! ggml's forms, where dimension 0 is the fastest, are kept under names that say so
+//! (`permute_ggml`, `concat_ggml`, `acc_ggml`).
 
 use std::sync::Arc;
 
@@ -41,6 +45,73 @@ fn resolve(ctx: &Ctx<'_>, operands: &[&Tensor]) -> PyResult<Context> {
 
 fn out(py: Python<'_>, t: crate::Result<Tensor>) -> PyResult<Bound<'_, PyTensor>> {
     PyTensor::wrap(py, t?)
+}
+
+/// A numpy axis (negative counts from the end) of a tensor with `ndim` axes, as ggml's
+/// dimension index (0 = numpy's last axis).
+fn ggml_dim(axis: i64, ndim: usize, op: &str) -> PyResult<usize> {
+    let n = ndim as i64;
+    if axis < -n || axis >= n {
+        return Err(errors::shape(format!(
+            "{op}: axis {axis} is out of bounds for a tensor with {ndim} dimensions"
+        )));
+    }
+    let axis = if axis < 0 { axis + n } else { axis } as usize;
+    Ok(ndim - 1 - axis)
+}
+
+/// ggml's permutation (`p[i]` = where ggml dimension `i` goes) equivalent to numpy's
+/// `transpose(a, axes)` (result axis `i` is input axis `axes[i]`).
+fn ggml_permutation(axes: &[i64], ndim: usize, op: &str) -> PyResult<[usize; MAX_DIMS]> {
+    if axes.len() != ndim {
+        return Err(errors::shape(format!(
+            "{op}: axes {axes:?} do not match a tensor with {ndim} dimensions \
+             (give one entry per axis)"
+        )));
+    }
+    let mut perm = [0, 1, 2, 3];
+    let mut seen = [false; MAX_DIMS];
+    for (i, &axis) in axes.iter().enumerate() {
+        let src = ggml_dim(axis, ndim, op)?;
+        if std::mem::replace(&mut seen[src], true) {
+            return Err(errors::shape(format!(
+                "{op}: axes {axes:?} repeat an axis (need a permutation of 0..{ndim})"
+            )));
+        }
+        perm[src] = ndim - 1 - i;
+    }
+    Ok(perm)
+}
+
+/// ggml byte strides `nb[1..]` from numpy-order byte `strides` of a view with ggml shape `ne`:
+/// one entry per axis (the last must be the element size) or all but the last.
+fn ggml_strides(
+    strides: &[usize],
+    ne: &[usize],
+    dtype: crate::dtype::DType,
+    op: &str,
+) -> PyResult<Vec<usize>> {
+    let n = ne.len();
+    let ggml: Vec<usize> = strides.iter().rev().copied().collect();
+    if ggml.len() == n {
+        if ggml[0] != dtype.type_size() {
+            return Err(errors::shape(format!(
+                "{op}: the last axis must be dense (stride {} for {}), got {}",
+                dtype.type_size(),
+                dtype.name(),
+                ggml[0]
+            )));
+        }
+        Ok(ggml[1..].to_vec())
+    } else if ggml.len() + 1 == n {
+        Ok(ggml)
+    } else {
+        Err(errors::shape(format!(
+            "{op}: a {n}-d shape needs {n} or {} strides, got {}",
+            n - 1,
+            strides.len()
+        )))
+    }
 }
 
 /// ggml `ne` (fastest first) from a numpy-order shape.
@@ -126,10 +197,26 @@ binary_op!(
     get_rows,
     "Gathers rows of `a` at the int32 indices `b` (ggml's GET_ROWS)."
 );
-unary_fn!(
-    transpose,
-    "Swaps ggml dimensions 0 and 1 (numpy's last two axes); a view."
-);
+/// A view with axes reordered, numpy's `np.transpose(a, axes)`; without `axes` the last two
+/// axes swap (numpy's `np.matrix_transpose(a)`, ggml's TRANSPOSE; a 1-d tensor becomes a
+/// column).
+#[pyfunction]
+#[pyo3(signature = (a, axes = None, *, ctx = None))]
+fn transpose<'py>(
+    py: Python<'py>,
+    a: T<'_>,
+    axes: Option<Vec<i64>>,
+    ctx: Ctx<'_>,
+) -> PyResult<Bound<'py, PyTensor>> {
+    let c = resolve(&ctx, &[&a.inner])?;
+    match axes {
+        None => out(py, ops::transpose(&c, &a.inner)),
+        Some(axes) => {
+            let perm = ggml_permutation(&axes, a.inner.ndim(), "TRANSPOSE")?;
+            out(py, ops::permute(&c, &a.inner, perm))
+        }
+    }
+}
 
 /// A contiguous copy of `a`, optionally with a new numpy-order `shape` of the same size.
 #[pyfunction]
@@ -220,37 +307,32 @@ fn view<'py>(
             full[..n].copy_from_slice(&ne);
             crate::tensor::contiguous_strides(dtype, &full)[1..n].to_vec()
         }
-        Some(strides) => {
-            let ggml: Vec<usize> = strides.iter().rev().copied().collect();
-            if ggml.len() == n {
-                if ggml[0] != dtype.type_size() {
-                    return Err(errors::shape(format!(
-                        "VIEW: the last axis must be dense (stride {} for {}), got {}",
-                        dtype.type_size(),
-                        dtype.name(),
-                        ggml[0]
-                    )));
-                }
-                ggml[1..].to_vec()
-            } else if ggml.len() + 1 == n {
-                ggml
-            } else {
-                return Err(errors::shape(format!(
-                    "VIEW: a {n}-d shape needs {n} or {} strides, got {}",
-                    n - 1,
-                    strides.len()
-                )));
-            }
-        }
+        Some(strides) => ggml_strides(&strides, &ne, dtype, "VIEW")?,
     };
     out(py, ops::view(&c, &a.inner, &ne, &nb_rest, offset))
 }
 
-/// Reorders dimensions, with ggml's meaning: `axes[i]` is where ggml dimension `i` of `a`
-/// goes (dimension 0 is numpy's last axis). Fewer than 4 axes are completed with the identity.
+/// A view with axes reordered, numpy's `np.transpose(a, axes)`: axis `i` of the result is axis
+/// `axes[i]` of `a` (one entry per axis; negative entries count from the end).
 #[pyfunction]
 #[pyo3(signature = (a, axes, *, ctx = None))]
 fn permute<'py>(
+    py: Python<'py>,
+    a: T<'_>,
+    axes: Vec<i64>,
+    ctx: Ctx<'_>,
+) -> PyResult<Bound<'py, PyTensor>> {
+    let c = resolve(&ctx, &[&a.inner])?;
+    let perm = ggml_permutation(&axes, a.inner.ndim(), "PERMUTE")?;
+    out(py, ops::permute(&c, &a.inner, perm))
+}
+
+/// ggml's `ggml_permute`, for code ported from ggml: `axes[i]` is where ggml dimension `i` of
+/// `a` goes, ggml dimension 0 being numpy's *last* axis. Fewer than 4 axes are completed with
+/// the identity. Prefer [`permute`], which takes numpy's axes.
+#[pyfunction]
+#[pyo3(signature = (a, axes, *, ctx = None))]
+fn permute_ggml<'py>(
     py: Python<'py>,
     a: T<'_>,
     axes: Vec<usize>,
@@ -299,15 +381,46 @@ binary_op!(
 );
 binary_op!(
     out_prod,
-    "Outer product summed over ggml dimension 1 (ggml's OUT_PROD)."
+    "ggml's OUT_PROD: `out_prod(a, b)` is `b.T @ a` in numpy terms over the last two axes \
+     (a: (..., k, n), b: (..., k, m) → (..., m, n)): outer products summed over axis -2."
 );
 
-/// Adds `b` into the region of a copy of `a` given by ggml byte strides `nb1..nb3` and a byte
-/// `offset` (ggml's ACC).
+/// A copy of `a` with `b` added into a region of it (ggml's ACC): the region has `b`'s shape,
+/// numpy-order byte `strides` (as in `view`; `a`'s own strides when omitted) and starts `offset`
+/// bytes into `a`. In numpy terms: `as_strided(out.ravel()[offset // itemsize:], b.shape,
+/// strides) += b`.
+#[pyfunction]
+#[pyo3(signature = (a, b, strides = None, offset = 0, *, ctx = None))]
+fn acc<'py>(
+    py: Python<'py>,
+    a: T<'_>,
+    b: T<'_>,
+    strides: Option<Vec<usize>>,
+    offset: usize,
+    ctx: Ctx<'_>,
+) -> PyResult<Bound<'py, PyTensor>> {
+    let c = resolve(&ctx, &[&a.inner])?;
+    let ne_b = b.inner.ne();
+    let n = b.inner.ndim();
+    let mut nb = a.inner.nb();
+    if let Some(strides) = strides {
+        // Dimensions past b's own have one element, so a's strides there never move.
+        let rest = ggml_strides(&strides, &ne_b[..n], a.inner.dtype(), "ACC")?;
+        nb[1..n].copy_from_slice(&rest);
+    }
+    out(
+        py,
+        ops::acc(&c, &a.inner, &b.inner, nb[1], nb[2], nb[3], offset),
+    )
+}
+
+/// ggml's `ggml_acc`, for code ported from ggml: `b` is added into the region of a copy of `a`
+/// given by ggml byte strides `nb1..nb3` (of ggml dimensions 1-3, numpy's axes -2, -3, -4) and
+/// a byte `offset`. Prefer [`acc`], which takes numpy-order strides.
 #[pyfunction]
 #[pyo3(signature = (a, b, nb1, nb2, nb3, offset, *, ctx = None))]
 #[allow(clippy::too_many_arguments)]
-fn acc<'py>(
+fn acc_ggml<'py>(
     py: Python<'py>,
     a: T<'_>,
     b: T<'_>,
@@ -361,14 +474,48 @@ fn log_<'py>(py: Python<'py>, a: T<'_>, ctx: Ctx<'_>) -> PyResult<Bound<'py, PyT
 unary_fn!(sin, "`sin a` elementwise.");
 unary_fn!(cos, "`cos a` elementwise.");
 unary_fn!(sum, "The sum of all elements (one f32).");
-unary_fn!(sum_rows, "The sum of each row (ggml dimension 0).");
-unary_fn!(mean, "The mean of each row.");
-unary_fn!(argmax, "The index of each row's maximum (int32).");
+unary_fn!(
+    sum_rows,
+    "The sum along the last axis, kept with length 1 (numpy's `a.sum(axis=-1, keepdims=True)`)."
+);
+unary_fn!(
+    mean,
+    "The mean along the last axis, kept with length 1 (`a.mean(axis=-1, keepdims=True)`)."
+);
+unary_fn!(
+    argmax,
+    "The index of the maximum along the last axis, int32 (`a.argmax(axis=-1)`)."
+);
 
-/// Joins `a` and `b` along ggml dimension `dim` (dimension 0 is numpy's last axis).
+/// Joins `a` and `b` along `axis` (numpy's `np.concatenate((a, b), axis)`; negative counts
+/// from the end). Both need the same number of dimensions and equal sizes on the other axes.
+#[pyfunction]
+#[pyo3(signature = (a, b, axis = 0, *, ctx = None))]
+fn concat<'py>(
+    py: Python<'py>,
+    a: T<'_>,
+    b: T<'_>,
+    axis: i64,
+    ctx: Ctx<'_>,
+) -> PyResult<Bound<'py, PyTensor>> {
+    let c = resolve(&ctx, &[&a.inner])?;
+    let ndim = a.inner.ndim();
+    if b.inner.ndim() != ndim {
+        return Err(errors::shape(format!(
+            "CONCAT: both operands need the same number of dimensions, got shapes {:?} and {:?}",
+            a.inner.shape(),
+            b.inner.shape()
+        )));
+    }
+    let dim = ggml_dim(axis, ndim, "CONCAT")?;
+    out(py, ops::concat(&c, &a.inner, &b.inner, dim))
+}
+
+/// ggml's `ggml_concat`, for code ported from ggml: joins `a` and `b` along ggml dimension
+/// `dim` (dimension 0 is numpy's *last* axis). Prefer [`concat`], which takes a numpy axis.
 #[pyfunction]
 #[pyo3(signature = (a, b, dim, *, ctx = None))]
-fn concat<'py>(
+fn concat_ggml<'py>(
     py: Python<'py>,
     a: T<'_>,
     b: T<'_>,
@@ -505,7 +652,8 @@ fn rms_norm<'py>(
     out(py, ops::rms_norm(&c, &a.inner, eps))
 }
 
-/// Normalises `n_groups` groups of channels (ggml dimension 2).
+/// Normalises `n_groups` groups of channels, the channels being axis -3 (each group spans its
+/// channels' last two axes).
 #[pyfunction]
 #[pyo3(signature = (a, n_groups, eps = 1e-6, *, ctx = None))]
 fn group_norm<'py>(
@@ -589,8 +737,8 @@ fn soft_max<'py>(
     )
 }
 
-/// Rotary position embedding of `a` at the int32 positions `pos` (one per ggml dimension 2
-/// entry) over the first `n_dims` values of each row. `mode` is "normal" (adjacent pairs) or
+/// Rotary position embedding of `a` (..., tokens, heads, head_dim) at the int32 positions
+/// `pos` (one per token, axis -3) over the first `n_dims` values of each row. `mode` is "normal" (adjacent pairs) or
 /// "neox" (pairs split across halves).
 #[pyfunction]
 #[pyo3(signature = (
@@ -648,8 +796,9 @@ fn rope<'py>(
     )
 }
 
-/// Fused attention `softmax(q·kᵀ·scale + mask) · v` (ggml's FLASH_ATTN_EXT; the result's
-/// ggml dimensions 1 and 2 are swapped relative to q).
+/// Fused attention `softmax(q·kᵀ·scale + mask) · v` (ggml's FLASH_ATTN_EXT): q (..., heads,
+/// seq_q, d), k and v (..., heads, seq_k, d); the result is (..., seq_q, heads, d_v), axes -2
+/// and -3 swapped relative to q's.
 #[pyfunction]
 #[pyo3(signature = (q, k, v, mask = None, scale = 1.0, max_bias = 0.0, logit_softcap = 0.0, *, ctx = None))]
 #[allow(clippy::too_many_arguments)]
@@ -798,6 +947,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         reshape,
         view,
         permute,
+        permute_ggml,
         transpose,
         get_rows,
         set_rows,
@@ -807,6 +957,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         div,
         add1,
         acc,
+        acc_ggml,
         scale,
         sqr,
         sqrt,
@@ -820,6 +971,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         argmax,
         repeat,
         concat,
+        concat_ggml,
         unary,
         unary_op_names,
         abs,

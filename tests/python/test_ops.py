@@ -58,9 +58,9 @@ def test_binary_broadcasting(ctx: fg.Context) -> None:
     assert fg.ops.repeat(b, a).shape == a.shape
     with pytest.raises(fg.ShapeError):
         fg.ops.repeat(a, b)
-    assert fg.ops.concat(a, a, 0).shape == (3, 4, 12)
+    assert fg.ops.concat(a, a, -1).shape == (3, 4, 12)
     with pytest.raises(fg.ShapeError):
-        fg.ops.concat(a, b, 0)
+        fg.ops.concat(a, b, -1)
 
 
 def test_views_and_copies(ctx: fg.Context) -> None:
@@ -215,9 +215,10 @@ def test_attention_family(ctx: fg.Context) -> None:
 def test_acc(ctx: fg.Context) -> None:
     a = ctx.new_tensor(fg.float32, (4, 8))
     b = ctx.new_tensor(fg.float32, (2, 4))
-    assert fg.ops.acc(a, b, 32, 128, 128, 0).op_params["nb1"] == 32
+    assert fg.ops.acc_ggml(a, b, 32, 128, 128, 0).op_params["nb1"] == 32
+    assert fg.ops.acc(a, b, (32, 4), 0).op_params["nb1"] == 32
     with pytest.raises(fg.ShapeError):
-        fg.ops.acc(a, b, 32, 128, 128, 120)
+        fg.ops.acc_ggml(a, b, 32, 128, 128, 120)
 
 
 def test_every_native_builder_is_exported() -> None:
