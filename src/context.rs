@@ -3,6 +3,14 @@
 //! With `no_alloc` (the default) a context creates metadata only; memory comes later from an
 //! allocator or a scheduler. With `no_alloc` off, every non-view tensor the context creates gets
 //! host memory at once, so small experiments need no backend at all.
+//!
+//! A context lists its tensors in one of two ways. Through an ordinary handle it *owns* them
+//! (ggml's meaning: they live as long as the context). Through a [`Context::borrowing`] handle
+//! it only *lists* them: such a tensor lives as long as something else holds it (a caller's
+//! handle, a later op's sources, a graph) and then drops out of the list; in an allocating
+//! context it gets its own host memory, freed with it, instead of a slice of the context's
+//! arena. The Python op builders use a borrowing handle when the caller named no context, so
+//! building a graph per request against a long-lived weights context keeps memory flat.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -10,7 +18,7 @@ use crate::buffer::{alloc_cpu_buffer, Buffer, HOST_ALIGNMENT};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::Op;
-use crate::tensor::{Tensor, TensorSpec, MAX_DIMS};
+use crate::tensor::{Tensor, TensorSpec, WeakTensor, MAX_DIMS};
 
 /// Host memory chunks of a context that allocates its tensors.
 #[derive(Default)]
@@ -39,15 +47,65 @@ impl HostArena {
     }
 }
 
+/// How a context holds one of its tensors.
+enum Entry {
+    /// Kept alive by the context.
+    Owned(Tensor),
+    /// Listed while something else keeps it alive.
+    Borrowed(WeakTensor),
+}
+
+impl Entry {
+    fn tensor(&self) -> Option<Tensor> {
+        match self {
+            Entry::Owned(t) => Some(t.clone()),
+            Entry::Borrowed(w) => w.upgrade(),
+        }
+    }
+}
+
+/// The tensors of a context in creation order.
+#[derive(Default)]
+struct TensorList {
+    entries: Vec<Entry>,
+    /// Entry count at which dead borrowed entries are dropped next (amortised O(1) per push).
+    prune_at: usize,
+}
+
+/// Smallest list length at which dead borrowed entries are pruned.
+const PRUNE_MIN: usize = 64;
+
+impl TensorList {
+    fn push(&mut self, entry: Entry) {
+        if self.entries.len() >= self.prune_at.max(PRUNE_MIN) {
+            self.entries.retain(|e| match e {
+                Entry::Owned(_) => true,
+                Entry::Borrowed(w) => !w.is_dead(),
+            });
+            self.prune_at = 2 * self.entries.len();
+        }
+        self.entries.push(entry);
+    }
+
+    fn live(&self) -> impl Iterator<Item = Tensor> + '_ {
+        self.entries.iter().filter_map(Entry::tensor)
+    }
+}
+
 pub(crate) struct ContextInner {
     no_alloc: bool,
-    tensors: Mutex<Vec<Tensor>>,
+    tensors: Mutex<TensorList>,
     arena: Mutex<HostArena>,
 }
 
 /// A tensor factory; cheap to clone (a shared handle).
 #[derive(Clone)]
-pub struct Context(Arc<ContextInner>);
+pub struct Context {
+    inner: Arc<ContextInner>,
+    /// Whether tensors created through this handle are owned (kept alive) by the context, or
+    /// only listed while alive (see [`Context::borrowing`]).
+    owns: bool,
+}
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex
@@ -79,59 +137,101 @@ pub fn ne_from_shape(shape: &[usize]) -> Result<[usize; MAX_DIMS]> {
 impl Context {
     /// A new context; with `no_alloc` false it gives each tensor host memory.
     pub fn new(no_alloc: bool) -> Context {
-        Context(Arc::new(ContextInner {
-            no_alloc,
-            tensors: Mutex::new(Vec::new()),
-            arena: Mutex::new(HostArena::default()),
-        }))
+        Context {
+            inner: Arc::new(ContextInner {
+                no_alloc,
+                tensors: Mutex::new(TensorList::default()),
+                arena: Mutex::new(HostArena::default()),
+            }),
+            owns: true,
+        }
     }
 
     pub(crate) fn from_inner(inner: Arc<ContextInner>) -> Context {
-        Context(inner)
+        Context { inner, owns: true }
+    }
+
+    /// A handle to the same context through which new tensors are *borrowed*: the context
+    /// lists them ([`Context::tensors`], [`Context::get_tensor`], context allocation) only while
+    /// something else holds them, and never keeps them alive. In an allocating context each
+    /// borrowed non-view tensor gets its own host memory, freed with the tensor.
+    pub fn borrowing(&self) -> Context {
+        Context {
+            inner: self.inner.clone(),
+            owns: false,
+        }
+    }
+
+    /// Whether tensors created through this handle are kept alive by the context.
+    pub fn owns_new_tensors(&self) -> bool {
+        self.owns
     }
 
     /// Whether tensors are created without memory.
     pub fn no_alloc(&self) -> bool {
-        self.0.no_alloc
+        self.inner.no_alloc
     }
 
-    /// Every tensor created so far, in creation order.
+    /// Every live tensor created so far, in creation order.
     pub fn tensors(&self) -> Vec<Tensor> {
-        lock(&self.0.tensors).clone()
+        lock(&self.inner.tensors).live().collect()
     }
 
-    /// The first tensor with this name.
+    /// How many live tensors the context lists.
+    pub fn len(&self) -> usize {
+        lock(&self.inner.tensors).live().count()
+    }
+
+    /// Whether the context lists no live tensor.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The first live tensor with this name.
     pub fn get_tensor(&self, name: &str) -> Option<Tensor> {
-        lock(&self.0.tensors)
-            .iter()
-            .find(|t| t.name() == name)
-            .cloned()
+        lock(&self.inner.tensors).live().find(|t| t.name() == name)
     }
 
-    /// Bytes of host memory the context holds for its tensors.
+    /// Bytes of host memory the context holds for its owned tensors (borrowed tensors hold
+    /// their own).
     pub fn host_bytes(&self) -> usize {
-        lock(&self.0.arena).chunks.iter().map(Buffer::size).sum()
+        lock(&self.inner.arena)
+            .chunks
+            .iter()
+            .map(Buffer::size)
+            .sum()
     }
 
     /// An identity for the shared context (equal for handles of the same context).
     pub fn id(&self) -> usize {
-        Arc::as_ptr(&self.0) as usize
+        Arc::as_ptr(&self.inner) as usize
     }
 
     /// Whether both handles are the same context.
     pub fn same(&self, other: &Context) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// Creates a tensor from a spec, records it, and (without `no_alloc`) gives it memory.
     pub(crate) fn create(&self, spec: TensorSpec) -> Result<Tensor> {
         let is_view = spec.view.is_some();
-        let tensor = Tensor::from_spec(spec, Arc::downgrade(&self.0))?;
-        if !self.0.no_alloc && !is_view {
-            let (buffer, offset) = lock(&self.0.arena).place(tensor.nbytes())?;
-            tensor.bind(&buffer, offset)?;
+        let tensor = Tensor::from_spec(spec, Arc::downgrade(&self.inner))?;
+        if !self.inner.no_alloc && !is_view {
+            if self.owns {
+                let (buffer, offset) = lock(&self.inner.arena).place(tensor.nbytes())?;
+                tensor.bind(&buffer, offset)?;
+            } else {
+                // Its own memory, so it is freed with the tensor rather than held by the arena.
+                let buffer = alloc_cpu_buffer(tensor.nbytes().max(HOST_ALIGNMENT))?;
+                tensor.bind(&buffer, 0)?;
+            }
         }
-        lock(&self.0.tensors).push(tensor.clone());
+        let entry = if self.owns {
+            Entry::Owned(tensor.clone())
+        } else {
+            Entry::Borrowed(tensor.downgrade())
+        };
+        lock(&self.inner.tensors).push(entry);
         Ok(tensor)
     }
 
@@ -266,7 +366,46 @@ impl std::fmt::Debug for Context {
             f,
             "Context(no_alloc={}, tensors={})",
             self.no_alloc(),
-            lock(&self.0.tensors).len()
+            self.len()
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops;
+
+    #[test]
+    fn borrowed_results_leave_the_context_with_their_last_handle() {
+        let ctx = Context::new(true);
+        let w = ctx.new_tensor(DType::F32, &[8, 4]).unwrap();
+        let kept = ops::unary(&ctx.borrowing(), &w, ops::UnaryOp::Relu).unwrap();
+        for _ in 0..1000 {
+            let x = Context::new(true).new_tensor(DType::F32, &[8, 2]).unwrap();
+            let y = ops::mul_mat(&ctx.borrowing(), &w, &x).unwrap();
+            assert!(y.context().unwrap().same(&ctx));
+        }
+        // Listed while alive, gone (and pruned from the list) once dropped.
+        assert_eq!(ctx.len(), 2);
+        assert_eq!(ctx.tensors(), vec![w.clone(), kept.clone()]);
+        assert!(lock(&ctx.inner.tensors).entries.len() < 2 * PRUNE_MIN);
+        // Owned tensors outlive their handles.
+        drop(ops::unary(&ctx, &w, ops::UnaryOp::Relu).unwrap());
+        assert_eq!(ctx.len(), 3);
+    }
+
+    #[test]
+    fn borrowed_results_of_an_allocating_context_hold_their_own_memory() {
+        let ctx = Context::new(false);
+        let a = ctx.new_tensor(DType::F32, &[4]).unwrap();
+        a.set_f32(&[1.0, -2.0, 3.0, -4.0]).unwrap();
+        let before = ctx.host_bytes();
+        for _ in 0..100 {
+            let y = ops::unary(&ctx.borrowing(), &a, ops::UnaryOp::Relu).unwrap();
+            assert!(y.is_allocated());
+        }
+        assert_eq!(ctx.host_bytes(), before);
+        assert_eq!(ctx.len(), 1);
     }
 }

@@ -4,11 +4,28 @@ Each builder returns a new :class:`~ferrograph.Tensor` (metadata only: nothing i
 until a graph runs) and validates its operands, raising :class:`~ferrograph.ShapeError`,
 :class:`~ferrograph.DTypeError` or :class:`~ferrograph.InvalidArgumentError`.
 
-Context resolution
-------------------
-Every builder takes an optional keyword ``ctx=``. Without it, the result is recorded in the
-innermost context entered with ``with ctx:``, else in the context of the first tensor operand;
-with none of these an ``InvalidArgumentError`` is raised.
+Context resolution and memory
+-----------------------------
+Every builder takes an optional keyword ``ctx=``. The result is recorded in
+
+* ``ctx`` when given, else in the innermost context entered with ``with ctx:``; that context
+  *owns* it (ggml's meaning: it lives as long as the context);
+* else in its first tensor operand's context, which only *borrows* it: the context lists it
+  (``ctx.tensors()``, ``len(ctx)``, :func:`~ferrograph.alloc_ctx_tensors`) while your handle, a
+  later op or a :class:`~ferrograph.Graph` holds it, and it is freed with the last of them.
+
+With no context at all an ``InvalidArgumentError`` is raised. The borrowing default is what
+keeps the natural serving loop flat: weights loaded once into a long-lived context, a graph
+built per request, and every request's intermediates freed with its graph::
+
+    weights = fg.Context()
+    w = weights.new_tensor(fg.float32, (384, 384), name="w")
+    fg.alloc_ctx_tensors(weights, cpu)
+    for batch in requests:
+        inputs = fg.Context()                 # per request
+        x = inputs.new_tensor(fg.float32, (len(batch), 384))
+        y = fg.ops.gelu(fg.ops.mul_mat(w, x)) # borrowed by `weights`, freed with y
+        ...                                   # len(weights) stays 1
 
 Axes: numpy's convention everywhere
 -----------------------------------

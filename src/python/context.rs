@@ -41,6 +41,12 @@ impl ShapeArg {
 /// A tensor factory. `Context()` makes metadata only (`no_alloc=True`); `Context(no_alloc=False)`
 /// gives every new (non-view) tensor host memory at once. `with ctx:` makes it the context
 /// `fg.ops` builders use when no `ctx=` is given.
+///
+/// The context owns (keeps alive until it is dropped) what `new_tensor` makes and the op
+/// results built with `ctx=ctx` or inside `with ctx:`. An op result built with neither is only
+/// *borrowed* by its first operand's context: listed while you, a later op or a graph hold it,
+/// freed with the last holder. So a loop that builds a graph per request against a weights
+/// context loaded once keeps that context (and the process) at a constant size.
 #[pyclass(name = "Context", module = "ferrograph", frozen)]
 pub struct PyContext {
     pub(crate) inner: Context,
@@ -91,7 +97,7 @@ impl PyContext {
         PyTensor::wrap(py, tensor)
     }
 
-    /// Every tensor created so far (leaves and op results), in creation order.
+    /// Every live tensor of the context (leaves and op results), in creation order.
     fn tensors<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let items = self
             .inner
@@ -119,8 +125,9 @@ impl PyContext {
         self.inner.describe()
     }
 
+    /// How many live tensors the context lists (owned, and borrowed ones still held).
     fn __len__(&self) -> usize {
-        self.inner.tensors().len()
+        self.inner.len()
     }
 
     fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {

@@ -1,8 +1,9 @@
 //! Op builders, exposed as `ferrograph.ops.<name>` with ggml's argument order.
 //!
-//! Every builder takes an optional keyword `ctx=`; without it the result goes to the innermost
-//! context entered with `with ctx:`, else to the context of the first tensor operand, else
-//! InvalidArgumentError.
+//! Every builder takes an optional keyword `ctx=`. With it, or inside `with ctx:`, the context
+//! owns the result (ggml's meaning). Without either, the result is *borrowed* by its first
+//! operand's context: listed there while something holds it, freed with its last handle (see
+//! `crate::context`), so a graph built per request does not grow a long-lived weights context.
 //!
 //! Every argument that names an axis or a stride follows numpy: shapes, `strides` and
 //! `axes`/`axis` count from the first (slowest) axis, negative values count from the end.
@@ -26,8 +27,8 @@ use crate::tensor::{Tensor, MAX_DIMS};
 type Ctx<'a> = Option<PyRef<'a, PyContext>>;
 type T<'a> = PyRef<'a, PyTensor>;
 
-/// The context a builder records its result in: explicit, else the innermost `with ctx:`,
-/// else the first operand's.
+/// The context a builder records its result in: explicit, else the innermost `with ctx:`
+/// (both own the result), else the first operand's, which only borrows it.
 fn resolve(ctx: &Ctx<'_>, operands: &[&Tensor]) -> PyResult<Context> {
     if let Some(ctx) = ctx {
         return Ok(ctx.inner.clone());
@@ -36,7 +37,7 @@ fn resolve(ctx: &Ctx<'_>, operands: &[&Tensor]) -> PyResult<Context> {
         return Ok(ctx);
     }
     if let Some(ctx) = operands.first().and_then(|t| t.context()) {
-        return Ok(ctx);
+        return Ok(ctx.borrowing());
     }
     Err(errors::invalid(
         "no context: pass ctx=, use `with ctx:`, or give a tensor operand whose context is alive",
