@@ -12,6 +12,9 @@ Shapes are numpy-ordered everywhere (``t.shape``, ``t.strides`` in bytes); ggml'
 
 from __future__ import annotations
 
+import logging
+import os
+import sys
 from typing import Any
 
 import numpy as np
@@ -127,6 +130,32 @@ from .errors import (
 )
 
 __version__: str = _native_version()
+
+
+class _StderrUnlessConfigured(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes records to stderr unless the application configured logging (a root handler),
+    which then shows them itself through propagation."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not logging.getLogger().handlers:
+            super().emit(record)
+
+
+def _show_sched_debug() -> None:
+    """``FERROGRAPH_SCHED_DEBUG=1``: every new scheduler plan on stderr, with or without a
+    ``logging`` set-up (the plans are INFO records of the ``ferrograph.sched`` logger)."""
+    if "FERROGRAPH_SCHED_DEBUG" not in os.environ:  # set at all, as the scheduler reads it
+        return
+    logger = logging.getLogger("ferrograph.sched")
+    if logger.level == logging.NOTSET or logger.level > logging.INFO:
+        logger.setLevel(logging.INFO)
+    if not any(isinstance(h, _StderrUnlessConfigured) for h in logger.handlers):
+        handler = _StderrUnlessConfigured(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+_show_sched_debug()
 
 
 def aligned_empty(
