@@ -488,7 +488,9 @@ impl Buffer {
         self.0.memory.host_ptr()
     }
 
-    fn check_range(&self, offset: usize, len: usize, what: &str) -> Result<()> {
+    /// Checks that `len` bytes at `offset` lie inside the (live) buffer, without overflow:
+    /// callers that allocate an output for a caller's size check it first.
+    pub fn check_range(&self, offset: usize, len: usize, what: &str) -> Result<()> {
         if self.is_freed() {
             return Err(Error::Stale(format!("{what} on a freed buffer")));
         }

@@ -93,31 +93,75 @@ pub struct BackendParams {
     pub extra: Vec<(String, String)>,
 }
 
+/// The most threads a backend or thread pool may be asked for (ggml's `GGML_MAX_N_THREADS`):
+/// a larger count is a mistake (it would try to start that many OS threads), not a request.
+pub const MAX_THREADS: usize = 512;
+
+/// Checks a thread count: 1 to [`MAX_THREADS`].
+pub fn check_n_threads(n_threads: usize) -> Result<usize> {
+    if n_threads == 0 || n_threads > MAX_THREADS {
+        return Err(Error::InvalidArgument(format!(
+            "n_threads must be between 1 and {MAX_THREADS}, got {n_threads}"
+        )));
+    }
+    Ok(n_threads)
+}
+
+/// Whether `key` can name a backend parameter: an ASCII letter or `_` first, then letters,
+/// digits, `_`, `-` or `.`.
+fn is_param_key(key: &str) -> bool {
+    let mut chars = key.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
+}
+
 impl BackendParams {
-    /// Parses `"n_threads=4,other=x"`; an empty string gives the defaults.
+    /// Parses `"n_threads=4,other=x"`; an empty string gives the defaults. Every item must be
+    /// `key=value` with a non-empty value and a key made of letters, digits, `_`, `-` and `.`,
+    /// each key at most once; `n_threads` must be 1 to [`MAX_THREADS`].
     pub fn parse(text: &str) -> Result<BackendParams> {
         let mut params = BackendParams::default();
-        for item in text
-            .split([',', ';'])
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-        {
+        let items: Vec<&str> = text.split([',', ';']).map(str::trim).collect();
+        let all_empty = items.iter().all(|s| s.is_empty());
+        for (i, &item) in items.iter().enumerate() {
+            if item.is_empty() {
+                // "a=1," (a trailing separator) is fine; an empty item between two is not.
+                if all_empty || i + 1 == items.len() {
+                    continue;
+                }
+                return Err(Error::InvalidArgument(format!(
+                    "backend parameters {text:?}: empty item {i}; expected key=value,..."
+                )));
+            }
             let (key, value) = item.split_once('=').ok_or_else(|| {
                 Error::InvalidArgument(format!("backend parameter {item:?} is not key=value"))
             })?;
             let (key, value) = (key.trim(), value.trim());
+            if !is_param_key(key) {
+                return Err(Error::InvalidArgument(format!(
+                    "backend parameter {item:?}: {key:?} is not a parameter name (letters, \
+                     digits, '_', '-', '.')"
+                )));
+            }
+            if value.is_empty() {
+                return Err(Error::InvalidArgument(format!(
+                    "backend parameter {key:?} has no value"
+                )));
+            }
+            if params.extra.iter().any(|(k, _)| k == key) {
+                return Err(Error::InvalidArgument(format!(
+                    "backend parameter {key:?} is given twice"
+                )));
+            }
             if key == "n_threads" {
                 let n: usize = value.parse().map_err(|_| {
                     Error::InvalidArgument(format!(
-                        "n_threads must be a positive integer, got {value:?}"
+                        "n_threads must be an integer from 1 to {MAX_THREADS}, got {value:?}"
                     ))
                 })?;
-                if n == 0 {
-                    return Err(Error::InvalidArgument(
-                        "n_threads must be at least 1".into(),
-                    ));
-                }
-                params.n_threads = Some(n);
+                params.n_threads = Some(check_n_threads(n)?);
             }
             params.extra.push((key.to_owned(), value.to_owned()));
         }

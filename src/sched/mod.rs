@@ -17,8 +17,8 @@
 //! # Differences from ggml
 //!
 //! * Errors instead of aborts (unsupported ops, bad pins, a list without a CPU backend).
-//! * No caps on backends, splits, inputs or copies; `n_copies` is a runtime value
-//!   ([`Scheduler::set_n_copies`]).
+//! * No caps on backends, splits or inputs; `n_copies` is a runtime value
+//!   ([`Scheduler::set_n_copies`], at most [`MAX_COPIES`]).
 //! * Plans are cached by graph shape: allocating a rebuilt graph of the same topology, shapes,
 //!   dtypes, flags and buffers skips the assignment and split passes.
 //! * The op offload policy is a value ([`OffloadPolicy`]).
@@ -53,6 +53,10 @@ use crate::graph::{Graph, Position};
 use crate::tensor::Tensor;
 
 pub use exec::EvalCallback;
+
+/// Most pipeline slots per copied tensor (ggml fixes 4 at compile time; each slot holds a copy
+/// of every copied input, so a larger count only multiplies memory and events).
+pub const MAX_COPIES: usize = 64;
 pub use plan::{Assignment, Cause, CopyPlan, PlannedTensor, SchedPlan, SplitPlan, TensorRef};
 
 use assign::{AssignInput, Oracle};
@@ -298,8 +302,10 @@ impl Scheduler {
     /// Changes the number of pipeline slots (at least 1). Forgets the current allocation and
     /// the plan cache.
     pub fn set_n_copies(&mut self, n_copies: usize) -> Result<()> {
-        if n_copies == 0 {
-            return Err(Error::InvalidArgument("n_copies must be at least 1".into()));
+        if n_copies == 0 || n_copies > MAX_COPIES {
+            return Err(Error::InvalidArgument(format!(
+                "n_copies must be between 1 and {MAX_COPIES}, got {n_copies}"
+            )));
         }
         self.synchronize_backends()?;
         self.n_copies = n_copies;
