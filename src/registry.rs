@@ -83,27 +83,78 @@ fn write() -> RwLockWriteGuard<'static, RegistryState> {
     state().write().unwrap_or_else(|p| p.into_inner())
 }
 
-/// Adds a registration and its devices; a second registration of the same name is an error.
-pub fn register(registration: Arc<dyn Registration>) -> Result<()> {
-    let mut state = write();
-    if state
-        .registrations
-        .iter()
-        .any(|r| r.name().eq_ignore_ascii_case(registration.name()))
-    {
-        return Err(Error::Backend(format!(
-            "a backend named {:?} is already registered",
-            registration.name()
-        )));
+/// Checks a registration or device name: not empty or blank, no control characters (NUL
+/// included), at most 128 bytes.
+fn check_name(what: &str, name: &str) -> Result<()> {
+    let problem = if name.trim().is_empty() {
+        Some("is empty")
+    } else if name.chars().any(char::is_control) {
+        Some("contains a control character (NUL, newline, ...)")
+    } else if name.len() > 128 {
+        Some("is longer than 128 bytes")
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(Error::InvalidArgument(format!(
+            "{what} name {name:?} {problem}"
+        ))),
+        None => Ok(()),
     }
+}
+
+/// Adds a registration and its devices. A second registration of the same name is a
+/// BackendError; an empty, blank or control-character name, and a device name that is used
+/// twice (within the registration or by a registered device, case-insensitively) are
+/// InvalidArgument errors. A rejected registration leaves the registry unchanged.
+pub fn register(registration: Arc<dyn Registration>) -> Result<()> {
+    check_name("backend", registration.name())?;
+    let devices = registration.devices();
+    for (i, device) in devices.iter().enumerate() {
+        check_name("device", device.name())?;
+        if devices[..i]
+            .iter()
+            .any(|d| d.name().eq_ignore_ascii_case(device.name()))
+        {
+            return Err(Error::InvalidArgument(format!(
+                "backend {:?} lists two devices named {:?}",
+                registration.name(),
+                device.name()
+            )));
+        }
+    }
+    {
+        let mut state = write();
+        if state
+            .registrations
+            .iter()
+            .any(|r| r.name().eq_ignore_ascii_case(registration.name()))
+        {
+            return Err(Error::Backend(format!(
+                "a backend named {:?} is already registered",
+                registration.name()
+            )));
+        }
+        if let Some(clash) = devices.iter().find(|d| {
+            state
+                .devices
+                .iter()
+                .any(|e| e.name().eq_ignore_ascii_case(d.name()))
+        }) {
+            return Err(Error::InvalidArgument(format!(
+                "a device named {:?} is already registered",
+                clash.name()
+            )));
+        }
+        state.devices.extend(devices.iter().cloned());
+        state.registrations.push(registration.clone());
+    }
+    // Logged after the lock is released: a log record may be forwarded to Python.
     log::info!(
         "registered backend {} with {} device(s)",
         registration.name(),
-        registration.devices().len()
+        devices.len()
     );
-    let devices = registration.devices();
-    state.devices.extend(devices);
-    state.registrations.push(registration);
     Ok(())
 }
 
@@ -114,25 +165,29 @@ pub fn unregister(name: &str) -> Result<()> {
             "the CPU backend is built in and cannot be removed".into(),
         ));
     }
-    let mut state = write();
-    let Some(index) = state
-        .registrations
-        .iter()
-        .position(|r| r.name().eq_ignore_ascii_case(name))
-    else {
-        return Err(Error::Backend(format!(
-            "no backend named {name:?} is registered"
-        )));
+    let reg_name = {
+        let mut state = write();
+        let Some(index) = state
+            .registrations
+            .iter()
+            .position(|r| r.name().eq_ignore_ascii_case(name))
+        else {
+            return Err(Error::Backend(format!(
+                "no backend named {name:?} is registered"
+            )));
+        };
+        let registration = state.registrations.remove(index);
+        let reg_name = registration.name().to_owned();
+        state.devices.retain(|d| d.registration_name() != reg_name);
+        reg_name
     };
-    let registration = state.registrations.remove(index);
-    let reg_name = registration.name().to_owned();
-    state.devices.retain(|d| d.registration_name() != reg_name);
     log::info!("unregistered backend {reg_name}");
     Ok(())
 }
 
 /// Adds a single device (ggml's `device_register`).
 pub fn register_device(device: Arc<dyn Device>) -> Result<()> {
+    check_name("device", device.name())?;
     let mut state = write();
     if state
         .devices
@@ -217,6 +272,20 @@ pub fn dev_by_type(device_type: DeviceType) -> Option<Arc<dyn Device>> {
         .cloned()
 }
 
+/// Checks `params` against what `device` understands: the built-in CPU device knows only
+/// `n_threads`, so any other key is a mistake (a typo such as `n_thread`) rather than a setting;
+/// other devices receive every key and judge for themselves.
+pub fn check_params(device: &dyn Device, params: &BackendParams) -> Result<()> {
+    if device.registration_name() == "CPU" && device.device_type() == DeviceType::Cpu {
+        if let Some((key, _)) = params.extra.iter().find(|(k, _)| k != "n_threads") {
+            return Err(Error::InvalidArgument(format!(
+                "the CPU backend has no parameter {key:?} (it takes n_threads)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Opens a backend on the device named `name` (or the first device of the registration named
 /// `name`), with `"key=value"` parameters.
 pub fn init_by_name(name: &str, params: &str) -> Result<Arc<dyn Backend>> {
@@ -230,6 +299,7 @@ pub fn init_by_name(name: &str, params: &str) -> Result<Arc<dyn Backend>> {
                 known.join(", ")
             ))
         })?;
+    check_params(device.as_ref(), &params)?;
     device.init_backend(&params)
 }
 
@@ -238,6 +308,7 @@ pub fn init_by_type(device_type: DeviceType, params: &str) -> Result<Arc<dyn Bac
     let params = BackendParams::parse(params)?;
     let device = dev_by_type(device_type)
         .ok_or_else(|| Error::Backend(format!("no device of type {device_type} is registered")))?;
+    check_params(device.as_ref(), &params)?;
     device.init_backend(&params)
 }
 
