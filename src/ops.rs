@@ -501,6 +501,56 @@ fn new_result(
     })
 }
 
+/// Checks that a view of `src` with strides `nb` at byte `offset` addresses whole elements:
+/// every element (for block-quantized types, every block) starts at a multiple of the type
+/// size from the source's start, and block-quantized rows are runs of contiguous blocks.
+/// Anything else would read elements cut in two (garbage for blocks, a misaligned pointer —
+/// undefined behaviour for Rust slices — for f32/f16).
+fn check_view_layout(
+    op: &Op,
+    src: &Tensor,
+    ne: &[usize; MAX_DIMS],
+    nb: &[usize; MAX_DIMS],
+    offset: usize,
+) -> Result<()> {
+    let dtype = src.dtype();
+    let unit = dtype.type_size();
+    let what = if dtype.is_quantized() {
+        format!("{} block ({unit} bytes)", dtype.name())
+    } else {
+        format!("{} element ({unit} bytes)", dtype.name())
+    };
+    if !offset.is_multiple_of(unit) {
+        return Err(Error::Shape(format!(
+            "{}: a view of {} at byte offset {offset} would start inside a {what}; offsets must \
+             be multiples of {unit}",
+            op.name(),
+            describe(src)
+        )));
+    }
+    if dtype.is_quantized() && ne[0] > 1 && nb[0] != unit {
+        return Err(Error::Shape(format!(
+            "{}: a view of the {} tensor {} whose rows are not contiguous blocks (the first \
+             dimension's stride would be {} bytes, a block is {unit}): quantized rows cannot \
+             be transposed or permuted away from the first dimension; convert to f32 first",
+            op.name(),
+            dtype.name(),
+            describe(src),
+            nb[0]
+        )));
+    }
+    if let Some(i) = (0..MAX_DIMS).find(|&i| ne[i] > 1 && !nb[i].is_multiple_of(unit)) {
+        return Err(Error::Shape(format!(
+            "{}: a view of {} with a stride of {} bytes in dimension {i} would cut a {what}; \
+             strides must be multiples of {unit}",
+            op.name(),
+            describe(src),
+            nb[i]
+        )));
+    }
+    Ok(())
+}
+
 #[allow(clippy::too_many_arguments)]
 fn new_view(
     ctx: &Context,
@@ -512,6 +562,7 @@ fn new_view(
     op: Op,
     srcs: Vec<Tensor>,
 ) -> Result<Tensor> {
+    check_view_layout(&op, src, &ne, &nb, offset)?;
     ctx.create(TensorSpec {
         dtype: src.dtype(),
         ne,
@@ -560,9 +611,13 @@ fn binary(ctx: &Context, a: &Tensor, b: &Tensor, op: Op) -> Result<Tensor> {
     let name = op.name();
     require_float(name, a)?;
     if b.dtype() != DType::F32 && b.dtype() != a.dtype() {
+        let allowed = if a.dtype() == DType::F32 {
+            "f32".to_owned()
+        } else {
+            format!("f32 or {}", a.dtype())
+        };
         return Err(Error::DType(format!(
-            "{name}: the second operand must be f32 or {}, got {}",
-            a.dtype(),
+            "{name}: the second operand must be {allowed}, got {}",
             describe(b)
         )));
     }
@@ -720,6 +775,9 @@ pub fn permute(ctx: &Context, a: &Tensor, axes: [usize; MAX_DIMS]) -> Result<Ten
         }
         seen[axis] = true;
     }
+    if a.dtype().is_quantized() && axes[0] != 0 {
+        return Err(quantized_row_moved("PERMUTE", a));
+    }
     let (src_ne, src_nb) = (a.ne(), a.nb());
     let mut ne = [0usize; MAX_DIMS];
     let mut nb = [0usize; MAX_DIMS];
@@ -744,8 +802,23 @@ pub fn permute(ctx: &Context, a: &Tensor, axes: [usize; MAX_DIMS]) -> Result<Ten
     )
 }
 
+/// The error for a permutation that moves the rows of a block-quantized tensor: its elements
+/// along dimension 0 are packed in blocks, so no stride can address them along another one.
+fn quantized_row_moved(op: &str, a: &Tensor) -> Error {
+    Error::Shape(format!(
+        "{op}: the rows of the {} tensor {} are packed in blocks of {} and cannot move away \
+         from the first dimension; convert it to f32 first (cpy into an f32 tensor)",
+        a.dtype().name(),
+        describe(a),
+        a.dtype().block_size()
+    ))
+}
+
 /// Swaps dimensions 0 and 1.
 pub fn transpose(ctx: &Context, a: &Tensor) -> Result<Tensor> {
+    if a.dtype().is_quantized() {
+        return Err(quantized_row_moved("TRANSPOSE", a));
+    }
     let (mut ne, mut nb) = (a.ne(), a.nb());
     ne.swap(0, 1);
     nb.swap(0, 1);
@@ -988,6 +1061,12 @@ pub fn mean(ctx: &Context, a: &Tensor) -> Result<Tensor> {
 pub fn argmax(ctx: &Context, a: &Tensor) -> Result<Tensor> {
     require_dtype("ARGMAX", a, &[DType::F32])?;
     let ne = a.ne();
+    if ne[0] == 0 && ne[1] > 0 {
+        return Err(Error::Shape(format!(
+            "ARGMAX: the rows of {} are empty; an empty row has no maximum",
+            describe(a)
+        )));
+    }
     if ne[2] != 1 || ne[3] != 1 {
         return Err(Error::Shape(format!(
             "ARGMAX needs a matrix, got {}",
@@ -1194,9 +1273,17 @@ pub fn mul_mat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
             describe(b)
         )));
     }
-    if a.is_transposed() {
+    if na[0] == 0 {
         return Err(Error::Shape(format!(
-            "MUL_MAT: the first operand {} must not be transposed",
+            "MUL_MAT: {} and {} have an inner dimension of 0 (no columns to multiply)",
+            describe(a),
+            describe(b)
+        )));
+    }
+    if na[0] > 1 && a.nb()[0] != a.dtype().type_size() {
+        return Err(Error::Shape(format!(
+            "MUL_MAT: the rows of the first operand {} are not contiguous (is it transposed?); \
+             use cont first",
             describe(a)
         )));
     }
