@@ -43,6 +43,14 @@ pub enum Error {
     /// An argument outside its allowed range that is none of the above.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// An argument of the wrong kind (a number where a callable is needed, a string where a
+    /// shape is needed, ...); Python raises it as a `TypeError`.
+    #[error("{0}")]
+    ArgumentType(String),
+    /// The object is in use by the current computation: a callback of that computation (or
+    /// another callback) asked it for something it cannot give until the computation ends.
+    #[error("busy: {0}")]
+    Busy(String),
 }
 
 impl Error {

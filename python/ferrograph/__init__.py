@@ -118,7 +118,9 @@ from .dtypes import (
 from .errors import (
     AbortedError,
     AllocationError,
+    ArgumentTypeError,
     BackendError,
+    BusyError,
     DTypeError,
     Error,
     InvalidArgumentError,
@@ -187,11 +189,13 @@ def version() -> str:
 __all__ = [
     "AbortedError",
     "AllocationError",
+    "ArgumentTypeError",
     "Backend",
     "BackendError",
     "Buffer",
     "BufferType",
     "BufferUsage",
+    "BusyError",
     "Context",
     "DType",
     "DTypeError",

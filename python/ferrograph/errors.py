@@ -11,7 +11,9 @@ from __future__ import annotations
 __all__ = [
     "AbortedError",
     "AllocationError",
+    "ArgumentTypeError",
     "BackendError",
+    "BusyError",
     "DTypeError",
     "Error",
     "InvalidArgumentError",
@@ -65,3 +67,14 @@ class AbortedError(Error, RuntimeError):
 
 class InvalidArgumentError(Error, ValueError):
     """An argument outside its allowed range that is none of the above."""
+
+
+class ArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong kind: not callable where a callback is needed, not a shape,
+    not a tensor, ... (also a ``TypeError``)."""
+
+
+class BusyError(Error, RuntimeError):
+    """The object is in use by a running computation: a callback of that computation (an eval
+    or abort callback, a custom op, a Python backend or buffer type, a logging handler) used it,
+    or used another object that a different thread holds. Use it after the call returns."""

@@ -2,24 +2,40 @@
 //! `ctx_tensors_size`, `TensorAllocator`, `tensor_alloc`, `view_init`, and the lifetime-aware
 //! `GraphAllocator` with its inspectable plan.
 
-use std::sync::{Mutex, MutexGuard};
-
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::backend::{PyBackend, PyBuffer, PyBufferType};
 use super::context::PyContext;
 use super::graph::PyGraph;
+use super::lock::CoreLock;
 use super::tensor::PyTensor;
+use super::utils::{type_error, type_name};
 use crate::alloc::{self, GraphAllocator, MemoryPlan, TensorAllocator};
 use crate::buffer::{Buffer, BufferType};
 use std::sync::Arc;
 
 /// A buffer type given directly or as a backend (its default buffer type).
-#[derive(FromPyObject)]
 pub(crate) enum BuftArg<'py> {
     Type(PyRef<'py, PyBufferType>),
     Backend(PyRef<'py, PyBackend>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BuftArg<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(t) = obj.cast::<PyBufferType>() {
+            return Ok(BuftArg::Type(t.borrow()));
+        }
+        if let Ok(b) = obj.cast::<PyBackend>() {
+            return Ok(BuftArg::Backend(b.borrow()));
+        }
+        Err(type_error(format!(
+            "expected a BufferType or a Backend, got {}",
+            type_name(&obj)
+        )))
+    }
 }
 
 impl BuftArg<'_> {
@@ -165,21 +181,81 @@ pub(crate) fn memory_plan_dict<'py>(
 /// safe). `reserve` plans and sizes the buffers; `alloc_graph` replays the plan.
 #[pyclass(name = "GraphAllocator", module = "ferrograph", frozen)]
 pub struct PyGraphAllocator {
-    inner: Mutex<GraphAllocator>,
+    inner: CoreLock<GraphAllocator>,
     n_buffers: usize,
 }
 
 impl PyGraphAllocator {
-    fn lock(&self) -> MutexGuard<'_, GraphAllocator> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    /// Runs `f` on the allocator (see `lock.rs`).
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut GraphAllocator) -> R + Send,
+    ) -> PyResult<R> {
+        self.inner.with(py, f)
+    }
+
+    /// Rejects a buffer id outside `0..n_buffers`.
+    fn check_id(&self, id: usize) -> PyResult<()> {
+        if id < self.n_buffers {
+            Ok(())
+        } else {
+            Err(crate::Error::OutOfBounds(format!(
+                "buffer id {id} is outside 0..{} (this allocator has {} buffer type(s))",
+                self.n_buffers, self.n_buffers
+            ))
+            .into())
+        }
+    }
+
+    /// Rejects per-tensor buffer ids outside `0..n_buffers`.
+    fn check_ids(&self, what: &str, ids: &[usize]) -> PyResult<()> {
+        match ids.iter().position(|&id| id >= self.n_buffers) {
+            None => Ok(()),
+            Some(i) => Err(crate::Error::OutOfBounds(format!(
+                "{what}[{i}] = {} is outside 0..{}",
+                ids[i], self.n_buffers
+            ))
+            .into()),
+        }
     }
 }
 
 /// One buffer type/backend, or a list of them.
-#[derive(FromPyObject)]
 enum BuftsArg<'py> {
     One(BuftArg<'py>),
     Many(Vec<BuftArg<'py>>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for BuftsArg<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(one) = obj.extract::<BuftArg<'py>>() {
+            return Ok(BuftsArg::One(one));
+        }
+        let not_a_list = || {
+            type_error(format!(
+                "GraphAllocator needs a BufferType or Backend, or a list of them; got {}",
+                type_name(&obj)
+            ))
+        };
+        if obj.is_instance_of::<pyo3::types::PyString>() {
+            return Err(not_a_list());
+        }
+        let items = obj.try_iter().map_err(|_| not_a_list())?;
+        let mut list = Vec::new();
+        for (i, item) in items.enumerate() {
+            let item = item?;
+            list.push(item.extract::<BuftArg<'py>>().map_err(|_| {
+                type_error(format!(
+                    "GraphAllocator: item {i} must be a BufferType or a Backend, got {}",
+                    type_name(&item)
+                ))
+            })?);
+        }
+        Ok(BuftsArg::Many(list))
+    }
 }
 
 #[pymethods]
@@ -199,7 +275,7 @@ impl PyGraphAllocator {
         }
         let n_buffers = bufts.len();
         Ok(PyGraphAllocator {
-            inner: Mutex::new(GraphAllocator::new_n(&bufts)),
+            inner: CoreLock::new(GraphAllocator::new_n(&bufts), "the GraphAllocator"),
             n_buffers,
         })
     }
@@ -213,7 +289,7 @@ impl PyGraphAllocator {
     /// Plans `graph` with every tensor in buffer 0 and sizes the buffers for it.
     fn reserve(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        py.detach(|| self.lock().reserve(&graph))?;
+        self.with(py, |a| a.reserve(&graph))??;
         Ok(())
     }
 
@@ -226,11 +302,12 @@ impl PyGraphAllocator {
         node_buffer_ids: Vec<usize>,
         leaf_buffer_ids: Vec<usize>,
     ) -> PyResult<()> {
+        self.check_ids("node_buffer_ids", &node_buffer_ids)?;
+        self.check_ids("leaf_buffer_ids", &leaf_buffer_ids)?;
         let graph = graph.inner.clone();
-        py.detach(|| {
-            self.lock()
-                .reserve_n(&graph, &node_buffer_ids, &leaf_buffer_ids)
-        })?;
+        self.with(py, |a| {
+            a.reserve_n(&graph, &node_buffer_ids, &leaf_buffer_ids)
+        })??;
         Ok(())
     }
 
@@ -238,89 +315,96 @@ impl PyGraphAllocator {
     #[pyo3(signature = (graph, node_buffer_ids = Vec::new(), leaf_buffer_ids = Vec::new()))]
     fn reserve_n_size(
         &self,
+        py: Python<'_>,
         graph: &PyGraph,
         node_buffer_ids: Vec<usize>,
         leaf_buffer_ids: Vec<usize>,
     ) -> PyResult<Vec<usize>> {
-        Ok(self
-            .lock()
-            .reserve_n_size(&graph.inner, &node_buffer_ids, &leaf_buffer_ids)?)
+        self.check_ids("node_buffer_ids", &node_buffer_ids)?;
+        self.check_ids("leaf_buffer_ids", &leaf_buffer_ids)?;
+        let graph = graph.inner.clone();
+        Ok(self.with(py, |a| {
+            a.reserve_n_size(&graph, &node_buffer_ids, &leaf_buffer_ids)
+        })??)
     }
 
     /// Binds every intermediate tensor of `graph` to compute memory by replaying the plan
     /// (re-planning automatically with one buffer type when the graph outgrew it).
     fn alloc_graph(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        py.detach(|| self.lock().alloc_graph(&graph))?;
+        self.with(py, |a| a.alloc_graph(&graph))??;
         Ok(())
     }
 
-    /// Bytes of compute memory of buffer id `id`.
+    /// Bytes of compute memory of buffer id `id` (OutOfBoundsError past `n_buffers`).
     #[pyo3(signature = (id = 0))]
-    fn buffer_size(&self, id: usize) -> usize {
-        self.lock().buffer_size(id)
+    fn buffer_size(&self, py: Python<'_>, id: usize) -> PyResult<usize> {
+        self.check_id(id)?;
+        self.with(py, |a| a.buffer_size(id))
     }
 
-    /// The buffers of id `id` (one per chunk).
+    /// The buffers of id `id` (one per chunk; OutOfBoundsError past `n_buffers`).
     #[pyo3(signature = (id = 0))]
-    fn buffers(&self, id: usize) -> Vec<PyBuffer> {
-        self.lock()
-            .buffers(id)
-            .iter()
-            .map(|b| PyBuffer { inner: b.clone() })
-            .collect()
+    fn buffers(&self, py: Python<'_>, id: usize) -> PyResult<Vec<PyBuffer>> {
+        self.check_id(id)?;
+        let buffers = self.with(py, |a| a.buffers(id).to_vec())?;
+        Ok(buffers
+            .into_iter()
+            .map(|inner| PyBuffer { inner })
+            .collect())
     }
 
     /// Debug switch: fill released memory with a poison pattern so reuse bugs show.
     #[getter]
-    fn get_poison(&self) -> bool {
-        self.lock().poison()
+    fn get_poison(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |a| a.poison())
     }
 
     #[setter]
-    fn set_poison(&self, on: bool) {
-        self.lock().set_poison(on);
+    fn set_poison(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.with(py, |a| a.set_poison(on))
     }
 
     /// The stored plan as a dict (see `memory_plan`), or None before the first reserve:
     /// per-buffer sizes, each tensor's offset and lifetime, peak and fragmentation.
     #[getter]
     fn plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.lock().plan() {
-            Some(plan) => Ok(Some(memory_plan_dict(py, plan)?)),
+        match self.with(py, |a| a.plan().cloned())? {
+            Some(plan) => Ok(Some(memory_plan_dict(py, &plan)?)),
             None => Ok(None),
         }
     }
 
     /// Checks the stored plan against `graph`: no two tensors alive at once overlap (unless
     /// in-place successors) and every tensor lies in its buffer. Raises AllocationError.
-    fn check(&self, graph: &PyGraph) -> PyResult<()> {
-        let guard = self.lock();
-        let plan = guard
-            .plan()
-            .ok_or_else(|| super::errors::invalid("no plan: call reserve first"))?;
-        alloc::check_plan(&graph.inner, plan)?;
+    fn check(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+        let graph = graph.inner.clone();
+        self.with(py, |a| match a.plan() {
+            Some(plan) => alloc::check_plan(&graph, plan),
+            None => Err(crate::Error::InvalidArgument(
+                "no plan: call reserve first".into(),
+            )),
+        })??;
         Ok(())
     }
 
     /// Shrinks the buffers to what the current plan needs (tensors become stale).
-    fn shrink(&self) -> PyResult<()> {
-        self.lock().shrink()?;
+    fn shrink(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |a| a.shrink())??;
         Ok(())
     }
 
     /// Frees every buffer and forgets the plan.
-    fn release(&self) {
-        self.lock().release();
+    fn release(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |a| a.release())
     }
 
-    fn __repr__(&self) -> String {
-        let guard = self.lock();
-        let sizes: Vec<usize> = (0..self.n_buffers).map(|i| guard.buffer_size(i)).collect();
-        format!(
-            "GraphAllocator(n_buffers={}, sizes={sizes:?})",
-            self.n_buffers
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let n = self.n_buffers;
+        match self.with(py, |a| (0..n).map(|i| a.buffer_size(i)).collect::<Vec<_>>()) {
+            Ok(sizes) => format!("GraphAllocator(n_buffers={n}, sizes={sizes:?})"),
+            Err(_) => format!("GraphAllocator(n_buffers={n}, busy)"),
+        }
     }
 }
 

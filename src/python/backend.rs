@@ -12,14 +12,15 @@ use numpy::PyArrayMethods;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::convert::{byte_view, is_ndarray, DETACH_THRESHOLD};
+use super::convert::{byte_view, check_plain_data, is_ndarray, numpy, DETACH_THRESHOLD};
 use super::errors::{guard, invalid};
 use super::graph::PyGraph;
+use super::lock::{CallbackScope, CoreLock, ErrorSlot};
 use super::tensor::PyTensor;
 use crate::backend::{Backend, GraphPlan};
 use crate::buffer::{Buffer, BufferType, BufferUsage, ForeignHostMemory};
 use crate::cpu::backend::as_cpu;
-use crate::device::{BackendParams, Device, DeviceType};
+use crate::device::{check_n_threads, BackendParams, Device, DeviceType};
 use crate::error::{Error, Status};
 use crate::event::Event;
 use crate::registry::{self, Extension, Registration};
@@ -80,10 +81,26 @@ impl PyDeviceType {
 }
 
 /// A device type given as `fg.DeviceType.CPU` or a name (`"cpu"`, `"gpu"`, ...).
-#[derive(FromPyObject)]
 pub(crate) enum DeviceTypeArg {
     Typed(PyDeviceType),
     Named(String),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for DeviceTypeArg {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(t) = obj.extract::<PyDeviceType>() {
+            return Ok(DeviceTypeArg::Typed(t));
+        }
+        if let Ok(name) = obj.extract::<String>() {
+            return Ok(DeviceTypeArg::Named(name));
+        }
+        Err(super::utils::type_error(format!(
+            "expected a DeviceType or a device type name ('cpu', 'gpu', 'igpu', 'accel'), got {}",
+            super::utils::type_name(&obj)
+        )))
+    }
 }
 
 impl DeviceTypeArg {
@@ -341,8 +358,15 @@ impl PyBuffer {
         offset: usize,
         size: usize,
     ) -> PyResult<Bound<'py, PyBytes>> {
+        // Checked before the output is allocated: `size` is the caller's number.
+        self.inner.check_range(offset, size, "read")?;
         let mut out = vec![0u8; size];
-        self.inner.read(offset, &mut out)?;
+        let buffer = self.inner.clone();
+        if size >= DETACH_THRESHOLD {
+            py.detach(|| buffer.read(offset, &mut out))?;
+        } else {
+            buffer.read(offset, &mut out)?;
+        }
         Ok(PyBytes::new(py, &out))
     }
 
@@ -433,6 +457,7 @@ impl PyDevice {
     #[pyo3(signature = (params = "", n_threads = None))]
     fn init_backend(&self, params: &str, n_threads: Option<usize>) -> PyResult<PyBackend> {
         let parsed = BackendParams::parse(&params_text(params, n_threads)?)?;
+        registry::check_params(self.inner.as_ref(), &parsed)?;
         Ok(PyBackend {
             inner: self.inner.init_backend(&parsed)?,
         })
@@ -507,7 +532,11 @@ fn with_raw_bytes(
     write: impl FnOnce(&[u8]) -> crate::Result<()> + Send,
 ) -> PyResult<()> {
     if is_ndarray(data)? {
-        let view = byte_view(data)?;
+        // Any layout is accepted (copied to C order first, as Tensor.set does); object arrays
+        // are refused by `byte_view`.
+        check_plain_data(data)?;
+        let contiguous = numpy(py)?.call_method1("ascontiguousarray", (data,))?;
+        let view = byte_view(&contiguous)?;
         let view = view.readonly();
         let bytes = view
             .as_slice()
@@ -534,9 +563,34 @@ fn read_raw_bytes<'py>(
     read: impl FnOnce(&mut [u8]) -> crate::Result<()> + Send,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let size = size.unwrap_or_else(|| tensor.nbytes().saturating_sub(offset));
+    // Checked before the output is allocated: `size` is the caller's number.
+    tensor.check_byte_range(offset, size, "read")?;
     let mut out = vec![0u8; size];
     py.detach(|| read(&mut out))?;
     Ok(PyBytes::new(py, &out))
+}
+
+/// The outcome of a computation on `backends`: the exception an abort callback raised (the
+/// original one) when it stopped it, else the error or status.
+pub(crate) fn finish_compute(
+    py: Python<'_>,
+    backends: &[Arc<dyn Backend>],
+    result: crate::Result<Status>,
+) -> PyResult<()> {
+    match result {
+        Ok(Status::Success) => {
+            // A callback that raised after the last node: still the caller's to see.
+            raise_callback_error(py, backends)
+        }
+        Ok(status) => {
+            raise_callback_error(py, backends)?;
+            check_status(status)
+        }
+        Err(err) => {
+            raise_callback_error(py, backends)?;
+            Err(err.into())
+        }
+    }
 }
 
 /// Raises `AbortedError` for an aborted status and `BackendError` for a failed one.
@@ -548,15 +602,81 @@ pub(crate) fn check_status(status: Status) -> PyResult<()> {
     }
 }
 
+/// The exception the process-wide abort callback raised, for the computation it stopped.
+pub(crate) static GLOBAL_ABORT_ERROR: ErrorSlot = ErrorSlot::new();
+
+/// Per backend (by address): the exception its abort callback raised.
+static BACKEND_ABORT_ERRORS: std::sync::Mutex<Vec<(usize, Arc<ErrorSlot>)>> =
+    std::sync::Mutex::new(Vec::new());
+
+fn backend_key(backend: &Arc<dyn Backend>) -> usize {
+    Arc::as_ptr(backend) as *const u8 as usize
+}
+
+/// The error slot of `backend`'s abort callback (made on first use).
+fn backend_abort_slot(backend: &Arc<dyn Backend>) -> Arc<ErrorSlot> {
+    let key = backend_key(backend);
+    let mut slots = BACKEND_ABORT_ERRORS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    if let Some((_, slot)) = slots.iter().find(|(k, _)| *k == key) {
+        return slot.clone();
+    }
+    let slot = Arc::new(ErrorSlot::default());
+    slots.push((key, slot.clone()));
+    slot
+}
+
+/// Raises the exception an abort callback (the global one, or one of `backends`') raised
+/// during the computation that just stopped; Ok when none did.
+pub(crate) fn raise_callback_error(_py: Python<'_>, backends: &[Arc<dyn Backend>]) -> PyResult<()> {
+    let mut first = GLOBAL_ABORT_ERROR.take();
+    let slots: Vec<Arc<ErrorSlot>> = {
+        let all = BACKEND_ABORT_ERRORS
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        backends
+            .iter()
+            .filter_map(|b| {
+                let key = backend_key(b);
+                all.iter().find(|(k, _)| *k == key).map(|(_, s)| s.clone())
+            })
+            .collect()
+    };
+    for slot in slots {
+        if let Some(err) = slot.take() {
+            first.get_or_insert(err);
+        }
+    }
+    match first {
+        Some(err) => Err(err),
+        None => Ok(()),
+    }
+}
+
 /// Wraps a Python callable as an abort callback: it is polled between nodes, and a true result
-/// (or an exception, which is logged) stops the computation.
-pub(crate) fn python_abort_callback(callable: Py<PyAny>) -> crate::registry::AbortCallback {
+/// stops the computation (AbortedError). An exception stops it too and is kept in `slot`, so
+/// the call that started the computation raises it.
+pub(crate) fn python_abort_callback(
+    callable: Py<PyAny>,
+    slot: &'static ErrorSlot,
+) -> crate::registry::AbortCallback {
+    abort_callback_into(callable, move |err| slot.store(err))
+}
+
+fn abort_callback_into(
+    callable: Py<PyAny>,
+    keep: impl Fn(PyErr) + Send + Sync + 'static,
+) -> crate::registry::AbortCallback {
     Arc::new(move || {
-        Python::attach(|py| match callable.call0(py) {
-            Ok(result) => result.bind(py).is_truthy().unwrap_or(true),
-            Err(err) => {
-                log::error!("abort callback raised {err}; aborting the computation");
-                true
+        Python::attach(|py| {
+            let _scope = CallbackScope::enter();
+            match callable.call0(py).and_then(|r| r.bind(py).is_truthy()) {
+                Ok(stop) => stop,
+                Err(err) => {
+                    keep(err);
+                    true
+                }
             }
         })
     })
@@ -572,7 +692,7 @@ impl PyBackend {
     fn compute(&self, py: Python<'_>, graph: &PyGraph, wait: bool) -> PyResult<()> {
         let backend = self.inner.clone();
         let graph = graph.inner.clone();
-        let status = py.detach(|| {
+        let result = py.detach(|| {
             guard("Backend.graph_compute", || {
                 if wait {
                     backend.graph_compute(&graph)
@@ -580,8 +700,9 @@ impl PyBackend {
                     backend.graph_compute_async(&graph)
                 }
             })
-        })?;
-        check_status(status)
+        });
+        super::log::flush_queued(py);
+        finish_compute(py, std::slice::from_ref(&self.inner), result)
     }
 }
 
@@ -643,13 +764,17 @@ impl PyBackend {
 
     /// Threads the CPU backend uses (settable). BackendError on other backends.
     #[getter]
-    fn get_n_threads(&self) -> PyResult<usize> {
-        Ok(as_cpu(self.inner.as_ref())?.n_threads())
+    fn get_n_threads(&self, py: Python<'_>) -> PyResult<usize> {
+        let backend = self.inner.clone();
+        // The pool's lock is a core lock: never waited for with the interpreter held.
+        Ok(py.detach(|| as_cpu(backend.as_ref()).map(|cpu| cpu.n_threads()))?)
     }
 
     #[setter]
-    fn set_n_threads(&self, n_threads: usize) -> PyResult<()> {
-        as_cpu(self.inner.as_ref())?.set_n_threads(n_threads)?;
+    fn set_n_threads(&self, py: Python<'_>, n_threads: usize) -> PyResult<()> {
+        check_n_threads(n_threads)?;
+        let backend = self.inner.clone();
+        py.detach(|| as_cpu(backend.as_ref())?.set_n_threads(n_threads))?;
         Ok(())
     }
 
@@ -668,10 +793,20 @@ impl PyBackend {
     /// Installs (or with None clears) an abort callback: a callable polled between nodes;
     /// returning True stops the computation, which then raises `AbortedError`. The backend
     /// stays usable.
+    /// An exception the callback raises stops the computation too, and `graph_compute`
+    /// re-raises it. Anything but a callable or None is rejected.
     #[pyo3(signature = (callback))]
-    fn set_abort_callback(&self, callback: Option<Py<PyAny>>) -> PyResult<()> {
-        let cpu = as_cpu(self.inner.as_ref())?;
-        cpu.set_abort_callback(callback.map(python_abort_callback));
+    fn set_abort_callback(&self, py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()> {
+        if let Some(cb) = &callback {
+            super::utils::check_callable(cb.bind(py), "set_abort_callback")?;
+        }
+        let backend = self.inner.clone();
+        let slot = backend_abort_slot(&backend);
+        let callback = callback.map(|cb| abort_callback_into(cb, move |err| slot.store(err)));
+        py.detach(|| -> crate::Result<()> {
+            as_cpu(backend.as_ref())?.set_abort_callback(callback);
+            Ok(())
+        })?;
         Ok(())
     }
 
@@ -698,7 +833,7 @@ impl PyBackend {
         let plan = self.inner.graph_plan_create(&graph.inner)?;
         Ok(PyGraphPlan {
             backend: self.inner.clone(),
-            plan: std::sync::Mutex::new(Some(plan)),
+            plan: CoreLock::new(Some(plan), "the GraphPlan"),
         })
     }
 
@@ -774,16 +909,21 @@ impl PyBackend {
 #[pyclass(name = "GraphPlan", module = "ferrograph", frozen)]
 pub struct PyGraphPlan {
     backend: Arc<dyn Backend>,
-    plan: std::sync::Mutex<Option<Box<dyn GraphPlan>>>,
+    plan: CoreLock<Option<Box<dyn GraphPlan>>>,
 }
 
 impl PyGraphPlan {
-    fn with_plan<T>(&self, f: impl FnOnce(&mut Box<dyn GraphPlan>) -> PyResult<T>) -> PyResult<T> {
-        let mut guard = self.plan.lock().unwrap_or_else(|p| p.into_inner());
-        match guard.as_mut() {
+    /// Runs `f` on the plan under the rules of `lock.rs`; StaleTensorError once freed.
+    fn with_plan<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Box<dyn GraphPlan>) -> crate::Result<T> + Send,
+    ) -> PyResult<T> {
+        let result = self.plan.with(py, |guard| match guard.as_mut() {
             Some(plan) => f(plan),
-            None => Err(Error::Stale("the graph plan was freed".into()).into()),
-        }
+            None => Err(Error::Stale("the graph plan was freed".into())),
+        })?;
+        Ok(result?)
     }
 }
 
@@ -791,36 +931,34 @@ impl PyGraphPlan {
 impl PyGraphPlan {
     /// Scratch bytes the plan reserves.
     #[getter]
-    fn work_size(&self) -> PyResult<usize> {
-        self.with_plan(|plan| Ok(plan.work_size()))
+    fn work_size(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with_plan(py, |plan| Ok(plan.work_size()))
     }
 
     /// Computes the plan's graph.
     fn compute(&self, py: Python<'_>) -> PyResult<()> {
         let backend = self.backend.clone();
-        let status = py.detach(|| {
-            self.with_plan(|plan| {
-                Ok(guard("GraphPlan.compute", || {
-                    backend.graph_plan_compute(plan.as_ref())
-                }))
-            })
-        })??;
-        check_status(status)
+        let result = self.plan.with(py, |guard| match guard.as_mut() {
+            Some(plan) => guard_compute(&backend, plan.as_ref()),
+            None => Err(Error::Stale("the graph plan was freed".into())),
+        })?;
+        finish_compute(py, std::slice::from_ref(&self.backend), result)
     }
 
     /// Points the plan at another graph of the same structure.
-    fn update(&self, graph: &PyGraph) -> PyResult<()> {
+    fn update(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let backend = self.backend.clone();
-        self.with_plan(|plan| Ok(backend.graph_plan_update(plan, &graph.inner)?))
+        let graph = graph.inner.clone();
+        self.with_plan(py, |plan| backend.graph_plan_update(plan, &graph))
     }
 
     /// Releases the plan; using it afterwards raises `StaleTensorError`.
-    fn free(&self) {
-        *self.plan.lock().unwrap_or_else(|p| p.into_inner()) = None;
+    fn free(&self, py: Python<'_>) -> PyResult<()> {
+        self.plan.with(py, |plan| *plan = None)
     }
 
-    fn __repr__(&self) -> String {
-        match self.work_size() {
+    fn __repr__(&self, py: Python<'_>) -> String {
+        match self.work_size(py) {
             Ok(work) => format!(
                 "GraphPlan(backend={:?}, work_size={work})",
                 self.backend.name()
@@ -828,6 +966,10 @@ impl PyGraphPlan {
             Err(_) => "GraphPlan(freed)".to_owned(),
         }
     }
+}
+
+fn guard_compute(backend: &Arc<dyn Backend>, plan: &dyn GraphPlan) -> crate::Result<Status> {
+    guard("GraphPlan.compute", || backend.graph_plan_compute(plan))
 }
 
 /// A synchronisation point between backends.
@@ -922,6 +1064,7 @@ impl PyRegistration {
 
     /// Sets a backend's thread count through the registration's extension function.
     fn set_n_threads(&self, backend: &PyBackend, n_threads: usize) -> PyResult<()> {
+        check_n_threads(n_threads)?;
         match self.inner.proc_address("set_n_threads") {
             Some(Extension::SetThreadCount(f)) => Ok(f(backend.inner.as_ref(), n_threads)?),
             _ => Err(Error::UnsupportedOp(format!(
@@ -993,12 +1136,15 @@ fn reg_by_name(name: &str) -> Option<PyRegistration> {
 
 /// ggml's parameter text with `n_threads` (if given) appended.
 fn params_text(params: &str, n_threads: Option<usize>) -> PyResult<String> {
-    match n_threads {
-        None => Ok(params.to_owned()),
-        Some(0) => Err(invalid("n_threads must be at least 1")),
-        Some(n) if params.trim().is_empty() => Ok(format!("n_threads={n}")),
-        Some(n) => Ok(format!("{params},n_threads={n}")),
-    }
+    let Some(n) = n_threads else {
+        return Ok(params.to_owned());
+    };
+    check_n_threads(n)?;
+    Ok(if params.trim().is_empty() {
+        format!("n_threads={n}")
+    } else {
+        format!("{params},n_threads={n}")
+    })
 }
 
 /// Opens a backend on the device with this name (case-insensitive), e.g. `"CPU"`.
@@ -1053,6 +1199,8 @@ fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
     if !is_ndarray(array)? {
         return Err(invalid("cpu_buffer_from_array needs a numpy array"));
     }
+    // Bytes written through the buffer would overwrite object pointers.
+    check_plain_data(array)?;
     let flags = array.getattr("flags")?;
     if !flags.getattr("c_contiguous")?.is_truthy()? {
         return Err(invalid("the array must be C-contiguous"));

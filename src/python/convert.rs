@@ -63,8 +63,25 @@ pub(crate) fn dtype_name(array: &Bound<'_, PyAny>) -> PyResult<String> {
     })
 }
 
-/// The array as a 1-d uint8 view of the same (C-contiguous) memory.
+/// Refuses arrays that are not plain data: object dtypes, and structured dtypes with an
+/// object field anywhere (their bytes are pointers to Python objects; writing them corrupts
+/// reference counts, reading them leaks addresses). DTypeError naming the dtype.
+pub(crate) fn check_plain_data(array: &Bound<'_, PyAny>) -> PyResult<()> {
+    let dtype = array.getattr("dtype")?;
+    if dtype.getattr("hasobject")?.is_truthy()? {
+        let text = dtype.str()?.to_string();
+        return Err(errors::dtype(format!(
+            "arrays of Python objects (dtype {text}) cannot be used as raw memory; use a \
+             numeric or boolean dtype"
+        )));
+    }
+    Ok(())
+}
+
+/// The array as a 1-d uint8 view of the same (C-contiguous) memory; object arrays are refused
+/// ([`check_plain_data`]).
 pub(crate) fn byte_view<'py>(array: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    check_plain_data(array)?;
     let py = array.py();
     let flat = array.call_method1("reshape", (-1,))?;
     let bytes = flat.call_method1("view", (numpy(py)?.getattr("uint8")?,))?;

@@ -16,7 +16,7 @@ use pyo3::types::PyType;
 use crate::error::Error;
 
 /// The exception classes, in the order of [`class_index`].
-const CLASS_NAMES: [&str; 11] = [
+const CLASS_NAMES: [&str; 13] = [
     "Error",
     "ShapeError",
     "DTypeError",
@@ -28,6 +28,8 @@ const CLASS_NAMES: [&str; 11] = [
     "NotAllocatedError",
     "AbortedError",
     "InvalidArgumentError",
+    "ArgumentTypeError",
+    "BusyError",
 ];
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
@@ -44,6 +46,8 @@ fn class_index(err: &Error) -> usize {
         Error::NotAllocated(_) => 8,
         Error::Aborted => 9,
         Error::InvalidArgument(_) => 10,
+        Error::ArgumentType(_) => 11,
+        Error::Busy(_) => 12,
     }
 }
 
@@ -65,7 +69,7 @@ fn to_pyerr_attached(py: Python<'_>, err: &Error) -> PyErr {
         Ok(classes) => PyErr::from_type(classes[class_index(err)].bind(py).clone(), message),
         Err(_) => match err {
             Error::Shape(_) | Error::InvalidArgument(_) => PyValueError::new_err(message),
-            Error::DType(_) => PyTypeError::new_err(message),
+            Error::DType(_) | Error::ArgumentType(_) => PyTypeError::new_err(message),
             Error::Alloc(_) => PyMemoryError::new_err(message),
             Error::UnsupportedOp(_) => PyNotImplementedError::new_err(message),
             Error::OutOfBounds(_) => PyIndexError::new_err(message),
@@ -127,7 +131,7 @@ pub(crate) fn error_class_names() -> Vec<&'static str> {
 
 /// Raises the exception class mapped from the Rust variant named `variant` (for tests of the
 /// mapping: "Shape", "DType", "Alloc", "UnsupportedOp", "Backend", "OutOfBounds", "Stale",
-/// "NotAllocated", "Aborted", "InvalidArgument").
+/// "NotAllocated", "Aborted", "InvalidArgument", "ArgumentType", "Busy").
 #[pyfunction]
 pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
     let m = message.to_owned();
@@ -142,6 +146,8 @@ pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
         "NotAllocated" => Error::NotAllocated(m),
         "Aborted" => Error::Aborted,
         "InvalidArgument" => Error::InvalidArgument(m),
+        "ArgumentType" => Error::ArgumentType(m),
+        "Busy" => Error::Busy(m),
         other => return Err(invalid(format!("unknown error variant {other:?}"))),
     };
     Err(err.into())

@@ -4,16 +4,49 @@ use pyo3::prelude::*;
 use pyo3::types::PyList;
 
 use super::tensor::PyTensor;
+use super::utils::{type_error, type_name};
 use crate::graph::Graph;
 use crate::tensor::Tensor;
 
 /// One tensor or a list of tensors (the outputs of a graph).
-#[derive(FromPyObject)]
 pub(crate) enum Outputs<'py> {
     /// A single output.
     One(Bound<'py, PyTensor>),
     /// Several outputs, expanded in order.
     Many(Vec<Bound<'py, PyTensor>>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Outputs<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if let Ok(t) = obj.cast::<PyTensor>() {
+            return Ok(Outputs::One(t.to_owned()));
+        }
+        let wrong = |what: String| {
+            type_error(format!(
+                "Graph.build needs a Tensor or a sequence of Tensors, got {what}"
+            ))
+        };
+        if obj.is_instance_of::<pyo3::types::PyString>() {
+            return Err(wrong(type_name(&obj)));
+        }
+        let items = obj.try_iter().map_err(|_| wrong(type_name(&obj)))?;
+        let mut tensors = Vec::new();
+        for (i, item) in items.enumerate() {
+            let item = item?;
+            match item.cast_into::<PyTensor>() {
+                Ok(t) => tensors.push(t),
+                Err(e) => {
+                    return Err(wrong(format!(
+                        "{} at position {i}",
+                        type_name(&e.into_inner())
+                    )))
+                }
+            }
+        }
+        Ok(Outputs::Many(tensors))
+    }
 }
 
 /// A computation graph: the tensors needed for some outputs, operands before consumers.

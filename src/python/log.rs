@@ -9,12 +9,20 @@
 //!   every binding that runs long work releases it;
 //! - hot loops must not log (each record costs an attach and a Python call);
 //! - records logged while the interpreter is finalizing, or from inside a logging call on the
-//!   same thread, are dropped instead of blocking.
+//!   same thread, are dropped instead of blocking;
+//! - records logged while the thread holds a core lock (a scheduler or allocator working for
+//!   Python, see `lock.rs`) are queued, never forwarded on the spot: forwarding attaches to the
+//!   interpreter, and a thread holding the interpreter may be about to ask for that lock. The
+//!   queue is forwarded when the lock is released (and by the next record logged from a
+//!   lock-free point); at most [`QUEUE_LIMIT`] records wait, later ones are counted and
+//!   reported as dropped.
 //!
 //! The maximum level forwarded is `DEBUG` by default; `_core.set_log_level("trace")` changes
 //! it (Python's logger levels filter further).
 
 use std::cell::Cell;
+use std::collections::VecDeque;
+use std::sync::Mutex;
 
 use log::{Level, LevelFilter, Log, Metadata, Record};
 use pyo3::prelude::*;
@@ -25,6 +33,19 @@ struct PythonLogger;
 
 static LOGGER: PythonLogger = PythonLogger;
 static LOGGING: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+
+/// A record waiting to be forwarded.
+struct Queued {
+    target: String,
+    level: Level,
+    message: String,
+}
+
+/// Most records that wait in the queue.
+const QUEUE_LIMIT: usize = 10_000;
+
+/// Records logged under a core lock, and how many were dropped because the queue was full.
+static QUEUE: Mutex<(VecDeque<Queued>, usize)> = Mutex::new((VecDeque::new(), 0));
 
 thread_local! {
     /// Set while this thread is inside a forwarded `logging` call (re-entrancy guard).
@@ -51,19 +72,70 @@ fn python_level(level: Level) -> i32 {
     }
 }
 
-fn forward(py: Python<'_>, record: &Record<'_>) -> PyResult<()> {
+fn forward(py: Python<'_>, target: &str, level: Level, message: &str) -> PyResult<()> {
     let logging = LOGGING.get_or_try_init(py, || py.import("logging").map(Bound::unbind))?;
     let logger = logging
         .bind(py)
-        .call_method1("getLogger", (logger_name(record.target()),))?;
-    let level = python_level(record.level());
+        .call_method1("getLogger", (logger_name(target),))?;
+    let level = python_level(level);
     if logger
         .call_method1("isEnabledFor", (level,))?
         .extract::<bool>()?
     {
-        logger.call_method1("log", (level, "%s", record.args().to_string()))?;
+        // Handlers are Python code: they run as a callback (see `lock.rs`).
+        let _scope = super::lock::CallbackScope::enter();
+        logger.call_method1("log", (level, "%s", message))?;
     }
     Ok(())
+}
+
+fn queue_lock() -> std::sync::MutexGuard<'static, (VecDeque<Queued>, usize)> {
+    QUEUE.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Forwards the records queued while core locks were held. Call it only where this thread
+/// holds no core lock (it runs Python logging handlers).
+pub(crate) fn flush_queued(py: Python<'_>) {
+    if super::lock::holds_core_lock() || IN_LOG.with(Cell::get) {
+        return;
+    }
+    IN_LOG.with(|flag| flag.set(true));
+    loop {
+        // One record at a time: the queue's lock is never held while Python runs.
+        let next = {
+            let mut queue = queue_lock();
+            match queue.0.pop_front() {
+                Some(record) => Some(record),
+                None if queue.1 > 0 => {
+                    let dropped = std::mem::take(&mut queue.1);
+                    Some(Queued {
+                        target: "ferrograph".into(),
+                        level: Level::Warn,
+                        message: format!("{dropped} log records were dropped (queue full)"),
+                    })
+                }
+                None => None,
+            }
+        };
+        let Some(record) = next else { break };
+        if let Err(err) = forward(py, &record.target, record.level, &record.message) {
+            err.print(py);
+        }
+    }
+    IN_LOG.with(|flag| flag.set(false));
+}
+
+fn enqueue(record: &Record<'_>) {
+    let mut queue = queue_lock();
+    if queue.0.len() >= QUEUE_LIMIT {
+        queue.1 += 1;
+    } else {
+        queue.0.push_back(Queued {
+            target: record.target().to_owned(),
+            level: record.level(),
+            message: record.args().to_string(),
+        });
+    }
 }
 
 impl Log for PythonLogger {
@@ -75,17 +147,23 @@ impl Log for PythonLogger {
         if !self.enabled(record.metadata()) || IN_LOG.with(Cell::get) {
             return;
         }
-        IN_LOG.with(|flag| flag.set(true));
+        if super::lock::holds_core_lock() {
+            enqueue(record);
+            return;
+        }
         // `try_attach` returns None while the interpreter is finalizing; never panic here.
         let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             Python::try_attach(|py| {
-                if let Err(err) = forward(py, record) {
+                flush_queued(py);
+                IN_LOG.with(|flag| flag.set(true));
+                let message = record.args().to_string();
+                if let Err(err) = forward(py, record.target(), record.level(), &message) {
                     // A failing handler must not turn into an exception elsewhere.
                     err.print(py);
                 }
+                IN_LOG.with(|flag| flag.set(false));
             })
         }));
-        IN_LOG.with(|flag| flag.set(false));
     }
 
     fn flush(&self) {}
@@ -134,6 +212,7 @@ fn _log_for_test(py: Python<'_>, target: &str, level: &str, message: &str) -> Py
     };
     let (target, message) = (target.to_owned(), message.to_owned());
     py.detach(move || log::log!(target: &target, level, "{message}"));
+    flush_queued(py);
     Ok(())
 }
 

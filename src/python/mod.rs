@@ -17,6 +17,7 @@ mod dtype;
 mod dynload;
 mod errors;
 mod graph;
+mod lock;
 mod log;
 mod ops;
 mod plugin;

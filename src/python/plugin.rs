@@ -11,11 +11,13 @@ use std::fmt;
 use std::ptr::NonNull;
 use std::sync::{Arc, Weak};
 
+use pyo3::exceptions::PyMemoryError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict};
+use pyo3::types::{PyBool, PyBytes, PyDict};
 
 use super::backend::PyDeviceType;
 use super::graph::PyGraph;
+use super::lock::CallbackScope;
 use super::tensor::PyTensor;
 use crate::backend::{Backend, Guid};
 use crate::buffer::{Buffer, BufferMemory, BufferType};
@@ -25,9 +27,16 @@ use crate::graph::Graph;
 use crate::registry::Registration;
 use crate::tensor::Tensor;
 
-/// Turns a Python exception raised by `plugin.method` into a backend error.
+/// Turns a Python exception raised by `plugin.method` into a backend error (an allocation
+/// error for `MemoryError`, so a buffer type that runs out of memory reads as one).
 fn plugin_error(plugin: &str, method: &str, err: PyErr) -> Error {
-    Error::Backend(format!("Python backend {plugin:?}: {method} raised {err}"))
+    let message = format!("Python backend {plugin:?}: {method} raised {err}");
+    let out_of_memory = Python::attach(|py| err.is_instance_of::<PyMemoryError>(py));
+    if out_of_memory {
+        Error::Alloc(message)
+    } else {
+        Error::Backend(message)
+    }
 }
 
 /// Calls `obj.method(*args)` and extracts the result, mapping exceptions to [`Error`].
@@ -39,6 +48,7 @@ fn call<T>(
     extract: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
 ) -> Result<T> {
     Python::attach(|py| {
+        let _scope = CallbackScope::enter();
         let run = || -> PyResult<T> {
             let args = args(py)?;
             let result = obj.bind(py).call_method1(method, args)?;
@@ -55,6 +65,7 @@ fn attr<'py, T>(
     name: &str,
     extract: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
 ) -> Result<T> {
+    let _scope = CallbackScope::enter();
     let run = || -> PyResult<T> {
         let mut value = obj.getattr(name)?;
         if value.is_callable() {
@@ -312,7 +323,22 @@ impl Device for PluginDevice {
                 }
                 (d,).into_pyobject(py)
             },
-            |r| Ok(r.clone().unbind()),
+            |r| {
+                // The protocol: an object with a callable graph_compute(graph).
+                let ok = !r.is_none()
+                    && r.getattr("graph_compute")
+                        .map(|m| m.is_callable())
+                        .unwrap_or(false);
+                if ok {
+                    Ok(r.clone().unbind())
+                } else {
+                    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                        "returned {} without a callable graph_compute(graph); init_backend \
+                         must return a backend object",
+                        super::utils::type_name(r)
+                    )))
+                }
+            },
         )?;
         let name = Python::attach(|py| {
             attr(&self.registration, backend.bind(py), "name", |v| {
@@ -395,7 +421,20 @@ impl Backend for PluginBackend {
                 )?;
                 (g,).into_pyobject(py)
             },
-            |r| Ok(r.extract::<bool>().ok() == Some(false)),
+            |r| {
+                // True or None: done; False: aborted; anything else breaks the protocol.
+                if r.is_none() {
+                    Ok(false)
+                } else if let Ok(b) = r.cast::<PyBool>() {
+                    Ok(!b.is_true())
+                } else {
+                    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                        "returned {} {}; graph_compute must return True, False (aborted) or None",
+                        super::utils::type_name(r),
+                        r.repr().map(|s| s.to_string()).unwrap_or_default()
+                    )))
+                }
+            },
         )?;
         Ok(if aborted {
             Status::Aborted
@@ -406,6 +445,7 @@ impl Backend for PluginBackend {
 
     fn synchronize(&self) -> Result<()> {
         Python::attach(|py| {
+            let _scope = CallbackScope::enter();
             let obj = self.obj.bind(py);
             if obj.hasattr("synchronize").unwrap_or(false) {
                 obj.call_method0("synchronize")

@@ -1,19 +1,20 @@
 //! The Python `Scheduler` (one graph across several backends) and its inspectable `SchedPlan`.
 
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use super::alloc::BuftArg;
-use super::backend::{check_status, PyBackend};
+use super::backend::{check_status, raise_callback_error, PyBackend};
 use super::errors::{guard, invalid};
 use super::graph::PyGraph;
+use super::lock::{CallbackScope, CoreLock, ErrorSlot};
 use super::tensor::PyTensor;
 use crate::backend::Backend;
 use crate::buffer::BufferType;
 use crate::sched::{Assignment, CopyPlan, PlannedTensor, SchedPlan, SplitPlan, TensorRef};
-use crate::sched::{OffloadPolicy, Scheduler};
+use crate::sched::{OffloadPolicy, Scheduler, MAX_COPIES};
 use crate::tensor::Tensor;
 
 fn tensor_ref(r: TensorRef) -> (&'static str, usize) {
@@ -226,13 +227,47 @@ impl PySchedPlan {
 /// backend take an op whose weights sit in host memory.
 #[pyclass(name = "Scheduler", module = "ferrograph", frozen)]
 pub struct PyScheduler {
-    inner: Mutex<Scheduler>,
+    inner: CoreLock<Scheduler>,
     backends: Vec<Arc<dyn Backend>>,
+    /// The exception the eval callback raised during the current computation.
+    eval_error: Arc<ErrorSlot>,
 }
 
 impl PyScheduler {
-    fn lock(&self) -> MutexGuard<'_, Scheduler> {
-        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    /// Runs `f` on the scheduler (see `lock.rs`: the interpreter is released while waiting and
+    /// working; a callback of a running computation gets BusyError).
+    fn with<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Scheduler) -> R + Send,
+    ) -> PyResult<R> {
+        self.inner.with(py, f)
+    }
+
+    /// Runs a computation and raises what stopped it: an exception of the eval callback or of
+    /// an abort callback first (the original exception), else the status's error.
+    fn compute(
+        &self,
+        py: Python<'_>,
+        what: &str,
+        run: impl FnOnce(&mut Scheduler) -> crate::Result<crate::error::Status> + Send,
+    ) -> PyResult<()> {
+        self.eval_error.take();
+        let result = self.with(py, |s| guard(what, || run(s)))?;
+        if let Some(err) = self.eval_error.take() {
+            return Err(err);
+        }
+        let status = match result {
+            Ok(status) => status,
+            Err(err) => {
+                raise_callback_error(py, &self.backends)?;
+                return Err(err.into());
+            }
+        };
+        if status != crate::error::Status::Success {
+            raise_callback_error(py, &self.backends)?;
+        }
+        check_status(status)
     }
 }
 
@@ -252,8 +287,9 @@ impl PyScheduler {
             buffer_types.map(|list| list.iter().map(BuftArg::resolve).collect());
         let scheduler = Scheduler::new(backends.clone(), bufts, graph_size, parallel, op_offload)?;
         Ok(PyScheduler {
-            inner: Mutex::new(scheduler),
+            inner: CoreLock::new(scheduler, "the Scheduler"),
             backends,
+            eval_error: Arc::new(ErrorSlot::default()),
         })
     }
 
@@ -288,38 +324,43 @@ impl PyScheduler {
 
     /// Splits of the current graph.
     #[getter]
-    fn n_splits(&self) -> usize {
-        self.lock().n_splits()
+    fn n_splits(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| s.n_splits())
     }
 
-    /// Pipeline slots per copied tensor (settable; 1 turns pipelining off).
+    /// Pipeline slots per copied tensor (settable, 1 to 64; 1 turns pipelining off).
     #[getter]
-    fn get_n_copies(&self) -> usize {
-        self.lock().n_copies()
+    fn get_n_copies(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| s.n_copies())
     }
 
     #[setter]
-    fn set_n_copies(&self, n: usize) -> PyResult<()> {
-        self.lock().set_n_copies(n)?;
+    fn set_n_copies(&self, py: Python<'_>, n: usize) -> PyResult<()> {
+        if n == 0 || n > MAX_COPIES {
+            return Err(invalid(format!(
+                "n_copies must be between 1 and {MAX_COPIES}, got {n}"
+            )));
+        }
+        self.with(py, |s| s.set_n_copies(n))??;
         Ok(())
     }
 
     /// Whether higher-priority backends may take ops whose weights are in host memory.
     #[getter]
-    fn get_op_offload(&self) -> bool {
-        self.lock().op_offload()
+    fn get_op_offload(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |s| s.op_offload())
     }
 
     #[setter]
-    fn set_op_offload(&self, on: bool) {
-        self.lock().set_op_offload(on);
+    fn set_op_offload(&self, py: Python<'_>, on: bool) -> PyResult<()> {
+        self.with(py, |s| s.set_op_offload(on))
     }
 
     /// The offload policy: "device" (ask the backend), "never", "always", or an int — the
     /// minimum batch for which an op is offloaded.
     #[getter]
     fn get_offload_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        Ok(match self.lock().offload_policy() {
+        Ok(match self.with(py, |s| s.offload_policy())? {
             OffloadPolicy::Device => "device".into_pyobject(py)?.into_any(),
             OffloadPolicy::Never => "never".into_pyobject(py)?.into_any(),
             OffloadPolicy::Always => "always".into_pyobject(py)?.into_any(),
@@ -329,10 +370,16 @@ impl PyScheduler {
 
     #[setter]
     fn set_offload_policy(&self, policy: &Bound<'_, PyAny>) -> PyResult<()> {
-        let policy = if let Ok(n) = policy.extract::<usize>() {
-            OffloadPolicy::MinBatch(n)
-        } else {
-            match policy.extract::<String>()?.to_ascii_lowercase().as_str() {
+        let py = policy.py();
+        let policy = if let Ok(n) = policy.extract::<i64>() {
+            if n < 0 || policy.is_instance_of::<pyo3::types::PyBool>() {
+                return Err(invalid(format!(
+                    "offload_policy: a minimum batch size must be a non-negative int, got {n}"
+                )));
+            }
+            OffloadPolicy::MinBatch(n as usize)
+        } else if let Ok(text) = policy.extract::<String>() {
+            match text.to_ascii_lowercase().as_str() {
                 "device" => OffloadPolicy::Device,
                 "never" => OffloadPolicy::Never,
                 "always" => OffloadPolicy::Always,
@@ -343,64 +390,88 @@ impl PyScheduler {
                     )))
                 }
             }
+        } else {
+            return Err(super::utils::type_error(format!(
+                "offload_policy must be 'device', 'never', 'always' or an int, got {}",
+                super::utils::type_name(policy)
+            )));
         };
-        self.lock().set_offload_policy(policy);
-        Ok(())
+        self.with(py, |s| s.set_offload_policy(policy))
     }
 
     /// The compute buffer type used for `backend`.
-    fn get_buffer_type(&self, backend: &PyBackend) -> PyResult<super::backend::PyBufferType> {
+    fn get_buffer_type(
+        &self,
+        py: Python<'_>,
+        backend: &PyBackend,
+    ) -> PyResult<super::backend::PyBufferType> {
+        let b = backend.inner.clone();
         Ok(super::backend::PyBufferType {
-            inner: self.lock().buffer_type(&backend.inner)?,
+            inner: self.with(py, |s| s.buffer_type(&b))??,
         })
     }
 
     /// Bytes of compute memory allocated for `backend`.
-    fn get_buffer_size(&self, backend: &PyBackend) -> PyResult<usize> {
-        Ok(self.lock().buffer_size(&backend.inner)?)
+    fn get_buffer_size(&self, py: Python<'_>, backend: &PyBackend) -> PyResult<usize> {
+        let b = backend.inner.clone();
+        Ok(self.with(py, |s| s.buffer_size(&b))??)
     }
 
     /// Pins `tensor` (and, through assignment, its neighbours) to `backend`.
-    fn set_tensor_backend(&self, tensor: &PyTensor, backend: &PyBackend) -> PyResult<()> {
-        self.lock()
-            .set_tensor_backend(&tensor.inner, &backend.inner)?;
+    fn set_tensor_backend(
+        &self,
+        py: Python<'_>,
+        tensor: &PyTensor,
+        backend: &PyBackend,
+    ) -> PyResult<()> {
+        let (t, b) = (tensor.inner.clone(), backend.inner.clone());
+        self.with(py, |s| s.set_tensor_backend(&t, &b))??;
         Ok(())
     }
 
     /// The backend `tensor` is pinned or assigned to, or None.
-    fn get_tensor_backend(&self, tensor: &PyTensor) -> Option<PyBackend> {
-        self.lock()
-            .get_tensor_backend(&tensor.inner)
-            .map(|inner| PyBackend { inner })
+    fn get_tensor_backend(&self, py: Python<'_>, tensor: &PyTensor) -> PyResult<Option<PyBackend>> {
+        let t = tensor.inner.clone();
+        Ok(self
+            .with(py, |s| s.get_tensor_backend(&t))?
+            .map(|inner| PyBackend { inner }))
     }
 
     /// Per-node evaluation callback `callback(tensor, ask) -> bool`: called with ask=True
     /// before a node to ask whether the caller wants to observe it, then with ask=False once
     /// it is computed (its data readable); returning False then cancels the whole compute,
-    /// which raises AbortedError. None removes the callback. An exception in the callback
-    /// cancels as well and is logged.
-    fn set_eval_callback(&self, callback: Option<Py<PyAny>>) {
+    /// which raises AbortedError. An exception raised by the callback stops the compute and
+    /// is re-raised by `graph_compute`. The callback must not use this scheduler (BusyError).
+    /// None removes the callback; anything else that is not callable is rejected.
+    fn set_eval_callback(&self, py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()> {
+        if let Some(cb) = &callback {
+            super::utils::check_callable(cb.bind(py), "set_eval_callback")?;
+        }
+        let slot = self.eval_error.clone();
         let callback = callback.map(|callable| -> crate::sched::EvalCallback {
             Box::new(move |tensor: &Tensor, ask: bool| {
                 Python::attach(|py| {
+                    let _scope = CallbackScope::enter();
                     let run = || -> PyResult<bool> {
                         let t = PyTensor::wrap(py, tensor.clone())?;
                         callable.call1(py, (t, ask))?.bind(py).is_truthy()
                     };
                     run().unwrap_or_else(|err| {
-                        log::error!("eval callback raised {err}; cancelling the compute");
+                        slot.store(err);
                         false
                     })
                 })
             })
         });
-        self.lock().set_eval_callback(callback);
+        self.with(py, |s| s.set_eval_callback(callback))
     }
 
     /// Assigns backends and cuts `graph` into splits (no memory is allocated).
     fn split_graph(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        py.detach(|| self.lock().split_graph(&graph))?;
+        self.with(py, |s| {
+            guard("Scheduler.split_graph", || s.split_graph(&graph))
+        })??;
         Ok(())
     }
 
@@ -408,109 +479,104 @@ impl PyScheduler {
     /// compute buffers, so later graphs up to that size allocate without growing.
     fn reserve(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        py.detach(|| self.lock().reserve(&graph))?;
+        self.with(py, |s| guard("Scheduler.reserve", || s.reserve(&graph)))??;
         Ok(())
     }
 
     /// The compute bytes per backend `reserve(graph)` would need, without allocating.
     fn reserve_size(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<Vec<usize>> {
         let graph = graph.inner.clone();
-        Ok(py.detach(|| self.lock().reserve_size(&graph))?)
+        Ok(self.with(py, |s| {
+            guard("Scheduler.reserve_size", || s.reserve_size(&graph))
+        })??)
     }
 
     /// Splits and allocates `graph` (compute does this automatically when needed).
     fn alloc_graph(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        py.detach(|| self.lock().alloc_graph(&graph))?;
+        self.with(py, |s| {
+            guard("Scheduler.alloc_graph", || s.alloc_graph(&graph))
+        })??;
         Ok(())
     }
 
     /// Computes `graph` across the backends and waits. Raises AbortedError when the eval
-    /// callback (or an abort callback) cancelled it.
+    /// callback (or an abort callback) cancelled it, and the callback's own exception when it
+    /// raised one.
     fn graph_compute(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        let status = py.detach(|| {
-            guard("Scheduler.graph_compute", || {
-                self.lock().graph_compute(&graph)
-            })
-        })?;
-        check_status(status)
+        self.compute(py, "Scheduler.graph_compute", |s| s.graph_compute(&graph))
     }
 
     /// Queues the computation of `graph`; `synchronize()` waits.
     fn graph_compute_async(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
-        let status = py.detach(|| {
-            guard("Scheduler.graph_compute_async", || {
-                self.lock().graph_compute_async(&graph)
-            })
-        })?;
-        check_status(status)
+        self.compute(py, "Scheduler.graph_compute_async", |s| {
+            s.graph_compute_async(&graph)
+        })
     }
 
     /// Waits for every backend.
     fn synchronize(&self, py: Python<'_>) -> PyResult<()> {
-        py.detach(|| self.lock().synchronize())?;
+        self.with(py, |s| s.synchronize())??;
         Ok(())
     }
 
     /// Forgets the current allocation (its tensors become stale) and the pins.
-    fn reset(&self) {
-        self.lock().reset();
+    fn reset(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |s| s.reset())
     }
 
     /// The plan for the current graph, or None before the first split.
     #[getter]
-    fn plan(&self) -> Option<PySchedPlan> {
-        let sched = self.lock();
-        let plan = sched.plan()?;
-        let dot = sched.to_dot().unwrap_or_default();
-        Some(PySchedPlan { plan, dot })
+    fn plan(&self, py: Python<'_>) -> PyResult<Option<PySchedPlan>> {
+        self.with(py, |s| {
+            let plan = s.plan()?;
+            let dot = s.to_dot().unwrap_or_default();
+            Some(PySchedPlan { plan, dot })
+        })
     }
 
     /// The compute memory plan (see `GraphAllocator.plan`): per backend buffer id its size,
     /// each tensor's offset and lifetime, peak and fragmentation; None before allocation.
     #[getter]
     fn memory_plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.lock().memory_plan() {
-            Some(plan) => Ok(Some(super::alloc::memory_plan_dict(py, plan)?)),
+        match self.with(py, |s| s.memory_plan().cloned())? {
+            Some(plan) => Ok(Some(super::alloc::memory_plan_dict(py, &plan)?)),
             None => Ok(None),
         }
     }
 
     /// GraphViz source of the current plan, or None.
-    fn to_dot(&self) -> Option<String> {
-        self.lock().to_dot()
+    fn to_dot(&self, py: Python<'_>) -> PyResult<Option<String>> {
+        self.with(py, |s| s.to_dot())
     }
 
     /// Drops every cached plan (the next compute re-plans).
-    fn clear_plan_cache(&self) {
-        self.lock().clear_plan_cache();
+    fn clear_plan_cache(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |s| s.clear_plan_cache())
     }
 
     /// (hits, misses) of the plan cache.
     #[getter]
-    fn plan_cache_stats(&self) -> (u64, u64) {
-        self.lock().plan_cache_stats()
+    fn plan_cache_stats(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
+        self.with(py, |s| s.plan_cache_stats())
     }
 
-    fn __repr__(&self) -> String {
-        let sched = self.lock();
-        format!(
-            "Scheduler(backends={:?}, n_splits={}, n_copies={})",
-            self.backends
-                .iter()
-                .map(|b| b.name().to_owned())
-                .collect::<Vec<_>>(),
-            sched.n_splits(),
-            sched.n_copies()
-        )
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let names: Vec<String> = self.backends.iter().map(|b| b.name().to_owned()).collect();
+        match self.with(py, |s| (s.n_splits(), s.n_copies())) {
+            Ok((n_splits, n_copies)) => {
+                format!("Scheduler(backends={names:?}, n_splits={n_splits}, n_copies={n_copies})")
+            }
+            Err(_) => format!("Scheduler(backends={names:?}, busy)"),
+        }
     }
 
-    fn _repr_html_(&self) -> String {
-        match self.plan() {
-            Some(plan) => plan._repr_html_(),
-            None => format!("<p>{}</p>", escape(&self.__repr__())),
+    fn _repr_html_(&self, py: Python<'_>) -> String {
+        match self.plan(py) {
+            Ok(Some(plan)) => plan._repr_html_(),
+            _ => format!("<p>{}</p>", escape(&self.__repr__(py))),
         }
     }
 }

@@ -3,7 +3,7 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use numpy::{PyArray1, PyReadonlyArray1};
+use numpy::{PyArray1, PyArrayMethods};
 
 use super::dtype::DTypeArg;
 use super::errors::invalid;
@@ -59,8 +59,17 @@ fn cpu_type_traits(dtype: DTypeArg) -> (bool, bool, &'static str, usize) {
 fn cpu_from_float<'py>(
     py: Python<'py>,
     dtype: DTypeArg,
-    x: PyReadonlyArray1<'py, f32>,
+    x: &Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    let x = x.cast::<PyArray1<f32>>().map_err(|_| {
+        let got = super::convert::dtype_name(x)
+            .map(|d| format!("a {d} array"))
+            .unwrap_or_else(|_| super::utils::type_name(x));
+        super::errors::dtype(format!(
+            "cpu_from_float needs a 1-d float32 array, got {got}"
+        ))
+    })?;
+    let x = x.readonly();
     let t = type_traits(dtype.0);
     let from_float = t.from_float.ok_or_else(|| {
         Error::UnsupportedOp(format!("the CPU cannot convert f32 to {}", dtype.0.name()))

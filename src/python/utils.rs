@@ -5,14 +5,42 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 
-use super::backend::{check_status, python_abort_callback, PyBackend, PyBuffer};
+use super::backend::{
+    finish_compute, python_abort_callback, PyBackend, PyBuffer, GLOBAL_ABORT_ERROR,
+};
 use super::errors::{guard, invalid};
 use super::graph::PyGraph;
+use super::lock::CallbackScope;
 use super::tensor::PyTensor;
 use crate::cpu::backend::as_cpu;
 use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
-use crate::error::Status;
+use crate::error::{Error, Status};
 use crate::graph_copy::{self as copying, GraphCopy};
+
+/// The Python name of `obj`'s type (`"int"`, `"list"`), for messages.
+pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "object".into())
+}
+
+/// `ArgumentTypeError` (a `TypeError`) with `message`.
+pub(crate) fn type_error(message: impl Into<String>) -> PyErr {
+    Error::ArgumentType(message.into()).into()
+}
+
+/// Rejects anything but a callable (`ArgumentTypeError` naming `what` and the type given).
+pub(crate) fn check_callable(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()> {
+    if obj.is_callable() {
+        Ok(())
+    } else {
+        Err(type_error(format!(
+            "{what}: the callback must be callable (or None), got {}",
+            type_name(obj)
+        )))
+    }
+}
 
 /// Milliseconds since the library's clock started.
 #[pyfunction]
@@ -66,11 +94,16 @@ fn guid_matches(a: &[u8], b: &[u8]) -> bool {
 }
 
 /// Installs (or with None clears) the process-wide abort callback, polled by every CPU
-/// computation beside each backend's own; returning True stops it with `AbortedError`.
+/// computation beside each backend's own; returning True stops it with `AbortedError`, and an
+/// exception it raises stops it and is re-raised by the compute call.
 #[pyfunction]
-fn set_global_abort_callback(callback: Option<Py<PyAny>>) {
-    let callback = callback.map(python_abort_callback);
-    crate::cpu::backend::set_global_abort_callback(callback);
+fn set_global_abort_callback(py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()> {
+    if let Some(cb) = &callback {
+        check_callable(cb.bind(py), "set_global_abort_callback")?;
+    }
+    let callback = callback.map(|cb| python_abort_callback(cb, &GLOBAL_ABORT_ERROR));
+    py.detach(|| crate::cpu::backend::set_global_abort_callback(callback));
+    Ok(())
 }
 
 /// Computes `graph` on the host with `n_threads` threads and no backend object (ggml's
@@ -78,13 +111,15 @@ fn set_global_abort_callback(callback: Option<Py<PyAny>>) {
 #[pyfunction]
 #[pyo3(signature = (graph, n_threads = 1))]
 fn graph_compute_with_ctx(py: Python<'_>, graph: &PyGraph, n_threads: usize) -> PyResult<()> {
+    crate::device::check_n_threads(n_threads)?;
     let graph = graph.inner.clone();
-    let status = py.detach(|| {
+    let result = py.detach(|| {
         guard("graph_compute_with_ctx", || {
             crate::cpu::backend::graph_compute_with_ctx(&graph, n_threads)
         })
-    })?;
-    check_status(status)
+    });
+    super::log::flush_queued(py);
+    finish_compute(py, &[], result)
 }
 
 /// A persistent pool of worker threads for CPU backends (ggml's threadpool API on rayon).
@@ -99,9 +134,7 @@ impl PyThreadpool {
     #[new]
     #[pyo3(signature = (n_threads, paused = false))]
     fn new(n_threads: usize, paused: bool) -> PyResult<Self> {
-        if n_threads == 0 {
-            return Err(invalid("n_threads must be at least 1"));
-        }
+        crate::device::check_n_threads(n_threads)?;
         let mut params = ThreadpoolParams::new(n_threads);
         params.paused = paused;
         Ok(PyThreadpool {
@@ -203,12 +236,14 @@ fn compare_graph_backend(
     graph: &PyGraph,
     callback: Py<PyAny>,
 ) -> PyResult<bool> {
+    check_callable(callback.bind(py), "compare_graph_backend")?;
     let (b1, b2) = (backend1.inner.clone(), backend2.inner.clone());
     let graph = graph.inner.clone();
     let mut raised: Option<PyErr> = None;
     let done = py.detach(|| {
         copying::compare_graph_backend(b1.as_ref(), b2.as_ref(), &graph, |i, t1, t2| {
             Python::attach(|py| {
+                let _scope = CallbackScope::enter();
                 let call = || -> PyResult<bool> {
                     let a = PyTensor::wrap(py, t1.clone())?;
                     let b = PyTensor::wrap(py, t2.clone())?;
@@ -223,11 +258,12 @@ fn compare_graph_backend(
                 }
             })
         })
-    })?;
-    match raised {
-        Some(err) => Err(err),
-        None => Ok(done),
+    });
+    // The callback's exception first: the comparison stopped because of it.
+    if let Some(err) = raised {
+        return Err(err);
     }
+    Ok(done?)
 }
 
 /// Registers the functions and classes.
