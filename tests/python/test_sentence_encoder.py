@@ -41,7 +41,7 @@ from ferrograph.models import (  # noqa: E402  (the imports themselves need neit
     read_settings,
 )
 from ferrograph.models.reference import numpy_encode  # noqa: E402
-from ferrograph.models.weights import load_state_dict  # noqa: E402
+from ferrograph.models.weights import load_dense_state, load_state_dict  # noqa: E402
 
 # ----------------------------------------------------------------------------------------------
 # building model directories
@@ -93,6 +93,8 @@ class Spec:
     json_lowercase: bool = True  # tokenizer.json's BertNormalizer
     tokenizer_config: dict[str, Any] = field(default_factory=dict)  # None values remove a key
     sbert_lower_case: bool | None = None  # sentence_bert_config.json do_lower_case
+    # Dense modules after the pooling: (out_features, torch activation class, bias, residual)
+    dense: tuple[tuple[int, str, bool, bool], ...] = ()
 
 
 def _write_tokenizer(path: Path, spec: Spec) -> None:
@@ -180,6 +182,20 @@ def _write_weights(path: Path, spec: Spec) -> None:
     save_file(t, str(path / "model.safetensors"))
 
 
+def _write_dense_weights(
+    folder: Path, width_in: int, width_out: int, bias: bool, residual: bool, seed: int
+) -> None:
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    t = {"linear.weight": (rng.standard_normal((width_out, width_in)) / np.sqrt(width_in))}
+    if bias:
+        t["linear.bias"] = 0.1 * rng.standard_normal(width_out)
+    if residual and width_in != width_out:
+        t["residual.weight"] = rng.standard_normal((width_out, width_in)) / np.sqrt(width_in)
+    save_file({k: v.astype(np.float32) for k, v in t.items()}, str(folder / "model.safetensors"))
+
+
 def write_model(path: Path, spec: Spec) -> Path:
     """Writes a sentence-transformers model directory for ``spec``; returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
@@ -224,20 +240,41 @@ def write_model(path: Path, spec: Spec) -> Path:
             else "sentence_transformers.models.Pooling",
         },
     ]
+    width = spec.hidden * len(spec.modes)
+    for out_features, act, bias, residual in spec.dense:
+        k = len(modules)
+        folder = path / f"{k}_Dense"
+        folder.mkdir(exist_ok=True)
+        dense_config: dict[str, Any] = {
+            "in_features": width,
+            "out_features": out_features,
+            "bias": bias,
+            "activation_function": act,
+        }
+        if residual:
+            dense_config["use_residual"] = True
+        (folder / "config.json").write_text(json.dumps(dense_config), "utf-8")
+        _write_dense_weights(folder, width, out_features, bias, residual, spec.seed + k)
+        kind = "base.modules.dense.Dense" if v6 else "models.Dense"
+        modules.append(
+            {"idx": k, "name": str(k), "path": folder.name, "type": f"sentence_transformers.{kind}"}
+        )
+        width = out_features
     if spec.normalize:
+        k = len(modules)
         modules.append(
             {
-                "idx": 2,
-                "name": "2",
-                "path": "2_Normalize",
+                "idx": k,
+                "name": str(k),
+                "path": f"{k}_Normalize",
                 "type": "sentence_transformers.base.modules.normalize.Normalize"
                 if v6
                 else "sentence_transformers.models.Normalize",
             }
         )
-        (path / "2_Normalize").mkdir(exist_ok=True)
+        (path / f"{k}_Normalize").mkdir(exist_ok=True)
         if v6:
-            (path / "2_Normalize" / "config.json").write_text(
+            (path / f"{k}_Normalize" / "config.json").write_text(
                 json.dumps(
                     {
                         "module_input_name": "sentence_embedding",
@@ -329,6 +366,27 @@ SPECS: dict[str, Spec] = {
         tokenizer_config={"do_lower_case": False},
         sbert_lower_case=True,
     ),
+    # Dense heads (LaBSE-like CLS + Dense(tanh) + Normalize; stacks with residuals)
+    "v6-cls-dense-tanh-norm": Spec(
+        layers=1,
+        seed=13,
+        modes=("cls",),
+        dense=((24, "torch.nn.modules.activation.Tanh", True, False),),
+    ),
+    "v2-dense-stack": Spec(
+        layout="v2",
+        layers=1,
+        seed=14,
+        normalize=False,
+        modes=("mean", "max"),
+        dense=(
+            (40, "torch.nn.modules.linear.Identity", False, False),
+            (16, "torch.nn.modules.activation.ReLU", True, True),
+            (16, "torch.nn.modules.activation.GELU", True, True),
+            (12, "torch.nn.modules.activation.Sigmoid", True, False),
+            (12, "torch.nn.modules.activation.SiLU", False, True),
+        ),
+    ),
     "v6-generic-fast-tokenizer": Spec(
         layers=1,
         seed=12,
@@ -351,10 +409,17 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 def reference_vectors(model: SentenceEncoder, sentences: Sequence[str]) -> np.ndarray:
     """The float64 numpy reference, one unpadded sentence at a time."""
-    state = load_state_dict(model.settings.transformer_dir, model.config)
+    settings = model.settings
+    state = load_state_dict(settings.transformer_dir, model.config)
+    state.update(load_dense_state(settings.dense))
     rows = [
         numpy_encode(
-            state, model.config, model.tokenize([s]), model.settings.pooling, model.normalize
+            state,
+            model.config,
+            model.tokenize([s]),
+            settings.pooling,
+            model.normalize,
+            settings.dense,
         )[0]
         for s in sentences
     ]
@@ -457,7 +522,8 @@ def test_unsupported_settings_are_named(
 @pytest.mark.parametrize(
     ("module_type", "named"),
     [
-        ("sentence_transformers.models.Dense", "Dense"),
+        ("sentence_transformers.models.WordWeights", "WordWeights"),
+        ("sentence_transformers.models.Normalize", "Normalize"),  # twice
         ("sentence_transformers.sentence_transformer.modules.layer_norm.LayerNorm", "LayerNorm"),
         ("my_package.CustomPooling", "CustomPooling"),
     ],
@@ -484,6 +550,33 @@ def test_text_normalisation_follows_the_tokenizer_class(model_dirs: dict[str, Pa
     accented = tokens("v6-strip-accents-cased", "ά")[1]
     assert accented == VOCAB.index("α")  # accents stripped although cased
     assert tokens("v6-cased-by-config", "ά")[1] == unk
+
+
+def test_dense_settings(tmp_path: Path) -> None:
+    tanh = "torch.nn.modules.activation.Tanh"
+    path = write_model(tmp_path / "m", Spec(layers=1, dense=((8, tanh, True, False),)))
+    settings = read_settings(path)
+    assert settings.modules == ("Transformer", "Pooling", "Dense", "Normalize")
+    assert settings.dim == 8 and settings.pooled_dim == 32
+    assert settings.dense[0].activation == "tanh" and settings.dense[0].bias
+    config = path / "2_Dense" / "config.json"
+    _edit_json(config, activation_function="my_package.Swish")
+    with pytest.raises(UnsupportedModelError, match="activation_function"):
+        read_settings(path)
+    _edit_json(config, activation_function=tanh, in_features=31)
+    with pytest.raises(UnsupportedModelError, match="in_features"):
+        read_settings(path)
+    _edit_json(config, in_features=32, module_input_name="token_embeddings")
+    with pytest.raises(UnsupportedModelError, match="module_input_name"):
+        read_settings(path)
+    _edit_json(config, module_input_name="sentence_embedding", out_features=9)
+    with pytest.raises(UnsupportedModelError, match=r"linear\.weight has shape"):
+        SentenceEncoder(path)
+    modules = json.loads((path / "modules.json").read_text())
+    modules[2], modules[3] = modules[3], modules[2]  # Dense after Normalize
+    (path / "modules.json").write_text(json.dumps(modules))
+    with pytest.raises(UnsupportedModelError, match="'Dense'"):
+        read_settings(path)
 
 
 def test_bad_files(tmp_path: Path) -> None:
@@ -530,7 +623,8 @@ def test_vectors_match_numpy_reference(model_dirs: dict[str, Path], name: str) -
     spec = SPECS[name]
     model = SentenceEncoder(model_dirs[name], n_threads=2)
     got = model.encode(SENTENCES, batch_size=5)
-    assert got.shape == (len(SENTENCES), spec.hidden * len(spec.modes))
+    dim = spec.dense[-1][0] if spec.dense else spec.hidden * len(spec.modes)
+    assert got.shape == (len(SENTENCES), dim)
     assert got.dtype == np.float32 and np.all(np.isfinite(got))
     expected = reference_vectors(model, SENTENCES)
     cos = cosines(got, expected)

@@ -8,12 +8,12 @@ sentence-transformers computes them on right-padded batches).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
-from .settings import BertConfig, PoolingConfig
+from .settings import BertConfig, DenseConfig, PoolingConfig
 from .tokenization import Batch
 
 __all__ = ["activation", "numpy_encode", "numpy_pool"]
@@ -28,7 +28,14 @@ def _erf(x: F64) -> F64:
 
 
 def activation(name: str, x: F64) -> F64:
-    """The function of :attr:`BertConfig.activation` ``name`` applied to ``x``."""
+    """The function ``name`` (:attr:`BertConfig.activation` or a Dense activation) applied to
+    ``x``."""
+    if name == "identity":
+        return x
+    if name == "tanh":
+        return np.tanh(x)
+    if name == "sigmoid":
+        return 1.0 / (1.0 + np.exp(-x))
     if name == "gelu_erf":
         return 0.5 * x * (1.0 + _erf(x / math.sqrt(2.0)))
     if name == "gelu_tanh":
@@ -75,13 +82,15 @@ def numpy_encode(
     batch: Batch,
     pooling: PoolingConfig | None = None,
     normalize: bool = True,
+    dense: Sequence[DenseConfig] = (),
 ) -> F64:
     """The encoder, pooling and (optionally) L2 normalisation in float64.
 
     Parameters
     ----------
     state
-        The weights (names as :func:`~ferrograph.models.weights.expected_shapes`).
+        The weights (names as :func:`~ferrograph.models.weights.expected_shapes`, and
+        ``dense.N.*`` as :func:`~ferrograph.models.weights.load_dense_state` for Dense modules).
     config
         The BERT hyper-parameters.
     batch
@@ -89,12 +98,14 @@ def numpy_encode(
     pooling
         Pooling modes (mean when ``None``).
     normalize
-        L2-normalise the pooled vectors (a Normalize module).
+        L2-normalise the sentence vectors (a Normalize module, last).
+    dense
+        Dense modules applied after the pooling.
 
     Returns
     -------
     numpy.ndarray
-        ``(batch, hidden * len(pooling.modes))``.
+        ``(batch, dim)``.
     """
     pooling = pooling or PoolingConfig()
 
@@ -138,6 +149,15 @@ def numpy_encode(
         ff = activation(config.activation, linear(h, p + "intermediate.dense"))
         x = layer_norm(linear(ff, p + "output.dense") + h, p + "output.LayerNorm")
     pooled = numpy_pool(x, batch.attention_mask, pooling)
+    for i, module in enumerate(dense):
+        y = pooled @ w(f"dense.{i}.linear.weight").T
+        if module.bias:
+            y = y + w(f"dense.{i}.linear.bias")
+        y = activation(module.activation, y)
+        if module.residual:
+            same = module.in_features == module.out_features
+            y = y + (pooled if same else pooled @ w(f"dense.{i}.residual.weight").T)
+        pooled = y
     if not normalize:
         return pooled
     norms = np.maximum(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12)

@@ -38,7 +38,8 @@ How it runs
   every weighted mode (mean, mean-sqrt-len, weighted-mean, CLS, last token) is one row of
   per-sequence token weights, all applied by one ``mul_mat``; max pooling gathers padded
   positions onto the sentence's first token and halves the sequence with
-  ``max(a, b) = b + relu(a - b)``. Then ``l2_norm`` when the model has a Normalize module.
+  ``max(a, b) = b + relu(a - b)``. Then each Dense module (``mul_mat``, bias, activation,
+  residual) and ``l2_norm`` when the model has a Normalize module.
 """
 
 from __future__ import annotations
@@ -200,7 +201,12 @@ class SentenceEncoder:
         self.n_threads = backend.n_threads if backend.is_cpu else n_threads
         start = time.perf_counter()
         loaded = load_weights(
-            self.settings.transformer_dir, self.config, dtype_name, backend, fuse_qkv
+            self.settings.transformer_dir,
+            self.config,
+            dtype_name,
+            backend,
+            fuse_qkv,
+            self.settings.dense,
         )
         self.weights_ctx = loaded.ctx
         self.weights_buffer = loaded.buffer
@@ -293,9 +299,16 @@ class SentenceEncoder:
         ops = fg.ops
         return ops.add(ops.mul_mat(self._w(prefix + ".weight"), x), self._w(prefix + ".bias"))
 
-    def _activation(self, x: fg.Tensor) -> fg.Tensor:
+    def _activation(self, x: fg.Tensor, kind: str | None = None) -> fg.Tensor:
+        """``kind`` (the encoder's ``hidden_act`` by default) applied to ``x``."""
         ops = fg.ops
-        kind = self.config.activation
+        kind = kind or self.config.activation
+        if kind == "identity":
+            return x
+        if kind == "tanh":
+            return ops.tanh(x)
+        if kind == "sigmoid":
+            return ops.sigmoid(x)
         if kind == "gelu_erf":
             return ops.gelu_erf(x)
         if kind == "gelu_tanh":
@@ -434,6 +447,23 @@ class SentenceEncoder:
             out = ops.concat(out, ops.reshape(part, (batch, hidden, 1)), 1)
         return ops.reshape(out, (batch, len(modes) * hidden))
 
+    def _dense(self, x: fg.Tensor, index: int) -> fg.Tensor:
+        """Dense module ``index`` applied to ``x`` (batch, in_features)."""
+        ops = fg.ops
+        module = self.settings.dense[index]
+        p = f"dense.{index}."
+        y = ops.mul_mat(self._w(p + "linear.weight"), x)
+        if module.bias:
+            y = ops.add(y, self._w(p + "linear.bias"))
+        y = self._activation(y, module.activation)
+        if module.residual:
+            if module.in_features == module.out_features:
+                y = ops.add(y, x)
+            else:
+                y = ops.add(y, ops.mul_mat(self._w(p + "residual.weight"), x))
+        y.name = f"dense_out.{index}"
+        return y
+
     def build_graph(self, batch: int, seq: int) -> ShapeGraph:
         """Builds (without caching) the graph for ``batch`` sentences of ``seq`` tokens.
 
@@ -475,6 +505,8 @@ class SentenceEncoder:
                 x = self._encoder_layer(x, i, attn_mask, batch, seq)
             out = self._pool(x, pool_weights, max_index, batch, seq)
             out.name = "pooled"
+            for i in range(len(self.settings.dense)):
+                out = self._dense(out, i)
             if self.normalize:
                 out = fg.ops.l2_norm(out, 1e-12)
                 out.name = "embeddings"

@@ -4,7 +4,8 @@ A sentence-transformers model directory holds a Hugging Face model (``config.jso
 the tokenizer files) plus the files that say how sentence-transformers turns its token states into
 one vector per sentence:
 
-* ``modules.json``: the module pipeline, for example Transformer -> Pooling -> Normalize. Module
+* ``modules.json``: the module pipeline: Transformer -> Pooling -> any number of Dense ->
+  optionally Normalize (Dropout modules, identities at inference, are skipped). Module
   types are class paths: ``sentence_transformers.models.Pooling`` in directories written by
   sentence-transformers 2-5, ``sentence_transformers.sentence_transformer.modules.pooling.Pooling``
   (and ``...base.modules.transformer.Transformer`` / ``...base.modules.normalize.Normalize``) in
@@ -15,6 +16,9 @@ one vector per sentence:
 * ``<pooling folder>/config.json``: the pooling modes, either the 2-5 flags
   (``pooling_mode_mean_tokens``, ...) or 6.x's ``pooling_mode`` (one name or a list), and
   ``include_prompt``.
+* ``<dense folder>/config.json`` and ``model.safetensors``: a linear layer (``in_features``,
+  ``out_features``, ``bias``, ``use_residual``) and its ``activation_function`` (``torch.nn``'s
+  Tanh, the default, Identity, ReLU, GELU, Sigmoid or SiLU).
 * ``config_sentence_transformers.json``: ``model_type`` and the prompts.
 
 The truncation length follows sentence-transformers 6.x (which gives the same answer as 2-5 on the
@@ -47,8 +51,10 @@ import ferrograph as fg
 
 __all__ = [
     "ACTIVATIONS",
+    "DENSE_ACTIVATIONS",
     "POOLING_MODES",
     "BertConfig",
+    "DenseConfig",
     "ModelNotFoundError",
     "ModelSettings",
     "PoolingConfig",
@@ -98,6 +104,16 @@ _HARMLESS_PROCESSOR_KWARGS: Final = frozenset(
     {"use_fast", "clean_up_tokenization_spaces", "model_max_length", "padding_side"}
 )
 _SKIPPED_MODULES: Final = frozenset({"Dropout"})  # identity at inference
+DENSE_ACTIVATIONS: Final = {
+    "torch.nn.modules.activation.Tanh": "tanh",
+    "torch.nn.modules.linear.Identity": "identity",
+    "torch.nn.modules.activation.ReLU": "relu",
+    "torch.nn.modules.activation.GELU": "gelu_erf",
+    "torch.nn.modules.activation.Sigmoid": "sigmoid",
+    "torch.nn.modules.activation.SiLU": "silu",
+}
+"""Dense ``activation_function`` class paths and the function each computes (sentence-transformers
+creates them without arguments, so GELU is the exact erf form)."""
 _MAX_DIM: Final = 1 << 20  # sizes above this in config.json are treated as corrupt
 
 
@@ -281,6 +297,74 @@ class PoolingConfig:
 
 
 @dataclass(frozen=True)
+class DenseConfig:
+    """A Dense module: ``activation(x @ weight.T + bias)`` (plus ``x``, or ``x @ residual.T``
+    when the widths differ, with ``use_residual``).
+
+    Attributes
+    ----------
+    folder
+        The module's folder (``config.json``, ``model.safetensors``).
+    in_features, out_features
+        Widths of its input and output.
+    bias, residual
+        Whether it has a bias and a residual connection.
+    activation
+        A value of :data:`DENSE_ACTIVATIONS`.
+    """
+
+    folder: Path
+    in_features: int
+    out_features: int
+    bias: bool
+    activation: str
+    residual: bool
+
+    @classmethod
+    def from_dir(cls, folder: Path, in_features: int) -> DenseConfig:
+        """Reads a Dense module's ``config.json``; ``in_features`` is the width it receives.
+
+        Raises
+        ------
+        UnsupportedModelError
+            For another activation, input or output key, or a width that does not fit.
+        """
+        path = folder / "config.json"
+        if not path.is_file():
+            raise ModelNotFoundError(f"{folder} has no config.json (a Dense module's settings)")
+        raw = _read_json_object(path)
+        width_in = _positive_int(raw, "in_features", path)
+        width_out = _positive_int(raw, "out_features", path)
+        if width_in != in_features:
+            raise UnsupportedModelError(
+                f"{path}: in_features {width_in} but the previous module gives {in_features}"
+            )
+        act = raw.get("activation_function", "torch.nn.modules.activation.Tanh")
+        if act not in DENSE_ACTIVATIONS:
+            raise UnsupportedModelError(
+                f"{path}: activation_function {act!r} is not supported "
+                f"(supported: {', '.join(DENSE_ACTIVATIONS)})"
+            )
+        for key in ("module_input_name", "module_output_name"):
+            if raw.get(key) not in (None, "sentence_embedding"):
+                raise UnsupportedModelError(f"{path}: Dense {key} {raw[key]!r} is not supported")
+        flags = {
+            key: raw.get(key, default) for key, default in (("bias", True), ("use_residual", False))
+        }
+        for key, value in flags.items():
+            if not isinstance(value, bool):
+                raise UnsupportedModelError(f"{path}: {key} must be true or false")
+        return cls(
+            folder,
+            width_in,
+            width_out,
+            flags["bias"],
+            DENSE_ACTIVATIONS[act],
+            flags["use_residual"],
+        )
+
+
+@dataclass(frozen=True)
 class ModelSettings:
     """Everything :class:`~ferrograph.models.SentenceEncoder` needs to know about a model
     directory.
@@ -303,7 +387,9 @@ class ModelSettings:
     pooling
         The Pooling module's settings.
     normalize
-        Whether a Normalize module L2-normalises the pooled vector.
+        Whether a Normalize module L2-normalises the sentence vector (last).
+    dense
+        The Dense modules after the pooling, in order.
     modules
         The class names of the modules, in order (``["Transformer", "Pooling", ...]``).
     """
@@ -316,11 +402,17 @@ class ModelSettings:
     pooling: PoolingConfig
     normalize: bool
     modules: tuple[str, ...]
+    dense: tuple[DenseConfig, ...] = ()
+
+    @property
+    def pooled_dim(self) -> int:
+        """Width of the pooled vector (hidden size times the number of pooling modes)."""
+        return self.bert.hidden_size * len(self.pooling.modes)
 
     @property
     def dim(self) -> int:
-        """Width of a sentence vector (hidden size times the number of pooling modes)."""
-        return self.bert.hidden_size * len(self.pooling.modes)
+        """Width of a sentence vector (the last Dense module's output, else the pooled one)."""
+        return self.dense[-1].out_features if self.dense else self.pooled_dim
 
 
 def _module_class_name(path: Path, entry: dict[str, Any]) -> str:
@@ -457,18 +549,24 @@ def read_settings(model_dir: str | Path) -> ModelSettings:
     transformer_dir: Path | None = None
     bert: BertConfig | None = None
     pooling: PoolingConfig | None = None
+    dense: list[DenseConfig] = []
     normalize = False
     for entry in entries:
         name = _module_class_name(modules_path, entry)
         if name in _SKIPPED_MODULES:
             continue
-        expected = (
-            "Transformer" if not names else "Pooling" if names == ["Transformer"] else "Normalize"
-        )
-        if name != expected or names.count(name):
+        if not names:
+            allowed = {"Transformer"}
+        elif names == ["Transformer"]:
+            allowed = {"Pooling"}
+        elif names[-1] == "Normalize":
+            allowed = set()
+        else:
+            allowed = {"Dense", "Normalize"}
+        if name not in allowed:
             raise UnsupportedModelError(
                 f"{modules_path}: module {name!r} ({entry.get('type')}) is not supported here "
-                f"(supported pipeline: Transformer, Pooling, optionally Normalize; "
+                f"(supported pipeline: Transformer, Pooling, any Dense, optionally Normalize; "
                 f"found after {names or 'nothing'})"
             )
         names.append(name)
@@ -482,6 +580,10 @@ def read_settings(model_dir: str | Path) -> ModelSettings:
             else:
                 folder = _module_dir(root, entry, modules_path)
                 pooling = PoolingConfig.from_file(folder / "config.json", bert.hidden_size)
+        elif name == "Dense":
+            assert bert is not None and pooling is not None
+            width = dense[-1].out_features if dense else bert.hidden_size * len(pooling.modes)
+            dense.append(DenseConfig.from_dir(_module_dir(root, entry, modules_path), width))
         else:
             folder = _module_dir(root, entry, modules_path)
             config = folder / "config.json"
@@ -508,4 +610,5 @@ def read_settings(model_dir: str | Path) -> ModelSettings:
         pooling=pooling,
         normalize=normalize,
         modules=tuple(names),
+        dense=tuple(dense),
     )

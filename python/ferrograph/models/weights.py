@@ -1,5 +1,7 @@
 """BERT weights from ``model.safetensors``: names, expected shapes, and loading into one backend
-buffer marked ``fg.BufferUsage.WEIGHTS`` (optionally converted to f16, bf16 or q8_0).
+buffer marked ``fg.BufferUsage.WEIGHTS`` (optionally converted to f16, bf16 or q8_0), together
+with the Dense modules' weights (their own ``model.safetensors``, kept f32, named
+``dense.N.linear.weight`` / ``.bias`` / ``dense.N.residual.weight`` here).
 
 Tensor names are Hugging Face's ``BertModel`` names; a ``bert.`` prefix (checkpoints of
 ``BertForMaskedLM`` and the like) is dropped, and tensors the sentence encoder does not use
@@ -8,7 +10,7 @@ Tensor names are Hugging Face's ``BertModel`` names; a ``bert.`` prefix (checkpo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -18,14 +20,16 @@ import numpy.typing as npt
 
 import ferrograph as fg
 
-from .settings import BertConfig, ModelNotFoundError, UnsupportedModelError
+from .settings import BertConfig, DenseConfig, ModelNotFoundError, UnsupportedModelError
 
 __all__ = [
     "INSTALL_HINT",
     "WEIGHT_DTYPES",
     "LoadedWeights",
     "MissingDependencyError",
+    "dense_shapes",
     "expected_shapes",
+    "load_dense_state",
     "load_state_dict",
     "load_weights",
     "weights_dtype_name",
@@ -90,6 +94,44 @@ def expected_shapes(config: BertConfig) -> dict[str, tuple[int, ...]]:
             shapes[f"{p}{norm}.weight"] = (h,)
             shapes[f"{p}{norm}.bias"] = (h,)
     return shapes
+
+
+def dense_shapes(dense: DenseConfig) -> dict[str, tuple[int, ...]]:
+    """A Dense module's tensors (names as in its file) and their numpy shapes."""
+    shapes: dict[str, tuple[int, ...]] = {"linear.weight": (dense.out_features, dense.in_features)}
+    if dense.bias:
+        shapes["linear.bias"] = (dense.out_features,)
+    if dense.residual and dense.in_features != dense.out_features:
+        shapes["residual.weight"] = (dense.out_features, dense.in_features)
+    return shapes
+
+
+def load_dense_state(
+    dense: Sequence[DenseConfig],
+) -> dict[str, npt.NDArray[np.float32]]:
+    """The Dense modules' tensors as float32 arrays, named ``dense.N.<name in the file>``.
+
+    Raises
+    ------
+    MissingDependencyError, ModelNotFoundError, UnsupportedModelError
+        As the names say (a missing tensor or a wrong shape is an UnsupportedModelError).
+    """
+    state: dict[str, npt.NDArray[np.float32]] = {}
+    for i, module in enumerate(dense):
+        wanted = dense_shapes(module)
+        with _safe_open(module.folder) as file:
+            present = set(file.keys())
+            for name, shape in wanted.items():
+                if name not in present:
+                    raise UnsupportedModelError(f"{module.folder / WEIGHTS_FILE} lacks {name}")
+                array = file.get_tensor(name)
+                if tuple(array.shape) != shape:
+                    raise UnsupportedModelError(
+                        f"{module.folder / WEIGHTS_FILE}: {name} has shape "
+                        f"{tuple(array.shape)}, config.json implies {shape}"
+                    )
+                state[f"dense.{i}.{name}"] = np.ascontiguousarray(array, dtype=np.float32)
+    return state
 
 
 def weights_dtype_name(spec: str | fg.DType) -> str:
@@ -220,10 +262,12 @@ def load_weights(
     weights_dtype: str,
     backend: fg.Backend,
     fuse_qkv: bool = False,
+    dense: Sequence[DenseConfig] = (),
 ) -> LoadedWeights:
     """Creates the weight tensors, allocates them together in one ``WEIGHTS`` buffer of
     ``backend`` and fills them one at a time (converting the matrices and the word-embedding
-    table to ``weights_dtype``), so the f32 file is never held in memory whole.
+    table to ``weights_dtype``), so the f32 file is never held in memory whole. The Dense
+    modules' weights (small) join them in f32.
 
     Raises
     ------
@@ -239,6 +283,9 @@ def load_weights(
         converted = {n for n in converted if expected_shapes(config)[n][-1] % block == 0}
     ctx = fg.Context()  # metadata only; one backend buffer holds every weight
     tensors: dict[str, fg.Tensor] = {}
+    head = load_dense_state(dense)
+    for name, array in head.items():
+        tensors[name] = ctx.new_tensor(fg.float32, array.shape, name=name)
     with _safe_open(model_dir) as file:
         keys = _file_names(file, config)
         # name -> the file's tensors it is made of (three for a fused QKV projection)
@@ -263,7 +310,11 @@ def load_weights(
         if buffer is None:
             raise fg.AllocationError("no buffer was allocated for the model weights")
         buffer.usage = fg.BufferUsage.WEIGHTS
+        for name, array in head.items():
+            tensors[name].set(array)
         for name, tensor in tensors.items():
+            if name in head:
+                continue
             arrays = [file.get_tensor(keys[n]) for n in sources[name]]
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
