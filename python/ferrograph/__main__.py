@@ -179,10 +179,12 @@ def embed(args: argparse.Namespace) -> int:
             model = minilm.MiniLM(model_dir=args.model_dir, max_length=args.max_length, **options)
     except (minilm.ModelNotFoundError, minilm.MissingDependencyError) as error:
         print(f"error: {error}", file=sys.stderr)
-        print(
-            f"install what the embed command needs with:\n    {minilm.INSTALL_HINT}",
-            file=sys.stderr,
-        )
+        if args.model is None or isinstance(error, minilm.MissingDependencyError):
+            # an install fixes it (a directory of your own that lacks a file is not fixed so)
+            print(
+                f"install what the embed command needs with:\n    {minilm.INSTALL_HINT}",
+                file=sys.stderr,
+            )
         return EMBED_EXIT_MISSING
     except (models.UnsupportedModelError, fg.InvalidArgumentError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -777,6 +777,9 @@ def test_cli_embed_with_model_dir(
     rc = main(["embed", "--model", str(model_dirs["v6-gelu_new-cls"]), "x", "--max-length", "1"])
     assert rc == 2
     assert "max_seq_length" in capsys.readouterr().err
+    rc = main(["embed", "--model", str(model_dirs["v6-gelu_new-cls"] / "nowhere"), "x"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not exist" in err and "pip install" not in err
 
 
 # ----------------------------------------------------------------------------------------------
