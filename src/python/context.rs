@@ -20,23 +20,7 @@ pub(crate) fn active() -> Option<Context> {
     ACTIVE.with(|stack| stack.borrow().last().cloned())
 }
 
-/// A shape given as one int or a sequence of ints (numpy order).
-#[derive(FromPyObject)]
-pub(crate) enum ShapeArg {
-    /// `n`: a 1-d shape.
-    One(usize),
-    /// `(d0, d1, ...)`.
-    Many(Vec<usize>),
-}
-
-impl ShapeArg {
-    pub(crate) fn into_vec(self) -> Vec<usize> {
-        match self {
-            ShapeArg::One(n) => vec![n],
-            ShapeArg::Many(v) => v,
-        }
-    }
-}
+pub(crate) use super::utils::ShapeArg;
 
 /// A tensor factory. `Context()` makes metadata only (`no_alloc=True`); `Context(no_alloc=False)`
 /// gives every new (non-view) tensor host memory at once. `with ctx:` makes it the context

@@ -42,6 +42,82 @@ pub(crate) fn check_callable(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<()>
     }
 }
 
+/// A shape given as one int or a sequence of ints (numpy order). Anything else is an
+/// `ArgumentTypeError` saying so in Python terms; a negative size an `InvalidArgumentError`.
+pub(crate) enum ShapeArg {
+    /// `n`: a 1-d shape.
+    One(usize),
+    /// `(d0, d1, ...)`.
+    Many(Vec<usize>),
+}
+
+impl ShapeArg {
+    /// The dimensions, numpy order.
+    pub(crate) fn into_vec(self) -> Vec<usize> {
+        match self {
+            ShapeArg::One(n) => vec![n],
+            ShapeArg::Many(v) => v,
+        }
+    }
+}
+
+/// One dimension of a shape: an int (or an object with `__index__`) that is not negative.
+fn shape_dim(item: &Bound<'_, PyAny>, position: Option<usize>) -> PyResult<usize> {
+    let at = position
+        .map(|i| format!(" at position {i}"))
+        .unwrap_or_default();
+    if item.is_instance_of::<pyo3::types::PyBool>() || item.is_instance_of::<pyo3::types::PyFloat>()
+    {
+        return Err(type_error(format!(
+            "a shape's sizes must be ints, got {}{at}",
+            type_name(item)
+        )));
+    }
+    let index = item.call_method0("__index__").map_err(|_| {
+        type_error(format!(
+            "a shape must be an int or a sequence of ints, got {}{at}",
+            type_name(item)
+        ))
+    })?;
+    let value: i128 = index.extract()?;
+    usize::try_from(value).map_err(|_| {
+        Error::InvalidArgument(format!(
+            "a shape's size must be from 0 to 2**64-1, got {value}{at}"
+        ))
+        .into()
+    })
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for ShapeArg {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        if obj.hasattr("__index__")? && !obj.hasattr("__len__")? {
+            return Ok(ShapeArg::One(shape_dim(&obj, None)?));
+        }
+        if obj.is_instance_of::<pyo3::types::PyString>()
+            || obj.is_instance_of::<pyo3::types::PyBytes>()
+            || obj.is_instance_of::<pyo3::types::PyDict>()
+        {
+            return Err(type_error(format!(
+                "a shape must be an int or a sequence of ints, got {}",
+                type_name(&obj)
+            )));
+        }
+        let items = obj.try_iter().map_err(|_| {
+            type_error(format!(
+                "a shape must be an int or a sequence of ints, got {}",
+                type_name(&obj)
+            ))
+        })?;
+        let mut dims = Vec::new();
+        for (i, item) in items.enumerate() {
+            dims.push(shape_dim(&item?, Some(i))?);
+        }
+        Ok(ShapeArg::Many(dims))
+    }
+}
+
 /// Milliseconds since the library's clock started.
 #[pyfunction]
 fn time_ms() -> i64 {
