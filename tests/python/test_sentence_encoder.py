@@ -95,6 +95,7 @@ class Spec:
     sbert_lower_case: bool | None = None  # sentence_bert_config.json do_lower_case
     # Dense modules after the pooling: (out_features, torch activation class, bias, residual)
     dense: tuple[tuple[int, str, bool, bool], ...] = ()
+    transformer_path: str = ""  # the Transformer module's folder ("0_Transformer" before s-t 2)
 
 
 def _write_tokenizer(path: Path, spec: Spec) -> None:
@@ -199,6 +200,8 @@ def _write_dense_weights(
 def write_model(path: Path, spec: Spec) -> Path:
     """Writes a sentence-transformers model directory for ``spec``; returns ``path``."""
     path.mkdir(parents=True, exist_ok=True)
+    transformer = path / spec.transformer_path
+    transformer.mkdir(exist_ok=True)
     config = {
         "architectures": ["BertModel"],
         "attention_probs_dropout_prob": 0.1,
@@ -218,15 +221,15 @@ def write_model(path: Path, spec: Spec) -> Path:
         "vocab_size": len(VOCAB),
         **spec.extra_config,
     }
-    (path / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
-    _write_tokenizer(path, spec)
-    _write_weights(path, spec)
+    (transformer / "config.json").write_text(json.dumps(config, indent=2), encoding="utf-8")
+    _write_tokenizer(transformer, spec)
+    _write_weights(transformer, spec)
     v6 = spec.layout == "v6"
     modules = [
         {
             "idx": 0,
             "name": "0",
-            "path": "",
+            "path": spec.transformer_path,
             "type": "sentence_transformers.base.modules.transformer.Transformer"
             if v6
             else "sentence_transformers.models.Transformer",
@@ -316,7 +319,7 @@ def write_model(path: Path, spec: Spec) -> Path:
     if spec.sbert_lower_case is not None:
         sbert["do_lower_case"] = spec.sbert_lower_case
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2), "utf-8")
-    (path / "sentence_bert_config.json").write_text(json.dumps(sbert, indent=2), "utf-8")
+    (transformer / "sentence_bert_config.json").write_text(json.dumps(sbert, indent=2), "utf-8")
     st_config = {"__version__": {"sentence_transformers": st_version}}
     if v6:
         st_config.update(
@@ -386,6 +389,9 @@ SPECS: dict[str, Spec] = {
             (12, "torch.nn.modules.activation.Sigmoid", True, False),
             (12, "torch.nn.modules.activation.SiLU", False, True),
         ),
+    ),
+    "v2-transformer-subfolder": Spec(
+        layout="v2", layers=1, seed=15, max_seq_length=12, transformer_path="0_Transformer"
     ),
     "v6-generic-fast-tokenizer": Spec(
         layers=1,
