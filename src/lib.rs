@@ -1,8 +1,9 @@
 //! ferrograph: ggml's backend layer in Rust.
 //!
-//! The crate is layered bottom-up (see `ARCHITECTURE.md`): [`dtype`] and [`convert`] describe
-//! element types and convert between them, [`tensor`], [`ops`] and [`graph`] describe
-//! computations, [`buffer`] holds memory, and [`cpu`] computes graphs on the host.
+//! The crate is layered bottom-up (`docs/ARCHITECTURE.md` in the repository has the map):
+//! [`dtype`] and [`convert`] describe element types and convert between them, [`tensor`],
+//! [`ops`] and [`graph`] describe computations, [`buffer`] holds memory, and [`cpu`] computes
+//! graphs on the host.
 #![warn(missing_docs)]
 
 pub mod alloc;

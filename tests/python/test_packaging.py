@@ -147,3 +147,25 @@ def test_the_wheel_installs_and_runs_on_another_python(wheel: Path, tmp_path: Pa
     )
     assert result.returncode == 0, result.stderr
     assert "abi3.so" in result.stdout
+
+
+def test_nothing_in_the_repository_points_outside_it() -> None:
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=False)
+    if listed.returncode != 0:
+        pytest.skip("not a git checkout")
+    outside = re.compile(
+        "|".join([r"\.\./" + "shared", "shared/" + "design", "shared/" + "reference"])
+    )
+    offenders = []
+    for name in listed.stdout.decode().split("\0"):
+        path = ROOT / name
+        if not name or not path.is_file() or path.suffix in {".whl", ".so", ".safetensors"}:
+            continue
+        text = path.read_bytes().decode("utf-8", "replace")
+        offenders += [f"{name}:{m.group(0)}" for m in outside.finditer(text)]
+    assert not offenders, offenders
+    docs = (ROOT / "docs" / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    for heading in ("## Layers", "## From a Python call to a kernel", "## The scheduler"):
+        assert heading in docs
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "docs/ARCHITECTURE.md" in readme and "docs/DECISIONS.md" in readme
