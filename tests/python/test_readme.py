@@ -136,3 +136,45 @@ def test_readme_block_runs(block: Block, tmp_path: Path) -> None:
         assert text in result.stdout, f"{where}: stdout lacks {text!r}:\n{result.stdout}"
     for text in block.stderr_contains:
         assert text in result.stderr, f"{where}: stderr lacks {text!r}:\n{result.stderr}"
+
+
+SCHED_SCRIPT = """
+import logging, sys
+import numpy as np
+import ferrograph as fg
+if sys.argv[1] == "configured":
+    logging.basicConfig(level=logging.INFO, format="app-handler %(name)s %(message)s")
+cpu = fg.init_backend("CPU", n_threads=1)
+ctx = fg.Context()
+x = ctx.new_tensor(fg.float32, (2, 4)).set_input()
+with ctx:
+    y = fg.ops.relu(x)
+graph = fg.Graph.build(y)
+sched = fg.Scheduler([cpu])
+sched.alloc_graph(graph)
+x.set(np.ones((2, 4), np.float32))
+sched.graph_compute(graph)
+"""
+
+
+def test_sched_debug_prints_the_plan_once_with_or_without_logging() -> None:
+    def run(mode: str, debug: bool) -> str:
+        env = {k: v for k, v in os.environ.items() if k != "FERROGRAPH_SCHED_DEBUG"}
+        if debug:
+            env["FERROGRAPH_SCHED_DEBUG"] = "1"
+        result = subprocess.run(
+            [sys.executable, "-c", SCHED_SCRIPT, mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return result.stderr
+
+    assert "SchedPlan" not in run("bare", debug=False)
+    bare = run("bare", debug=True)
+    assert bare.count("SchedPlan:") == 1 and "ferrograph.sched: SchedPlan" in bare
+    configured = run("configured", debug=True)
+    # the application's handler shows it, ours steps aside: printed once
+    assert configured.count("SchedPlan:") == 1 and "app-handler ferrograph.sched" in configured
