@@ -96,6 +96,9 @@ class Spec:
     # Dense modules after the pooling: (out_features, torch activation class, bias, residual)
     dense: tuple[tuple[int, str, bool, bool], ...] = ()
     transformer_path: str = ""  # the Transformer module's folder ("0_Transformer" before s-t 2)
+    prompts: dict[str, str] | None = None  # config_sentence_transformers.json
+    default_prompt: str | None = None
+    include_prompt: bool = True  # Pooling config
 
 
 def _write_tokenizer(path: Path, spec: Spec) -> None:
@@ -116,6 +119,7 @@ def _write_tokenizer(path: Path, spec: Spec) -> None:
         special_tokens=[("[CLS]", vocab["[CLS]"]), ("[SEP]", vocab["[SEP]"])],
     )
     tok.decoder = decoders.WordPiece(prefix="##")
+    tok.add_special_tokens(_SPECIALS)  # as Hugging Face's files list them (ids unchanged)
     if spec.tokenizer_truncation is not None:
         tok.enable_truncation(spec.tokenizer_truncation)
     tok.save(str(path / "tokenizer.json"))
@@ -292,7 +296,11 @@ def write_model(path: Path, spec: Spec) -> Path:
     sbert: dict[str, Any]
     if v6:
         mode: Any = spec.modes[0] if len(spec.modes) == 1 else list(spec.modes)
-        pooling = {"embedding_dimension": spec.hidden, "pooling_mode": mode, "include_prompt": True}
+        pooling = {
+            "embedding_dimension": spec.hidden,
+            "pooling_mode": mode,
+            "include_prompt": spec.include_prompt,
+        }
         sbert = {
             "transformer_task": "feature-extraction",
             "modality_config": {
@@ -312,6 +320,7 @@ def write_model(path: Path, spec: Spec) -> Path:
         }
         pooling = {"word_embedding_dimension": spec.hidden}
         pooling.update({flag: mode in spec.modes for flag, mode in flags.items()})
+        pooling["include_prompt"] = spec.include_prompt
         sbert = {"do_lower_case": False}
         st_version = "2.2.2"
     if spec.max_seq_length is not None:
@@ -320,7 +329,7 @@ def write_model(path: Path, spec: Spec) -> Path:
         sbert["do_lower_case"] = spec.sbert_lower_case
     (path / "1_Pooling" / "config.json").write_text(json.dumps(pooling, indent=2), "utf-8")
     (transformer / "sentence_bert_config.json").write_text(json.dumps(sbert, indent=2), "utf-8")
-    st_config = {"__version__": {"sentence_transformers": st_version}}
+    st_config: dict[str, Any] = {"__version__": {"sentence_transformers": st_version}}
     if v6:
         st_config.update(
             {
@@ -330,6 +339,9 @@ def write_model(path: Path, spec: Spec) -> Path:
                 "similarity_fn_name": "cosine",
             }
         )
+    if spec.prompts is not None:
+        st_config["prompts"] = spec.prompts
+        st_config["default_prompt_name"] = spec.default_prompt
     (path / "config_sentence_transformers.json").write_text(json.dumps(st_config), "utf-8")
     return path
 
@@ -393,6 +405,23 @@ SPECS: dict[str, Spec] = {
     "v2-transformer-subfolder": Spec(
         layout="v2", layers=1, seed=15, max_seq_length=12, transformer_path="0_Transformer"
     ),
+    # prompts: the default one prepended; left out of the pooling or not
+    "v6-prompt-left-out": Spec(
+        layers=1,
+        seed=16,
+        modes=("mean", "cls", "max", "weightedmean", "lasttoken"),
+        prompts={"query": "query: ", "passage": "the passage: "},
+        default_prompt="query",
+        include_prompt=False,
+    ),
+    "v2-prompt-pooled": Spec(
+        layout="v2",
+        layers=1,
+        seed=17,
+        prompts={"query": "search query: "},
+        default_prompt="query",
+        max_seq_length=24,
+    ),
     "v6-generic-fast-tokenizer": Spec(
         layers=1,
         seed=12,
@@ -413,19 +442,29 @@ def cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return (a64 * b64).sum(axis=1) / (np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1))
 
 
-def reference_vectors(model: SentenceEncoder, sentences: Sequence[str]) -> np.ndarray:
-    """The float64 numpy reference, one unpadded sentence at a time."""
+def reference_vectors(
+    model: SentenceEncoder, sentences: Sequence[str], prompt: str | None = None
+) -> np.ndarray:
+    """The float64 numpy reference, one unpadded sentence at a time, with ``prompt`` (the
+    model's default prompt when ``None``) prepended."""
     settings = model.settings
     state = load_state_dict(settings.transformer_dir, model.config)
     state.update(load_dense_state(settings.dense))
+    if prompt is None and settings.default_prompt_name is not None:
+        prompt = settings.prompts[settings.default_prompt_name]
+    prompt_length = 0
+    if prompt and not settings.pooling.include_prompt:
+        ids = model.tokenizer.encode(prompt).ids
+        prompt_length = len(ids) - (ids[-1] == VOCAB.index("[SEP]"))
     rows = [
         numpy_encode(
             state,
             model.config,
-            model.tokenize([s]),
+            model.tokenize([(prompt or "") + s]),
             settings.pooling,
             model.normalize,
             settings.dense,
+            prompt_length,
         )[0]
         for s in sentences
     ]
@@ -509,7 +548,8 @@ def _edit_json(path: Path, **changes: Any) -> None:
         ("sentence_bert_config.json", {"config_kwargs": {"hidden_act": "relu"}}, "config_kwargs"),
         ("sentence_bert_config.json", {"query_expansion": {"length": 4}}, "query_expansion"),
         ("sentence_bert_config.json", {"max_seq_length": 1}, "max_seq_length"),
-        ("config_sentence_transformers.json", {"default_prompt_name": "query"}, "prompt"),
+        ("config_sentence_transformers.json", {"default_prompt_name": "nope"}, "prompt"),
+        ("config_sentence_transformers.json", {"prompts": {"q": 3}}, "prompt"),
         ("config_sentence_transformers.json", {"model_type": "SparseEncoder"}, "model_type"),
         ("tokenizer_config.json", {"tokenizer_class": "XLMRobertaTokenizer"}, "tokenizer_class"),
         ("tokenizer_config.json", {"do_lower_case": "yes"}, "do_lower_case"),
@@ -583,6 +623,29 @@ def test_dense_settings(tmp_path: Path) -> None:
     (path / "modules.json").write_text(json.dumps(modules))
     with pytest.raises(UnsupportedModelError, match="'Dense'"):
         read_settings(path)
+
+
+def test_prompts(model_dirs: dict[str, Path]) -> None:
+    model = SentenceEncoder(model_dirs["v6-prompt-left-out"])
+    assert model.prompts == {"query": "query: ", "passage": "the passage: "}
+    # [CLS] q ##u ##e ##r ##y : -- the trailing [SEP] is not counted
+    assert model.prompt_length("query: ") == 7
+    default = model.encode(SENTENCES[:6])
+    np.testing.assert_allclose(default, model.encode(SENTENCES[:6], prompt_name="query"))
+    np.testing.assert_allclose(default, model.encode(SENTENCES[:6], prompt="query: "))
+    assert cosines(default, model.encode(SENTENCES[:6], prompt="")).min() < 0.9999
+    passage = model.encode(SENTENCES[:6], prompt_name="passage")
+    expected = reference_vectors(model, SENTENCES[:6], "the passage: ")
+    np.testing.assert_allclose(passage, expected, atol=2e-5)
+    with pytest.raises(fg.InvalidArgumentError, match="prompt_name"):
+        model.encode("x", prompt_name="nope")
+    # truncation cutting into the prompt: the prompt's length is counted truncated too, so
+    # only the final [SEP] is pooled
+    model.max_seq_length = 7
+    assert model.prompt_length("query: ") == 6
+    np.testing.assert_allclose(
+        model.encode(["a b c"]), reference_vectors(model, ["a b c"], "query: "), atol=2e-5
+    )
 
 
 def test_bad_files(tmp_path: Path) -> None:
@@ -745,9 +808,9 @@ def test_sorted_batches_pad_little(model_dirs: dict[str, Path]) -> None:
     shapes: list[tuple[int, int]] = []
     run = model.run_batch
 
-    def spy(batch: Any) -> np.ndarray:
+    def spy(batch: Any, prompt_length: int = 0) -> np.ndarray:
         shapes.append(batch.shape)
-        return run(batch)
+        return run(batch, prompt_length)
 
     model.run_batch = spy  # type: ignore[method-assign]
     sentences = ["a"] * 6 + [" ".join(["cat"] * 40)] * 2
@@ -812,6 +875,7 @@ _PEER_SCRIPT = textwrap.dedent(
     for name, path in dirs.items():
         model = SentenceTransformer(path, device="cpu")
         result[name + "/vectors"] = model.encode(sentences, batch_size=5, convert_to_numpy=True)
+        result[name + "/prompted"] = model.encode(sentences, batch_size=5, prompt="note: the ")
         result[name + "/max_seq_length"] = np.array(model.max_seq_length)
         features = model.tokenize(sentences)
         ids = features["input_ids"].numpy().astype(np.int32)
@@ -858,3 +922,5 @@ def test_against_sentence_transformers(
     cos = cosines(got, peer_results[name + "/vectors"])
     worst = int(np.argmin(cos))
     assert cos.min() >= 0.9999, f"{name}: cosine {cos[worst]:.6f} for {SENTENCES[worst]!r}"
+    prompted = model.encode(SENTENCES, batch_size=5, prompt="note: the ")
+    assert cosines(prompted, peer_results[name + "/prompted"]).min() >= 0.9999

@@ -49,17 +49,25 @@ def activation(name: str, x: F64) -> F64:
     raise ValueError(f"unknown activation {name!r}")
 
 
-def numpy_pool(states: F64, mask: npt.NDArray[np.int32], pooling: PoolingConfig) -> F64:
+def numpy_pool(
+    states: F64, mask: npt.NDArray[np.int32], pooling: PoolingConfig, prompt_length: int = 0
+) -> F64:
     """sentence-transformers' pooling of ``states`` (batch, seq, hidden) with the attention
-    ``mask`` (batch, seq; right padding): the modes' vectors concatenated."""
-    real = mask.astype(np.float64)[:, :, None]
+    ``mask`` (batch, seq; right padding): the modes' vectors concatenated. ``prompt_length``
+    leading tokens are left out (a prompt with ``include_prompt`` false): the pooling mask is
+    zero there, CLS pooling takes the first token after them, weighted-mean keeps every token's
+    original position."""
+    pooled_mask = mask.copy()
+    pooled_mask[:, :prompt_length] = 0
+    real = pooled_mask.astype(np.float64)[:, :, None]
     count = np.maximum(real.sum(axis=1), 1e-9)
+    first = np.argmax(pooled_mask > 0, axis=1)
     last = mask.sum(axis=1) - 1
     positions = np.arange(1, states.shape[1] + 1, dtype=np.float64)[None, :, None] * real
     parts: list[F64] = []
     for mode in pooling.modes:
         if mode == "cls":
-            parts.append(states[:, 0])
+            parts.append(states[np.arange(states.shape[0]), first])
         elif mode == "max":
             parts.append(np.where(real > 0, states, -np.inf).max(axis=1))
         elif mode == "mean":
@@ -83,6 +91,7 @@ def numpy_encode(
     pooling: PoolingConfig | None = None,
     normalize: bool = True,
     dense: Sequence[DenseConfig] = (),
+    prompt_length: int = 0,
 ) -> F64:
     """The encoder, pooling and (optionally) L2 normalisation in float64.
 
@@ -101,6 +110,8 @@ def numpy_encode(
         L2-normalise the sentence vectors (a Normalize module, last).
     dense
         Dense modules applied after the pooling.
+    prompt_length
+        Leading tokens left out of the pooling (see :func:`numpy_pool`).
 
     Returns
     -------
@@ -148,7 +159,7 @@ def numpy_encode(
         )
         ff = activation(config.activation, linear(h, p + "intermediate.dense"))
         x = layer_norm(linear(ff, p + "output.dense") + h, p + "output.LayerNorm")
-    pooled = numpy_pool(x, batch.attention_mask, pooling)
+    pooled = numpy_pool(x, batch.attention_mask, pooling, prompt_length)
     for i, module in enumerate(dense):
         y = pooled @ w(f"dense.{i}.linear.weight").T
         if module.bias:

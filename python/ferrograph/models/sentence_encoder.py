@@ -60,7 +60,14 @@ import ferrograph as fg
 
 from ._progress import ProgressBar
 from .settings import ModelSettings, read_settings
-from .tokenization import Batch, load_tokenizer, pad, set_truncation, tokenize
+from .tokenization import (
+    Batch,
+    load_tokenizer,
+    pad,
+    set_truncation,
+    special_token_ids,
+    tokenize,
+)
 from .weights import load_weights, weights_dtype_name
 
 if TYPE_CHECKING:
@@ -193,6 +200,7 @@ class SentenceEncoder:
         self.tokenizer: Tokenizer = load_tokenizer(
             self.settings.transformer_dir, self._max_seq_length, self.settings.do_lower_case
         )
+        self._special_ids = special_token_ids(self.tokenizer, self.settings.transformer_dir)
         if max_seq_length is not None:
             self.max_seq_length = max_seq_length
         if backend is None:
@@ -567,12 +575,22 @@ class SentenceEncoder:
         return max(longest, min(bucketed, self.config.max_position_embeddings))
 
     def _pool_inputs(
-        self, mask: npt.NDArray[np.float32]
+        self, real: npt.NDArray[np.float32], prompt_length: int = 0
     ) -> tuple[npt.NDArray[np.float32] | None, npt.NDArray[np.int32] | None]:
-        """Token weights per weighted mode (batch, k, seq) and max-pooling row indices."""
-        b, s = mask.shape
+        """Token weights per weighted mode (batch, k, seq) and max-pooling row indices, for
+        the attention mask ``real`` (1 on real tokens); the first ``prompt_length`` tokens are
+        left out of the pooling (a prompt with ``include_prompt`` false)."""
+        b, s = real.shape
+        mask = real.copy()
+        mask[:, :prompt_length] = 0.0
+        if prompt_length and not mask.any(axis=1).all():
+            raise fg.InvalidArgumentError(
+                f"the prompt ({prompt_length} tokens) leaves a sentence with no token to pool "
+                f"within max_seq_length {self.max_seq_length}"
+            )
         counts = np.maximum(mask.sum(axis=1, keepdims=True), np.float32(1e-9))
-        last = mask.sum(axis=1).astype(np.int64) - 1
+        first = np.argmax(mask > 0, axis=1)  # the first pooled token (after a left-out prompt)
+        last = real.sum(axis=1).astype(np.int64) - 1
         rows: list[npt.NDArray[np.float32]] = []
         for mode in self.pooling_modes:
             if mode == "mean":
@@ -584,7 +602,7 @@ class SentenceEncoder:
                 rows.append(positions / np.maximum(positions.sum(axis=1, keepdims=True), 1e-9))
             elif mode == "cls":
                 one_hot = np.zeros((b, s), np.float32)
-                one_hot[:, 0] = 1.0
+                one_hot[np.arange(b), first] = 1.0
                 rows.append(one_hot)
             elif mode == "lasttoken":
                 one_hot = np.zeros((b, s), np.float32)
@@ -594,12 +612,13 @@ class SentenceEncoder:
         index = None
         if "max" in self.pooling_modes:
             own = np.arange(b * s, dtype=np.int32).reshape(b, s)
-            first = (np.arange(b, dtype=np.int32) * s)[:, None]
-            index = np.where(mask > 0, own, first).astype(np.int32).reshape(-1)
+            stand_in = (np.arange(b, dtype=np.int32) * s + first)[:, None]
+            index = np.where(mask > 0, own, stand_in).astype(np.int32).reshape(-1)
         return weights, index
 
-    def run_batch(self, batch: Batch) -> npt.NDArray[np.float32]:
-        """Embeds one tokenized, padded batch; returns ``(batch, dim)`` float32."""
+    def run_batch(self, batch: Batch, prompt_length: int = 0) -> npt.NDArray[np.float32]:
+        """Embeds one tokenized, padded batch; returns ``(batch, dim)`` float32.
+        ``prompt_length`` leading tokens are left out of the pooling."""
         b, s = batch.shape
         self.reserve(b, s)
         g = self.graph(b, s)
@@ -610,7 +629,7 @@ class SentenceEncoder:
         g.input_ids.set(batch.input_ids.reshape(-1))
         g.token_type_ids.set(batch.token_type_ids.reshape(-1))
         g.attn_mask.set(mask)
-        weights, index = self._pool_inputs(real)
+        weights, index = self._pool_inputs(real, prompt_length)
         if g.pool_weights is not None and weights is not None:
             g.pool_weights.set(weights)
         if g.max_index is not None and index is not None:
@@ -640,6 +659,9 @@ class SentenceEncoder:
         sentences: str | Sequence[str],
         batch_size: int = 32,
         progress: bool | Progress = False,
+        *,
+        prompt_name: str | None = None,
+        prompt: str | None = None,
     ) -> npt.NDArray[np.float32]:
         """Embeds sentences.
 
@@ -653,6 +675,12 @@ class SentenceEncoder:
         progress
             ``True`` draws a bar on stderr; a callable is called with (done, total) after
             each batch.
+        prompt_name, prompt
+            Text prepended to every sentence, as sentence-transformers' ``encode`` takes it:
+            ``prompt`` itself, else the model's prompt named ``prompt_name``, else the
+            model's default prompt (:attr:`prompts`, ``default_prompt_name``) if it has one.
+            With the Pooling module's ``include_prompt`` false the prompt's tokens are left
+            out of the pooling (they still take part in the attention).
 
         Returns
         -------
@@ -663,9 +691,10 @@ class SentenceEncoder:
         Raises
         ------
         fg.InvalidArgumentError
-            For a ``batch_size`` below 1, a sentence that is not a ``str``, or a sentence
-            longer than the model's positions (possible only when the model's own
-            ``max_seq_length`` exceeds them).
+            For a ``batch_size`` below 1, a sentence that is not a ``str``, an unknown
+            ``prompt_name``, a sentence longer than the model's positions (possible only when
+            the model's own ``max_seq_length`` exceeds them), or a left-out prompt that fills
+            a whole sentence.
         """
         if isinstance(sentences, str):
             sentences = [sentences]
@@ -675,6 +704,12 @@ class SentenceEncoder:
         for i, s in enumerate(sentences):
             if not isinstance(s, str):
                 raise fg.InvalidArgumentError(f"sentence {i} is a {type(s).__name__}, not a str")
+        text = self._resolve_prompt(prompt_name, prompt)
+        prompt_length = 0
+        if text:
+            sentences = [text + s for s in sentences]
+            if not self.settings.pooling.include_prompt:
+                prompt_length = self.prompt_length(text)
         n = len(sentences)
         out = np.zeros((n, self.dim), np.float32)
         if n == 0:
@@ -695,11 +730,41 @@ class SentenceEncoder:
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
             seq = self.padded_length(int(lengths[idx[0]]))
-            out[idx] = self.run_batch(pad([encodings[i] for i in idx], seq))
+            out[idx] = self.run_batch(pad([encodings[i] for i in idx], seq), prompt_length)
             done += len(idx)
             if report is not None:
                 report(done, n)
         return out
+
+    @property
+    def prompts(self) -> dict[str, str]:
+        """The model's named prompts (``config_sentence_transformers.json``)."""
+        return dict(self.settings.prompts)
+
+    def _resolve_prompt(self, prompt_name: str | None, prompt: str | None) -> str | None:
+        """The prompt text :meth:`encode` prepends (sentence-transformers' precedence)."""
+        if prompt is not None:
+            if not isinstance(prompt, str):
+                raise fg.InvalidArgumentError(f"prompt must be a str, got {type(prompt).__name__}")
+            if prompt_name is not None:
+                logger.warning("both prompt and prompt_name given: prompt_name is ignored")
+            return prompt
+        if prompt_name is not None:
+            if prompt_name not in self.settings.prompts:
+                raise fg.InvalidArgumentError(
+                    f"prompt_name {prompt_name!r} is not one of the model's prompts "
+                    f"{list(self.settings.prompts)}"
+                )
+            return self.settings.prompts[prompt_name]
+        name = self.settings.default_prompt_name
+        return self.settings.prompts.get(name) if name is not None else None
+
+    def prompt_length(self, prompt: str) -> int:
+        """Tokens of ``prompt`` at the start of a sentence, as sentence-transformers counts
+        them: the prompt tokenized alone (truncated as any text), less its trailing special
+        token ([SEP])."""
+        ids = self.tokenizer.encode(prompt).ids
+        return len(ids) - 1 if ids and ids[-1] in self._special_ids else len(ids)
 
     def tokenize(self, sentences: Sequence[str]) -> Batch:
         """Tokenizes and pads ``sentences`` as :meth:`encode` does (without sorting or

@@ -19,7 +19,9 @@ one vector per sentence:
 * ``<dense folder>/config.json`` and ``model.safetensors``: a linear layer (``in_features``,
   ``out_features``, ``bias``, ``use_residual``) and its ``activation_function`` (``torch.nn``'s
   Tanh, the default, Identity, ReLU, GELU, Sigmoid or SiLU).
-* ``config_sentence_transformers.json``: ``model_type`` and the prompts.
+* ``config_sentence_transformers.json``: ``model_type``, the named ``prompts`` and the
+  ``default_prompt_name`` whose prompt :meth:`~ferrograph.models.SentenceEncoder.encode`
+  prepends when it is given no other.
 
 The truncation length follows sentence-transformers 6.x (which gives the same answer as 2-5 on the
 directories 2-5 wrote), highest priority first:
@@ -33,8 +35,8 @@ The truncation written in ``tokenizer.json`` itself is ignored, as the Hugging F
 sentence-transformers makes overrides it.
 
 Anything this package cannot compute exactly as sentence-transformers would (another module, a
-non-BERT architecture, an activation or a position-embedding kind it lacks, prompts applied by
-default, ...) raises :class:`UnsupportedModelError` naming the file and the setting: never a
+non-BERT architecture, an activation or a position-embedding kind it lacks, another tokenizer
+class, ...) raises :class:`UnsupportedModelError` naming the file and the setting: never a
 silently different vector.
 """
 
@@ -43,7 +45,8 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
@@ -390,6 +393,9 @@ class ModelSettings:
         Whether a Normalize module L2-normalises the sentence vector (last).
     dense
         The Dense modules after the pooling, in order.
+    prompts, default_prompt_name
+        Named prompts (text prepended to every sentence) and the one used by default
+        (``config_sentence_transformers.json``).
     modules
         The class names of the modules, in order (``["Transformer", "Pooling", ...]``).
     """
@@ -403,6 +409,8 @@ class ModelSettings:
     normalize: bool
     modules: tuple[str, ...]
     dense: tuple[DenseConfig, ...] = ()
+    prompts: Mapping[str, str] = field(default_factory=dict)
+    default_prompt_name: str | None = None
 
     @property
     def pooled_dim(self) -> int:
@@ -505,6 +513,24 @@ def _transformer_settings(folder: Path, bert: BertConfig) -> tuple[int, bool]:
     return length, do_lower_case
 
 
+def _prompts(path: Path, raw: dict[str, Any]) -> tuple[dict[str, str], str | None]:
+    """``prompts`` (a missing prompt text counts as empty) and ``default_prompt_name``."""
+    listed = raw.get("prompts") or {}
+    if not isinstance(listed, dict) or not all(isinstance(k, str) for k in listed):
+        raise UnsupportedModelError(f"{path}: prompts must map names to texts")
+    prompts: dict[str, str] = {}
+    for name, text in listed.items():
+        if text is not None and not isinstance(text, str):
+            raise UnsupportedModelError(f"{path}: prompt {name!r} is not a string")
+        prompts[name] = text or ""
+    default = raw.get("default_prompt_name")
+    if default is not None and default not in prompts:
+        raise UnsupportedModelError(
+            f"{path}: default_prompt_name {default!r} is not one of the prompts {list(prompts)}"
+        )
+    return prompts, default
+
+
 def read_settings(model_dir: str | Path) -> ModelSettings:
     """Reads a sentence-transformers model directory's settings (see the module docstring).
 
@@ -524,12 +550,9 @@ def read_settings(model_dir: str | Path) -> ModelSettings:
         kind = st_config.get("model_type", "SentenceTransformer")
         if kind != "SentenceTransformer":
             raise UnsupportedModelError(f"{st_config_path}: model_type {kind!r} is not supported")
-        if st_config.get("default_prompt_name"):
-            raise UnsupportedModelError(
-                f"{st_config_path}: default_prompt_name "
-                f"{st_config['default_prompt_name']!r} (a prompt prepended by default) is not "
-                "supported"
-            )
+        prompts, default_prompt_name = _prompts(st_config_path, st_config)
+    else:
+        prompts, default_prompt_name = {}, None
 
     modules_path = root / "modules.json"
     entries: list[dict[str, Any]]
@@ -611,4 +634,6 @@ def read_settings(model_dir: str | Path) -> ModelSettings:
         normalize=normalize,
         modules=tuple(names),
         dense=tuple(dense),
+        prompts=prompts,
+        default_prompt_name=default_prompt_name,
     )

@@ -31,7 +31,7 @@ from .weights import INSTALL_HINT, MissingDependencyError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["Batch", "load_tokenizer", "pad", "set_truncation", "tokenize"]
+__all__ = ["Batch", "load_tokenizer", "pad", "set_truncation", "special_token_ids", "tokenize"]
 
 
 def _has_lowercase(normalizer: Any) -> bool:
@@ -127,6 +127,45 @@ def load_tokenizer(model_dir: Path, max_length: int, do_lower_case: bool = False
     set_truncation(tokenizer, max_length)
     tokenizer.no_padding()  # batches are padded here, to their own (bucketed) longest sequence
     return tokenizer
+
+
+_SPECIAL_TOKEN_KEYS = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+)
+
+
+def special_token_ids(tokenizer: Tokenizer, model_dir: Path) -> set[int]:
+    """Ids of the special tokens, as the Hugging Face tokenizer knows them: the special added
+    tokens of ``tokenizer.json`` and the tokens ``tokenizer_config.json`` names (``cls_token``,
+    ``sep_token``, ..., ``additional_special_tokens``)."""
+    ids = {i for i, token in tokenizer.get_added_tokens_decoder().items() if token.special}
+    path = model_dir / "tokenizer_config.json"
+    config: Any = {}
+    if path.is_file():
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError:
+            config = {}  # load_tokenizer reports a broken file
+    if not isinstance(config, dict):
+        return ids
+    names: list[Any] = [config.get(key) for key in _SPECIAL_TOKEN_KEYS]
+    extra = config.get("additional_special_tokens")
+    if isinstance(extra, list):
+        names.extend(extra)
+    for name in names:
+        if isinstance(name, dict):  # an AddedToken written out
+            name = name.get("content")
+        if isinstance(name, str):
+            token_id = tokenizer.token_to_id(name)
+            if token_id is not None:
+                ids.add(token_id)
+    return ids
 
 
 def set_truncation(tokenizer: Tokenizer, max_length: int) -> None:
