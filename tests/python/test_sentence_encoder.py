@@ -742,6 +742,32 @@ def test_threads_give_the_same_vectors(model_dirs: dict[str, Path]) -> None:
     np.testing.assert_allclose(results[2], results[0], atol=1e-6)
 
 
+def test_threads_sharing_a_model(model_dirs: dict[str, Path]) -> None:
+    import threading
+
+    model = SentenceEncoder(model_dirs["v6-mean+max+cls"])
+    inputs = [SENTENCES[i:] + SENTENCES[:i] for i in range(4)]
+    expected = [model.encode(x, batch_size=3) for x in inputs]
+    results: dict[int, np.ndarray] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            for _ in range(10):  # without the model's lock this fails often (stale tensors)
+                results[i] = model.encode(inputs[i], batch_size=3)
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    for i in range(4):
+        np.testing.assert_allclose(results[i], expected[i], atol=1e-6)
+
+
 def test_max_seq_length_override(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["v2-gelu-mean-norm"]
     model = SentenceEncoder(path, max_seq_length=10)

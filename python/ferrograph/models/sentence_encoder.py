@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -237,6 +238,9 @@ class SentenceEncoder:
         self.scheduler = fg.Scheduler(backends)
         self._reserved: tuple[int, int] = (0, 0)
         self._graphs: OrderedDict[tuple[int, int], ShapeGraph] = OrderedDict()
+        # One scheduler and one compute buffer serve every call: a batch is allocated, filled,
+        # computed and read under this lock, so threads sharing the model take turns.
+        self._lock = threading.RLock()
 
     # ----- properties -----
 
@@ -528,36 +532,38 @@ class SentenceEncoder:
         """The cached graph for a shape, built on first use (at most
         :data:`GRAPH_CACHE_SIZE` kept, least recently used evicted)."""
         key = (batch, seq)
-        cached = self._graphs.get(key)
-        if cached is not None:
-            self._graphs.move_to_end(key)
-            return cached
-        start = time.perf_counter()
-        built = self.build_graph(batch, seq)
-        logger.debug(
-            "built graph batch %d seq %d: %d nodes, %d leafs in %.2f ms",
-            batch,
-            seq,
-            built.graph.n_nodes,
-            built.graph.n_leafs,
-            (time.perf_counter() - start) * 1e3,
-        )
-        self._graphs[key] = built
-        while len(self._graphs) > GRAPH_CACHE_SIZE:
-            self._graphs.popitem(last=False)
-        return built
+        with self._lock:
+            cached = self._graphs.get(key)
+            if cached is not None:
+                self._graphs.move_to_end(key)
+                return cached
+            start = time.perf_counter()
+            built = self.build_graph(batch, seq)
+            logger.debug(
+                "built graph batch %d seq %d: %d nodes, %d leafs in %.2f ms",
+                batch,
+                seq,
+                built.graph.n_nodes,
+                built.graph.n_leafs,
+                (time.perf_counter() - start) * 1e3,
+            )
+            self._graphs[key] = built
+            while len(self._graphs) > GRAPH_CACHE_SIZE:
+                self._graphs.popitem(last=False)
+            return built
 
     def reserve(self, batch: int, seq: int) -> None:
         """Sizes the compute buffer for ``batch`` x ``seq`` (graphs of smaller shapes then
         replay this plan)."""
-        rb, rs = self._reserved
-        if batch <= rb and seq <= rs:
-            return
-        shape = (max(batch, rb), max(seq, rs))
-        g = self.graph(*shape)
-        self.scheduler.reserve(g.graph)
-        self._reserved = shape
-        logger.debug("reserved compute memory for batch %d seq %d", *shape)
+        with self._lock:
+            rb, rs = self._reserved
+            if batch <= rb and seq <= rs:
+                return
+            shape = (max(batch, rb), max(seq, rs))
+            g = self.graph(*shape)
+            self.scheduler.reserve(g.graph)
+            self._reserved = shape
+            logger.debug("reserved compute memory for batch %d seq %d", *shape)
 
     # ----- running -----
 
@@ -620,22 +626,25 @@ class SentenceEncoder:
         """Embeds one tokenized, padded batch; returns ``(batch, dim)`` float32.
         ``prompt_length`` leading tokens are left out of the pooling."""
         b, s = batch.shape
-        self.reserve(b, s)
-        g = self.graph(b, s)
-        self.scheduler.alloc_graph(g.graph)
         real = batch.attention_mask.astype(np.float32)
         mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
         mask = np.ascontiguousarray(np.broadcast_to(mask, (b, 1, s, s)), dtype=np.float32)
-        g.input_ids.set(batch.input_ids.reshape(-1))
-        g.token_type_ids.set(batch.token_type_ids.reshape(-1))
-        g.attn_mask.set(mask)
         weights, index = self._pool_inputs(real, prompt_length)
-        if g.pool_weights is not None and weights is not None:
-            g.pool_weights.set(weights)
-        if g.max_index is not None and index is not None:
-            g.max_index.set(index)
-        self.scheduler.graph_compute(g.graph)
-        result: npt.NDArray[np.float32] = np.array(g.output.numpy(), dtype=np.float32, copy=True)
+        with self._lock:
+            self.reserve(b, s)
+            g = self.graph(b, s)
+            self.scheduler.alloc_graph(g.graph)
+            g.input_ids.set(batch.input_ids.reshape(-1))
+            g.token_type_ids.set(batch.token_type_ids.reshape(-1))
+            g.attn_mask.set(mask)
+            if g.pool_weights is not None and weights is not None:
+                g.pool_weights.set(weights)
+            if g.max_index is not None and index is not None:
+                g.max_index.set(index)
+            self.scheduler.graph_compute(g.graph)
+            result: npt.NDArray[np.float32] = np.array(
+                g.output.numpy(), dtype=np.float32, copy=True
+            )
         return result
 
     def _check_encodings(self, encodings: Sequence[Any]) -> npt.NDArray[np.int64]:
