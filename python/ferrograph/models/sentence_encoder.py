@@ -7,9 +7,9 @@ ferrograph.
 (2, 384)
 
 The settings come from the directory as sentence-transformers reads them
-(:mod:`ferrograph.models.settings`): the truncation length, lower-casing, the pooling modes, a
-Normalize module. The weights (``model.safetensors``) and the tokenizer (``tokenizer.json``) are
-read with ``safetensors`` and ``tokenizers``; PyTorch is never imported.
+(:mod:`ferrograph.models.settings`): the truncation length, lower-casing, the pooling modes,
+Dense and Normalize modules, the prompts. The weights (``model.safetensors``) and the tokenizer
+(``tokenizer.json``) are read with ``safetensors`` and ``tokenizers``; PyTorch is never imported.
 
 How it runs
 -----------
@@ -31,13 +31,15 @@ How it runs
   bounded whatever the inputs. The graphs run through a :class:`ferrograph.Scheduler` reserved
   once for the largest shape of an :meth:`encode` call (the first batch); smaller shapes fit
   that reservation.
-* The graph: ``get_rows`` on the word (and token-type) table plus a view of the position
+* Threads may share a model: each batch is allocated, filled, computed and read under the
+  model's lock (tokenizing and preparing inputs happen outside it).
+* The graph: ``get_rows`` on the word and token-type tables plus a view of the position
   table, layer norm as ``norm`` then ``mul`` / ``add``, multi-head attention with the padding
   mask in ``soft_max(kq, mask, scale)`` (or one ``flash_attn_ext``), the configured activation
   (``gelu_erf`` for BERT's ``gelu``, ``gelu`` for ``gelu_new``, ``relu``, ...), residuals. Pooling:
   every weighted mode (mean, mean-sqrt-len, weighted-mean, CLS, last token) is one row of
-  per-sequence token weights, all applied by one ``mul_mat``; max pooling gathers padded
-  positions onto the sentence's first token and halves the sequence with
+  per-sequence token weights, all applied by one ``mul_mat``; max pooling gathers padded (and
+  left-out prompt) positions onto the sentence's first pooled token and halves the sequence with
   ``max(a, b) = b + relu(a - b)``. Then each Dense module (``mul_mat``, bias, activation,
   residual) and ``l2_norm`` when the model has a Normalize module.
 """
