@@ -4,13 +4,14 @@
 //! allocator or a scheduler. With `no_alloc` off, every non-view tensor the context creates gets
 //! host memory at once, so small experiments need no backend at all.
 //!
-//! A context lists its tensors in one of two ways. Through an ordinary handle it *owns* them
-//! (ggml's meaning: they live as long as the context). Through a [`Context::borrowing`] handle
-//! it only *lists* them: such a tensor lives as long as something else holds it (a caller's
-//! handle, a later op's sources, a graph) and then drops out of the list; in an allocating
-//! context it gets its own host memory, freed with it, instead of a slice of the context's
-//! arena. The Python op builders use a borrowing handle when the caller named no context, so
-//! building a graph per request against a long-lived weights context keeps memory flat.
+//! Through an ordinary handle a context *owns* what it creates (ggml's meaning: listed, and
+//! alive as long as the context). Through a [`Context::borrowing`] handle it creates tensors it
+//! neither lists nor keeps: they live as long as something else holds them (a caller's handle,
+//! a later op's sources, a graph) and, in an allocating context, get their own host memory,
+//! freed with them, instead of a slice of the context's arena. They still name the context as
+//! theirs ([`Tensor::context`]), so later ops can follow it. The Python op builders use a
+//! borrowing handle when the caller named no context, so building a graph per request against
+//! a long-lived weights context keeps memory flat.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -18,7 +19,7 @@ use crate::buffer::{alloc_cpu_buffer, Buffer, HOST_ALIGNMENT};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::ops::Op;
-use crate::tensor::{Tensor, TensorSpec, WeakTensor, MAX_DIMS};
+use crate::tensor::{Tensor, TensorSpec, MAX_DIMS};
 
 /// Host memory chunks of a context that allocates its tensors.
 #[derive(Default)]
@@ -47,54 +48,9 @@ impl HostArena {
     }
 }
 
-/// How a context holds one of its tensors.
-enum Entry {
-    /// Kept alive by the context.
-    Owned(Tensor),
-    /// Listed while something else keeps it alive.
-    Borrowed(WeakTensor),
-}
-
-impl Entry {
-    fn tensor(&self) -> Option<Tensor> {
-        match self {
-            Entry::Owned(t) => Some(t.clone()),
-            Entry::Borrowed(w) => w.upgrade(),
-        }
-    }
-}
-
-/// The tensors of a context in creation order.
-#[derive(Default)]
-struct TensorList {
-    entries: Vec<Entry>,
-    /// Entry count at which dead borrowed entries are dropped next (amortised O(1) per push).
-    prune_at: usize,
-}
-
-/// Smallest list length at which dead borrowed entries are pruned.
-const PRUNE_MIN: usize = 64;
-
-impl TensorList {
-    fn push(&mut self, entry: Entry) {
-        if self.entries.len() >= self.prune_at.max(PRUNE_MIN) {
-            self.entries.retain(|e| match e {
-                Entry::Owned(_) => true,
-                Entry::Borrowed(w) => !w.is_dead(),
-            });
-            self.prune_at = 2 * self.entries.len();
-        }
-        self.entries.push(entry);
-    }
-
-    fn live(&self) -> impl Iterator<Item = Tensor> + '_ {
-        self.entries.iter().filter_map(Entry::tensor)
-    }
-}
-
 pub(crate) struct ContextInner {
     no_alloc: bool,
-    tensors: Mutex<TensorList>,
+    tensors: Mutex<Vec<Tensor>>,
     arena: Mutex<HostArena>,
 }
 
@@ -102,8 +58,8 @@ pub(crate) struct ContextInner {
 #[derive(Clone)]
 pub struct Context {
     inner: Arc<ContextInner>,
-    /// Whether tensors created through this handle are owned (kept alive) by the context, or
-    /// only listed while alive (see [`Context::borrowing`]).
+    /// Whether tensors created through this handle are owned (listed and kept alive) by the
+    /// context, or left to their holders (see [`Context::borrowing`]).
     owns: bool,
 }
 
@@ -140,7 +96,7 @@ impl Context {
         Context {
             inner: Arc::new(ContextInner {
                 no_alloc,
-                tensors: Mutex::new(TensorList::default()),
+                tensors: Mutex::new(Vec::new()),
                 arena: Mutex::new(HostArena::default()),
             }),
             owns: true,
@@ -152,9 +108,10 @@ impl Context {
     }
 
     /// A handle to the same context through which new tensors are *borrowed*: the context
-    /// lists them ([`Context::tensors`], [`Context::get_tensor`], context allocation) only while
-    /// something else holds them, and never keeps them alive. In an allocating context each
-    /// borrowed non-view tensor gets its own host memory, freed with the tensor.
+    /// neither lists them ([`Context::tensors`], [`Context::get_tensor`], context allocation)
+    /// nor keeps them alive; they live as long as something else holds them, and still report
+    /// this context as theirs. In an allocating context each borrowed non-view tensor gets its
+    /// own host memory, freed with the tensor.
     pub fn borrowing(&self) -> Context {
         Context {
             inner: self.inner.clone(),
@@ -172,24 +129,27 @@ impl Context {
         self.inner.no_alloc
     }
 
-    /// Every live tensor created so far, in creation order.
+    /// Every tensor the context owns, in creation order.
     pub fn tensors(&self) -> Vec<Tensor> {
-        lock(&self.inner.tensors).live().collect()
+        lock(&self.inner.tensors).clone()
     }
 
-    /// How many live tensors the context lists.
+    /// How many tensors the context owns.
     pub fn len(&self) -> usize {
-        lock(&self.inner.tensors).live().count()
+        lock(&self.inner.tensors).len()
     }
 
-    /// Whether the context lists no live tensor.
+    /// Whether the context owns no tensor.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
 
-    /// The first live tensor with this name.
+    /// The first owned tensor with this name.
     pub fn get_tensor(&self, name: &str) -> Option<Tensor> {
-        lock(&self.inner.tensors).live().find(|t| t.name() == name)
+        lock(&self.inner.tensors)
+            .iter()
+            .find(|t| t.name() == name)
+            .cloned()
     }
 
     /// Bytes of host memory the context holds for its owned tensors (borrowed tensors hold
@@ -212,7 +172,8 @@ impl Context {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 
-    /// Creates a tensor from a spec, records it, and (without `no_alloc`) gives it memory.
+    /// Creates a tensor from a spec, records it if this handle owns what it creates, and
+    /// (without `no_alloc`) gives it memory.
     pub(crate) fn create(&self, spec: TensorSpec) -> Result<Tensor> {
         let is_view = spec.view.is_some();
         let tensor = Tensor::from_spec(spec, Arc::downgrade(&self.inner))?;
@@ -226,12 +187,9 @@ impl Context {
                 tensor.bind(&buffer, 0)?;
             }
         }
-        let entry = if self.owns {
-            Entry::Owned(tensor.clone())
-        } else {
-            Entry::Borrowed(tensor.downgrade())
-        };
-        lock(&self.inner.tensors).push(entry);
+        if self.owns {
+            lock(&self.inner.tensors).push(tensor.clone());
+        }
         Ok(tensor)
     }
 
@@ -377,7 +335,7 @@ mod tests {
     use crate::ops;
 
     #[test]
-    fn borrowed_results_leave_the_context_with_their_last_handle() {
+    fn borrowed_results_are_neither_listed_nor_kept() {
         let ctx = Context::new(true);
         let w = ctx.new_tensor(DType::F32, &[8, 4]).unwrap();
         let kept = ops::unary(&ctx.borrowing(), &w, ops::UnaryOp::Relu).unwrap();
@@ -386,13 +344,14 @@ mod tests {
             let y = ops::mul_mat(&ctx.borrowing(), &w, &x).unwrap();
             assert!(y.context().unwrap().same(&ctx));
         }
-        // Listed while alive, gone (and pruned from the list) once dropped.
-        assert_eq!(ctx.len(), 2);
-        assert_eq!(ctx.tensors(), vec![w.clone(), kept.clone()]);
-        assert!(lock(&ctx.inner.tensors).entries.len() < 2 * PRUNE_MIN);
+        assert_eq!(ctx.tensors(), vec![w.clone()]);
+        assert!(kept.context().unwrap().same(&ctx));
         // Owned tensors outlive their handles.
         drop(ops::unary(&ctx, &w, ops::UnaryOp::Relu).unwrap());
-        assert_eq!(ctx.len(), 3);
+        assert_eq!(ctx.len(), 2);
+        // A borrowed tensor does not keep its context alive either.
+        drop(ctx);
+        assert!(kept.context().is_none());
     }
 
     #[test]

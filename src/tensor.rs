@@ -69,23 +69,6 @@ pub struct TensorNode {
 #[derive(Clone)]
 pub struct Tensor(Arc<TensorNode>);
 
-/// A non-owning tensor handle: [`WeakTensor::upgrade`] gives the tensor while something else
-/// still holds it.
-#[derive(Clone)]
-pub struct WeakTensor(Weak<TensorNode>);
-
-impl WeakTensor {
-    /// The tensor, if any strong handle to it is left.
-    pub fn upgrade(&self) -> Option<Tensor> {
-        self.0.upgrade().map(Tensor)
-    }
-
-    /// Whether the tensor is gone.
-    pub fn is_dead(&self) -> bool {
-        self.0.strong_count() == 0
-    }
-}
-
 static NEXT_TENSOR_ID: AtomicU64 = AtomicU64::new(1);
 
 /// Everything needed to create a tensor node (used by contexts and op builders).
@@ -292,11 +275,6 @@ impl Tensor {
     /// The context that created the tensor, while it is alive.
     pub fn context(&self) -> Option<Context> {
         self.0.context.upgrade().map(Context::from_inner)
-    }
-
-    /// A handle that does not keep the tensor alive (for lists that only observe tensors).
-    pub fn downgrade(&self) -> WeakTensor {
-        WeakTensor(Arc::downgrade(&self.0))
     }
 
     /// The name ("" if none was set).

@@ -6,17 +6,19 @@ until a graph runs) and validates its operands, raising :class:`~ferrograph.Shap
 
 Context resolution and memory
 -----------------------------
-Every builder takes an optional keyword ``ctx=``. The result is recorded in
+Every builder takes an optional keyword ``ctx=``.
 
-* ``ctx`` when given, else in the innermost context entered with ``with ctx:``; that context
-  *owns* it (ggml's meaning: it lives as long as the context);
-* else in its first tensor operand's context, which only *borrows* it: the context lists it
-  (``ctx.tensors()``, ``len(ctx)``, :func:`~ferrograph.alloc_ctx_tensors`) while your handle, a
-  later op or a :class:`~ferrograph.Graph` holds it, and it is freed with the last of them.
+* With ``ctx=``, or inside ``with ctx:`` (the innermost), that context *owns* the result
+  (ggml's meaning): it lists it (``ctx.tensors()``, ``len(ctx)``,
+  :func:`~ferrograph.alloc_ctx_tensors`) and keeps it alive as long as the context.
+* Without either, the result belongs to *no* context: your handle, later ops (through their
+  sources) and :class:`~ferrograph.Graph` objects hold it, and it is freed with the last of them.
+  Its ``context`` is its first tensor operand's, whose settings it follows (host memory at once
+  in a ``Context(no_alloc=False)``, then its own, freed with it), but that context does not list
+  it. With no operand context either, an ``InvalidArgumentError`` is raised.
 
-With no context at all an ``InvalidArgumentError`` is raised. The borrowing default is what
-keeps the natural serving loop flat: weights loaded once into a long-lived context, a graph
-built per request, and every request's intermediates freed with its graph::
+This default is what keeps the natural serving loop flat: weights loaded once into a long-lived
+context, a graph built per request, and every request's intermediates freed with its graph::
 
     weights = fg.Context()
     w = weights.new_tensor(fg.float32, (384, 384), name="w")
@@ -24,7 +26,7 @@ built per request, and every request's intermediates freed with its graph::
     for batch in requests:
         inputs = fg.Context()                 # per request
         x = inputs.new_tensor(fg.float32, (len(batch), 384))
-        y = fg.ops.gelu(fg.ops.mul_mat(w, x)) # borrowed by `weights`, freed with y
+        y = fg.ops.gelu(fg.ops.mul_mat(w, x)) # in no context: freed with y
         ...                                   # len(weights) stays 1
 
 Axes: numpy's convention everywhere

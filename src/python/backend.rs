@@ -15,7 +15,7 @@ use pyo3::types::{PyBytes, PyDict};
 use super::convert::{byte_view, check_plain_data, is_ndarray, numpy, DETACH_THRESHOLD};
 use super::errors::{guard, invalid};
 use super::graph::PyGraph;
-use super::lock::{CallbackScope, CoreLock, ErrorSlot};
+use super::lock::{detach_quiet, CallbackScope, CoreLock, ErrorSlot};
 use super::tensor::PyTensor;
 use crate::backend::{Backend, GraphPlan};
 use crate::buffer::{Buffer, BufferType, BufferUsage, ForeignHostMemory};
@@ -370,10 +370,11 @@ impl PyBuffer {
         Ok(PyBytes::new(py, &out))
     }
 
-    /// Writes `data` at `offset` (bounds checked).
-    fn write(&self, offset: usize, data: &[u8]) -> PyResult<()> {
-        self.inner.write(offset, data)?;
-        Ok(())
+    /// Writes `data` (bytes-like, or a plain-data numpy array's bytes in C order) at
+    /// `offset` (bounds checked).
+    fn write(&self, py: Python<'_>, offset: usize, data: &Bound<'_, PyAny>) -> PyResult<()> {
+        let buffer = self.inner.clone();
+        with_raw_bytes(py, data, |bytes| buffer.write(offset, bytes))
     }
 
     fn __len__(&self) -> usize {
@@ -547,10 +548,33 @@ fn with_raw_bytes(
             write(bytes)?;
         }
     } else {
-        let bytes: Vec<u8> = data.extract()?;
-        write(&bytes)?;
+        write(&bytes_of(data)?)?;
     }
     Ok(())
+}
+
+/// The bytes of a bytes-like object (bytes, bytearray, memoryview or any buffer) or of a list
+/// of ints; ArgumentTypeError for anything else (a str, an int).
+fn bytes_of(data: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(b) = data.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    let wrong = || {
+        super::utils::type_error(format!(
+            "data must be a numpy array or a bytes-like object (bytes, bytearray, memoryview), \
+             got {}",
+            super::utils::type_name(data)
+        ))
+    };
+    if data.is_instance_of::<pyo3::types::PyString>() || data.hasattr("__index__")? {
+        return Err(wrong());
+    }
+    let py = data.py();
+    if let Ok(view) = py.import("builtins")?.getattr("memoryview")?.call1((data,)) {
+        let bytes = view.call_method0("tobytes")?;
+        return Ok(bytes.cast::<PyBytes>()?.as_bytes().to_vec());
+    }
+    data.extract::<Vec<u8>>().map_err(|_| wrong())
 }
 
 /// `size` bytes (by default the rest of `tensor` from `offset`) filled by `read`, with the
@@ -692,7 +716,7 @@ impl PyBackend {
     fn compute(&self, py: Python<'_>, graph: &PyGraph, wait: bool) -> PyResult<()> {
         let backend = self.inner.clone();
         let graph = graph.inner.clone();
-        let result = py.detach(|| {
+        let result = detach_quiet(py, || {
             guard("Backend.graph_compute", || {
                 if wait {
                     backend.graph_compute(&graph)
@@ -701,7 +725,6 @@ impl PyBackend {
                 }
             })
         });
-        super::log::flush_queued(py);
         finish_compute(py, std::slice::from_ref(&self.inner), result)
     }
 }

@@ -27,10 +27,11 @@ pub(crate) use super::utils::ShapeArg;
 /// `fg.ops` builders use when no `ctx=` is given.
 ///
 /// The context owns (keeps alive until it is dropped) what `new_tensor` makes and the op
-/// results built with `ctx=ctx` or inside `with ctx:`. An op result built with neither is only
-/// *borrowed* by its first operand's context: listed while you, a later op or a graph hold it,
-/// freed with the last holder. So a loop that builds a graph per request against a weights
-/// context loaded once keeps that context (and the process) at a constant size.
+/// results built with `ctx=ctx` or inside `with ctx:`; `tensors()` and `len()` list exactly
+/// those. An op result built with neither belongs to no context: your handle, later ops and
+/// graphs hold it, and it is freed with the last of them (its `context` is still its first
+/// operand's, which does not list it). So a loop that builds a graph per request against a
+/// weights context loaded once keeps that context (and the process) at a constant size.
 #[pyclass(name = "Context", module = "ferrograph", frozen)]
 pub struct PyContext {
     pub(crate) inner: Context,
@@ -109,7 +110,7 @@ impl PyContext {
         self.inner.describe()
     }
 
-    /// How many live tensors the context lists (owned, and borrowed ones still held).
+    /// How many tensors the context owns.
     fn __len__(&self) -> usize {
         self.inner.len()
     }

@@ -1,9 +1,10 @@
 //! Op builders, exposed as `ferrograph.ops.<name>` with ggml's argument order.
 //!
 //! Every builder takes an optional keyword `ctx=`. With it, or inside `with ctx:`, the context
-//! owns the result (ggml's meaning). Without either, the result is *borrowed* by its first
-//! operand's context: listed there while something holds it, freed with its last handle (see
-//! `crate::context`), so a graph built per request does not grow a long-lived weights context.
+//! owns the result (ggml's meaning). Without either, the result belongs to no context: it is
+//! made through a borrowing handle of its first operand's context (`crate::context`), which
+//! neither lists nor keeps it, and lives as long as its holders, so a graph built per request
+//! does not grow a long-lived weights context.
 //!
 //! Every argument that names an axis or a stride follows numpy: shapes, `strides` and
 //! `axes`/`axis` count from the first (slowest) axis, negative values count from the end.
@@ -28,7 +29,7 @@ type Ctx<'a> = Option<PyRef<'a, PyContext>>;
 type T<'a> = PyRef<'a, PyTensor>;
 
 /// The context a builder records its result in: explicit, else the innermost `with ctx:`
-/// (both own the result), else the first operand's, which only borrows it.
+/// (both own the result), else the first operand's through a borrowing handle (it does not).
 fn resolve(ctx: &Ctx<'_>, operands: &[&Tensor]) -> PyResult<Context> {
     if let Some(ctx) = ctx {
         return Ok(ctx.inner.clone());

@@ -24,7 +24,8 @@ def test_context_resolution() -> None:
     a_ctx, b_ctx = fg.Context(), fg.Context()
     a = a_ctx.new_tensor(fg.float32, (2, 3))
     y = fg.ops.relu(a)
-    assert y.context == a_ctx and y in a_ctx.tensors()
+    # without ctx= or `with`: follows a's context, which does not own (list) it
+    assert y.context == a_ctx and y not in a_ctx.tensors()
     with b_ctx:
         z = fg.ops.relu(a)
         with a_ctx:
