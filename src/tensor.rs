@@ -577,7 +577,18 @@ impl Tensor {
         let ne = self.0.ne;
         let nb = self.0.nb;
         let row_bytes = self.row_bytes();
-        let mut out = vec![0f32; self.nelements()];
+        // A view with a zero stride can name far more elements than its memory holds: the
+        // output is allocated fallibly (an AllocationError, not an abort).
+        let n = self.nelements();
+        let mut out = Vec::new();
+        out.try_reserve_exact(n).map_err(|_| {
+            Error::Alloc(format!(
+                "{} has {n} elements; {} bytes of f32 values cannot be allocated",
+                self.label(),
+                n.saturating_mul(4)
+            ))
+        })?;
+        out.resize(n, 0f32);
         if ne[0] == 0 {
             return Ok(out);
         }

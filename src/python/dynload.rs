@@ -4,6 +4,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
 use super::backend::PyRegistration;
+use super::lock::detach_quiet;
 
 /// Loads the backend library at `path` (a `libferrograph_*.so` built from this version of
 /// ferrograph with the same compiler) and registers its backend. BackendError explains a
@@ -11,15 +12,15 @@ use super::backend::PyRegistration;
 /// registry is left as it was.
 #[pyfunction]
 fn load_backend(py: Python<'_>, path: std::path::PathBuf) -> PyResult<PyRegistration> {
-    let inner = py.detach(|| crate::dynload::load(&path))?;
+    let inner = detach_quiet(py, || crate::dynload::load(&path))?;
     Ok(PyRegistration { inner })
 }
 
 /// Unregisters a backend loaded from a library (the library itself stays mapped, since
 /// objects it made may still be alive).
 #[pyfunction]
-fn unload_backend(name: &str) -> PyResult<()> {
-    crate::dynload::unload(name)?;
+fn unload_backend(py: Python<'_>, name: &str) -> PyResult<()> {
+    detach_quiet(py, || crate::dynload::unload(name))?;
     Ok(())
 }
 
@@ -28,7 +29,7 @@ fn unload_backend(name: &str) -> PyResult<()> {
 /// `ferrograph` loggers.
 #[pyfunction]
 fn load_backends_from_path(py: Python<'_>, directory: std::path::PathBuf) -> PyResult<Vec<String>> {
-    let loaded = py.detach(|| crate::dynload::load_all_from_path(&directory))?;
+    let loaded = detach_quiet(py, || crate::dynload::load_all_from_path(&directory))?;
     Ok(loaded.iter().map(|r| r.name().to_owned()).collect())
 }
 
@@ -37,14 +38,14 @@ fn load_backends_from_path(py: Python<'_>, directory: std::path::PathBuf) -> PyR
 /// the names registered.
 #[pyfunction]
 fn load_dynamic_backends(py: Python<'_>) -> Vec<String> {
-    let loaded = py.detach(crate::dynload::load_all);
+    let loaded = detach_quiet(py, crate::dynload::load_all);
     loaded.iter().map(|r| r.name().to_owned()).collect()
 }
 
 /// The backends loaded from libraries: [{"name", "path", "score"}].
 #[pyfunction]
 fn loaded_backends(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
-    crate::dynload::loaded()
+    detach_quiet(py, crate::dynload::loaded)
         .into_iter()
         .map(|b| {
             let d = PyDict::new(py);
@@ -58,8 +59,8 @@ fn loaded_backends(py: Python<'_>) -> PyResult<Vec<Bound<'_, PyDict>>> {
 
 /// The directories `load_dynamic_backends()` searches, in order.
 #[pyfunction]
-fn backend_search_paths() -> Vec<std::path::PathBuf> {
-    crate::dynload::search_paths()
+fn backend_search_paths(py: Python<'_>) -> Vec<std::path::PathBuf> {
+    detach_quiet(py, crate::dynload::search_paths)
 }
 
 /// Whether a BLAS library was found (the BLAS accelerator can run).
@@ -77,8 +78,8 @@ fn blas_unavailable_reason() -> Option<String> {
 /// Registers the in-process BLAS accelerator backend (device "BLAS", type ACCEL). With no
 /// BLAS library found it registers with no devices. BackendError if already registered.
 #[pyfunction]
-fn register_blas() -> PyResult<()> {
-    crate::blas::register()?;
+fn register_blas(py: Python<'_>) -> PyResult<()> {
+    detach_quiet(py, crate::blas::register)?;
     Ok(())
 }
 

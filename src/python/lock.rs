@@ -146,6 +146,28 @@ impl<T: Send> CoreLock<T> {
     }
 }
 
+/// Runs core work `f` with the interpreter released, marking this thread as holding core
+/// locks for its duration: core code may hold its own internal locks (the backend loader's,
+/// the registry's) while it logs, so its records are queued and forwarded once `f` returned.
+pub(crate) fn detach_quiet<R: Send>(py: Python<'_>, f: impl FnOnce() -> R + Send) -> R {
+    let result = py.detach(|| {
+        LOCKS_HELD.with(|n| n.set(n.get() + 1));
+        let _held = HeldCount;
+        f()
+    });
+    super::log::flush_queued(py);
+    result
+}
+
+/// Decrements the held count when a [`detach_quiet`] section ends (also on unwinding).
+struct HeldCount;
+
+impl Drop for HeldCount {
+    fn drop(&mut self) {
+        LOCKS_HELD.with(|n| n.set(n.get().saturating_sub(1)));
+    }
+}
+
 /// One Python exception raised by a callback during a computation, kept for the call that
 /// started it (the first one wins; later ones are usually consequences).
 #[derive(Default)]

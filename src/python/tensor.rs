@@ -108,7 +108,18 @@ pub(crate) fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, 
         let values = if large { py.detach(work)? } else { work()? };
         return PyArray1::from_vec(py, values).call_method1("reshape", (shape,));
     }
-    let array = numpy(py)?.call_method1("empty", (shape, numpy_dtype(py, t.dtype())?))?;
+    // numpy's MemoryError (a zero-stride view can name more elements than memory holds) is an
+    // AllocationError like every other failed allocation.
+    let array = numpy(py)?
+        .call_method1("empty", (shape, numpy_dtype(py, t.dtype())?))
+        .map_err(|e| {
+            if e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py) {
+                crate::Error::Alloc(format!("{} has {} elements: {e}", t.label(), t.nelements()))
+                    .into()
+            } else {
+                e
+            }
+        })?;
     {
         let bytes = byte_view(&array)?;
         let mut bytes = bytes.readwrite();

@@ -189,12 +189,11 @@ fn set_global_abort_callback(py: Python<'_>, callback: Option<Py<PyAny>>) -> PyR
 fn graph_compute_with_ctx(py: Python<'_>, graph: &PyGraph, n_threads: usize) -> PyResult<()> {
     crate::device::check_n_threads(n_threads)?;
     let graph = graph.inner.clone();
-    let result = py.detach(|| {
+    let result = super::lock::detach_quiet(py, || {
         guard("graph_compute_with_ctx", || {
             crate::cpu::backend::graph_compute_with_ctx(&graph, n_threads)
         })
     });
-    super::log::flush_queued(py);
     finish_compute(py, &[], result)
 }
 

@@ -275,6 +275,76 @@ def _cases() -> list[Case]:
         ("OutOfBoundsError", "AllocationError"),
     )
 
+    add(
+        s,
+        "zero_stride_quant_view_numpy",
+        """
+        ctx = fg.Context(no_alloc=False)
+        q = ctx.new_tensor(fg.q8_0, (2, 64))
+        q.set(np.ones((2, 64), np.float32))
+        fg.ops.view(q, (2**33, 64), strides=(0, 34), ctx=ctx).numpy()
+        """,
+        "AllocationError",
+    )
+    add(
+        s,
+        "zero_stride_f32_view_numpy",
+        """
+        ctx = fg.Context(no_alloc=False)
+        t = ctx.new_tensor(fg.float32, (4,))
+        fg.ops.view(t, (2**40, 4), strides=(0, 4), ctx=ctx).numpy()
+        """,
+        "AllocationError",
+    )
+    add(
+        s,
+        "reserve_n_size_short_ids",
+        """
+        ctx = fg.Context(); x = ctx.new_tensor(fg.float32, (4,))
+        g = fg.Graph.build(fg.ops.relu(fg.ops.relu(x, ctx=ctx), ctx=ctx))
+        fg.GraphAllocator(cpu).reserve_n_size(g, [0], [])
+        """,
+        ("InvalidArgumentError", "ShapeError", "OutOfBoundsError"),
+    )
+    add(s, "graph_view_reversed", "fg.Graph.build(tensor()[1]).view(1, 0)", oob)
+    add(
+        s,
+        "tensor_allocator_huge",
+        "u = fg.Context().new_tensor(fg.float32, (2**40,))"
+        "; fg.TensorAllocator(cpu.alloc_buffer(64)).alloc(u)",
+        "AllocationError",
+    )
+    add(
+        s,
+        "dequantize_short_data",
+        "fg.dequantize(np.zeros(10, np.uint8), 'q8_0', 32)",
+        "ShapeError",
+    )
+    for label, index in [("past_end", "99"), ("negative", "-1")]:
+        add(
+            s,
+            f"get_rows_index_{label}",
+            f"""
+            ctx = fg.Context(no_alloc=False)
+            a = ctx.new_tensor(fg.float32, (4, 8)); i = ctx.new_tensor(fg.int32, (2,))
+            i.set(np.array([1, {index}], np.int32))
+            cpu.graph_compute(fg.Graph.build(fg.ops.get_rows(a, i, ctx=ctx)))
+            """,
+            oob,
+        )
+    add(
+        s,
+        "set_rows_index_huge",
+        """
+        ctx = fg.Context(no_alloc=False)
+        a = ctx.new_tensor(fg.float32, (4, 8)); b = ctx.new_tensor(fg.float32, (2, 8))
+        i = ctx.new_tensor(fg.int64, (2,)); i.set(np.array([1, 2**40], np.int64))
+        cpu.graph_compute(fg.Graph.build(fg.ops.set_rows(a, b, i, ctx=ctx)))
+        """,
+        oob,
+    )
+    add(s, "threadpool_0", "fg.Threadpool(0)", "InvalidArgumentError")
+
     # ---- 2. arrays that are not plain data ---------------------------------------------------
     d = "dtypes"
     obj = "np.array([object()] * 64, dtype=object)"
@@ -351,6 +421,29 @@ def _cases() -> list[Case]:
         "buffer_write_object_bytes",
         f"cpu.alloc_buffer(64).write(0, {obj})",
         ("TypeError", "DTypeError"),
+    )
+
+    add(
+        d,
+        "buffer_write_object_array",
+        aligned.format("np.array([object()] * 64, dtype=object)")
+        + "; cpu.alloc_buffer(512).write(0, o)",
+        "DTypeError",
+    )
+    add(d, "tensor_set_str", "_, t, b = tensor((4,)); fg.tensor_set(t, 'abcd')", "TypeError")
+    add(d, "tensor_set_int", "_, t, b = tensor((4,)); fg.tensor_set(t, 16)", "TypeError")
+    add(
+        d,
+        "buffer_write_memoryview",
+        "b = cpu.alloc_buffer(16); b.write(4, memoryview(b'abcd')); assert b.read(4, 4) == b'abcd'",
+        "ok",
+    )
+    add(
+        d,
+        "tensor_set_bytearray",
+        "_, t, b = tensor((1,)); fg.tensor_set(t, bytearray(np.float32(2).tobytes()))"
+        "; assert t.numpy()[0] == 2",
+        "ok",
     )
 
     # ---- 3. locks and the interpreter -----------------------------------------------------------
@@ -549,6 +642,67 @@ def _cases() -> list[Case]:
             if "error" in box: raise box["error"]
         """,
         "ok",
+    )
+
+    add(
+        k,
+        "plugin_buffer_type_uses_its_allocator",
+        """
+        ga = None
+        class P(Plugin):
+            def devices(self):
+                d = super().devices()
+                orig = d[0].buffer_type.alloc_buffer
+                def alloc(size):
+                    ga.buffer_size(0)
+                    return orig(size)
+                d[0].buffer_type.alloc_buffer = alloc
+                return d
+        fg.register_backend(P("PYGA"))
+        be = fg.init_backend("PYGA")
+        ctx = fg.Context(); x = ctx.new_tensor(fg.float32, (64,))
+        g = fg.Graph.build(fg.ops.relu(fg.ops.relu(x, ctx=ctx), ctx=ctx))
+        ga = fg.GraphAllocator(be)
+        try:
+            ga.reserve(g)
+        except fg.Error as e:
+            assert "busy" in str(e).lower(), e
+            raise
+        """,
+        ("BusyError", "BackendError"),
+    )
+    add(
+        k,
+        "log_handler_raises",
+        """
+        class H(logging.Handler):
+            def emit(self, record):
+                raise KeyError("handler")
+        logging.getLogger("ferrograph").addHandler(H())
+        logging.getLogger("ferrograph").setLevel(1)
+        logging.raiseExceptions = False
+        fg._core._log_for_test("ferrograph.x", "info", "m")
+        """,
+        "ok",
+    )
+    add(
+        k,
+        "graph_plan_custom_op_uses_plan",
+        """
+        ctx = fg.Context(no_alloc=False); x = ctx.new_tensor(fg.float32, (4,))
+        plan = None
+        def peek(o, a):
+            plan.work_size
+            o[...] = a
+        y = fg.ops.custom(peek, [x], fg.float32, (4,), ctx=ctx)
+        plan = cpu.graph_plan_create(fg.Graph.build(y))
+        try:
+            plan.compute()
+        except fg.Error as e:
+            assert "busy" in str(e).lower(), e
+            raise
+        """,
+        ("BusyError", "BackendError"),
     )
 
     # ---- 4. exceptions in callbacks and plugin results ----------------------------------------
@@ -782,6 +936,24 @@ def _cases() -> list[Case]:
         )
     add(
         v,
+        "permuted_q8_values",
+        """
+        ctx = fg.Context(no_alloc=False)
+        q = ctx.new_tensor(fg.q8_0, (2, 3, 64))
+        q.set(np.random.default_rng(0).standard_normal((2, 3, 64)).astype(np.float32))
+        ref = q.numpy().transpose(1, 0, 2)
+        p = fg.ops.permute(q, (1, 0, 2), ctx=ctx)
+        np.testing.assert_array_equal(p.numpy(), ref)
+        c = fg.ops.cont(p, ctx=ctx)
+        out = ctx.new_tensor(fg.float32, (3, 2, 64))
+        fg.graph_compute_with_ctx(fg.Graph.build([c, fg.ops.cpy(p, out, ctx=ctx)]))
+        np.testing.assert_array_equal(c.numpy(), ref)
+        np.testing.assert_array_equal(out.numpy(), ref)
+        """,
+        "ok",
+    )
+    add(
+        v,
         "transpose_q8_numpy",
         """
         ctx = fg.Context(no_alloc=False)
@@ -992,7 +1164,8 @@ def _cases() -> list[Case]:
         m, "scheduler_duplicate_backend", "fg.Scheduler([cpu, cpu])", ("InvalidArgumentError", "ok")
     )
     add(m, "set_log_level_bad", "fg.set_log_level('loud')", "InvalidArgumentError")
-    add(m, "status_to_string_bad", "fg.status_to_string(7)", "InvalidArgumentError")
+    add(m, "status_to_string_unknown", "fg.status_to_string(7)", "ok")
+    add(m, "status_to_string_huge", "fg.status_to_string(2**70)", ("ok", "OverflowError"))
     add(m, "get_backend_oob", "fg.Scheduler([cpu]).get_backend(3)", "OutOfBoundsError")
     add(m, "graph_index_oob", "fg.Graph.build(tensor()[1])[5]", ("OutOfBoundsError", "IndexError"))
     add(m, "dtype_unknown", "fg.Context().new_tensor('float128', (2,))", "DTypeError")
