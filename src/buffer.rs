@@ -11,7 +11,9 @@ use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::Arc;
 
+use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 /// Alignment of host buffers in bytes (enough for any SIMD load on the supported ISAs).
 pub const HOST_ALIGNMENT: usize = 64;
@@ -76,12 +78,19 @@ pub trait BufferType: Send + Sync + fmt::Debug {
     fn max_size(&self) -> usize {
         usize::MAX
     }
-    /// Bytes a tensor of `nbytes` needs in a buffer of this type (padding included).
-    fn alloc_size(&self, nbytes: usize) -> usize {
-        nbytes
+    /// Bytes `tensor` needs in a buffer of this type, padding included (ggml's
+    /// `get_alloc_size`): a device that pads by dtype or shape overrides this; the default is
+    /// the tensor's own byte size.
+    fn alloc_size(&self, tensor: &Tensor) -> usize {
+        tensor.nbytes()
     }
     /// Whether the memory is directly addressable from the host.
     fn is_host(&self) -> bool;
+    /// The device this buffer type belongs to, where it belongs to one (ggml's
+    /// `buft_get_device`); `None` for free-standing types.
+    fn device(&self) -> Option<Arc<dyn Device>> {
+        None
+    }
 }
 
 /// Whether two buffer types make interchangeable memory: the same object, or two host buffer
@@ -369,6 +378,8 @@ struct BufferInner {
     generation: AtomicU64,
     freed: AtomicBool,
     id: u64,
+    /// Objects kept alive as long as the buffer (the owner of wrapped foreign memory).
+    owners: std::sync::Mutex<Vec<Box<dyn std::any::Any + Send + Sync>>>,
 }
 
 /// A block of memory of some [`BufferType`]; cheap to clone (a shared handle).
@@ -387,6 +398,7 @@ impl Buffer {
             generation: AtomicU64::new(0),
             freed: AtomicBool::new(false),
             id: NEXT_BUFFER_ID.fetch_add(1, Ordering::Relaxed),
+            owners: std::sync::Mutex::new(Vec::new()),
         }))
     }
 
@@ -478,6 +490,25 @@ impl Buffer {
         for part in self.0.memory.parts() {
             part.reset();
         }
+    }
+
+    /// Keeps `owner` alive until the buffer itself is dropped: used when the buffer wraps
+    /// memory that `owner` holds (a numpy array given to `buffer_from_host_ptr`).
+    pub fn keep_alive(&self, owner: Box<dyn std::any::Any + Send + Sync>) {
+        self.0
+            .owners
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(owner);
+    }
+
+    /// ggml's buffer base: the host address of the first byte, or `None` for an empty buffer
+    /// (ggml gives NULL), device memory, or a freed buffer.
+    pub fn base(&self) -> Option<NonNull<u8>> {
+        if self.size() == 0 {
+            return None;
+        }
+        self.host_ptr()
     }
 
     /// The base host address, if the buffer is host memory and not freed.
@@ -575,6 +606,10 @@ impl BufferType for CpuBufferType {
     fn is_host(&self) -> bool {
         true
     }
+
+    fn device(&self) -> Option<Arc<dyn Device>> {
+        Some(crate::cpu::backend::CpuDevice::shared())
+    }
 }
 
 /// A CPU buffer over `size` bytes of host memory the caller owns (ggml's `cpu_buffer_from_ptr`).
@@ -649,6 +684,10 @@ mod tests {
     fn zero_size_buffer_is_valid() {
         let buffer = alloc_cpu_buffer(0).unwrap();
         assert_eq!(buffer.size(), 0);
+        assert!(
+            buffer.base().is_none(),
+            "ggml: an empty buffer's base is NULL"
+        );
         buffer.clear(0).unwrap();
         assert!(buffer.write(0, &[1]).is_err());
     }

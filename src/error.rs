@@ -111,6 +111,26 @@ impl Status {
     }
 }
 
+impl Status {
+    /// The status with ggml's numeric `code`, if there is one.
+    pub fn from_code(code: i32) -> Option<Status> {
+        [
+            Status::Success,
+            Status::Aborted,
+            Status::Failed,
+            Status::AllocFailed,
+        ]
+        .into_iter()
+        .find(|s| s.code() == code)
+    }
+}
+
+/// The text of a numeric status code, `"unknown status"` for a code that is none of ggml's
+/// (as ggml's `status_to_string`).
+pub fn status_to_string(code: i32) -> &'static str {
+    Status::from_code(code).map_or("unknown status", Status::as_str)
+}
+
 impl fmt::Display for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
@@ -128,5 +148,8 @@ mod tests {
         assert_eq!(Error::Aborted.status(), Status::Aborted);
         assert_eq!(Error::Alloc("x".into()).status(), Status::AllocFailed);
         assert_eq!(shape_err!("a {}", 1), Error::Shape("a 1".into()));
+        assert_eq!(status_to_string(-2), Status::AllocFailed.as_str());
+        assert_eq!(status_to_string(7), "unknown status");
+        assert_eq!(status_to_string(i32::MIN), "unknown status");
     }
 }

@@ -108,7 +108,7 @@ pub fn graph_copy(backend: &dyn Backend, graph: &Graph) -> Result<GraphCopy> {
     let alignment = buft.alignment().max(1);
     let mut size = 0usize;
     for t in order.iter().filter(|t| !t.is_view()) {
-        let need = align_up(buft.alloc_size(t.nbytes()), alignment)
+        let need = align_up(buft.alloc_size(t), alignment)
             .ok_or_else(|| Error::Alloc("graph copy: tensor too large".into()))?;
         size = size
             .checked_add(need)

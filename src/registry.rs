@@ -52,6 +52,33 @@ pub trait Registration: Send + Sync {
     }
 }
 
+/// The extension names registrations answer to, each with ggml's name for it.
+pub const PROC_NAMES: [(&str, &str); 4] = [
+    ("set_n_threads", "ggml_backend_set_n_threads"),
+    ("set_abort_callback", "ggml_backend_set_abort_callback"),
+    ("get_features", "ggml_backend_get_features"),
+    ("dev_get_extra_bufts", "ggml_backend_dev_get_extra_bufts"),
+];
+
+/// `registration`'s extension function `name`, looked up under either of its names: the short
+/// one (`"set_abort_callback"`) or ggml's (`"ggml_backend_set_abort_callback"`), whichever the
+/// registration implements. Prefer this to calling [`Registration::proc_address`] directly.
+pub fn proc_address(registration: &dyn Registration, name: &str) -> Option<Extension> {
+    if let Some(found) = registration.proc_address(name) {
+        return Some(found);
+    }
+    let other = PROC_NAMES.iter().find_map(|&(short, ggml)| {
+        if name == short {
+            Some(ggml)
+        } else if name == ggml {
+            Some(short)
+        } else {
+            None
+        }
+    })?;
+    registration.proc_address(other)
+}
+
 impl fmt::Debug for dyn Registration {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "Registration({})", self.name())

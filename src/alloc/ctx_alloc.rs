@@ -21,13 +21,13 @@ fn ranges(ctx: &Context, buft: &dyn BufferType) -> Result<Vec<(Vec<Tensor>, usiz
         if tensor.is_view() || tensor.is_allocated() {
             continue;
         }
-        let size = align_up(buft.alloc_size(tensor.nbytes()), alignment)
+        let size = align_up(buft.alloc_size(&tensor), alignment)
             .filter(|&s| s <= max_size)
             .ok_or_else(|| {
                 Error::Alloc(format!(
                     "{} needs {} bytes, more than the maximum buffer size {max_size} of {}",
                     tensor.label(),
-                    buft.alloc_size(tensor.nbytes()),
+                    buft.alloc_size(&tensor),
                     buft.name()
                 ))
             })?;
@@ -58,7 +58,7 @@ pub fn ctx_tensors_size(ctx: &Context, buft: &dyn BufferType) -> usize {
         if tensor.is_view() || tensor.is_allocated() {
             continue;
         }
-        let size = align_up(buft.alloc_size(tensor.nbytes()), alignment).unwrap_or(usize::MAX);
+        let size = align_up(buft.alloc_size(&tensor), alignment).unwrap_or(usize::MAX);
         if current > 0 && current.saturating_add(size) > max_size {
             total = total.saturating_add(current);
             current = 0;

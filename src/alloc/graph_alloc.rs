@@ -182,7 +182,7 @@ impl Planning<'_> {
 
     fn alloc_size(&self, tensor: &Tensor, slot: usize) -> Result<usize> {
         let buft = &self.slots[slot].buft;
-        let size = buft.alloc_size(tensor.nbytes());
+        let size = buft.alloc_size(tensor);
         align_up(size, buft.alignment())
             .ok_or_else(|| Error::Alloc(format!("{} needs {size} bytes, too many", tensor.label())))
     }
@@ -657,7 +657,7 @@ impl GraphAllocator {
                     !t.is_view()
                         && (is_external(t, our_buffers) || {
                             let buft = &self.slots[a.slot].buft;
-                            align_up(buft.alloc_size(t.nbytes()), buft.alignment())
+                            align_up(buft.alloc_size(t), buft.alignment())
                                 .is_some_and(|s| s <= a.size)
                         })
                 }

@@ -50,7 +50,7 @@ impl TensorAllocator {
                 tensor.label()
             )));
         }
-        let needed = self.buffer.buffer_type().alloc_size(tensor.nbytes());
+        let needed = self.buffer.buffer_type().alloc_size(tensor);
         let padded = align_up(needed, self.alignment);
         let end = padded.and_then(|p| self.offset.checked_add(p));
         match end {
@@ -87,7 +87,7 @@ pub fn tensor_alloc(tensor: &Tensor, buffer: &Buffer, offset: usize) -> Result<(
             tensor.label()
         )));
     }
-    let needed = buffer.buffer_type().alloc_size(tensor.nbytes());
+    let needed = buffer.buffer_type().alloc_size(tensor);
     if offset
         .checked_add(needed)
         .is_none_or(|end| end > buffer.size())

@@ -73,7 +73,9 @@ impl Device for CpuDevice {
             async_ops: false,
             host_buffer: false,
             buffer_from_host_ptr: true,
-            events: false,
+            // `event_new` gives host events, so say so (ggml's CPU device has none, but a
+            // capability that disagrees with `event_new` misleads callers).
+            events: true,
         }
     }
 

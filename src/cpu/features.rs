@@ -104,6 +104,18 @@ impl CpuFeatures {
             any(target_arch = "riscv32", target_arch = "riscv64"),
             target_feature = "v"
         ));
+        #[cfg(all(
+            any(target_arch = "riscv32", target_arch = "riscv64"),
+            target_feature = "v"
+        ))]
+        {
+            let vlenb: usize;
+            // SAFETY: the crate is compiled for the V extension (checked by the cfg), so the
+            // read-only `vlenb` CSR (the vector register length in bytes) exists; reading it
+            // has no side effects.
+            unsafe { std::arch::asm!("csrr {0}, vlenb", out(reg) vlenb, options(nomem, nostack)) };
+            f.rvv_vlen = vlenb;
+        }
         f.vsx = cfg!(all(
             any(target_arch = "powerpc", target_arch = "powerpc64"),
             target_feature = "vsx"
@@ -267,10 +279,30 @@ mod aarch64 {
         f.dotprod = is_aarch64_feature_detected!("dotprod");
         f.matmul_int8 = is_aarch64_feature_detected!("i8mm");
         f.sve = is_aarch64_feature_detected!("sve");
-        // Reading the SVE vector length needs prctl(PR_SVE_GET_VL) and SME detection is not
-        // stable in std at the minimum Rust version: both stay unknown.
-        f.sve_cnt = 0;
+        f.sve_cnt = if f.sve { sve_vector_bytes() } else { 0 };
+        // SME detection is not stable in std at the minimum Rust version: it stays unknown.
         f.sme = false;
+    }
+
+    /// The SVE vector length in bytes for this thread (ggml's `sve_cnt`), from
+    /// `prctl(PR_SVE_GET_VL)`; 0 where the kernel does not say.
+    #[cfg(target_os = "linux")]
+    fn sve_vector_bytes() -> usize {
+        // PR_SVE_GET_VL and the length mask of its result (linux/prctl.h).
+        const PR_SVE_GET_VL: libc::c_int = 51;
+        const PR_SVE_VL_LEN_MASK: libc::c_int = 0xffff;
+        // SAFETY: PR_SVE_GET_VL takes no further arguments and only returns a value.
+        let rc = unsafe { libc::prctl(PR_SVE_GET_VL, 0, 0, 0, 0) };
+        if rc < 0 {
+            0
+        } else {
+            (rc & PR_SVE_VL_LEN_MASK) as usize
+        }
+    }
+
+    #[cfg(not(target_os = "linux"))]
+    fn sve_vector_bytes() -> usize {
+        0
     }
 }
 

@@ -78,6 +78,13 @@ impl PyDeviceType {
     fn name(&self) -> &'static str {
         DeviceType::from(*self).name()
     }
+
+    /// ggml's name for an integrated GPU: the same member as `IGPU`.
+    #[classattr]
+    #[allow(non_snake_case)]
+    fn GPU_UMA() -> PyDeviceType {
+        PyDeviceType::IGPU
+    }
 }
 
 /// A device type given as `fg.DeviceType.CPU` or a name (`"cpu"`, `"gpu"`, ...).
@@ -200,7 +207,13 @@ impl PyBufferType {
 
     /// Bytes a tensor needs in a buffer of this type (padding included).
     fn alloc_size(&self, tensor: &PyTensor) -> usize {
-        self.inner.alloc_size(tensor.inner.nbytes())
+        self.inner.alloc_size(&tensor.inner)
+    }
+
+    /// The device this buffer type belongs to, or None for a free-standing type.
+    #[getter]
+    fn device(&self) -> Option<PyDevice> {
+        self.inner.device().map(|inner| PyDevice { inner })
     }
 
     /// Allocates a buffer of `size` bytes (0 gives a valid empty buffer).
@@ -245,10 +258,11 @@ impl PyBuffer {
         self.inner.size()
     }
 
-    /// The host address of the first byte, or None for device memory.
+    /// The host address of the first byte, or None for device memory, an empty buffer (as
+    /// ggml's NULL base) and a freed one.
     #[getter]
     fn base(&self) -> Option<usize> {
-        self.inner.host_ptr().map(|p| p.as_ptr() as usize)
+        self.inner.base().map(|p| p.as_ptr() as usize)
     }
 
     /// The buffer's type.
@@ -279,7 +293,7 @@ impl PyBuffer {
 
     /// Bytes `tensor` needs in this buffer (padding included).
     fn alloc_size(&self, tensor: &PyTensor) -> usize {
-        self.inner.buffer_type().alloc_size(tensor.inner.nbytes())
+        self.inner.buffer_type().alloc_size(&tensor.inner)
     }
 
     /// Binds `tensor` to this buffer at byte `offset` (ggml's `buffer_init_tensor` after
@@ -428,10 +442,42 @@ impl PyDevice {
         self.inner.device_type().into()
     }
 
+    /// The registration providing the device, or None for a device added on its own with
+    /// `device_register` whose registration is not registered.
+    #[getter]
+    fn registration(&self) -> Option<PyRegistration> {
+        registry::reg_by_name(self.inner.registration_name()).map(|inner| PyRegistration { inner })
+    }
+
     /// The name of the registration providing the device.
     #[getter]
-    fn registration(&self) -> String {
+    fn registration_name(&self) -> String {
         self.inner.registration_name().to_owned()
+    }
+
+    /// A buffer of this device over the memory of a writable, C-contiguous numpy array,
+    /// without copying (ggml's `dev_buffer_from_host_ptr`); the buffer keeps the array alive.
+    /// `max_tensor_size` is the largest tensor that will be placed in it (0: unknown).
+    /// BackendError when the device cannot wrap host memory (see `props()["caps"]`).
+    #[pyo3(signature = (array, max_tensor_size = 0))]
+    fn buffer_from_host_ptr(
+        &self,
+        array: &Bound<'_, PyAny>,
+        max_tensor_size: usize,
+    ) -> PyResult<PyBuffer> {
+        let (address, size) = host_array_memory(array, "buffer_from_host_ptr")?;
+        let alignment = self.inner.buffer_type().alignment();
+        check_array_alignment(address, size, alignment)?;
+        // SAFETY: `host_array_memory` checked that the array is writeable and C-contiguous, so
+        // `address` points at `size` bytes it owns; `keep_alive` below stores a strong
+        // reference to the array in the buffer, which keeps that memory valid for as long as
+        // the buffer lives (numpy cannot resize an array that has other references).
+        let buffer = unsafe {
+            self.inner
+                .buffer_from_host_ptr(address as *mut u8, size, max_tensor_size)?
+        };
+        buffer.keep_alive(Box::new(ArrayOwner(array.clone().unbind())));
+        Ok(PyBuffer { inner: buffer })
     }
 
     /// Every property at once: name, description, memory_free, memory_total, type and caps
@@ -797,7 +843,7 @@ impl PyBackend {
     fn set_n_threads(&self, py: Python<'_>, n_threads: usize) -> PyResult<()> {
         check_n_threads(n_threads)?;
         let backend = self.inner.clone();
-        py.detach(|| as_cpu(backend.as_ref())?.set_n_threads(n_threads))?;
+        detach_quiet(py, || as_cpu(backend.as_ref())?.set_n_threads(n_threads))?;
         Ok(())
     }
 
@@ -1058,15 +1104,47 @@ impl PyRegistration {
 
     /// Whether the registration provides the named extension function (ggml's
     /// `get_proc_address`): "set_n_threads", "set_abort_callback", "get_features",
-    /// "dev_get_extra_bufts".
+    /// "dev_get_extra_bufts", or the same under ggml's names ("ggml_backend_set_n_threads",
+    /// "ggml_backend_set_abort_callback", "ggml_backend_get_features",
+    /// "ggml_backend_dev_get_extra_bufts").
     fn has_proc(&self, name: &str) -> bool {
-        self.inner.proc_address(name).is_some()
+        registry::proc_address(self.inner.as_ref(), name).is_some()
+    }
+
+    /// Installs (or with None clears) `backend`'s abort callback through the registration's
+    /// "set_abort_callback" extension: as `Backend.set_abort_callback`, for any backend whose
+    /// registration provides the extension. UnsupportedOpError when it does not.
+    fn set_abort_callback(
+        &self,
+        py: Python<'_>,
+        backend: &PyBackend,
+        callback: Option<Py<PyAny>>,
+    ) -> PyResult<()> {
+        let Some(Extension::SetAbortCallback(set)) =
+            registry::proc_address(self.inner.as_ref(), "set_abort_callback")
+        else {
+            return Err(Error::UnsupportedOp(format!(
+                "registration {} has no set_abort_callback",
+                self.inner.name()
+            ))
+            .into());
+        };
+        if let Some(cb) = &callback {
+            super::utils::check_callable(cb.bind(py), "set_abort_callback")?;
+        }
+        let target = backend.inner.clone();
+        let slot = backend_abort_slot(&target);
+        let callback = callback.map(|cb| abort_callback_into(cb, move |err| slot.store(err)));
+        py.detach(|| set(target.as_ref(), callback))?;
+        Ok(())
     }
 
     /// The registration's features as a dict (its "get_features" extension), or {}.
     fn features<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = PyDict::new(py);
-        if let Some(Extension::Features(f)) = self.inner.proc_address("get_features") {
+        if let Some(Extension::Features(f)) =
+            registry::proc_address(self.inner.as_ref(), "get_features")
+        {
             for (k, v) in f() {
                 d.set_item(k, v)?;
             }
@@ -1076,7 +1154,7 @@ impl PyRegistration {
 
     /// Extra buffer types its devices offer (its "dev_get_extra_bufts" extension), or [].
     fn extra_buffer_types(&self) -> Vec<PyBufferType> {
-        match self.inner.proc_address("dev_get_extra_bufts") {
+        match registry::proc_address(self.inner.as_ref(), "dev_get_extra_bufts") {
             Some(Extension::ExtraBufferTypes(f)) => f()
                 .into_iter()
                 .map(|inner| PyBufferType { inner })
@@ -1086,10 +1164,14 @@ impl PyRegistration {
     }
 
     /// Sets a backend's thread count through the registration's extension function.
-    fn set_n_threads(&self, backend: &PyBackend, n_threads: usize) -> PyResult<()> {
+    fn set_n_threads(&self, py: Python<'_>, backend: &PyBackend, n_threads: usize) -> PyResult<()> {
         check_n_threads(n_threads)?;
-        match self.inner.proc_address("set_n_threads") {
-            Some(Extension::SetThreadCount(f)) => Ok(f(backend.inner.as_ref(), n_threads)?),
+        match registry::proc_address(self.inner.as_ref(), "set_n_threads") {
+            Some(Extension::SetThreadCount(f)) => {
+                let backend = backend.inner.clone();
+                // Resizing takes the backend's pool lock: never with the interpreter held.
+                Ok(detach_quiet(py, || f(backend.as_ref(), n_threads))?)
+            }
             _ => Err(Error::UnsupportedOp(format!(
                 "registration {} has no set_n_threads",
                 self.inner.name()
@@ -1149,6 +1231,29 @@ fn registrations() -> Vec<PyRegistration> {
         .into_iter()
         .map(|inner| PyRegistration { inner })
         .collect()
+}
+
+/// Number of registrations.
+#[pyfunction]
+fn reg_count() -> usize {
+    registry::reg_count()
+}
+
+/// The registration at `index` (OutOfBoundsError past the end).
+#[pyfunction]
+fn reg_get(index: usize) -> PyResult<PyRegistration> {
+    Ok(PyRegistration {
+        inner: registry::reg_get(index)?,
+    })
+}
+
+/// Adds one device to the registry on its own (ggml's `device_register`), e.g. a device of a
+/// registration that is not itself registered. BackendError when a device of that name is
+/// already registered.
+#[pyfunction]
+fn device_register(device: &PyDevice) -> PyResult<()> {
+    registry::register_device(device.inner.clone())?;
+    Ok(())
 }
 
 /// The registration with this name (case-insensitive), or None.
@@ -1214,13 +1319,11 @@ fn cpu_buffer_type() -> PyBufferType {
 /// Keeps a numpy array alive while a buffer wraps its memory.
 struct ArrayOwner(#[allow(dead_code)] Py<PyAny>);
 
-/// A CPU buffer over the memory of a writable, C-contiguous numpy array, without copying; the
-/// buffer keeps the array alive. The array's data must be aligned to the CPU buffer type's
-/// alignment (64 bytes); a misaligned array raises InvalidArgumentError with that figure.
-#[pyfunction]
-fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
+/// The data address and byte size of a writable, C-contiguous numpy array of plain data (no
+/// object pointers), for wrapping its memory in a buffer; `what` names the caller in errors.
+fn host_array_memory(array: &Bound<'_, PyAny>, what: &str) -> PyResult<(usize, usize)> {
     if !is_ndarray(array)? {
-        return Err(invalid("cpu_buffer_from_array needs a numpy array"));
+        return Err(invalid(format!("{what} needs a numpy array")));
     }
     // Bytes written through the buffer would overwrite object pointers.
     check_plain_data(array)?;
@@ -1237,13 +1340,27 @@ fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
         .get_item(0)?
         .extract()?;
     let size: usize = array.getattr("nbytes")?.extract()?;
-    let alignment = crate::buffer::HOST_ALIGNMENT;
-    if size > 0 && !address.is_multiple_of(alignment) {
+    Ok((address, size))
+}
+
+/// InvalidArgumentError unless a non-empty array's data at `address` is aligned to `alignment`.
+fn check_array_alignment(address: usize, size: usize, alignment: usize) -> PyResult<()> {
+    if size > 0 && !address.is_multiple_of(alignment.max(1)) {
         return Err(invalid(format!(
-            "the array's data at {address:#x} is not aligned to {alignment} bytes, which CPU \
-             buffers need; allocate it aligned (e.g. fg.aligned_empty) or copy it"
+            "the array's data at {address:#x} is not aligned to {alignment} bytes, which this \
+             buffer type needs; allocate it aligned (e.g. fg.aligned_empty) or copy it"
         )));
     }
+    Ok(())
+}
+
+/// A CPU buffer over the memory of a writable, C-contiguous numpy array, without copying; the
+/// buffer keeps the array alive. The array's data must be aligned to the CPU buffer type's
+/// alignment (64 bytes); a misaligned array raises InvalidArgumentError with that figure.
+#[pyfunction]
+fn cpu_buffer_from_array(array: &Bound<'_, PyAny>) -> PyResult<PyBuffer> {
+    let (address, size) = host_array_memory(array, "cpu_buffer_from_array")?;
+    check_array_alignment(address, size, crate::buffer::HOST_ALIGNMENT)?;
     let owner: Box<dyn std::any::Any + Send + Sync> = Box::new(ArrayOwner(array.clone().unbind()));
     // SAFETY: the array is writeable and C-contiguous, so `address` points at `size` bytes it
     // owns; `owner` holds a strong reference to the array, which keeps that memory valid for as
@@ -1338,6 +1455,9 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(dev_by_type, m)?)?;
     m.add_function(wrap_pyfunction!(registrations, m)?)?;
     m.add_function(wrap_pyfunction!(reg_by_name, m)?)?;
+    m.add_function(wrap_pyfunction!(reg_count, m)?)?;
+    m.add_function(wrap_pyfunction!(reg_get, m)?)?;
+    m.add_function(wrap_pyfunction!(device_register, m)?)?;
     m.add_function(wrap_pyfunction!(init_backend, m)?)?;
     m.add_function(wrap_pyfunction!(init_by_type, m)?)?;
     m.add_function(wrap_pyfunction!(init_best, m)?)?;

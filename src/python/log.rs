@@ -17,6 +17,11 @@
 //!   lock-free point); at most [`QUEUE_LIMIT`] records wait, later ones are counted and
 //!   reported as dropped.
 //!
+//! Beside `logging`, a callable installed with `set_log_callback(fn)` receives every forwarded
+//! record as `fn(level, text)` (ggml's `log_set`), under the same rules: it runs only where the
+//! thread holds no core lock, and an exception it raises goes to `sys.unraisablehook` (the
+//! record cannot be un-logged, and the code that logged it is not the callback's caller).
+//!
 //! The maximum level forwarded is `DEBUG` by default; `_core.set_log_level("trace")` changes
 //! it (Python's logger levels filter further).
 
@@ -40,6 +45,9 @@ struct Queued {
     level: Level,
     message: String,
 }
+
+/// The callable installed with `set_log_callback`, if any.
+static CALLBACK: Mutex<Option<Py<PyAny>>> = Mutex::new(None);
 
 /// Most records that wait in the queue.
 const QUEUE_LIMIT: usize = 10_000;
@@ -72,7 +80,25 @@ fn python_level(level: Level) -> i32 {
     }
 }
 
+/// Calls the `set_log_callback` callable (if any) with `(level, message)`; an exception it
+/// raises is reported through `sys.unraisablehook`.
+fn call_log_callback(py: Python<'_>, level: i32, message: &str) {
+    // Cloned and released before the call: the callable may install another one.
+    let callback = CALLBACK
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .as_ref()
+        .map(|cb| cb.clone_ref(py));
+    if let Some(callback) = callback {
+        let _scope = super::lock::CallbackScope::enter();
+        if let Err(err) = callback.call1(py, (level, message)) {
+            err.write_unraisable(py, Some(callback.bind(py)));
+        }
+    }
+}
+
 fn forward(py: Python<'_>, target: &str, level: Level, message: &str) -> PyResult<()> {
+    call_log_callback(py, python_level(level), message);
     let logging = LOGGING.get_or_try_init(py, || py.import("logging").map(Bound::unbind))?;
     let logger = logging
         .bind(py)
@@ -197,6 +223,25 @@ fn set_log_level(level: &str) -> PyResult<()> {
     Ok(())
 }
 
+/// Installs (or with None removes) a callable that receives every forwarded record as
+/// `fn(level, text)`, `level` being the `logging` level number (10 debug ... 40 error, 5 trace),
+/// beside the `logging` loggers. It is never called while ferrograph holds a lock; an exception
+/// it raises is reported through `sys.unraisablehook`. Anything but a callable or None is an
+/// ArgumentTypeError.
+#[pyfunction]
+fn set_log_callback(py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()> {
+    if let Some(cb) = &callback {
+        super::utils::check_callable(cb.bind(py), "set_log_callback")?;
+    }
+    let previous = std::mem::replace(
+        &mut *CALLBACK.lock().unwrap_or_else(|p| p.into_inner()),
+        callback,
+    );
+    // Dropped after the lock is released: dropping a Python object may run Python code.
+    drop(previous);
+    Ok(())
+}
+
 /// Emits one Rust log record (`target` like `"ferrograph::cpu::compute"`), for tests and for
 /// checking a logging setup. The interpreter is released while the record is logged, as it is
 /// during real work.
@@ -219,6 +264,7 @@ fn _log_for_test(py: Python<'_>, target: &str, level: &str, message: &str) -> Py
 /// Registers the logging functions.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
+    m.add_function(wrap_pyfunction!(set_log_callback, m)?)?;
     m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
     Ok(())
 }

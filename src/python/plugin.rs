@@ -140,6 +140,10 @@ pub(crate) struct PluginBufferType {
     name: String,
     alignment: usize,
     max_size: usize,
+    /// Whether the object defines `get_alloc_size(tensor)` (padding by dtype or shape).
+    has_alloc_size: bool,
+    /// The device the type belongs to (set once the device exists).
+    device: std::sync::OnceLock<Weak<PluginDevice>>,
 }
 
 impl fmt::Debug for PluginBufferType {
@@ -168,6 +172,8 @@ impl PluginBufferType {
             name,
             alignment,
             max_size,
+            has_alloc_size: obj.hasattr("get_alloc_size").unwrap_or(false),
+            device: std::sync::OnceLock::new(),
         })
     }
 }
@@ -207,8 +213,37 @@ impl BufferType for PluginBufferType {
         self.max_size
     }
 
+    /// The object's `get_alloc_size(tensor)` where it has one, never less than the tensor's
+    /// bytes (a smaller answer would make tensors overlap); a failing call is logged and the
+    /// tensor's bytes are used.
+    fn alloc_size(&self, tensor: &Tensor) -> usize {
+        let nbytes = tensor.nbytes();
+        if !self.has_alloc_size {
+            return nbytes;
+        }
+        let size = call(
+            &self.plugin,
+            &self.obj,
+            "get_alloc_size",
+            |py| (PyTensor::wrap(py, tensor.clone())?,).into_pyobject(py),
+            |r| r.extract::<usize>(),
+        );
+        match size {
+            Ok(size) => size.max(nbytes),
+            Err(e) => {
+                log::warn!("{e}; using the tensor's {nbytes} bytes");
+                nbytes
+            }
+        }
+    }
+
     fn is_host(&self) -> bool {
         false
+    }
+
+    fn device(&self) -> Option<Arc<dyn Device>> {
+        let device = self.device.get()?.upgrade()?;
+        Some(device)
     }
 }
 
@@ -251,13 +286,13 @@ impl PluginDevice {
             DeviceType::Accel
         };
         let buft_obj = attr(registration, obj, "buffer_type", |v| Ok(v.clone()))?;
-        let buffer_type: Arc<dyn BufferType> =
-            Arc::new(PluginBufferType::new(registration, &buft_obj)?);
+        let plugin_buffer_type = Arc::new(PluginBufferType::new(registration, &buft_obj)?);
+        let buffer_type: Arc<dyn BufferType> = plugin_buffer_type.clone();
         let accepts_host_buffers = obj
             .getattr("accepts_host_buffers")
             .and_then(|v| v.is_truthy())
             .unwrap_or(false);
-        Ok(Arc::new_cyclic(|me| PluginDevice {
+        let device = Arc::new_cyclic(|me| PluginDevice {
             registration: registration.to_owned(),
             obj: obj.clone().unbind(),
             name,
@@ -266,7 +301,10 @@ impl PluginDevice {
             buffer_type,
             accepts_host_buffers,
             me: me.clone(),
-        }))
+        });
+        // A weak link: the device owns its buffer type.
+        let _ = plugin_buffer_type.device.set(Arc::downgrade(&device));
+        Ok(device)
     }
 }
 

@@ -3,12 +3,13 @@
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 
 use super::dtype::DTypeArg;
 use super::errors::invalid;
 use crate::convert;
-use crate::cpu::features::{self, CpuFeatures};
+use crate::cpu::features::{self, CpuFeatures, NumaStrategy};
+use crate::cpu::threadpool::{ThreadPriority, ThreadpoolParams};
 use crate::cpu::type_traits::type_traits;
 use crate::error::Error;
 
@@ -91,6 +92,198 @@ fn cpu_vec_dot(dtype: DTypeArg, n: usize, x: &[u8], y: &[u8]) -> PyResult<f32> {
     Ok(vec_dot(n, x, y)?)
 }
 
+/// The numeric CPU facts, `{"sve_cnt": bytes, "rvv_vlen": bytes}`: the SVE vector length on
+/// AArch64 Linux and the RISC-V vector register length where the build targets the V extension;
+/// 0 where the machine has no such vectors.
+#[pyfunction]
+fn cpu_feature_counts(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let dict = PyDict::new(py);
+    for (name, count) in CpuFeatures::detect().as_counts() {
+        dict.set_item(name, count)?;
+    }
+    Ok(dict)
+}
+
+/// Records how compute threads are placed on a NUMA machine (ggml's `numa_init`):
+/// "disabled", "distribute", "isolate", "numactl" or "mirror". Only the first call counts.
+#[pyfunction]
+#[pyo3(signature = (strategy = "distribute"))]
+fn numa_init(strategy: &str) -> PyResult<()> {
+    let strategy = match strategy.to_ascii_lowercase().as_str() {
+        "disabled" => NumaStrategy::Disabled,
+        "distribute" => NumaStrategy::Distribute,
+        "isolate" => NumaStrategy::Isolate,
+        "numactl" => NumaStrategy::Numactl,
+        "mirror" => NumaStrategy::Mirror,
+        other => {
+            return Err(invalid(format!(
+                "unknown NUMA strategy {other:?}; expected disabled, distribute, isolate, \
+                 numactl or mirror"
+            )))
+        }
+    };
+    features::numa_init(strategy);
+    Ok(())
+}
+
+/// Whether the machine has more than one NUMA node.
+#[pyfunction]
+fn is_numa() -> bool {
+    features::is_numa()
+}
+
+/// Prepares the CPU backend now instead of on first use (ggml's `cpu_init`; optional).
+#[pyfunction]
+fn cpu_init() {
+    crate::cpu::cpu_init();
+}
+
+/// Starts the library's clocks (ggml's `time_init`; optional, the first clock call does it).
+#[pyfunction]
+fn time_init() {
+    crate::util::time_init();
+}
+
+/// The CPU's f32-to-f32 row conversion (a copy; ggml's `cpu_fp32_to_fp32`): a new float32
+/// array equal to the 1-d float32 array `x`.
+#[pyfunction]
+fn cpu_fp32_to_fp32<'py>(
+    py: Python<'py>,
+    x: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyArray1<f32>>> {
+    let x = x.cast::<PyArray1<f32>>().map_err(|_| {
+        let got = super::convert::dtype_name(x)
+            .map(|d| format!("a {d} array"))
+            .unwrap_or_else(|_| super::utils::type_name(x));
+        super::errors::dtype(format!(
+            "cpu_fp32_to_fp32 needs a 1-d float32 array, got {got}"
+        ))
+    })?;
+    let x = x.readonly();
+    let src = x.as_slice().map_err(|_| invalid("x must be contiguous"))?;
+    let mut out = vec![0f32; x.len()];
+    convert::cpu_fp32_to_fp32(src, &mut out)?;
+    Ok(PyArray1::from_vec(py, out))
+}
+
+/// Parameters of a CPU thread pool (ggml's `ggml_threadpool_params`): threads, priority,
+/// polling level, CPU placement. `Threadpool(params=...)` starts a pool with them.
+#[pyclass(name = "ThreadpoolParams", module = "ferrograph", eq, from_py_object)]
+#[derive(Clone, PartialEq)]
+pub struct PyThreadpoolParams {
+    pub(crate) inner: ThreadpoolParams,
+}
+
+#[pymethods]
+impl PyThreadpoolParams {
+    /// ggml's defaults for `n_threads` threads, with any field overridden: `priority` -1 (low)
+    /// to 3 (real-time), `poll` 0-100, `strict_cpu` pins worker i to the i-th CPU of
+    /// `cpumask` (a sequence of bools, `cpumask[c]` for CPU c; empty: every CPU).
+    #[new]
+    #[pyo3(signature = (n_threads, *, priority = 0, poll = 50, strict_cpu = false, cpumask = None, paused = false))]
+    fn new(
+        n_threads: usize,
+        priority: i32,
+        poll: u32,
+        strict_cpu: bool,
+        cpumask: Option<Vec<bool>>,
+        paused: bool,
+    ) -> PyResult<Self> {
+        let inner = ThreadpoolParams {
+            priority: ThreadPriority::from_code(priority)?,
+            poll,
+            strict_cpu,
+            cpumask: cpumask.unwrap_or_default(),
+            paused,
+            ..ThreadpoolParams::new(n_threads)
+        };
+        inner.check()?;
+        Ok(PyThreadpoolParams { inner })
+    }
+
+    /// Worker threads.
+    #[getter]
+    fn n_threads(&self) -> usize {
+        self.inner.n_threads
+    }
+
+    /// Scheduling priority, -1 (low) to 3 (real-time).
+    #[getter]
+    fn priority(&self) -> i32 {
+        self.inner.priority.code()
+    }
+
+    /// Busy-wait level before sleeping, 0-100 (recorded; rayon's own policy applies).
+    #[getter]
+    fn poll(&self) -> u32 {
+        self.inner.poll
+    }
+
+    /// Whether each worker is pinned to one CPU of the mask.
+    #[getter]
+    fn strict_cpu(&self) -> bool {
+        self.inner.strict_cpu
+    }
+
+    /// The CPU mask (`cpumask[c]` for CPU c; empty: no restriction).
+    #[getter]
+    fn cpumask(&self) -> Vec<bool> {
+        self.inner.cpumask.clone()
+    }
+
+    /// Whether the pool starts paused.
+    #[getter]
+    fn paused(&self) -> bool {
+        self.inner.paused
+    }
+
+    /// Whether a pool of these parameters is interchangeable with one of `other`'s (ggml's
+    /// `threadpool_params_match`).
+    fn matches(&self, other: &PyThreadpoolParams) -> bool {
+        self.inner.matches(&other.inner)
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "ThreadpoolParams(n_threads={}, priority={}, poll={}, strict_cpu={}, cpus={:?}, paused={})",
+            p.n_threads,
+            p.priority.code(),
+            p.poll,
+            if p.strict_cpu { "True" } else { "False" },
+            p.allowed_cpus(),
+            if p.paused { "True" } else { "False" }
+        )
+    }
+}
+
+/// ggml's default thread-pool parameters for `n_threads` threads.
+#[pyfunction]
+fn threadpool_params_default(n_threads: usize) -> PyResult<PyThreadpoolParams> {
+    crate::device::check_n_threads(n_threads)?;
+    Ok(PyThreadpoolParams {
+        inner: ThreadpoolParams::new(n_threads),
+    })
+}
+
+/// Resets `params` to the defaults for `n_threads` (ggml's `threadpool_params_init`).
+#[pyfunction]
+fn threadpool_params_init(
+    mut params: PyRefMut<'_, PyThreadpoolParams>,
+    n_threads: usize,
+) -> PyResult<()> {
+    crate::device::check_n_threads(n_threads)?;
+    params.inner.init(n_threads);
+    Ok(())
+}
+
+/// Whether two parameter sets describe interchangeable pools (ggml's
+/// `threadpool_params_match`).
+#[pyfunction]
+fn threadpool_params_match(a: &PyThreadpoolParams, b: &PyThreadpoolParams) -> bool {
+    a.inner.matches(&b.inner)
+}
+
 /// Registers the system functions.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(version, m)?)?;
@@ -100,5 +293,15 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_type_traits, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_from_float, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_vec_dot, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_feature_counts, m)?)?;
+    m.add_function(wrap_pyfunction!(numa_init, m)?)?;
+    m.add_function(wrap_pyfunction!(is_numa, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_init, m)?)?;
+    m.add_function(wrap_pyfunction!(time_init, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_fp32_to_fp32, m)?)?;
+    m.add_class::<PyThreadpoolParams>()?;
+    m.add_function(wrap_pyfunction!(threadpool_params_default, m)?)?;
+    m.add_function(wrap_pyfunction!(threadpool_params_init, m)?)?;
+    m.add_function(wrap_pyfunction!(threadpool_params_match, m)?)?;
     Ok(())
 }

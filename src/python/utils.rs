@@ -14,7 +14,7 @@ use super::lock::CallbackScope;
 use super::tensor::PyTensor;
 use crate::cpu::backend::as_cpu;
 use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
-use crate::error::{Error, Status};
+use crate::error::Error;
 use crate::graph_copy::{self as copying, GraphCopy};
 
 /// The Python name of `obj`'s type (`"int"`, `"list"`), for messages.
@@ -148,19 +148,11 @@ fn commit() -> &'static str {
     crate::util::commit()
 }
 
-/// The text of a status code (0 success, 1 aborted, -1 failed, -2 allocation failed).
+/// The text of a status code (0 success, 1 aborted, -1 failed, -2 allocation failed;
+/// "unknown status" for any other code, as ggml's).
 #[pyfunction]
-fn status_to_string(code: i32) -> PyResult<&'static str> {
-    let status = [
-        Status::Success,
-        Status::Aborted,
-        Status::Failed,
-        Status::AllocFailed,
-    ]
-    .into_iter()
-    .find(|s| s.code() == code)
-    .ok_or_else(|| invalid(format!("unknown status code {code}")))?;
-    Ok(status.as_str())
+fn status_to_string(code: i64) -> &'static str {
+    i32::try_from(code).map_or("unknown status", crate::error::status_to_string)
 }
 
 /// Whether two backend GUIDs are equal.
@@ -205,16 +197,48 @@ pub struct PyThreadpool {
 
 #[pymethods]
 impl PyThreadpool {
-    /// A pool of `n_threads` workers; `paused=True` starts it paused.
+    /// A pool of `n_threads` workers (`paused=True` starts it paused), or one made with
+    /// `params` (a `ThreadpoolParams`: priority, polling, CPU placement), given instead.
     #[new]
-    #[pyo3(signature = (n_threads, paused = false))]
-    fn new(n_threads: usize, paused: bool) -> PyResult<Self> {
-        crate::device::check_n_threads(n_threads)?;
-        let mut params = ThreadpoolParams::new(n_threads);
-        params.paused = paused;
-        Ok(PyThreadpool {
-            inner: Threadpool::new(&params)?,
-        })
+    #[pyo3(signature = (n_threads = None, paused = false, *, params = None))]
+    fn new(
+        py: Python<'_>,
+        n_threads: Option<usize>,
+        paused: bool,
+        params: Option<PyRef<'_, super::system::PyThreadpoolParams>>,
+    ) -> PyResult<Self> {
+        let params = match (n_threads, params) {
+            (Some(n_threads), None) => {
+                crate::device::check_n_threads(n_threads)?;
+                let mut params = ThreadpoolParams::new(n_threads);
+                params.paused = paused;
+                params
+            }
+            (None, Some(params)) => params.inner.clone(),
+            _ => {
+                return Err(invalid(
+                    "Threadpool takes n_threads or params=ThreadpoolParams(...), one of them",
+                ))
+            }
+        };
+        // Workers start (and apply placement) on their own threads: not with the GIL held.
+        let inner = py.detach(|| Threadpool::new(&params))?;
+        Ok(PyThreadpool { inner })
+    }
+
+    /// The parameters the pool was made with.
+    #[getter]
+    fn params(&self) -> super::system::PyThreadpoolParams {
+        super::system::PyThreadpoolParams {
+            inner: self.inner.params().clone(),
+        }
+    }
+
+    /// What the OS refused when the workers applied the placement or priority (empty when all
+    /// was applied; complete once the pool has computed something).
+    #[getter]
+    fn placement_errors(&self) -> Vec<String> {
+        self.inner.placement_errors()
     }
 
     /// Number of worker threads.

@@ -421,7 +421,9 @@ impl Scheduler {
         Ok(())
     }
 
-    /// The backend `tensor` is pinned to or was assigned to in the current graph.
+    /// The backend `tensor` is pinned to or was assigned to in the current graph; `None` for
+    /// a tensor of neither, and after [`Scheduler::reset`] until a graph is allocated again
+    /// (ggml's reset forgets the assignments).
     pub fn get_tensor_backend(&self, tensor: &Tensor) -> Option<Arc<dyn Backend>> {
         self.get_tensor_backend_index(tensor)
             .map(|b| self.backends[b].clone())
@@ -431,6 +433,9 @@ impl Scheduler {
     pub fn get_tensor_backend_index(&self, tensor: &Tensor) -> Option<usize> {
         if let Some(&b) = self.pinned.get(&tensor.id()) {
             return Some(b);
+        }
+        if self.state == State::Reset {
+            return None;
         }
         let inst = self.instance.as_ref()?;
         let u = match inst.graph.position(tensor) {

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 
 use crate::error::{Error, Result};
+use crate::tensor::Tensor;
 
 use super::assign::Oracle;
 use super::plan::{Assignment, CopyPlan, PipelineEntry, PlanCore, SplitPlan};
@@ -125,9 +126,11 @@ pub(crate) fn split(
     let mut pipeline = Vec::new();
     let mut pipeline_sizes = vec![0usize; n_backends];
     if n_copies > 1 {
-        let mut add = |copy: Option<usize>, tensor: usize, backend: usize, nbytes: usize| {
+        // `source` is the tensor the slot holds (for a copy, its source: same dtype and shape).
+        let mut add = |copy: Option<usize>, tensor: usize, backend: usize, source: &Tensor| {
             let buft = &input.bufts[backend];
-            let stride = align_up(buft.alloc_size(nbytes), buft.alignment())
+            let nbytes = source.nbytes();
+            let stride = align_up(buft.alloc_size(source), buft.alignment())
                 .ok_or_else(|| Error::Alloc(format!("{nbytes} bytes overflow")))?;
             let offset = pipeline_sizes[backend];
             pipeline_sizes[backend] = stride
@@ -148,10 +151,11 @@ pub(crate) fn split(
             if t.is_view() || topo.buf[u] != NONE || topo.view_root[u] != NONE {
                 continue;
             }
-            add(None, u, backend_of(u), t.nbytes())?;
+            add(None, u, backend_of(u), t)?;
         }
         for (c, copy) in copies.iter().enumerate() {
-            add(Some(c), copy_sources[c], copy.to_backend, copy.nbytes)?;
+            let source = topo.tensor(graph, copy_sources[c]);
+            add(Some(c), copy_sources[c], copy.to_backend, source)?;
         }
     }
 

@@ -20,8 +20,8 @@ def test_clocks_and_strings() -> None:
     assert isinstance(fg.commit(), str)
     assert fg.status_to_string(0) == "success"
     assert "aborted" in fg.status_to_string(1)
-    with pytest.raises(fg.InvalidArgumentError):
-        fg.status_to_string(42)
+    # ggml's answer for a code that is none of its statuses.
+    assert fg.status_to_string(42) == "unknown status"
     cpu = fg.init_backend("CPU")
     assert fg.guid_matches(cpu.guid, fg.init_backend("CPU").guid)
     assert not fg.guid_matches(cpu.guid, b"x" * 16)
