@@ -195,7 +195,22 @@ impl BufferType for PluginBufferType {
             &self.obj,
             "alloc_buffer",
             |py| (size,).into_pyobject(py),
-            |r| Ok(r.clone().unbind()),
+            |r| {
+                // The protocol: an object with read, write and fill methods.
+                let missing: Vec<&str> = ["read", "write", "fill"]
+                    .into_iter()
+                    .filter(|m| !r.getattr(*m).is_ok_and(|f| f.is_callable()))
+                    .collect();
+                if missing.is_empty() {
+                    Ok(r.clone().unbind())
+                } else {
+                    Err(pyo3::exceptions::PyTypeError::new_err(format!(
+                        "returned {} without {}; alloc_buffer must return a buffer object",
+                        super::utils::type_name(r),
+                        missing.join(", ")
+                    )))
+                }
+            },
         )?;
         let memory = PluginMemory {
             plugin: self.plugin.clone(),

@@ -264,8 +264,13 @@ impl PyThreadpool {
     }
 
     /// Makes `backend` (a CPU backend) compute on this pool.
-    fn attach(&self, backend: &PyBackend) -> PyResult<()> {
-        as_cpu(backend.inner.as_ref())?.set_threadpool(self.inner.clone());
+    fn attach(&self, py: Python<'_>, backend: &PyBackend) -> PyResult<()> {
+        let (backend, pool) = (backend.inner.clone(), self.inner.clone());
+        // The backend's pool lock is a core lock: not waited for with the interpreter held.
+        super::lock::detach_quiet(py, || -> crate::Result<()> {
+            as_cpu(backend.as_ref())?.set_threadpool(pool);
+            Ok(())
+        })?;
         Ok(())
     }
 

@@ -848,6 +848,24 @@ def _cases() -> list[Case]:
     )
     add(
         c,
+        "plugin_alloc_buffer_returns_none",
+        """
+        class P(Plugin):
+            def devices(self):
+                d = super().devices()
+                d[0].buffer_type.alloc_buffer = lambda size: None
+                return d
+        fg.register_backend(P("PYNONEBUF"))
+        try:
+            fg.init_backend("PYNONEBUF").alloc_buffer(64)
+        except fg.BackendError as e:
+            assert "alloc_buffer" in str(e), e
+            raise
+        """,
+        "BackendError",
+    )
+    add(
+        c,
         "plugin_read_returns_short",
         """
         fg.register_backend(Plugin("PYSHORT"))
