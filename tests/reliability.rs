@@ -87,7 +87,10 @@ fn backend_params_are_parsed_strictly() {
     let p = BackendParams::parse(" n_threads = 3 ; x.y-z=1,").unwrap();
     assert_eq!(p.n_threads, Some(3));
     assert_eq!(p.extra.len(), 2);
-    assert_eq!(BackendParams::parse(" , ").unwrap(), BackendParams::default());
+    assert_eq!(
+        BackendParams::parse(" , ").unwrap(),
+        BackendParams::default()
+    );
     // The CPU knows only n_threads.
     let err = registry::init_by_name("CPU", "n_thread=2").err().unwrap();
     assert!(err.to_string().contains("n_thread"), "{err}");
