@@ -181,10 +181,18 @@ impl ErrorSlot {
 
     /// Keeps `err` unless an earlier one is kept.
     pub(crate) fn store(&self, err: PyErr) {
-        let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        if slot.is_none() {
-            *slot = Some(err);
-        }
+        let unused = {
+            let mut slot = self.0.lock().unwrap_or_else(|p| p.into_inner());
+            match *slot {
+                None => {
+                    *slot = Some(err);
+                    None
+                }
+                Some(_) => Some(err),
+            }
+        };
+        // Dropped after the lock is released: dropping an exception may run Python code.
+        drop(unused);
     }
 
     /// Takes the kept exception, if any.
