@@ -74,6 +74,10 @@ case "${1:-}" in
     # The loadable BLAS backend library that tests/dynload.rs loads at run time.
     cargo build -q -p ferrograph-blas
     cargo test -q
+    # The Rust examples (built by cargo test); each checks its own result.
+    for example in cpu_graph scheduler load_backend; do
+      cargo run -q --example "$example" >/dev/null
+    done
     python -m pytest -q tests/python
     ;;
   bench)

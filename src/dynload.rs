@@ -252,9 +252,10 @@ fn not_a_backend(path: &Path, symbol: &str) -> Error {
 /// Opens `path` and checks its entry points and ABI, without running any other code of it.
 fn probe(path: &Path) -> Result<Probe> {
     let library = open_library(path)?;
-    // SAFETY (for the four lookups below): the symbol names are reserved for the entry points
-    // of `export_backend!`, which have exactly these types; a library that exports these
-    // names with other types is not one we can detect, as with any C library.
+    // Each of the four lookups below relies on the same fact: the symbol names are reserved
+    // for the entry points of `export_backend!`, which have exactly these types; a library that
+    // exports these names with other types is not one we can detect, as with any C library.
+    // SAFETY: the entry point's type is `AbiVersionFn` (see above).
     let version = unsafe { library.get::<AbiVersionFn>(symbols::ABI_VERSION.as_bytes()) }
         .map(|s| *s)
         .map_err(|_| not_a_backend(path, symbols::ABI_VERSION))?;

@@ -702,6 +702,7 @@ fn simd_ignores_mxcsr_modes() {
     // SAFETY: MXCSR is per thread; it is restored below before anything else runs here.
     let saved = unsafe { _mm_getcsr() };
     // FTZ (bit 15), DAZ (bit 6), rounding control = toward zero (bits 13-14).
+    // SAFETY: changes only this thread's MXCSR, restored below; no memory is touched.
     unsafe { _mm_setcsr(saved | 0x8000 | 0x0040 | 0x6000) };
     fp32_to_fp16_slice(&src, &mut h);
     fp32_to_bf16_slice(&src, &mut b);

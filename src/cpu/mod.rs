@@ -3,7 +3,7 @@
 pub mod backend;
 pub mod compute;
 pub mod features;
-pub mod kernels;
+pub(crate) mod kernels;
 pub mod sysinfo;
 pub mod threadpool;
 pub mod type_traits;
