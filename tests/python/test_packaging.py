@@ -71,14 +71,16 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
     if not Path(maturin).exists() or shutil.which("cargo") is None:
         pytest.skip("maturin and cargo are needed to build the wheel")
     out = tmp_path_factory.mktemp("wheel")
-    subprocess.run(
+    built = subprocess.run(
         [maturin, "build", "-q", "--release", "-o", str(out)],
         cwd=ROOT,
-        check=True,
+        check=False,
         capture_output=True,
+        text=True,
         timeout=1800,
         env={**os.environ, "PIP_QUIET": "1"},
     )
+    assert built.returncode == 0, f"maturin build failed:\n{built.stderr[-4000:]}"
     (path,) = out.glob("ferrograph-*.whl")
     return path
 
@@ -126,7 +128,10 @@ def test_the_wheel_installs_and_runs_on_another_python(wheel: Path, tmp_path: Pa
     subprocess.run([python, "-m", "venv", str(venv)], check=True, timeout=120)
     python_in_venv = str(venv / "bin" / "python")
     pip = [python_in_venv, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    subprocess.run([*pip, str(wheel)], check=True, timeout=600, capture_output=True)
+    installed = subprocess.run(
+        [*pip, str(wheel)], check=False, timeout=600, capture_output=True, text=True
+    )
+    assert installed.returncode == 0, installed.stderr[-4000:]
     script = (
         "import sys, numpy as np, ferrograph as fg\n"
         "ctx = fg.Context(no_alloc=False)\n"
