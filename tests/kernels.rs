@@ -1543,7 +1543,13 @@ fn results_do_not_depend_on_thread_count() {
 #[test]
 fn mul_mat_bits_do_not_depend_on_thread_count() {
     let mut rng = Rng::new(25);
-    let weight_types = [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_0];
+    let weight_types = [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+    ];
     for dtype in weight_types {
         for (k, m, n, batches) in [
             (64usize, 19usize, 5usize, 1usize),
