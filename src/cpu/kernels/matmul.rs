@@ -408,33 +408,21 @@ fn mul_mat_gemm(
             },
         }
     };
-    // Tasks are (batch, weight panel) pairs of a fixed size, each one single-threaded
-    // product, so the results do not depend on the thread count.
-    let panels = gemm::panels(m);
-    let tasks = ne12 * ne13 * panels;
-    par_ranges(tasks, 1, |range| {
-        let mut buf = Vec::new();
-        for task in range {
-            let (batch, panel) = (task / panels, task % panels);
-            let (i12, i13) = (batch % ne12, batch / ne12);
-            // SAFETY: each task writes its own output columns of its batch's dst rows, which
-            // do not overlap the read-only weights and activations; every pointer addresses
-            // live host memory of the node's tensors.
-            unsafe {
-                gemm::mul_mat_panel(
-                    a,
-                    (i12 / r2, i13 / r3),
-                    rows_of(i12, i13),
-                    n,
-                    dst,
-                    dst.row_offset(0, i12, i13),
-                    panel,
-                    &mut buf,
-                )?;
-            }
+    let (r2, r3) = (r2.max(1), r3.max(1));
+    let product = |batch: usize| {
+        let (i12, i13) = (batch % ne12, batch / ne12);
+        gemm::Product {
+            weights: gemm::WeightRows::of(a, (i12 / r2, i13 / r3)),
+            b: rows_of(i12, i13),
+            // SAFETY: output row 0 of batch (i12, i13) lies inside `dst`.
+            dst: unsafe { dst.at(dst.row_offset(0, i12, i13)) }.cast::<f32>(),
+            dst_stride: dst.nb[1] / 4,
         }
-        Ok(())
-    })
+    };
+    // SAFETY: every batch's pointers address live host memory of the node's tensors with the
+    // shapes and strides of `a`, `b` and `dst` (checked when the node was built); batches
+    // write their own dst rows, which do not overlap the read-only weights and activations.
+    unsafe { gemm::run(gemm::Isa::best(), (m, n, k), ne12 * ne13, &product) }
 }
 
 /// MUL_MAT_ID: for token `t` and slot `e`, `dst[:, e, t] = experts[ids[e, t]] · b[:, e % n_b, t]`.
