@@ -37,7 +37,7 @@ pub const MIN_COLS: usize = 32;
 
 /// Elements of `k` per block: a multiple of the quantized block size (32), so converted
 /// quantized weights start each block on a block boundary.
-const KC: usize = 512;
+const KC: usize = 768;
 
 /// Activation rows per block: a multiple of every ISA's `MR`.
 const MC: usize = 256;
@@ -236,18 +236,23 @@ unsafe impl Send for Product {}
 // SAFETY: as above.
 unsafe impl Sync for Product {}
 
-/// Per-thread buffers: packed activations, converted weights and one register tile.
+/// Per-thread buffers: packed activations, converted weights and the accumulator tiles of a
+/// block.
 #[derive(Default)]
 struct Scratch {
     packed: Vec<f32>,
     weights: Vec<f32>,
-    tile: Vec<f32>,
+    acc: Vec<f32>,
 }
 
 thread_local! {
     // Kept between calls so a product does not fault in fresh pages every time.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
+
+/// Weight rows handled together by one pass over a block of activations: their accumulator
+/// tiles (`NC × MC` values, ≤ 480 KiB) stay in L2 between `k` blocks.
+const NC: usize = 480;
 
 /// Runs `n_products` products of `m` weight rows × `n` activation rows × `k`, in parallel on
 /// the current rayon pool, with the micro-kernels of `isa`.
@@ -267,17 +272,23 @@ pub unsafe fn run(
         return Ok(());
     }
     let threads = rayon::current_num_threads().max(1);
-    let j_blocks = n.div_ceil(MC);
-    // Split the weight rows until there are a few tasks per thread. The split only moves work
-    // between threads: each element's chain of multiply-adds stays the same (module docs).
-    let outer = n_products * j_blocks;
+    let mr = isa.mr();
+    // Tasks split the activations first: each task packs only its own rows and reads the
+    // weights in place (cheap to re-read), so nothing is packed twice. Aim for a few tasks
+    // per thread; blocks of at most MC rows keep the packed block in L2. The split moves work
+    // between threads only: each element's chain of multiply-adds stays the same.
     let want = 3 * threads;
-    let i_blocks = if outer >= want || threads == 1 {
+    let per_product = want.div_ceil(n_products);
+    let mc = n.div_ceil(per_product).next_multiple_of(mr).clamp(mr, MC);
+    let j_blocks = n.div_ceil(mc);
+    // Too few activation rows for the threads: split the weight rows as well.
+    let outer = n_products * j_blocks;
+    let i_blocks = if outer >= want || m < 96 {
         1
     } else {
-        want.div_ceil(outer)
+        want.div_ceil(outer).min(m.div_ceil(48))
     };
-    let nc = m.div_ceil(i_blocks).next_multiple_of(12).max(48).min(m);
+    let nc = m.div_ceil(i_blocks).next_multiple_of(12).min(m);
     let i_blocks = m.div_ceil(nc);
     let tasks = outer * i_blocks;
     par_ranges(tasks, 1, |range| {
@@ -287,18 +298,31 @@ pub unsafe fn run(
                 let ib = task % i_blocks;
                 let jb = (task / i_blocks) % j_blocks;
                 let p = product(task / (i_blocks * j_blocks));
-                let rows = jb * MC..((jb + 1) * MC).min(n);
+                let rows = jb * mc..((jb + 1) * mc).min(n);
                 let cols = ib * nc..((ib + 1) * nc).min(m);
-                // SAFETY: the block lies inside the product (caller), and this task alone
-                // writes its output elements (rows × cols).
-                unsafe { block(isa, &p, k, rows, cols, &mut scratch)? };
+                // Weight rows in chunks of NC, so the accumulator tiles stay small.
+                for c0 in cols.clone().step_by(NC) {
+                    // SAFETY: the block lies inside the product (caller), and this task alone
+                    // writes its output elements (rows × cols).
+                    unsafe {
+                        block(
+                            isa,
+                            &p,
+                            k,
+                            rows.clone(),
+                            c0..(c0 + NC).min(cols.end),
+                            &mut scratch,
+                        )?
+                    };
+                }
             }
             Ok(())
         })
     })
 }
 
-/// One task: output rows `rows` (activations) × columns `cols` (weight rows) of `p`.
+/// One block: output rows `rows` (activations, at most MC) × columns `cols` (weight rows, at
+/// most NC) of `p`.
 ///
 /// # Safety
 /// As [`run`]; this block's output elements belong to the caller alone.
@@ -315,18 +339,21 @@ unsafe fn block(
     let Scratch {
         packed,
         weights,
-        tile,
+        acc,
     } = scratch;
-    tile.resize(mr * nr, 0.0);
+    // One nr × mr accumulator tile per (weight micro-panel, activation panel).
+    let tile = nr * mr;
+    acc.resize(cols.len().div_ceil(nr) * panels * tile, 0.0);
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
+        let last = pc + kc == k;
         packed.resize(panels * mr * kc, 0.0);
         for (q, panel) in packed.chunks_exact_mut(mr * kc).enumerate() {
             let j0 = rows.start + q * mr;
             // SAFETY: rows j0.. of the activations hold at least pc + kc elements (caller).
-            unsafe { pack_panel(p.b, j0, rows.end.min(j0 + mr) - j0, (pc, kc), mr, panel) };
+            unsafe { pack_panel(isa, p.b, j0, rows.end.min(j0 + mr) - j0, (pc, kc), panel) };
         }
-        for i0 in cols.clone().step_by(nr) {
+        for (t, i0) in cols.clone().step_by(nr).enumerate() {
             let nr_here = nr.min(cols.end - i0);
             // SAFETY: weight rows i0..i0 + nr_here and elements pc..pc + kc exist; `pc` is a
             // multiple of KC, itself a multiple of every block size.
@@ -334,15 +361,12 @@ unsafe fn block(
             for (q, panel) in packed.chunks_exact(mr * kc).enumerate() {
                 let j0 = rows.start + q * mr;
                 let rows_here = mr.min(rows.end - j0);
-                // SAFETY: output rows j0..j0 + rows_here, columns i0..i0 + nr_here lie in the
-                // product and belong to this task; `w` holds `nr_here` rows of `kc` elements
-                // with stride `w_stride`; `panel` holds `kc` × `mr` packed values.
+                let slot = &mut acc[(t * panels + q) * tile..][..tile];
+                // SAFETY: `w` holds `nr_here` rows of `kc` elements with stride `w_stride`;
+                // `panel` holds `kc` × `mr` packed values; `slot` one tile; output rows
+                // j0..j0 + rows_here, columns i0..i0 + nr_here lie in the product and belong
+                // to this block.
                 unsafe {
-                    let c = p.dst.add(j0 * p.dst_stride + i0);
-                    let accumulate = pc > 0;
-                    if accumulate {
-                        load_tile(c, p.dst_stride, (nr_here, rows_here), mr, tile);
-                    }
                     micro_kernel(
                         isa,
                         nr_here,
@@ -350,10 +374,13 @@ unsafe fn block(
                         kc,
                         panel,
                         (w, w_stride),
-                        tile,
-                        accumulate,
+                        slot,
+                        pc > 0,
                     );
-                    store_tile(c, p.dst_stride, (nr_here, rows_here), mr, tile);
+                    if last {
+                        let c = p.dst.add(j0 * p.dst_stride + i0);
+                        store_tile(c, p.dst_stride, (nr_here, rows_here), mr, slot);
+                    }
                 }
             }
         }
@@ -361,50 +388,92 @@ unsafe fn block(
     Ok(())
 }
 
-/// Packs activation rows `j0..j0 + count` (elements `pc..pc + kc`) as `kc` groups of `mr`
-/// values, rows past `count` as zeros.
+/// Packs activation rows `j0..j0 + count` (elements `pc..pc + kc`) as `kc` groups of
+/// `isa.mr()` values, rows past `count` as zeros.
 ///
 /// # Safety
-/// The rows and elements must exist in `b`.
+/// The rows and elements must exist in `b`; the CPU runs `isa`.
 unsafe fn pack_panel(
+    isa: Isa,
     b: F32Rows,
     j0: usize,
     count: usize,
     (pc, kc): (usize, usize),
-    mr: usize,
     out: &mut [f32],
 ) {
+    let mr = isa.mr();
+    debug_assert!(out.len() >= kc * mr && count <= mr);
+    // SAFETY: row j0 + l has elements pc..pc + kc (caller).
+    let row = |l: usize| unsafe { b.ptr.add((j0 + l) * b.row_stride + pc) };
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable && count == mr {
+        // 8 × 8 blocks transposed in registers; the k tail below.
+        done = kc / 8 * 8;
+        for l0 in (0..mr).step_by(8) {
+            let rows: [*const f32; 8] = std::array::from_fn(|i| row(l0 + i));
+            for kk in (0..done).step_by(8) {
+                // SAFETY: elements kk..kk + 8 < kc of the 8 rows exist; the 8 outputs of
+                // 8 floats at (kk + t) * mr + l0 lie inside `out`; the CPU has AVX2.
+                unsafe { transpose8(&rows, kk, out.as_mut_ptr().add(kk * mr + l0), mr) };
+            }
+        }
+    }
     for l in 0..mr {
         if l < count {
-            // SAFETY: row j0 + l has elements pc..pc + kc (caller).
-            let row =
-                unsafe { std::slice::from_raw_parts(b.ptr.add((j0 + l) * b.row_stride + pc), kc) };
-            for (kk, &x) in row.iter().enumerate() {
-                out[kk * mr + l] = x;
+            let r = row(l);
+            for kk in done..kc {
+                // SAFETY: element kk < kc of the row exists.
+                out[kk * mr + l] = unsafe { *r.add(kk) };
             }
         } else {
-            for kk in 0..kc {
+            for kk in done..kc {
                 out[kk * mr + l] = 0.0;
             }
         }
     }
 }
 
-/// Copies output elements into the tile (`tile[r * mr + l] = c[l, r]`).
+/// `out[t * stride + i] = rows[i][kk + t]` for an 8 × 8 block.
 ///
 /// # Safety
-/// `c` must address `rows` rows (stride `stride`) of `nr` readable elements.
-unsafe fn load_tile(
-    c: *const f32,
-    stride: usize,
-    (nr, rows): (usize, usize),
-    mr: usize,
-    tile: &mut [f32],
-) {
-    for l in 0..rows {
-        for r in 0..nr {
-            // SAFETY: inside the tile's output elements (caller).
-            tile[r * mr + l] = unsafe { *c.add(l * stride + r) };
+/// Each row has elements kk..kk + 8; `out` addresses 8 groups of 8 writable floats `stride`
+/// apart; the CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn transpose8(rows: &[*const f32; 8], kk: usize, out: *mut f32, stride: usize) {
+    use std::arch::x86_64::*;
+    // SAFETY: the loads and stores stay inside the ranges the caller guarantees.
+    unsafe {
+        let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(rows[i].add(kk)));
+        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+        let o = [
+            _mm256_permute2f128_ps::<0x20>(u0, u4),
+            _mm256_permute2f128_ps::<0x20>(u1, u5),
+            _mm256_permute2f128_ps::<0x20>(u2, u6),
+            _mm256_permute2f128_ps::<0x20>(u3, u7),
+            _mm256_permute2f128_ps::<0x31>(u0, u4),
+            _mm256_permute2f128_ps::<0x31>(u1, u5),
+            _mm256_permute2f128_ps::<0x31>(u2, u6),
+            _mm256_permute2f128_ps::<0x31>(u3, u7),
+        ];
+        for (t, v) in o.iter().enumerate() {
+            _mm256_storeu_ps(out.add(t * stride), *v);
         }
     }
 }
@@ -413,7 +482,7 @@ unsafe fn load_tile(
 ///
 /// # Safety
 /// `c` must address `rows` rows (stride `stride`) of `nr` writable elements nobody else
-/// accesses.
+/// accesses; `tile` holds `nr × mr` values.
 unsafe fn store_tile(
     c: *mut f32,
     stride: usize,
@@ -421,10 +490,12 @@ unsafe fn store_tile(
     mr: usize,
     tile: &[f32],
 ) {
+    debug_assert!(tile.len() >= nr * mr && rows <= mr);
+    let t = tile.as_ptr();
     for l in 0..rows {
         for r in 0..nr {
-            // SAFETY: inside the tile's output elements (caller).
-            unsafe { *c.add(l * stride + r) = tile[r * mr + l] };
+            // SAFETY: inside the tile and its output elements (caller).
+            unsafe { *c.add(l * stride + r) = *t.add(r * mr + l) };
         }
     }
 }
