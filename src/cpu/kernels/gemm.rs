@@ -341,8 +341,9 @@ unsafe fn block(
         weights,
         acc,
     } = scratch;
-    // One nr × mr accumulator tile per (weight micro-panel, activation panel).
-    let tile = nr * mr;
+    // One accumulator tile per (weight micro-panel, activation panel): nr × mr values, rows
+    // padded to a multiple of 8 for the transposing store.
+    let tile = nr.next_multiple_of(8) * mr;
     acc.resize(cols.len().div_ceil(nr) * panels * tile, 0.0);
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
@@ -379,7 +380,13 @@ unsafe fn block(
                     );
                     if last {
                         let c = p.dst.add(j0 * p.dst_stride + i0);
-                        store_tile(c, p.dst_stride, (nr_here, rows_here), mr, slot);
+                        let shape = (nr_here, rows_here);
+                        #[cfg(target_arch = "x86_64")]
+                        if isa != Isa::Portable {
+                            store_tile_avx2(c, p.dst_stride, shape, mr, slot);
+                            continue;
+                        }
+                        store_tile(c, p.dst_stride, shape, mr, slot);
                     }
                 }
             }
@@ -446,34 +453,83 @@ unsafe fn transpose8(rows: &[*const f32; 8], kk: usize, out: *mut f32, stride: u
     // SAFETY: the loads and stores stay inside the ranges the caller guarantees.
     unsafe {
         let r: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(rows[i].add(kk)));
-        let t0 = _mm256_unpacklo_ps(r[0], r[1]);
-        let t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        let t2 = _mm256_unpacklo_ps(r[2], r[3]);
-        let t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        let t4 = _mm256_unpacklo_ps(r[4], r[5]);
-        let t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        let t6 = _mm256_unpacklo_ps(r[6], r[7]);
-        let t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
-        let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
-        let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
-        let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
-        let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
-        let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
-        let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
-        let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
-        let o = [
-            _mm256_permute2f128_ps::<0x20>(u0, u4),
-            _mm256_permute2f128_ps::<0x20>(u1, u5),
-            _mm256_permute2f128_ps::<0x20>(u2, u6),
-            _mm256_permute2f128_ps::<0x20>(u3, u7),
-            _mm256_permute2f128_ps::<0x31>(u0, u4),
-            _mm256_permute2f128_ps::<0x31>(u1, u5),
-            _mm256_permute2f128_ps::<0x31>(u2, u6),
-            _mm256_permute2f128_ps::<0x31>(u3, u7),
-        ];
-        for (t, v) in o.iter().enumerate() {
+        for (t, v) in transpose8x8(r).iter().enumerate() {
             _mm256_storeu_ps(out.add(t * stride), *v);
+        }
+    }
+}
+
+/// The transpose of an 8 × 8 block held as 8 row vectors.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+fn transpose8x8(r: [std::arch::x86_64::__m256; 8]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let t0 = _mm256_unpacklo_ps(r[0], r[1]);
+    let t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    let t2 = _mm256_unpacklo_ps(r[2], r[3]);
+    let t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    let t4 = _mm256_unpacklo_ps(r[4], r[5]);
+    let t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    let t6 = _mm256_unpacklo_ps(r[6], r[7]);
+    let t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    let u0 = _mm256_shuffle_ps::<0x44>(t0, t2);
+    let u1 = _mm256_shuffle_ps::<0xEE>(t0, t2);
+    let u2 = _mm256_shuffle_ps::<0x44>(t1, t3);
+    let u3 = _mm256_shuffle_ps::<0xEE>(t1, t3);
+    let u4 = _mm256_shuffle_ps::<0x44>(t4, t6);
+    let u5 = _mm256_shuffle_ps::<0xEE>(t4, t6);
+    let u6 = _mm256_shuffle_ps::<0x44>(t5, t7);
+    let u7 = _mm256_shuffle_ps::<0xEE>(t5, t7);
+    [
+        _mm256_permute2f128_ps::<0x20>(u0, u4),
+        _mm256_permute2f128_ps::<0x20>(u1, u5),
+        _mm256_permute2f128_ps::<0x20>(u2, u6),
+        _mm256_permute2f128_ps::<0x20>(u3, u7),
+        _mm256_permute2f128_ps::<0x31>(u0, u4),
+        _mm256_permute2f128_ps::<0x31>(u1, u5),
+        _mm256_permute2f128_ps::<0x31>(u2, u6),
+        _mm256_permute2f128_ps::<0x31>(u3, u7),
+    ]
+}
+
+/// [`store_tile`] through 8 × 8 register transposes: whole blocks of 8 tile rows, a masked
+/// store for a partial one.
+///
+/// # Safety
+/// As [`store_tile`]; `tile` holds a multiple of 8 rows of `mr` (a multiple of 8) values; the
+/// CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn store_tile_avx2(
+    c: *mut f32,
+    stride: usize,
+    (nr, rows): (usize, usize),
+    mr: usize,
+    tile: &[f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(tile.len() >= nr.next_multiple_of(8) * mr && mr.is_multiple_of(8));
+    let t = tile.as_ptr();
+    for r0 in (0..nr).step_by(8) {
+        let width = (nr - r0).min(8) as i32;
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), lanes);
+        for l0 in (0..rows).step_by(8) {
+            // SAFETY: tile rows r0..r0 + 8 and lanes l0..l0 + 8 lie inside the tile (caller);
+            // output row l < rows, elements r0..r0 + width lie inside the tile's output.
+            unsafe {
+                let v: [__m256; 8] =
+                    std::array::from_fn(|i| _mm256_loadu_ps(t.add((r0 + i) * mr + l0)));
+                let cols = transpose8x8(v);
+                for (i, col) in cols.iter().enumerate().take(rows - l0) {
+                    let dst = c.add((l0 + i) * stride + r0);
+                    if width == 8 {
+                        _mm256_storeu_ps(dst, *col);
+                    } else {
+                        _mm256_maskstore_ps(dst, mask, *col);
+                    }
+                }
+            }
         }
     }
 }
