@@ -1150,22 +1150,24 @@ fn rope_modes_yarn_and_freq_factors() {
 #[test]
 fn flash_attn_ext_matches_naive_attention() {
     let mut rng = Rng::new(17);
-    for (kv_type, max_bias, softcap, mask_on) in [
-        (DType::F32, 0.0f32, 0.0f32, false),
-        (DType::F16, 0.0, 0.0, true),
-        (DType::F16, 8.0, 0.0, true),
-        (DType::F32, 0.0, 30.0, true),
+    // n_q = 70: several query blocks per head, the last one partial.
+    for (kv_type, max_bias, softcap, mask_on, n_q) in [
+        (DType::F32, 0.0f32, 0.0f32, false, 3usize),
+        (DType::F16, 0.0, 0.0, true, 3),
+        (DType::F16, 8.0, 0.0, true, 3),
+        (DType::F32, 0.0, 30.0, true, 3),
+        (DType::F32, 0.0, 0.0, true, 70),
+        (DType::F16, 0.0, 0.0, false, 70),
     ] {
         let c = ctx();
-        let (d, dv, n_q, n_head, n_head_kv, n_kv) =
-            (40usize, 24usize, 3usize, 4usize, 2usize, 37usize);
+        let (d, dv, n_head, n_head_kv, n_kv) = (40usize, 24usize, 4usize, 2usize, 37usize);
         let q = c.new_tensor(DType::F32, &[d, n_q, n_head, 1]).unwrap();
         let k = c.new_tensor(kv_type, &[d, n_kv, n_head_kv, 1]).unwrap();
         let v = c.new_tensor(kv_type, &[dv, n_kv, n_head_kv, 1]).unwrap();
         let qv = fill(&q, &mut rng, -1.0, 1.0);
         let kv = fill(&k, &mut rng, -1.0, 1.0);
         let vv = fill(&v, &mut rng, -1.0, 1.0);
-        let mask = c.new_tensor(DType::F16, &[n_kv, 4]).unwrap();
+        let mask = c.new_tensor(DType::F16, &[n_kv, n_q.max(4)]).unwrap();
         let mut mv = fill(&mask, &mut rng, -1.0, 0.0);
         for (i, m) in mv.iter_mut().enumerate() {
             if i % 7 == 3 {

@@ -321,6 +321,33 @@ pub unsafe fn run(
     })
 }
 
+/// One product on the calling thread alone (for kernels that run their own tasks and call the
+/// GEMM inside one): the same blocks and results as [`run`].
+///
+/// # Safety
+/// As [`run`] for the one product `p`.
+pub unsafe fn run_serial(isa: Isa, (m, n, k): (usize, usize, usize), p: &Product) -> Result<()> {
+    SCRATCH.with(|cell| {
+        let mut scratch = cell.borrow_mut();
+        for j0 in (0..n).step_by(MC) {
+            for c0 in (0..m).step_by(NC) {
+                // SAFETY: the block lies inside the product (caller), which is this thread's.
+                unsafe {
+                    block(
+                        isa,
+                        p,
+                        k,
+                        j0..(j0 + MC).min(n),
+                        c0..(c0 + NC).min(m),
+                        &mut scratch,
+                    )?
+                };
+            }
+        }
+        Ok(())
+    })
+}
+
 /// One block: output rows `rows` (activations, at most MC) × columns `cols` (weight rows, at
 /// most NC) of `p`.
 ///
@@ -335,6 +362,16 @@ unsafe fn block(
     scratch: &mut Scratch,
 ) -> Result<()> {
     let (mr, nr) = (isa.mr(), isa.nr());
+    if k == 0 {
+        // Empty sums.
+        for j in rows {
+            for i in cols.clone() {
+                // SAFETY: output element (j, i) belongs to this block (caller).
+                unsafe { *p.dst.add(j * p.dst_stride + i) = 0.0 };
+            }
+        }
+        return Ok(());
+    }
     let panels = rows.len().div_ceil(mr);
     let Scratch {
         packed,
