@@ -71,13 +71,15 @@ pub fn flash_attn_ext(
     let q_direct = f32_rows(&q);
     let dst_direct = f32_rows(&dst);
     par_ranges(tasks, 1, |range| {
-        SCRATCH.with(|cell| -> Result<()> {
-            let mut scratch = cell.borrow_mut();
+        // Taken out of the thread-local for the range (see `gemm::with_scratch`): a nested
+        // parallel row conversion may run another task on this thread meanwhile.
+        let mut scratch = SCRATCH.with(RefCell::take);
+        let result = (|| -> Result<()> {
             let Scratch {
                 scores,
                 queries,
                 mask: mrow,
-            } = &mut *scratch;
+            } = &mut scratch;
             for t in range {
                 let qb = t % q_blocks;
                 let iq2 = (t / q_blocks) % n_head;
@@ -180,6 +182,8 @@ pub fn flash_attn_ext(
                 }
             }
             Ok(())
-        })
+        })();
+        SCRATCH.with(|cell| cell.replace(scratch));
+        result
     })
 }

@@ -250,6 +250,16 @@ thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
+/// Runs `f` with this thread's scratch, taken out of the thread-local for the call: if the
+/// thread runs another product meanwhile (rayon work stealing inside a nested parallel call),
+/// that one starts from empty buffers instead of finding them borrowed.
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    let mut scratch = SCRATCH.with(RefCell::take);
+    let out = f(&mut scratch);
+    SCRATCH.with(|cell| cell.replace(scratch));
+    out
+}
+
 /// Weight rows handled together by one pass over a block of activations: their accumulator
 /// tiles (`NC × MC` values, ≤ 480 KiB) stay in L2 between `k` blocks.
 const NC: usize = 480;
@@ -292,8 +302,7 @@ pub unsafe fn run(
     let i_blocks = m.div_ceil(nc);
     let tasks = outer * i_blocks;
     par_ranges(tasks, 1, |range| {
-        SCRATCH.with(|cell| {
-            let mut scratch = cell.borrow_mut();
+        with_scratch(|scratch| {
             for task in range {
                 let ib = task % i_blocks;
                 let jb = (task / i_blocks) % j_blocks;
@@ -311,7 +320,7 @@ pub unsafe fn run(
                             k,
                             rows.clone(),
                             c0..(c0 + NC).min(cols.end),
-                            &mut scratch,
+                            scratch,
                         )?
                     };
                 }
@@ -327,8 +336,7 @@ pub unsafe fn run(
 /// # Safety
 /// As [`run`] for the one product `p`.
 pub unsafe fn run_serial(isa: Isa, (m, n, k): (usize, usize, usize), p: &Product) -> Result<()> {
-    SCRATCH.with(|cell| {
-        let mut scratch = cell.borrow_mut();
+    with_scratch(|scratch| {
         for j0 in (0..n).step_by(MC) {
             for c0 in (0..m).step_by(NC) {
                 // SAFETY: the block lies inside the product (caller), which is this thread's.
@@ -339,7 +347,7 @@ pub unsafe fn run_serial(isa: Isa, (m, n, k): (usize, usize, usize), p: &Product
                         k,
                         j0..(j0 + MC).min(n),
                         c0..(c0 + NC).min(m),
-                        &mut scratch,
+                        scratch,
                     )?
                 };
             }
