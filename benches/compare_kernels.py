@@ -6,7 +6,10 @@ backend with ``--threads`` threads, timed as the best of ``--repeat`` rounds, be
 BLAS limited to the same thread count through threadpoolctl when installed) and PyTorch CPU
 when installed. Prints GFLOPS or GB/s and the ratio ferrograph / peer (above 1: ferrograph is
 faster), plus the fraction of this machine's peaks given by ``--peak-gflops`` and
-``--bandwidth``. ``--quick`` shrinks the big workloads for a smoke run.
+``--bandwidth``. ``--quick`` shrinks the big workloads for a smoke run; ``--only-matmul`` runs the
+matrix products alone. numpy's OpenBLAS picks its kernel when it loads: for its best one, run
+with ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` unset (``env -u OPENBLAS_CORETYPE -u
+OPENBLAS_L2_SIZE python benches/compare_kernels.py``); the kernel that ran is printed first.
 
 The peers' worker threads are told not to spin once a call returns (``OMP_WAIT_POLICY``
 for PyTorch's OpenMP, ``OPENBLAS_THREAD_TIMEOUT`` for numpy's OpenBLAS; both only when not
@@ -224,6 +227,35 @@ def row_cases(table: Table, cpu: fg.Backend, repeat: int) -> None:
     table.add("RMS_NORM 4096x512 [read+write]", 2 * rn.nbytes, "GB/s", timings)
 
 
+def blas_description() -> str:
+    """Which BLAS numpy calls and which of its kernels runs (OpenBLAS picks one at load time,
+    from the CPU or ``OPENBLAS_CORETYPE``): threadpoolctl's report when installed, else
+    ``numpy.show_runtime``'s."""
+    if threadpool_limits is not None:
+        from threadpoolctl import threadpool_info
+
+        found = [
+            f"{i.get('internal_api')} {i.get('version')} kernel {i.get('architecture')}, "
+            f"{i.get('num_threads')} threads"
+            for i in threadpool_info()
+            if i.get("user_api") == "blas"
+        ]
+        if found:
+            return "; ".join(found)
+    try:
+        import contextlib
+        import io
+
+        buffer = io.StringIO()
+        with contextlib.redirect_stdout(buffer):
+            np.show_runtime()
+        lines = [line.strip() for line in buffer.getvalue().splitlines()]
+        keys = ("internal_api", "architecture", "version")
+        return ", ".join(line for line in lines if line.strip("'\",").startswith(keys)) or "?"
+    except Exception as exc:  # pragma: no cover - depends on numpy's version
+        return f"unknown ({exc})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -231,6 +263,9 @@ def main() -> None:
     parser.add_argument("--peak-gflops", type=float, default=193.0, help="f32 FMA peak")
     parser.add_argument("--bandwidth", type=float, default=27.0, help="memory GB/s")
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
+    parser.add_argument(
+        "--only-matmul", action="store_true", help="the matrix products alone (f32 and typed)"
+    )
     args = parser.parse_args()
 
     if torch is not None:
@@ -241,8 +276,10 @@ def main() -> None:
     print(
         f"threads={args.threads}; torch={'yes' if torch is not None else 'not installed'}; "
         f"numpy BLAS limited={'yes' if limiter is not None else 'no (threadpoolctl missing)'}; "
-        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '-')}"
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '-')}, "
+        f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '-')}"
     )
+    print(f"numpy BLAS: {blas_description()}")
     table = Table(args.peak_gflops, args.bandwidth)
     big_k, big_m = (1024, 2048) if args.quick else (4096, 14336)
     square = 1024 if args.quick else 4096
@@ -272,6 +309,8 @@ def main() -> None:
         for dtype in dtypes:
             label = f"MUL_MAT {dtype} {big_k}x{big_m} by {n}"
             mul_mat_case(table, cpu, r, dtype, big_m, big_k, n, label, dtype == with_peers)
+    if args.only_matmul:
+        return
     print("\nelementwise and copies")
     elementwise_cases(table, cpu, r, square)
     print("\nrow kernels")

@@ -141,13 +141,15 @@ struct Col {
     dst: usize,
 }
 
-/// Computes `dst[i, col] = dot(a[:, i, i02, i03], b[col])` for `i` in `rows`.
+/// Computes `dst[i, col] = dot(a[:, i, i02, i03], b[col])` for `i` in `rows`; `n_cols` is the
+/// column count of the whole product (which picks the path).
 #[allow(clippy::too_many_arguments)]
 fn run_tile(
     a: &RawTensor,
     (i02, i03): (usize, usize),
     rows: Range<usize>,
     cols: &[Col],
+    n_cols: usize,
     b: &Prepared<'_>,
     dst: &RawTensor,
     reference: bool,
@@ -183,7 +185,7 @@ fn run_tile(
                 }
             }
         }
-        DType::F16 if !reference && f16_direct(a) && cols.len() <= DIRECT_DOT_MAX_COLS => {
+        DType::F16 if !reference && f16_direct(a) && n_cols <= DIRECT_DOT_MAX_COLS => {
             // Few columns (DIRECT_DOT_MAX_COLS): dot products straight from the f16 weights,
             // half the bytes of an f32 copy and no conversion pass.
             for col in cols {
@@ -282,12 +284,16 @@ fn tile<const C: usize>(
     }
 }
 
+/// Tasks the dot-product path aims for (enough to keep several threads busy): a constant so the
+/// partition, and with it every result bit, is the same for any thread count.
+const MIN_TASKS: usize = 16;
+
 /// Largest column count for which compact weights (f16, q8_0, q4_0) are read by dot products
 /// of their own type (f16 · f32, integer dots against q8_0 activations): reading the compact
 /// rows once is what counts there. With more columns the rows are converted to f32 once per
 /// tile and reused by the register-tiled f32 kernel, which is faster (and, for quantized
-/// weights, more accurate). Quantized products decide by the whole product's column count
-/// (activations are quantized before the tiles); f16 by each tile's.
+/// weights, more accurate). Both decide by the whole product's column count (`n_cols` of
+/// [`run_tile`]), never by a tile's, so the path does not depend on how the output is split.
 const DIRECT_DOT_MAX_COLS: usize = 2;
 
 fn row_tile(m: usize, n: usize) -> usize {
@@ -328,11 +334,13 @@ pub fn mul_mat(
     let ti = row_tile(m, n);
     let i_tiles = m.div_ceil(ti);
     let batches = ne12 * ne13;
-    let threads = rayon::current_num_threads().max(1);
-    let j_tiles = if batches * i_tiles >= 4 * threads {
+    // Column tiles are chosen from the shape alone, never from the thread count: the f16 path
+    // and the register-tile widths depend on a tile's columns, so a thread-dependent split
+    // would change the results' last bits with `n_threads`.
+    let j_tiles = if batches * i_tiles >= MIN_TASKS {
         1
     } else {
-        (4 * threads).div_ceil(batches * i_tiles).min(n.max(1))
+        MIN_TASKS.div_ceil(batches * i_tiles).min(n.max(1))
     };
     let tj = n.div_ceil(j_tiles.max(1)).max(1);
     let j_tiles = n.div_ceil(tj);
@@ -360,6 +368,7 @@ pub fn mul_mat(
                 (i12 / r2, i13 / r3),
                 it * ti..((it + 1) * ti).min(m),
                 &cols,
+                n,
                 &prepared,
                 &dst,
                 reference,
@@ -370,9 +379,8 @@ pub fn mul_mat(
     })
 }
 
-/// MUL_MAT through the packed GEMM path (see [`gemm`]): activations as f32 rows, then one
-/// multiplication per batch — batches in parallel when there are many small ones, else each
-/// multiplication threaded.
+/// MUL_MAT through the packed GEMM path (see [`gemm`]): activations as f32 rows, then
+/// single-threaded multiplications of fixed weight panels, in parallel.
 fn mul_mat_gemm(
     dst: &RawTensor,
     a: &RawTensor,
@@ -400,35 +408,21 @@ fn mul_mat_gemm(
             },
         }
     };
-    let batches = ne12 * ne13;
-    let threads = rayon::current_num_threads().max(1);
-    let small = m * n * k < 1 << 22;
-    let run = |batch: usize, panel: &mut Vec<f32>, threads: usize| -> Result<()> {
+    let (r2, r3) = (r2.max(1), r3.max(1));
+    let product = |batch: usize| {
         let (i12, i13) = (batch % ne12, batch / ne12);
-        // SAFETY: each batch writes its own dst rows (i12, i13), which do not overlap the
-        // read-only weights and activations; every pointer addresses live host memory of the
-        // node's tensors.
-        unsafe {
-            gemm::mul_mat_batch(
-                a,
-                (i12 / r2, i13 / r3),
-                rows_of(i12, i13),
-                n,
-                dst,
-                dst.row_offset(0, i12, i13),
-                panel,
-                threads,
-            )
+        gemm::Product {
+            weights: gemm::WeightRows::of(a, (i12 / r2, i13 / r3)),
+            b: rows_of(i12, i13),
+            // SAFETY: output row 0 of batch (i12, i13) lies inside `dst`.
+            dst: unsafe { dst.at(dst.row_offset(0, i12, i13)) }.cast::<f32>(),
+            dst_stride: dst.nb[1] / 4,
         }
     };
-    if batches >= threads && small && threads > 1 {
-        (0..batches)
-            .into_par_iter()
-            .try_for_each_init(Vec::new, |panel, batch| run(batch, panel, 1))
-    } else {
-        let mut panel = Vec::new();
-        (0..batches).try_for_each(|batch| run(batch, &mut panel, threads))
-    }
+    // SAFETY: every batch's pointers address live host memory of the node's tensors with the
+    // shapes and strides of `a`, `b` and `dst` (checked when the node was built); batches
+    // write their own dst rows, which do not overlap the read-only weights and activations.
+    unsafe { gemm::run(gemm::Isa::best(), (m, n, k), ne12 * ne13, &product) }
 }
 
 /// MUL_MAT_ID: for token `t` and slot `e`, `dst[:, e, t] = experts[ids[e, t]] · b[:, e % n_b, t]`.
@@ -474,6 +468,7 @@ pub fn mul_mat_id(
                 (x, 0),
                 it * ti..((it + 1) * ti).min(m),
                 &by_expert[x],
+                by_expert[x].len(),
                 &prepared,
                 &dst,
                 reference,

@@ -84,3 +84,30 @@ where
         .into_par_iter()
         .try_for_each(|c| f(c * chunk..((c + 1) * chunk).min(n)))
 }
+
+/// Test support shared by the kernel unit tests.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// Thread counts kernel results are compared at.
+    pub const THREAD_COUNTS: [usize; 3] = [1, 2, 3];
+
+    /// Runs `f` in rayon pools of 1, 2 and 3 threads, asserts that every run returns the same
+    /// value (compare bit patterns for floats), and returns it.
+    pub fn at_thread_counts<T: PartialEq + Send>(f: impl Fn() -> T + Sync + Send) -> T {
+        let mut results = THREAD_COUNTS.iter().map(|&threads| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .expect("thread pool")
+                .install(&f)
+        });
+        let first = results.next().expect("at least one thread count");
+        for (got, threads) in results.zip(&THREAD_COUNTS[1..]) {
+            assert!(
+                got == first,
+                "the result at {threads} threads differs from 1 thread"
+            );
+        }
+        first
+    }
+}

@@ -19,11 +19,14 @@ fn row_sum(a: &RawTensor, r: usize, buf: &mut [f32]) -> Result<f64> {
 /// SUM: the sum of all elements into a one-element f32 tensor.
 pub fn sum(dst: RawTensor, a: RawTensor) -> Result<()> {
     let n0 = a.ne[0];
-    let total = (0..a.nrows())
+    // Row sums in parallel, then added in row order: a parallel tree reduction would group the
+    // additions by thread count and change the result's last bits with it.
+    let row_sums = (0..a.nrows())
         .into_par_iter()
         .with_min_len(row_grain(n0))
         .map_init(|| vec![0f32; n0], |buf, r| row_sum(&a, r, buf))
-        .try_reduce(|| 0.0, |x, y| Ok(x + y))?;
+        .collect::<Result<Vec<f64>>>()?;
+    let total: f64 = row_sums.iter().sum();
     // SAFETY: dst has one element and nothing else accesses it.
     unsafe { dst.store_row(0, 0, 0, &[total as f32]) }
 }

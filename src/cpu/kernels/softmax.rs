@@ -57,7 +57,7 @@ pub fn soft_max(
 
 simd_fn! {
     /// `x = softmax(x·scale + slope·mask)` in place (max-subtracted exp, f64 sum).
-    fn soft_max_row(x: &mut [f32], mask: Option<(&[f32], f32)>, scale: f32) {
+    pub(crate) fn soft_max_row(x: &mut [f32], mask: Option<(&[f32], f32)>, scale: f32) {
         match mask {
             Some((m, slope)) => x
                 .iter_mut()
