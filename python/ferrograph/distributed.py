@@ -43,6 +43,7 @@ import contextlib
 import importlib
 import logging
 import os
+import re
 import secrets
 import shlex
 import signal
@@ -198,10 +199,12 @@ class ServerHost:
             print(f"[ferrograph serve] {line.rstrip()}", file=sys.stderr)
 
     def info(self) -> dict[str, Any]:
-        """Where the server runs: endpoint, pid, node id and address, incarnation."""
+        """Where the server runs: endpoint, pid, the actor's pid, node id and address,
+        incarnation."""
         return {
             "endpoint": self.endpoint,
             "pid": self.pid,
+            "actor_pid": os.getpid(),
             "node_id": self.node_id,
             "node_ip": self.node_ip,
             "incarnation": self.incarnation,
@@ -246,6 +249,8 @@ class ServerState:
     node_ip: str = ""
     pid: int = 0
     """The server process id on its node."""
+    actor_pid: int = 0
+    """The actor's process id on its node."""
     incarnation: str = ""
     state: str = "starting"
     """``"starting"``, ``"alive"``, ``"lost"`` (actor dead, maybe restarting) or ``"stopped"``."""
@@ -440,8 +445,8 @@ class Cluster:
 
     def _connect(self, index: int, timeout: float) -> None:
         """Asks actor ``index`` where its server is and connects to it."""
-        remote: Any = importlib.import_module("ferrograph.remote")
         info = self._ray.get(self._actors[index].info.remote(), timeout=timeout)
+        remote: Any = importlib.import_module("ferrograph.remote")
         connection = remote.connect(info["endpoint"], token=self.__token)
         devices = _devices_of(connection)
         with self._lock:
@@ -452,6 +457,7 @@ class Cluster:
             s.node_id = info["node_id"]
             s.node_ip = info["node_ip"]
             s.pid = info["pid"]
+            s.actor_pid = info["actor_pid"]
             s.incarnation = info["incarnation"]
             s.connection = connection
             s.devices = devices
@@ -550,13 +556,32 @@ class Cluster:
                 time.sleep(self.monitor_interval)
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
 def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
+    text = _ANSI.sub("", str(error)).strip()
     return text.splitlines()[0] if text else ""
 
 
+def _actor_failure(error: BaseException) -> str:
+    """What made an actor fail: the message our actor raised when Ray's error carries it (an
+    actor's creation error is wrapped in Ray's own text and traceback), else the first line."""
+    text = _ANSI.sub("", str(error))
+    marker = "RuntimeError: ferrograph serve"
+    at = text.rfind(marker)
+    if at >= 0:
+        return text[at + len("RuntimeError: ") :].strip()
+    return _first_line(error)
+
+
 def _check_launch_args(
-    n_servers: int, cpus_per_server: float, strategy: str, max_restarts: int
+    n_servers: int,
+    cpus_per_server: float,
+    strategy: str,
+    max_restarts: int,
+    ready_timeout: float,
+    monitor_interval: float,
 ) -> None:
     if isinstance(n_servers, bool) or not isinstance(n_servers, int) or n_servers < 1:
         raise InvalidArgumentError(f"n_servers must be a positive int, got {n_servers!r}")
@@ -574,6 +599,11 @@ def _check_launch_args(
         raise InvalidArgumentError(
             f"max_restarts must be an int >= 0 (or -1: no limit), got {max_restarts!r}"
         )
+    for name, value in (("ready_timeout", ready_timeout), ("monitor_interval", monitor_interval)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise InvalidArgumentError(
+                f"{name} must be a positive number of seconds, got {value!r}"
+            )
 
 
 def _start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
@@ -594,8 +624,17 @@ def _start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
     return True
 
 
+SERVER_COMMAND_ENV = "FERROGRAPH_SERVER_COMMAND"
+"""Environment variable naming the server command line (shell words), e.g. an installed
+``ferrograph serve`` binary; read by :func:`default_server_command`."""
+
+
 def default_server_command() -> list[str]:
-    """``python -m ferrograph serve`` with this interpreter (the actors run the same one)."""
+    """The server command before its options: ``$FERROGRAPH_SERVER_COMMAND`` when set, else
+    ``python -m ferrograph serve`` with this interpreter (Ray's workers run the same one)."""
+    configured = os.environ.get(SERVER_COMMAND_ENV, "").strip()
+    if configured:
+        return shlex.split(configured)
     return [sys.executable, "-m", "ferrograph", "serve"]
 
 
@@ -635,8 +674,9 @@ def launch(
         The address servers bind; default: their node's address as Ray knows it (127.0.0.1
         for a local Ray).
     server_command
-        The server's command line before its options; default ``python -m ferrograph serve``
-        with this interpreter (the nodes need ferrograph installed in the same environment).
+        The server's command line before its options; default
+        :func:`default_server_command` (``python -m ferrograph serve`` with this interpreter:
+        the nodes need ferrograph installed in the same environment).
     ready_timeout
         Seconds to wait for the placement group, each server and each connection.
     monitor_interval
@@ -653,7 +693,9 @@ def launch(
     ferrograph.InvalidArgumentError
         For a bad argument.
     """
-    _check_launch_args(n_servers, cpus_per_server, strategy, max_restarts)
+    _check_launch_args(
+        n_servers, cpus_per_server, strategy, max_restarts, ready_timeout, monitor_interval
+    )
     if threads is None:
         threads = max(1, int(cpus_per_server))
     ray = _import_ray()
@@ -712,7 +754,7 @@ def launch(
             except Error:
                 raise
             except Exception as error:
-                raise LaunchError(f"server {i}: {_first_line(error)}") from error
+                raise LaunchError(f"server {i}: {_actor_failure(error)}") from error
     except BaseException:
         if cluster is not None:
             cluster.shutdown()

@@ -1,0 +1,261 @@
+"""ferrograph.distributed: device servers placed and supervised by Ray.
+
+One local Ray cluster for the module (``ray.cluster_utils.Cluster``): a head with 0 CPUs and two
+worker nodes of 2 CPUs, every node on 127.0.0.1, no dashboard, no usage stats. The tests that
+need Ray skip when it is not importable (it is in the ``distributed`` extra; scripts/dev.sh
+installs it, so CI runs them).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import ferrograph as fg
+from ferrograph import distributed
+
+HAVE_RAY = importlib.util.find_spec("ray") is not None
+needs_ray = pytest.mark.skipif(
+    not HAVE_RAY, reason='ray is not installed (pip install "ferrograph[distributed]")'
+)
+HAVE_REMOTE = importlib.util.find_spec("ferrograph.remote") is not None
+needs_servers = pytest.mark.skipif(
+    not HAVE_RAY or not HAVE_REMOTE,
+    reason="needs ray and the remote-devices layer (ferrograph.remote, ferrograph serve)",
+)
+_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+# ----- without Ray ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "word"),
+    [
+        ({"n_servers": 0}, "n_servers"),
+        ({"n_servers": 1.5}, "n_servers"),
+        ({"n_servers": True}, "n_servers"),
+        ({"n_servers": 2, "cpus_per_server": 0}, "cpus_per_server"),
+        ({"n_servers": 2, "cpus_per_server": float("nan")}, "cpus_per_server"),
+        ({"n_servers": 2, "strategy": "spread"}, "strategy"),
+        ({"n_servers": 2, "max_restarts": -2}, "max_restarts"),
+        ({"n_servers": 2, "ready_timeout": 0}, "ready_timeout"),
+        ({"n_servers": 2, "monitor_interval": -1}, "monitor_interval"),
+    ],
+)
+def test_bad_arguments_are_refused_before_ray_starts(kwargs: dict[str, Any], word: str) -> None:
+    with pytest.raises(fg.InvalidArgumentError, match=word):
+        distributed.launch(**kwargs)
+
+
+def test_missing_ray_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    with pytest.raises(distributed.RayNotInstalledError, match=r"ferrograph\[distributed\]"):
+        distributed.launch(1)
+    assert issubclass(distributed.RayNotInstalledError, (fg.Error, ImportError))
+
+
+# ----- a local Ray cluster ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    if not HAVE_RAY:
+        pytest.skip('ray is not installed (pip install "ferrograph[distributed]")')
+    saved = {k: os.environ.get(k) for k in _RAY_ENV}
+    os.environ.update(_RAY_ENV)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 0,
+            "node_ip_address": "127.0.0.1",
+            "include_dashboard": False,
+        },
+    )
+    workers = [cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1") for _ in range(2)]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    cluster.worker_node_ids = {w.node_id for w in workers}  # type: ignore[attr-defined]
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _descendants(root: int) -> set[int]:
+    """``root`` and every process below it (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.add(pid)
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+_LOOPBACK = re.compile(r"^(127\.\d+\.\d+\.\d+|\[::1\]|\[::ffff:127\.\d+\.\d+\.\d+\])(:\d+|:\*)?$")
+_WILDCARD = {"*", "*:*", "0.0.0.0:*", "[::]:*"}
+
+
+def _sockets_of(pids: set[int]) -> list[tuple[str, str, str, int]]:
+    """(state, local, peer, pid) of every TCP/UDP socket of ``pids`` (``ss -tuanpH``)."""
+    out = subprocess.run(["ss", "-tuanpH"], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        fields = line.split()
+        if len(fields) < 7:
+            continue
+        state, local, peer = fields[1], fields[4], fields[5]
+        rows.extend(
+            (state, local, peer, int(pid))
+            for pid in re.findall(r"pid=(\d+)", " ".join(fields[6:]))
+            if int(pid) in pids
+        )
+    return rows
+
+
+@pytest.fixture
+def launched(ray_cluster: Any) -> Iterator[distributed.Cluster]:
+    cluster = distributed.launch(2, cpus_per_server=1, strategy="STRICT_SPREAD")
+    try:
+        yield cluster
+    finally:
+        cluster.shutdown()
+
+
+@needs_servers
+def test_strict_spread_on_two_nodes_and_loopback_only(
+    ray_cluster: Any, launched: distributed.Cluster
+) -> None:
+    nodes = launched.node_ids
+    assert len(set(nodes)) == 2 and set(nodes) <= ray_cluster.worker_node_ids
+    assert all(ep.startswith("127.0.0.1:") for ep in launched.endpoints)
+    assert len(launched.devices) >= 2
+    assert "2 alive" in repr(launched) and "STRICT_SPREAD" in repr(launched)
+
+    ours = _descendants(os.getpid())
+    sockets = _sockets_of(ours)
+    listening = [s for s in sockets if s[0] == "LISTEN" or s[0] == "UNCONN"]
+    server_pids = {s.pid for s in launched.servers}
+    # the check sees what it must judge: Ray's own services and both device servers
+    assert server_pids <= {pid for *_, pid in listening}
+    assert len({pid for *_, pid in listening}) >= 5
+    beyond = [
+        s
+        for s in sockets
+        if not _LOOPBACK.match(s[1]) or not (_LOOPBACK.match(s[2]) or s[2] in _WILDCARD)
+    ]
+    assert not beyond, f"sockets beyond loopback: {beyond}"
+
+
+@needs_servers
+def test_shutdown_leaves_no_process_or_placement_group(ray_cluster: Any) -> None:
+    import ray
+    from ray.util import placement_group_table
+
+    cluster = distributed.launch(2, strategy="SPREAD")
+    pids = [p for s in cluster.servers for p in (s.pid, s.actor_pid)]
+    pg_id = cluster.placement_group.id.hex()
+    assert all(_running(p) for p in pids)
+    cluster.shutdown()
+    cluster.shutdown()  # idempotent
+    assert cluster.devices == [] and "2 stopped" in repr(cluster)
+    assert placement_group_table()[pg_id]["state"] == "REMOVED"
+    # servers and actors gone (an actor's worker process may take a moment to exit)
+    deadline = time.monotonic() + 10
+    while any(_running(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids if _running(p)]
+    # and their CPUs are free again (the nodes report resources a moment later)
+    while ray.available_resources().get("CPU", 0) < 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert ray.available_resources().get("CPU", 0) == 4
+
+
+@needs_ray
+def test_impossible_placement_fails_quickly_and_cleans_up(ray_cluster: Any) -> None:
+    from ray.util import placement_group_table
+
+    before = set(placement_group_table())
+    start = time.monotonic()
+    with pytest.raises(distributed.LaunchError, match="could not place 3 server"):
+        distributed.launch(3, strategy="STRICT_SPREAD", ready_timeout=2)
+    assert time.monotonic() - start < 15
+    for pg_id, row in placement_group_table().items():
+        if pg_id not in before:
+            assert row["state"] == "REMOVED"
+
+
+@needs_ray
+def test_a_server_that_does_not_start_is_a_launch_error(ray_cluster: Any) -> None:
+    bogus = [sys.executable, "-c", "print('not an address')"]
+    with pytest.raises(distributed.LaunchError, match="instead of host:port"):
+        distributed.launch(1, server_command=bogus, ready_timeout=20)
+
+
+@needs_servers
+def test_killed_actor_is_noticed_and_its_devices_lost(
+    ray_cluster: Any, launched: distributed.Cluster
+) -> None:
+    import ray
+
+    lost: list[distributed.ServerState] = []
+    launched._on_lost = lost.append
+    victim = launched.servers[1]
+    pid = victim.pid
+    start = time.monotonic()
+    ray.kill(launched.actors[1], no_restart=True)
+    while victim.state == "alive" and time.monotonic() - start < 5:
+        time.sleep(0.01)
+    assert victim.state == "lost", "the monitor did not notice the dead actor"
+    assert victim.lost_at is not None and victim.lost_at - start < 5
+    assert "ActorDiedError" in (victim.lost_reason or "")
+    assert lost == [victim]
+    assert launched.wait_ready(timeout=5) is False  # no restarts allowed: returns at once
+    assert launched.devices and all(d not in victim.devices for d in launched.devices)
+    deadline = time.monotonic() + 5
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid), "the server outlived its actor"
+
+
+_ = (np, threading)
