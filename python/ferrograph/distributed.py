@@ -277,19 +277,96 @@ def _devices_of(connection: Any) -> list[Any]:
     return list(devices)
 
 
-def _close_connection(connection: Any, devices: Sequence[Any]) -> bool:
-    """Marks a server's devices lost by closing its client connection, so waits on it end with
-    :class:`ferrograph.DeviceLostError`. Returns whether a closing hook was found."""
-    for target in (connection, *devices):
-        for name in ("mark_lost", "close"):
-            hook = getattr(target, name, None)
-            if callable(hook):
-                try:
-                    hook()
-                except Exception:
-                    logger.debug("closing %r failed", target, exc_info=True)
-                return True
-    return False
+def _socket_inodes_to(addresses: set[tuple[str, int]]) -> set[int]:
+    """Inodes of this machine's TCP sockets whose peer is one of ``addresses`` (IP, port),
+    from ``/proc/net/tcp`` and ``/proc/net/tcp6``."""
+    import ipaddress
+
+    wanted = set()
+    for host, port in addresses:
+        ip = ipaddress.ip_address(host)
+        wanted.add((ip, port))
+        if isinstance(ip, ipaddress.IPv4Address):  # the same peer seen by an IPv6 socket
+            wanted.add((ipaddress.IPv6Address(f"::ffff:{ip}"), port))
+    inodes = set()
+    for table, width in (("/proc/net/tcp", 8), ("/proc/net/tcp6", 32)):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if len(fields) < 10:
+                continue
+            peer_hex, port_hex = fields[2].split(":")
+            if len(peer_hex) != width:
+                continue
+            # the kernel prints each 32-bit word of the address in host (little-endian) order
+            raw = b"".join(bytes.fromhex(peer_hex[i : i + 8])[::-1] for i in range(0, width, 8))
+            peer = ipaddress.ip_address(raw)
+            if (peer, int(port_hex, 16)) in wanted:
+                inodes.add(int(fields[9]))
+    return inodes
+
+
+def sever_connections(endpoint: str) -> int:
+    """Shuts down every TCP connection of this process to ``endpoint`` (``host:port``), so
+    the remote client's waits on it end at once (as when the server closes them). Returns how
+    many were shut down (0 where ``/proc`` is not available: the client then notices at its
+    heartbeat deadline).
+
+    This is how the monitor marks a server's devices lost: :func:`ferrograph.remote.connect`
+    hands out devices without a handle on their connection, and shutting the socket down
+    (not closing its descriptor, which the client owns) is the smallest change that wakes it.
+    """
+    import socket
+
+    host, _, port_text = endpoint.rpartition(":")
+    try:
+        port = int(port_text)
+        infos = socket.getaddrinfo(host.strip("[]"), port, proto=socket.IPPROTO_TCP)
+    except (ValueError, OSError):
+        return 0
+    addresses = {(str(info[4][0]), port) for info in infos}
+    inodes = _socket_inodes_to(addresses)
+    if not inodes:
+        return 0
+    severed = 0
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return 0
+    for fd_text in fds:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd_text}")
+        except OSError:
+            continue
+        if not target.startswith("socket:[") or int(target[8:-1]) not in inodes:
+            continue
+        try:
+            # a duplicate of the descriptor: shutdown acts on the shared socket, close only on
+            # the duplicate, so the client's descriptor stays valid and its reads see the end
+            dup = socket.socket(fileno=os.dup(int(fd_text)))
+        except OSError:
+            continue
+        with dup:
+            try:
+                dup.shutdown(socket.SHUT_RDWR)
+                severed += 1
+            except OSError:
+                pass
+    return severed
+
+
+def _close_connection(endpoint: str) -> int:
+    """Marks a server's devices lost by shutting its client connections down; returns how
+    many were."""
+    try:
+        return sever_connections(endpoint) if endpoint else 0
+    except Exception:  # never let the monitor die on it
+        logger.debug("severing %s failed", endpoint, exc_info=True)
+        return 0
 
 
 class Cluster:
@@ -392,11 +469,14 @@ class Cluster:
             self._monitor.join(timeout)
         ray = self._ray
         with self._lock:
+            dropped = [(s.endpoint, s.devices) for s in self.servers if s.devices]
             for s in self.servers:
-                if s.connection is not None or s.devices:
-                    _close_connection(s.connection, s.devices)
                 s.connection = None
                 s.devices = []
+        # the devices close their connection when the last reference goes; the user may still
+        # hold some, so shut the connections down now
+        for endpoint, _devices in dropped:
+            _close_connection(endpoint)
         stops = [a.stop.remote() for a in self._actors]
         with contextlib.suppress(Exception):
             ray.wait(stops, num_returns=len(stops), timeout=timeout)
@@ -487,10 +567,11 @@ class Cluster:
             self.generation += 1
             self._lock.notify_all()
         logger.warning("server %d (%s) lost: %s", index, s.endpoint, reason)
-        if not _close_connection(connection, devices):
-            logger.warning(
-                "the remote client has no hook to close server %d's connection; computes on it "
-                "end at its own deadline",
+        del connection, devices
+        if not _close_connection(s.endpoint):
+            logger.info(
+                "no connection to server %d found to shut down; computes on it end at the "
+                "client's heartbeat deadline",
                 index,
             )
         if self._on_lost is not None:
