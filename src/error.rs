@@ -43,6 +43,10 @@ pub enum Error {
     /// An argument outside its allowed range that is none of the above.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// A remote device whose server died, hung past its deadline or closed the connection;
+    /// its buffers and queued work are gone (rebuild the scheduler without it).
+    #[error("device lost: {0}")]
+    DeviceLost(String),
 }
 
 impl Error {

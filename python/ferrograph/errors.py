@@ -13,6 +13,7 @@ __all__ = [
     "AllocationError",
     "BackendError",
     "DTypeError",
+    "DeviceLostError",
     "Error",
     "InvalidArgumentError",
     "NotAllocatedError",
@@ -65,3 +66,10 @@ class AbortedError(Error, RuntimeError):
 
 class InvalidArgumentError(Error, ValueError):
     """An argument outside its allowed range that is none of the above."""
+
+
+class DeviceLostError(Error, ConnectionError):
+    """A remote device whose server died, hung past its deadline or closed the connection.
+
+    Its buffers and queued work are gone; build a new scheduler from the remaining devices.
+    """

@@ -16,7 +16,7 @@ use pyo3::types::PyType;
 use crate::error::Error;
 
 /// The exception classes, in the order of [`class_index`].
-const CLASS_NAMES: [&str; 11] = [
+const CLASS_NAMES: [&str; 12] = [
     "Error",
     "ShapeError",
     "DTypeError",
@@ -28,6 +28,7 @@ const CLASS_NAMES: [&str; 11] = [
     "NotAllocatedError",
     "AbortedError",
     "InvalidArgumentError",
+    "DeviceLostError",
 ];
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
@@ -44,6 +45,7 @@ fn class_index(err: &Error) -> usize {
         Error::NotAllocated(_) => 8,
         Error::Aborted => 9,
         Error::InvalidArgument(_) => 10,
+        Error::DeviceLost(_) => 11,
     }
 }
 
@@ -127,7 +129,7 @@ pub(crate) fn error_class_names() -> Vec<&'static str> {
 
 /// Raises the exception class mapped from the Rust variant named `variant` (for tests of the
 /// mapping: "Shape", "DType", "Alloc", "UnsupportedOp", "Backend", "OutOfBounds", "Stale",
-/// "NotAllocated", "Aborted", "InvalidArgument").
+/// "NotAllocated", "Aborted", "InvalidArgument", "DeviceLost").
 #[pyfunction]
 pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
     let m = message.to_owned();
@@ -142,6 +144,7 @@ pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
         "NotAllocated" => Error::NotAllocated(m),
         "Aborted" => Error::Aborted,
         "InvalidArgument" => Error::InvalidArgument(m),
+        "DeviceLost" => Error::DeviceLost(m),
         other => return Err(invalid(format!("unknown error variant {other:?}"))),
     };
     Err(err.into())
