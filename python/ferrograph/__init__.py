@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import cpu, ops, plugins
+from . import cpu, distributed, ops, plugins
 from ._core import (
     Backend,
     Buffer,
@@ -200,6 +200,7 @@ __all__ = [
     "commit",
     "compare_graph_backend",
     "cpu",
+    "distributed",
     "cpu_buffer_from_array",
     "cpu_buffer_type",
     "ctx_tensors_size",

@@ -1,0 +1,255 @@
+"""ferrograph.distributed on a local Ray cluster: launch time, weights to many servers, MiniLM.
+
+Run with ``python benches/cluster.py`` (``--help`` for options). Everything runs on one
+``ray.cluster_utils.Cluster`` made here: a head with 0 CPUs and ``--nodes`` worker nodes, all on
+127.0.0.1, no dashboard, no usage stats. The machine's cores are shared by every node, so the
+figures compare peers measured in the same run, not machines.
+
+Sections (``--only``):
+
+* ``launch``: the Ray cluster's start, then ``fg.distributed.launch(n, "STRICT_SPREAD")`` until
+  every device is connected, and ``shutdown()``; best and median of ``--repeat`` rounds.
+* ``weights``: the MiniLM weights (f32, every tensor of ``model.safetensors``) brought to one
+  actor per node, through Ray's object store (``ray.put`` once, each actor ``ray.get`` and reads
+  every byte) vs streamed from this process over a direct TCP socket to each actor (what a
+  client's upload puts on the wire). Wall time until every actor holds every byte.
+* ``minilm``: 32 sentences of 128 tokens, ferrograph on this process's CPU (the peer) vs the
+  layers split over two servers, with 1, 2 and 4 batches in flight; sentences/s. Needs the
+  remote client (``ferrograph.remote``) and a layer-placement option in the models; the section
+  says so and is skipped when either is missing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import struct
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+
+
+def start_ray(n_nodes: int, cpus_per_node: int) -> tuple[Any, float]:
+    os.environ.update(_RAY_ENV)
+    import ray
+    from ray.cluster_utils import Cluster
+
+    start = time.perf_counter()
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
+    for _ in range(n_nodes):
+        cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    return cluster, time.perf_counter() - start
+
+
+# ----- launch -----------------------------------------------------------------------------
+
+
+def bench_launch(n_servers: int, repeat: int) -> None:
+    import ferrograph as fg
+
+    launches, shutdowns = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        cluster = fg.distributed.launch(n_servers, strategy="STRICT_SPREAD")
+        launches.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        cluster.shutdown()
+        shutdowns.append(time.perf_counter() - start)
+    print(
+        f"launch {n_servers} servers (STRICT_SPREAD, connected): best {min(launches):.2f} s, "
+        f"median {statistics.median(launches):.2f} s; shutdown median "
+        f"{statistics.median(shutdowns):.2f} s ({repeat} rounds)"
+    )
+
+
+# ----- weights ----------------------------------------------------------------------------
+
+
+class Receiver:
+    """An actor that receives weights either way and reads every byte (as an upload would)."""
+
+    def __init__(self) -> None:
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+
+    def address(self) -> int:
+        return int(self.port)
+
+    def from_object_store(self, refs: list[Any]) -> float:
+        import ray
+
+        arrays: dict[str, np.ndarray] = ray.get(refs[0])
+        return float(sum(float(a.view(np.uint8)[::4096].sum()) for a in arrays.values()))
+
+    def from_tcp(self) -> float:
+        conn, _ = self._listener.accept()
+        with conn:
+            total = 0.0
+            header = conn.recv(8, socket.MSG_WAITALL)
+            (size,) = struct.unpack("<Q", header)
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size:
+                n = conn.recv_into(view[got:], size - got)
+                if n == 0:
+                    raise ConnectionError("sender went away")
+                got += n
+            total = float(np.frombuffer(buf, np.uint8)[::4096].sum())
+            conn.sendall(b"k")
+        return total
+
+
+def load_minilm_arrays() -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    from ferrograph.models import find_model_dir
+
+    path = Path(find_model_dir()) / "model.safetensors"
+    return {k: np.ascontiguousarray(v, np.float32) for k, v in load_file(str(path)).items()}
+
+
+def bench_weights(n_receivers: int, repeat: int) -> None:
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    arrays = load_minilm_arrays()
+    nbytes = sum(a.nbytes for a in arrays.values())
+    blob = b"".join(a.tobytes() for a in arrays.values())
+    pg = placement_group([{"CPU": 1}] * n_receivers, strategy="STRICT_SPREAD")
+    ray.get(pg.ready(), timeout=60)
+    cls = ray.remote(Receiver)
+    actors = [
+        cls.options(
+            num_cpus=1,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i
+            ),
+        ).remote()
+        for i in range(n_receivers)
+    ]
+    ports = ray.get([a.address.remote() for a in actors])
+    store, tcp = [], []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        ref = ray.put(arrays)
+        ray.get([a.from_object_store.remote([ref]) for a in actors])
+        store.append(time.perf_counter() - start)
+        del ref
+
+        start = time.perf_counter()
+        pending = [a.from_tcp.remote() for a in actors]
+
+        def send(port: int) -> None:
+            with socket.create_connection(("127.0.0.1", port)) as s:
+                s.sendall(struct.pack("<Q", len(blob)))
+                s.sendall(blob)
+                s.recv(1)
+
+        threads = [threading.Thread(target=send, args=(p,)) for p in ports]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        ray.get(pending)
+        tcp.append(time.perf_counter() - start)
+    for a in actors:
+        ray.kill(a)
+    remove_placement_group(pg)
+    mib = nbytes / 2**20
+    s_best, t_best = min(store), min(tcp)
+    print(
+        f"weights ({mib:.1f} MiB f32) to {n_receivers} actors on {n_receivers} nodes: "
+        f"object store best {s_best * 1e3:.0f} ms (median {statistics.median(store) * 1e3:.0f}), "
+        f"direct TCP best {t_best * 1e3:.0f} ms (median {statistics.median(tcp) * 1e3:.0f}); "
+        f"object store / TCP = {s_best / t_best:.2f}"
+    )
+
+
+# ----- MiniLM -----------------------------------------------------------------------------
+
+
+def bench_minilm(repeat: int) -> None:
+    import inspect
+
+    import ferrograph as fg
+    from ferrograph.models import MiniLM
+
+    if importlib_spec("ferrograph.remote") is None:
+        print("minilm: skipped (no ferrograph.remote in this build)")
+        return
+    if "devices" not in inspect.signature(MiniLM).parameters:
+        print("minilm: skipped (the models have no devices= layer placement in this build)")
+        return
+    sentences = [" ".join(["word"] * 126)] * 32  # 128 tokens with [CLS] and [SEP]
+    local = MiniLM(n_threads=2, max_length=128)
+    local.encode(sentences)
+    best = min(_timed(lambda: local.encode(sentences)) for _ in range(repeat))
+    print(f"minilm 32x128 local (2 threads): {best * 1e3:.0f} ms, {32 / best:.1f} sentences/s")
+    with fg.distributed.launch(2, cpus_per_server=1, strategy="STRICT_SPREAD") as cluster:
+        for n_copies in (1, 2, 4):
+            model = MiniLM(max_length=128, devices=cluster.devices, n_copies=n_copies)
+            model.encode(sentences)
+            split = min(_timed(lambda m=model: m.encode(sentences)) for _ in range(repeat))
+            print(
+                f"minilm 32x128 split over 2 servers, {n_copies} in flight: "
+                f"{split * 1e3:.0f} ms, {32 / split:.1f} sentences/s "
+                f"(local / split = {best / split:.2f})"
+            )
+
+
+def importlib_spec(name: str) -> Any:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name)
+    except ModuleNotFoundError:
+        return None
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", default="launch,weights,minilm")
+    parser.add_argument("--nodes", type=int, default=2, help="worker nodes (default 2)")
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args()
+    sections = set(args.only.split(","))
+    cluster, started = start_ray(args.nodes, cpus_per_node=2)
+    print(f"local Ray cluster (head + {args.nodes} worker nodes on 127.0.0.1): {started:.1f} s")
+    try:
+        if "launch" in sections:
+            bench_launch(args.nodes, args.repeat)
+        if "weights" in sections:
+            bench_weights(args.nodes, args.repeat)
+        if "minilm" in sections:
+            bench_minilm(args.repeat)
+    finally:
+        import ray
+
+        ray.shutdown()
+        cluster.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
