@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import cpu, distributed, ops, plugins
+from . import cpu, distributed, ops, plugins, remote
 from ._core import (
     Backend,
     Buffer,
@@ -249,6 +249,7 @@ __all__ = [
     "register_backend",
     "register_blas",
     "registrations",
+    "remote",
     "set_global_abort_callback",
     "set_log_level",
     "simd_path",

@@ -65,6 +65,7 @@ __all__ = [
     "RayNotInstalledError",
     "ServerState",
     "launch",
+    "place_layers",
 ]
 
 logger = logging.getLogger("ferrograph.distributed")
@@ -417,6 +418,12 @@ class Cluster:
             return [d for s in self.servers if s.state == "alive" for d in s.devices]
 
     @property
+    def devices_per_server(self) -> list[list[Any]]:
+        """The devices of each server, in bundle order (empty for a server that is lost)."""
+        with self._lock:
+            return [list(s.devices) if s.state == "alive" else [] for s in self.servers]
+
+    @property
     def endpoints(self) -> list[str]:
         """``host:port`` of each server (in bundle order)."""
         with self._lock:
@@ -434,8 +441,9 @@ class Cluster:
         return list(self._actors)
 
     def backends(self, **options: Any) -> list[Any]:
-        """One backend per device (``device.init(**options)``), ready for ``fg.Scheduler``."""
-        return [d.init(**options) if options else d.init() for d in self.devices]
+        """One backend per device (``device.init_backend(**options)``), ready for
+        ``fg.Scheduler``."""
+        return [d.init_backend(**options) for d in self.devices]
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Waits until every server is alive (after a restart and reconnection); returns whether
@@ -858,3 +866,69 @@ def launch(
         cluster.endpoints,
     )
     return cluster
+
+
+# ----- layers over devices ----------------------------------------------------------------
+
+
+def place_layers(model: Any, devices: Sequence[Any]) -> list[int]:
+    """Spreads a :class:`ferrograph.models.SentenceEncoder`'s encoder layers over ``devices``
+    (devices, e.g. :attr:`Cluster.devices`, or backends opened on them).
+
+    With ``k`` devices, consecutive runs of about ``n_layers / k`` layers go to one device
+    each: their weights are copied once into a weights buffer on that device, so the
+    scheduler runs those layers there. Embeddings, pooling and normalisation stay on the
+    model's own backend; the scheduler copies activations between the devices. Sets
+    ``model.backends`` (the local backend first, then one per device), ``model.layer_homes``
+    (per layer, an index into ``model.backends``) and a new ``model.scheduler``; returns
+    ``model.layer_homes``.
+
+    Raises
+    ------
+    ferrograph.InvalidArgumentError
+        If ``devices`` is empty.
+    ferrograph.DeviceLostError
+        If a remote device's server is gone.
+    """
+    import ferrograph as fg
+
+    if not devices:
+        raise InvalidArgumentError("place_layers needs at least one device")
+    backends = [model.backend] + [
+        d if isinstance(d, fg.Backend) else d.init_backend() for d in devices
+    ]
+    n_layers, k = model.config.num_hidden_layers, len(devices)
+    homes = [1 + i * k // n_layers for i in range(n_layers)]
+    moved: dict[int, list[str]] = {}
+    for name in model.weights:
+        if name.startswith("encoder.layer."):
+            moved.setdefault(homes[int(name.split(".")[2])], []).append(name)
+    placed = []
+    for home, names in sorted(moved.items()):
+        ctx = fg.Context()
+        copies = {}
+        for name in names:
+            old = model.weights[name]
+            copies[name] = ctx.new_tensor(old.dtype, old.shape, name=name)
+        buffer = fg.alloc_ctx_tensors(ctx, backends[home])
+        if buffer is None:
+            raise fg.AllocationError(f"no weights buffer on {backends[home].name}")
+        buffer.usage = fg.BufferUsage.WEIGHTS
+        for name, copy in copies.items():
+            fg.tensor_copy(model.weights[name], copy)
+        model.weights.update(copies)
+        placed.append((ctx, buffer))
+    # keep the devices' weights alive with the model; rebuild the plan from scratch
+    model.placed_weights = placed
+    model.backends = backends
+    model.layer_homes = homes
+    model.scheduler = fg.Scheduler([*backends[1:], *model.scheduler.backends])
+    model._graphs.clear()
+    model._reserved = (0, 0)
+    logger.info(
+        "layers of %s over %s: %s",
+        type(model).__name__,
+        [b.name for b in backends[1:]],
+        homes,
+    )
+    return homes
