@@ -64,6 +64,7 @@ __all__ = [
     "LaunchError",
     "RayNotInstalledError",
     "ServerState",
+    "keep_ray_on_loopback",
     "launch",
     "place_layers",
 ]
@@ -695,6 +696,22 @@ def _check_launch_args(
             )
 
 
+def keep_ray_on_loopback() -> None:
+    """Makes the next Ray started in this process (and its child processes) use loopback only
+    and send no usage statistics.
+
+    Ray on Linux resolves a node address of 127.0.0.1 to the machine's outward address (and
+    binds its services there, or on every interface) unless ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER``
+    is ``0``, a setting it reads once, when ``ray`` is first imported: so this sets the
+    environment for the processes Ray starts and, when ``ray`` is already imported, the value
+    it read.
+    """
+    os.environ.update(_LOCAL_RAY_ENV)
+    constants = sys.modules.get("ray._private.ray_constants")
+    if constants is not None and getattr(constants, "ENABLE_RAY_CLUSTER", False):
+        setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a module of Ray's)
+
+
 def _start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
     """Connects to Ray; returns whether this call started it (and so must stop it)."""
     if ray.is_initialized():
@@ -702,13 +719,21 @@ def _start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
     if address is not None:
         ray.init(address=address, log_to_driver=False)
         return False
-    os.environ.update(_LOCAL_RAY_ENV)
+    keep_ray_on_loopback()
     ray.init(
+        address="local",  # a new one, never a cluster someone else started on this machine
         num_cpus=max(os.cpu_count() or 1, int(n_cpus + 0.999)),
         include_dashboard=False,
         log_to_driver=False,
         _node_ip_address="127.0.0.1",
     )
+    addresses = {n.get("NodeManagerAddress") for n in ray.nodes()}
+    if addresses != {"127.0.0.1"}:
+        ray.shutdown()
+        raise LaunchError(
+            f"the local Ray started on {sorted(map(str, addresses))} instead of 127.0.0.1 only; "
+            f"stopped it (set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray)"
+        )
     logger.info("started a local Ray on 127.0.0.1 (no dashboard, no usage stats)")
     return True
 
@@ -787,6 +812,8 @@ def launch(
     )
     if threads is None:
         threads = max(1, int(cpus_per_server))
+    if address is None and "ray" not in sys.modules:
+        keep_ray_on_loopback()  # before Ray reads its settings at import
     ray = _import_ray()
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy

