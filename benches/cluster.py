@@ -13,10 +13,9 @@ Sections (``--only``):
   actor per node, through Ray's object store (``ray.put`` once, each actor ``ray.get`` and reads
   every byte) vs streamed from this process over a direct TCP socket to each actor (what a
   client's upload puts on the wire). Wall time until every actor holds every byte.
-* ``minilm``: 32 sentences of 128 tokens, ferrograph on this process's CPU (the peer) vs the
-  layers split over two servers, with 1, 2 and 4 batches in flight; sentences/s. Needs the
-  remote client (``ferrograph.remote``) and a layer-placement option in the models; the section
-  says so and is skipped when either is missing.
+* ``minilm``: batches of 32 sentences of 128 tokens, the layers split over two servers (one
+  CPU each, STRICT_SPREAD) vs this process's CPU (2 threads, the peer), with 1, 2 and 4 batches
+  in flight (one model and thread per batch in flight, on both sides); sentences/s.
 """
 
 from __future__ import annotations
@@ -183,32 +182,67 @@ def bench_weights(n_receivers: int, repeat: int) -> None:
 # ----- MiniLM -----------------------------------------------------------------------------
 
 
-def bench_minilm(repeat: int) -> None:
+def _throughput(models: list[Any], sentences: list[str], repeat: int) -> float:
+    """Sentences per second with one thread per model, each encoding ``sentences`` (one batch)
+    ``repeat`` times: ``len(models)`` batches in flight."""
+    barrier = threading.Barrier(len(models) + 1)
+    errors: list[BaseException] = []
+
+    def run(model: Any) -> None:
+        barrier.wait()
+        try:
+            for _ in range(repeat):
+                model.encode(sentences, batch_size=len(sentences))
+        except BaseException as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(m,)) for m in models]
+    for t in threads:
+        t.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for t in threads:
+        t.join()
+    elapsed = time.perf_counter() - start
+    if errors:
+        raise errors[0]
+    return len(models) * repeat * len(sentences) / elapsed
+
+
+def bench_minilm(repeat: int, copies: list[int]) -> None:
+    """Each copy in flight is a model of its own (its own scheduler, graphs and weights) run by
+    a thread of its own; the servers compute whichever batch reaches them, so server 1 works
+    on one batch's first layers while server 2 works on another's last."""
     import inspect
 
     import ferrograph as fg
     from ferrograph.models import MiniLM
 
-    if importlib_spec("ferrograph.remote") is None:
-        print("minilm: skipped (no ferrograph.remote in this build)")
-        return
     if "devices" not in inspect.signature(MiniLM).parameters:
         print("minilm: skipped (the models have no devices= layer placement in this build)")
         return
     sentences = [" ".join(["word"] * 126)] * 32  # 128 tokens with [CLS] and [SEP]
     local = MiniLM(n_threads=2, max_length=128)
+    assert local.tokenize(sentences[:1]).shape == (1, 128)
     local.encode(sentences)
-    best = min(_timed(lambda: local.encode(sentences)) for _ in range(repeat))
-    print(f"minilm 32x128 local (2 threads): {best * 1e3:.0f} ms, {32 / best:.1f} sentences/s")
+    peers = {}
+    for n in copies:
+        models = [local] + [MiniLM(n_threads=2, max_length=128) for _ in range(n - 1)]
+        for m in models:
+            m.encode(sentences)
+        peers[n] = _throughput(models, sentences, repeat)
+        print(f"minilm 32x128 local process (2 threads), {n} in flight: {peers[n]:.1f} sentences/s")
     with fg.distributed.launch(2, cpus_per_server=1, strategy="STRICT_SPREAD") as cluster:
-        for n_copies in (1, 2, 4):
-            model = MiniLM(max_length=128, devices=cluster.devices, n_copies=n_copies)
-            model.encode(sentences)
-            split = min(_timed(lambda m=model: m.encode(sentences)) for _ in range(repeat))
+        servers = [ds[0] for ds in cluster.devices_per_server]
+        for n in copies:
+            models = [MiniLM(n_threads=1, max_length=128, devices=servers) for _ in range(n)]
+            for m in models:
+                m.encode(sentences)
+            rate = _throughput(models, sentences, repeat)
             print(
-                f"minilm 32x128 split over 2 servers, {n_copies} in flight: "
-                f"{split * 1e3:.0f} ms, {32 / split:.1f} sentences/s "
-                f"(local / split = {best / split:.2f})"
+                f"minilm 32x128 split over 2 servers (1 CPU each), {n} in flight: "
+                f"{rate:.1f} sentences/s (split / local with {n} in flight = "
+                f"{rate / peers[n]:.2f}; / local with 1 = {rate / peers[copies[0]]:.2f})"
             )
 
 
@@ -232,6 +266,7 @@ def main() -> int:
     parser.add_argument("--only", default="launch,weights,minilm")
     parser.add_argument("--nodes", type=int, default=2, help="worker nodes (default 2)")
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--copies", default="1,2,4", help="batches in flight (default 1,2,4)")
     args = parser.parse_args()
     sections = set(args.only.split(","))
     cluster, started = start_ray(args.nodes, cpus_per_node=2)
@@ -242,7 +277,7 @@ def main() -> int:
         if "weights" in sections:
             bench_weights(args.nodes, args.repeat)
         if "minilm" in sections:
-            bench_minilm(args.repeat)
+            bench_minilm(args.repeat, [int(n) for n in args.copies.split(",")])
     finally:
         import ray
 
