@@ -178,8 +178,11 @@ class ServerHost:
         threading.Thread(target=self._drain_stderr, args=(proc,), daemon=True).start()
         assert proc.stdout is not None
         first = proc.stdout.readline().strip()
-        if first and ":" in first:
-            self.endpoint = first
+        bound, _, port = first.rpartition(":")
+        if bound and port.isdigit():
+            # a server bound to every interface is reached at its node's address
+            wildcard = bound in ("0.0.0.0", "[::]", "::")
+            self.endpoint = f"{self.node_ip}:{port}" if wildcard else first
         else:
             self._failure = f"it printed {first!r} instead of host:port"
         self._ready.set()
@@ -478,13 +481,13 @@ class Cluster:
             self._monitor.join(timeout)
         ray = self._ray
         with self._lock:
-            dropped = [(s.endpoint, s.devices) for s in self.servers if s.devices]
+            endpoints = [s.endpoint for s in self.servers if s.devices]
             for s in self.servers:
                 s.connection = None
                 s.devices = []
-        # the devices close their connection when the last reference goes; the user may still
-        # hold some, so shut the connections down now
-        for endpoint, _devices in dropped:
+        # Without other references the devices' connections are closed by now; the user may
+        # still hold some (a model, a scheduler): shut those down so they fail fast.
+        for endpoint in endpoints:
             _close_connection(endpoint)
         stops = [a.stop.remote() for a in self._actors]
         with contextlib.suppress(Exception):
