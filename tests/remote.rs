@@ -247,7 +247,7 @@ fn scheduler_pipelines_over_a_remote_device_with_two_copies() {
     }
     w.set_f32(&values(d * d, 1)).unwrap();
     b.set_f32(&values(d, 2)).unwrap();
-    let graph = Graph::build(&[y.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&y));
     let mut sched = Scheduler::new(vec![remote.clone(), cpu()], None, 64, true, false).unwrap();
     sched.set_n_copies(2).unwrap();
     sched.reserve(&graph).unwrap();
@@ -259,7 +259,7 @@ fn scheduler_pipelines_over_a_remote_device_with_two_copies() {
         sched.graph_compute(&graph).unwrap();
         cx.set_f32(&input).unwrap();
         cpu_backend
-            .graph_compute(&Graph::build(&[cy.clone()]))
+            .graph_compute(&Graph::build(std::slice::from_ref(&cy)))
             .unwrap();
         assert_eq!(
             y.to_f32_vec().unwrap(),
@@ -284,7 +284,7 @@ fn two_clients_compute_at_once() {
         w.set_f32(&values(64 * 64, seed)).unwrap();
         b.set_f32(&values(64, seed + 1)).unwrap();
         x.set_f32(&values(64 * 8, seed + 2)).unwrap();
-        let graph = Graph::build(&[y.clone()]);
+        let graph = Graph::build(std::slice::from_ref(&y));
         let mut last = Vec::new();
         for _ in 0..20 {
             remote.graph_compute(&graph).unwrap();
@@ -305,7 +305,9 @@ fn two_clients_compute_at_once() {
         w.set_f32(&values(64 * 64, seed)).unwrap();
         b.set_f32(&values(64, seed + 1)).unwrap();
         x.set_f32(&values(64 * 8, seed + 2)).unwrap();
-        cpu().graph_compute(&Graph::build(&[y.clone()])).unwrap();
+        cpu()
+            .graph_compute(&Graph::build(std::slice::from_ref(&y)))
+            .unwrap();
         assert_eq!(result, &y.to_f32_vec().unwrap());
     }
     drop((one, two));
@@ -369,11 +371,13 @@ fn a_hung_server_gives_device_lost_within_the_deadline() {
     for (i, t) in [&w, &b, &x].into_iter().enumerate() {
         fill(t, i as u32);
     }
-    remote.graph_compute(&Graph::build(&[y.clone()])).unwrap();
+    remote
+        .graph_compute(&Graph::build(std::slice::from_ref(&y)))
+        .unwrap();
     srv.set_frozen(true);
     lost_within(Duration::from_secs(4), "hung server", || {
         remote
-            .graph_compute(&Graph::build(&[y.clone()]))
+            .graph_compute(&Graph::build(std::slice::from_ref(&y)))
             .map(|_| ())
     });
     srv.set_frozen(false);
@@ -842,13 +846,17 @@ fn fuzzed_sessions_leave_the_server_serving() {
     for (i, t) in [&w, &b, &x].into_iter().enumerate() {
         fill(t, i as u32 + 20);
     }
-    remote.graph_compute(&Graph::build(&[y.clone()])).unwrap();
+    remote
+        .graph_compute(&Graph::build(std::slice::from_ref(&y)))
+        .unwrap();
     let cctx = Context::new(false);
     let (cw, cb, cx, cy) = mlp(&cctx, 8, 2);
     for (i, t) in [&cw, &cb, &cx].into_iter().enumerate() {
         fill(t, i as u32 + 20);
     }
-    cpu().graph_compute(&Graph::build(&[cy.clone()])).unwrap();
+    cpu()
+        .graph_compute(&Graph::build(std::slice::from_ref(&cy)))
+        .unwrap();
     assert_eq!(y.to_f32_vec().unwrap(), cy.to_f32_vec().unwrap());
 }
 
@@ -875,7 +883,14 @@ fn supports_op_is_answered_by_the_server() {
             Ok(())
         }
     }
-    let custom = ops::custom(&ctx, Arc::new(Twice), &[a.clone()], DType::F32, &[8, 4]).unwrap();
+    let custom = ops::custom(
+        &ctx,
+        Arc::new(Twice),
+        std::slice::from_ref(&a),
+        DType::F32,
+        &[8, 4],
+    )
+    .unwrap();
     assert!(!dev.supports_op(&custom));
     assert!(dev.supports_buft(dev.buffer_type().as_ref()));
     assert!(!dev.supports_buft(ferrograph::buffer::CpuBufferType::shared().as_ref()));

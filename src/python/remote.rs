@@ -47,9 +47,8 @@ pub(crate) fn remote_connect(
     if settings.dead_after <= settings.heartbeat {
         return Err(invalid("dead_after must be longer than heartbeat"));
     }
-    let registration = py.detach(|| {
-        remote::connect(endpoint, token.map(str::as_bytes), settings)
-    })?;
+    let registration =
+        py.detach(|| remote::connect(endpoint, token.map(str::as_bytes), settings))?;
     Ok(registration
         .remote_devices()
         .iter()
