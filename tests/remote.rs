@@ -20,6 +20,7 @@ use ferrograph::remote::protocol::{
     decode_meta, encode_meta, proof, Auth, Challenge, Command, ErrorReply, FrameHeader,
     FrameLimits, Hello, Reply, Request, Welcome, HEADER_LEN, PROTOCOL_VERSION,
 };
+use ferrograph::remote::weight_cache::content_hash;
 use ferrograph::remote::wire::{build_graph, GraphDesc, GraphLimits, OpDesc, TensorDesc};
 use ferrograph::remote::{connect, ClientSettings, RemoteRegistration, Server, ServerConfig};
 use ferrograph::sched::Scheduler;
@@ -896,4 +897,58 @@ fn supports_op_is_answered_by_the_server() {
     assert!(!dev.supports_buft(ferrograph::buffer::CpuBufferType::shared().as_ref()));
     let (free, total) = dev.memory();
     assert!(total > 0 && free <= total);
+}
+
+#[test]
+fn large_uploads_are_cached_by_content_hash_across_clients() {
+    let srv = server();
+    let n = 3 << 20;
+    let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+    let upload = |reg: &RemoteRegistration| {
+        let ctx = Context::new(true);
+        let t = ctx.new_tensor(DType::I8, &[n]).unwrap();
+        let bufs =
+            alloc_ctx_tensors_from_buft(&ctx, reg.remote_devices()[0].buffer_type()).unwrap();
+        t.write_bytes(0, &data).unwrap();
+        let mut back = vec![0u8; n];
+        t.read_bytes(0, &mut back).unwrap();
+        assert!(back == data);
+        bufs
+    };
+    let first = client(&srv);
+    let _a = upload(&first);
+    assert_eq!(srv.weight_cache_bytes(), n);
+    // A second client (or a reconnect) finds it: the server answers the probe from its cache.
+    let second = client(&srv);
+    let _b = upload(&second);
+    assert_eq!(srv.weight_cache_bytes(), n, "stored once");
+    let (mut raw, welcome) = Raw::handshake(&srv, TOKEN);
+    welcome.unwrap();
+    let alloc = Request::Alloc {
+        device: 0,
+        size: n as u64,
+    };
+    let (_, m, _) = raw.request(1, &alloc, &[]).unwrap();
+    let Reply::Buffer { handle, .. } = decode_meta(&m).unwrap() else {
+        panic!()
+    };
+    let probe = |hash| Request::SetCached {
+        buffer: handle,
+        offset: 0,
+        len: n as u64,
+        hash,
+    };
+    let (_, m, _) = raw.request(2, &probe(content_hash(&data)), &[]).unwrap();
+    assert_eq!(decode_meta::<Reply>(&m).unwrap(), Reply::Cached(true));
+    // Bytes sent under another content's hash are refused and never cached.
+    let fake = [9u8; 32];
+    let poison = Request::SetAndCache {
+        buffer: handle,
+        offset: 0,
+        hash: fake,
+    };
+    let (c, _, _) = raw.request(3, &poison, &[1u8; 64]).unwrap();
+    assert_eq!(c, Command::Error);
+    let (_, m, _) = raw.request(4, &probe(fake), &[]).unwrap();
+    assert_eq!(decode_meta::<Reply>(&m).unwrap(), Reply::Cached(false));
 }

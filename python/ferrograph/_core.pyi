@@ -359,6 +359,7 @@ class RemoteServer:
         n_threads: int | None = None,
         max_frame: int | None = None,
         max_session_bytes: int | None = None,
+        weight_cache_bytes: int | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

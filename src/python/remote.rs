@@ -61,7 +61,8 @@ pub(crate) fn remote_connect(
 /// A device server running in this process (threads in the background).
 ///
 /// `RemoteServer(token=..., host="127.0.0.1", port=0)` binds at once; `address` is the
-/// `"host:port"` it listens on. `serve_forever()` blocks until `stop()` (from another thread)
+/// `"host:port"` it listens on. Uploads of 1 MiB or more are kept by content hash (up to
+/// `weight_cache_bytes`, 1 GiB by default) for later clients. `serve_forever()` blocks until `stop()` (from another thread)
 /// or Ctrl-C. Use as a context manager to stop it on exit.
 #[pyclass(name = "RemoteServer", module = "ferrograph._core")]
 pub(crate) struct PyRemoteServer {
@@ -78,7 +79,7 @@ impl PyRemoteServer {
 #[pymethods]
 impl PyRemoteServer {
     #[new]
-    #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None))]
+    #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None, weight_cache_bytes = None))]
     fn new(
         py: Python<'_>,
         token: Option<&str>,
@@ -87,6 +88,7 @@ impl PyRemoteServer {
         n_threads: Option<usize>,
         max_frame: Option<u64>,
         max_session_bytes: Option<u64>,
+        weight_cache_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let token = match token {
             Some(t) => t.to_owned(),
@@ -104,6 +106,9 @@ impl PyRemoteServer {
         }
         if let Some(max) = max_session_bytes {
             config.max_session_bytes = max;
+        }
+        if let Some(max) = weight_cache_bytes {
+            config.weight_cache_bytes = max;
         }
         let server = py.detach(|| Server::start(config))?;
         let address = server.addr().to_string();

@@ -18,6 +18,7 @@ use sha2::{Digest, Sha256};
 
 use super::connection::{ClientSettings, Connection};
 use super::protocol::{encode_meta, DeviceInfo, Reply, Request};
+use super::weight_cache::content_hash;
 use super::wire::{Describer, GraphDesc};
 use crate::backend::{Backend, Guid};
 use crate::buffer::{Buffer, BufferMemory, BufferType};
@@ -30,6 +31,9 @@ use crate::tensor::Tensor;
 
 /// The remote backend implementation's GUID.
 pub const REMOTE_GUID: Guid = *b"ferrograph-rmt\x00\x01";
+
+/// Writes of at least this many bytes go through the server's weight cache.
+pub const CACHED_WRITE_MIN: usize = 1 << 20;
 
 /// Graphs a client keeps cached per connection before dropping the least recently used.
 const CLIENT_GRAPH_CACHE: usize = 64;
@@ -409,12 +413,31 @@ impl BufferMemory for RemoteMemory {
         None
     }
 
+    /// Large writes (weights, typically) go by content hash: the server's cache may hold
+    /// them already, from this or an earlier session.
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        let request = Request::Set {
-            buffer: self.handle,
-            offset: offset as u64,
+        let (buffer, offset) = (self.handle, offset as u64);
+        if data.len() < CACHED_WRITE_MIN {
+            let request = Request::Set { buffer, offset };
+            return self.shared.conn.call_async(&request, data).map(|_| ());
+        }
+        let hash = content_hash(data);
+        let len = data.len() as u64;
+        let probe = Request::SetCached {
+            buffer,
+            offset,
+            len,
+            hash,
         };
-        self.shared.conn.call_async(&request, data).map(|_| ())
+        if let (Reply::Cached(true), _) = self.shared.conn.call(&probe, &[])? {
+            return Ok(());
+        }
+        let upload = Request::SetAndCache {
+            buffer,
+            offset,
+            hash,
+        };
+        self.shared.conn.call_async(&upload, data).map(|_| ())
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {

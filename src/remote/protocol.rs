@@ -331,6 +331,28 @@ pub enum Request {
         /// Device index.
         device: u32,
     },
+    /// Writes `len` bytes with SHA-256 `hash` at `offset` from the server's weight cache, if it
+    /// holds them (re-hashed before use) → [`Reply::Cached`].
+    SetCached {
+        /// Buffer handle.
+        buffer: u64,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// SHA-256 of the bytes.
+        hash: [u8; 32],
+    },
+    /// As `Set`, and keeps the payload in the weight cache under `hash` when the payload
+    /// really hashes to it (a mismatch is an error and nothing is written) → [`Reply::Done`].
+    SetAndCache {
+        /// Buffer handle.
+        buffer: u64,
+        /// Byte offset.
+        offset: u64,
+        /// SHA-256 of the payload.
+        hash: [u8; 32],
+    },
 }
 
 /// A successful answer.
@@ -351,6 +373,8 @@ pub enum Reply {
     Status(i32),
     /// Whether an op is supported.
     Supported(bool),
+    /// Whether a `SetCached` found its bytes.
+    Cached(bool),
     /// Free and total bytes.
     Memory {
         /// Free bytes.

@@ -27,6 +27,7 @@ use super::protocol::{
     DeviceInfo, ErrorReply, FrameHeader, FrameLimits, Hello, Reply, Request, Welcome,
     HANDSHAKE_META_LIMIT, HEADER_LEN, PROTOCOL_VERSION,
 };
+use super::weight_cache::WeightCache;
 use super::wire::{build_graph, BuiltGraph, GraphLimits};
 use crate::backend::Backend;
 use crate::buffer::Buffer;
@@ -52,6 +53,8 @@ pub struct ServerConfig {
     pub max_graphs: u32,
     /// Tensors in one graph.
     pub max_graph_tensors: usize,
+    /// Bytes of uploads kept by content hash for later sessions (0: no cache).
+    pub weight_cache_bytes: u64,
     /// Threads of each session's compute backends (`None`: the device's default).
     pub n_threads: Option<usize>,
     /// Time a client has to complete the handshake.
@@ -63,7 +66,8 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     /// Defaults: 127.0.0.1, a free port, 1 GiB frames, 64 MiB metadata, 64 GiB per session,
-    /// 256 cached graphs of up to a million tensors, 5 s handshake, 60 s idle limit.
+    /// 256 cached graphs of up to a million tensors, a 1 GiB weight cache, 5 s handshake,
+    /// 60 s idle limit.
     pub fn new(token: impl Into<Vec<u8>>) -> ServerConfig {
         ServerConfig {
             host: "127.0.0.1".into(),
@@ -74,6 +78,7 @@ impl ServerConfig {
             max_session_bytes: 64 << 30,
             max_graphs: 256,
             max_graph_tensors: 1 << 20,
+            weight_cache_bytes: 1 << 30,
             n_threads: None,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
@@ -88,6 +93,7 @@ struct Shared {
     /// Test hook: while set, sessions stop reading and answering (a hung server).
     frozen: AtomicBool,
     sessions: AtomicUsize,
+    weights: WeightCache,
 }
 
 /// A running device server; dropping it stops it.
@@ -143,10 +149,13 @@ impl Server {
             .local_addr()
             .map_err(|e| Error::Backend(format!("cannot read the bound address: {e}")))?;
         let shared = Arc::new(Shared {
-            config,
             devices: host_devices(),
             frozen: AtomicBool::new(false),
             sessions: AtomicUsize::new(0),
+            weights: WeightCache::new(
+                usize::try_from(config.weight_cache_bytes).unwrap_or(usize::MAX),
+            ),
+            config,
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task_shared = shared.clone();
@@ -180,6 +189,11 @@ impl Server {
     /// Sessions currently connected.
     pub fn sessions(&self) -> usize {
         self.shared.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Bytes held in the weight cache.
+    pub fn weight_cache_bytes(&self) -> usize {
+        self.shared.weights.bytes()
     }
 
     /// Test hook: while frozen, sessions neither read nor answer, as a hung server.
@@ -548,7 +562,8 @@ async fn session(
             }
             Command::Request => {
                 let request: Request = decode_meta(&meta).map_err(|e| bad(id, e))?;
-                let takes_payload = matches!(request, Request::Set { .. });
+                let takes_payload =
+                    matches!(request, Request::Set { .. } | Request::SetAndCache { .. });
                 if !takes_payload && header.payload_len != 0 {
                     return Err(bad(
                         id,
@@ -829,6 +844,35 @@ impl Session {
                     Err(_) => false,
                 };
                 Ok((Reply::Supported(supported), Vec::new()))
+            }
+            Request::SetCached {
+                buffer,
+                offset,
+                len,
+                hash,
+            } => {
+                let (buffer, offset, len) = self.range(buffer, offset, len)?;
+                match shared.weights.get(&hash) {
+                    Some(bytes) if bytes.len() == len => {
+                        buffer.write(offset, &bytes)?;
+                        Ok((Reply::Cached(true), Vec::new()))
+                    }
+                    _ => Ok((Reply::Cached(false), Vec::new())),
+                }
+            }
+            Request::SetAndCache {
+                buffer,
+                offset,
+                hash,
+            } => {
+                let (buffer, offset, _) = self.range(buffer, offset, payload.len() as u64)?;
+                if !shared.weights.insert(hash, &payload) {
+                    return Err(Error::InvalidArgument(
+                        "the payload does not have the content hash it was sent with".into(),
+                    ));
+                }
+                buffer.write(offset, &payload)?;
+                done
             }
             Request::Memory { device } => {
                 let (free, total) = self.device(device)?.memory();
