@@ -189,13 +189,27 @@ fn copies_in_every_direction() {
     let _b_buf = alloc_ctx_tensors_from_buft(&bctx, rb.remote_devices()[0].buffer_type()).unwrap();
     let data = values(n, 9);
     host.set_f32(&data).unwrap();
-    // host → A, A → A, A → B (through the client), B → host.
+    // host → A, A → A, A → B (server to server), B → host.
     tensor_copy_async(cpu.as_ref(), ba.as_ref(), &host, &on_a).unwrap();
     tensor_copy_async(ba.as_ref(), ba.as_ref(), &on_a, &on_a2).unwrap();
     tensor_copy_async(ba.as_ref(), bb.as_ref(), &on_a2, &on_b).unwrap();
     bb.synchronize().unwrap();
     tensor_copy_async(bb.as_ref(), cpu.as_ref(), &on_b, &back).unwrap();
     assert_eq!(back.to_f32_vec().unwrap(), data);
+    // The same through this process (direct copies off), into a second client of B.
+    let settings = ClientSettings {
+        direct_copies: false,
+        ..fast_settings()
+    };
+    let rb_relay = connect(&b.addr().to_string(), Some(TOKEN), settings).unwrap();
+    let bb_relay = remote_backend(&rb_relay);
+    let relay_ctx = Context::new(true);
+    let relayed = relay_ctx.new_tensor(DType::F32, &[n]).unwrap();
+    let _relay_buf =
+        alloc_ctx_tensors_from_buft(&relay_ctx, rb_relay.remote_devices()[0].buffer_type())
+            .unwrap();
+    tensor_copy_async(ba.as_ref(), bb_relay.as_ref(), &on_a2, &relayed).unwrap();
+    assert_eq!(relayed.to_f32_vec().unwrap(), data);
     // The synchronous generic copy (host bounce), and partial reads at an offset.
     on_a.fill_bytes(0, 4 * n, 0).unwrap();
     tensor_copy(&on_b, &on_a).unwrap();
@@ -951,4 +965,30 @@ fn large_uploads_are_cached_by_content_hash_across_clients() {
     assert_eq!(c, Command::Error);
     let (_, m, _) = raw.request(4, &probe(fake), &[]).unwrap();
     assert_eq!(decode_meta::<Reply>(&m).unwrap(), Reply::Cached(false));
+}
+
+#[test]
+fn a_direct_copy_falls_back_through_the_client_when_servers_cannot_talk() {
+    let a = server();
+    let mut other = ServerConfig::new(b"another token".to_vec());
+    other.n_threads = Some(1);
+    let b = Server::start(other).unwrap();
+    let ra = client(&a);
+    let rb = connect(
+        &b.addr().to_string(),
+        Some(b"another token"),
+        fast_settings(),
+    )
+    .unwrap();
+    let (ba, bb) = (remote_backend(&ra), remote_backend(&rb));
+    let (actx, bctx) = (Context::new(true), Context::new(true));
+    let src = actx.new_tensor(DType::F32, &[300]).unwrap();
+    let dst = bctx.new_tensor(DType::F32, &[300]).unwrap();
+    let _abuf = alloc_ctx_tensors_from_buft(&actx, ra.remote_devices()[0].buffer_type()).unwrap();
+    let _bbuf = alloc_ctx_tensors_from_buft(&bctx, rb.remote_devices()[0].buffer_type()).unwrap();
+    src.set_f32(&values(300, 77)).unwrap();
+    // A cannot authenticate to B (different tokens): the copy still arrives.
+    tensor_copy_async(ba.as_ref(), bb.as_ref(), &src, &dst).unwrap();
+    assert_eq!(dst.to_f32_vec().unwrap(), values(300, 77));
+    assert!(ra.lost().is_none() && rb.lost().is_none());
 }

@@ -347,6 +347,7 @@ def remote_connect(
     heartbeat: float = 0.5,
     dead_after: float = 3.0,
     request_timeout: float = 600.0,
+    direct_copies: bool = True,
 ) -> list[Device]: ...
 
 class RemoteServer:

@@ -26,9 +26,11 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 /// The token comes from `token` or the `FERROGRAPH_TOKEN` environment variable. The devices
 /// keep the connection open; it closes when the last of them (and of their buffers and
 /// backends) is gone. A server that dies or stops answering for `dead_after` seconds makes
-/// every call on its devices raise `DeviceLostError`.
+/// every call on its devices raise `DeviceLostError`. With `direct_copies`, tensors move
+/// between two servers directly (the source server pushes them, authenticated with its own
+/// token) instead of through this process, which stays the fallback.
 #[pyfunction]
-#[pyo3(signature = (endpoint, token = None, *, connect_timeout = 5.0, heartbeat = 0.5, dead_after = 3.0, request_timeout = 600.0))]
+#[pyo3(signature = (endpoint, token = None, *, connect_timeout = 5.0, heartbeat = 0.5, dead_after = 3.0, request_timeout = 600.0, direct_copies = true))]
 pub(crate) fn remote_connect(
     py: Python<'_>,
     endpoint: &str,
@@ -37,12 +39,14 @@ pub(crate) fn remote_connect(
     heartbeat: f64,
     dead_after: f64,
     request_timeout: f64,
+    direct_copies: bool,
 ) -> PyResult<Vec<PyDevice>> {
     let settings = ClientSettings {
         connect_timeout: seconds(connect_timeout, "connect_timeout")?,
         heartbeat: seconds(heartbeat, "heartbeat")?,
         dead_after: seconds(dead_after, "dead_after")?,
         request_timeout: seconds(request_timeout, "request_timeout")?,
+        direct_copies,
     };
     if settings.dead_after <= settings.heartbeat {
         return Err(invalid("dead_after must be longer than heartbeat"));

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
@@ -22,6 +22,7 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc as tmpsc, OwnedSemaphorePermit, Semaphore};
 
+use super::connection::{ClientSettings, Connection};
 use super::protocol::{
     decode_meta, encode_meta, error_kind, nonce, proof, proof_matches, Auth, Challenge, Command,
     DeviceInfo, ErrorReply, FrameHeader, FrameLimits, Hello, Reply, Request, Welcome,
@@ -94,7 +95,12 @@ struct Shared {
     frozen: AtomicBool,
     sessions: AtomicUsize,
     weights: WeightCache,
+    /// Bytes other servers pushed here, by ticket, until claimed (or too old).
+    deposits: Mutex<HashMap<[u8; 16], (Vec<u8>, std::time::Instant)>>,
 }
+
+/// Deposits not claimed within this time are dropped.
+const DEPOSIT_LIFETIME: Duration = Duration::from_secs(60);
 
 /// A running device server; dropping it stops it.
 pub struct Server {
@@ -152,6 +158,7 @@ impl Server {
             devices: host_devices(),
             frozen: AtomicBool::new(false),
             sessions: AtomicUsize::new(0),
+            deposits: Mutex::new(HashMap::new()),
             weights: WeightCache::new(
                 usize::try_from(config.weight_cache_bytes).unwrap_or(usize::MAX),
             ),
@@ -562,8 +569,10 @@ async fn session(
             }
             Command::Request => {
                 let request: Request = decode_meta(&meta).map_err(|e| bad(id, e))?;
-                let takes_payload =
-                    matches!(request, Request::Set { .. } | Request::SetAndCache { .. });
+                let takes_payload = matches!(
+                    request,
+                    Request::Set { .. } | Request::SetAndCache { .. } | Request::Deposit { .. }
+                );
                 if !takes_payload && header.payload_len != 0 {
                     return Err(bad(
                         id,
@@ -610,6 +619,8 @@ async fn session(
 /// A session's state, owned by its worker thread.
 struct Session {
     shared: Arc<Shared>,
+    /// Connections to other servers, for pushes.
+    peers: HashMap<String, Arc<Connection>>,
     backends: Vec<Option<Arc<dyn Backend>>>,
     buffers: HashMap<u64, Buffer>,
     allocated: u64,
@@ -620,6 +631,7 @@ struct Session {
 fn worker(jobs: mpsc::Receiver<Job>, out: tmpsc::UnboundedSender<OutFrame>, shared: Arc<Shared>) {
     let mut session = Session {
         backends: vec![None; shared.devices.len()],
+        peers: HashMap::new(),
         shared,
         buffers: HashMap::new(),
         allocated: 0,
@@ -872,6 +884,59 @@ impl Session {
                     ));
                 }
                 buffer.write(offset, &payload)?;
+                done
+            }
+            Request::Push {
+                buffer,
+                offset,
+                len,
+                to,
+                ticket,
+            } => {
+                if len > config.max_payload {
+                    return Err(Error::InvalidArgument(format!(
+                        "a push of {len} bytes exceeds the frame limit of {}",
+                        config.max_payload
+                    )));
+                }
+                let (source, offset, len) = self.range(buffer, offset, len)?;
+                let mut data = vec![0u8; len];
+                source.read(offset, &mut data)?;
+                let peer = match self.peers.get(&to) {
+                    Some(peer) if peer.lost().is_none() => peer.clone(),
+                    _ => {
+                        let peer = Connection::open(&to, &config.token, ClientSettings::default())?;
+                        self.peers.insert(to.clone(), peer.clone());
+                        peer
+                    }
+                };
+                peer.call(&Request::Deposit { ticket }, &data)?;
+                done
+            }
+            Request::Deposit { ticket } => {
+                let mut deposits = shared.deposits.lock().unwrap_or_else(|p| p.into_inner());
+                deposits.retain(|_, (_, at)| at.elapsed() < DEPOSIT_LIFETIME);
+                let held: usize = deposits.values().map(|(d, _)| d.len()).sum();
+                if held as u64 + payload.len() as u64 > config.max_payload.max(1 << 30) {
+                    return Err(Error::Alloc("too many unclaimed deposits".into()));
+                }
+                deposits.insert(ticket, (payload, std::time::Instant::now()));
+                done
+            }
+            Request::Claim {
+                buffer,
+                offset,
+                ticket,
+            } => {
+                let deposit = shared
+                    .deposits
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&ticket);
+                let (data, _) = deposit
+                    .ok_or_else(|| Error::InvalidArgument("no deposit under this ticket".into()))?;
+                let (target, offset, _) = self.range(buffer, offset, data.len() as u64)?;
+                target.write(offset, &data)?;
                 done
             }
             Request::Memory { device } => {
