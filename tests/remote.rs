@@ -20,6 +20,7 @@ use ferrograph::remote::protocol::{
     decode_meta, encode_meta, proof, Auth, Challenge, Command, ErrorReply, FrameHeader,
     FrameLimits, Hello, Reply, Request, Welcome, HEADER_LEN, PROTOCOL_VERSION,
 };
+use ferrograph::remote::weight_cache::content_hash;
 use ferrograph::remote::wire::{build_graph, GraphDesc, GraphLimits, OpDesc, TensorDesc};
 use ferrograph::remote::{connect, ClientSettings, RemoteRegistration, Server, ServerConfig};
 use ferrograph::sched::Scheduler;
@@ -188,13 +189,27 @@ fn copies_in_every_direction() {
     let _b_buf = alloc_ctx_tensors_from_buft(&bctx, rb.remote_devices()[0].buffer_type()).unwrap();
     let data = values(n, 9);
     host.set_f32(&data).unwrap();
-    // host → A, A → A, A → B (through the client), B → host.
+    // host → A, A → A, A → B (server to server), B → host.
     tensor_copy_async(cpu.as_ref(), ba.as_ref(), &host, &on_a).unwrap();
     tensor_copy_async(ba.as_ref(), ba.as_ref(), &on_a, &on_a2).unwrap();
     tensor_copy_async(ba.as_ref(), bb.as_ref(), &on_a2, &on_b).unwrap();
     bb.synchronize().unwrap();
     tensor_copy_async(bb.as_ref(), cpu.as_ref(), &on_b, &back).unwrap();
     assert_eq!(back.to_f32_vec().unwrap(), data);
+    // The same through this process (direct copies off), into a second client of B.
+    let settings = ClientSettings {
+        direct_copies: false,
+        ..fast_settings()
+    };
+    let rb_relay = connect(&b.addr().to_string(), Some(TOKEN), settings).unwrap();
+    let bb_relay = remote_backend(&rb_relay);
+    let relay_ctx = Context::new(true);
+    let relayed = relay_ctx.new_tensor(DType::F32, &[n]).unwrap();
+    let _relay_buf =
+        alloc_ctx_tensors_from_buft(&relay_ctx, rb_relay.remote_devices()[0].buffer_type())
+            .unwrap();
+    tensor_copy_async(ba.as_ref(), bb_relay.as_ref(), &on_a2, &relayed).unwrap();
+    assert_eq!(relayed.to_f32_vec().unwrap(), data);
     // The synchronous generic copy (host bounce), and partial reads at an offset.
     on_a.fill_bytes(0, 4 * n, 0).unwrap();
     tensor_copy(&on_b, &on_a).unwrap();
@@ -247,7 +262,7 @@ fn scheduler_pipelines_over_a_remote_device_with_two_copies() {
     }
     w.set_f32(&values(d * d, 1)).unwrap();
     b.set_f32(&values(d, 2)).unwrap();
-    let graph = Graph::build(&[y.clone()]);
+    let graph = Graph::build(std::slice::from_ref(&y));
     let mut sched = Scheduler::new(vec![remote.clone(), cpu()], None, 64, true, false).unwrap();
     sched.set_n_copies(2).unwrap();
     sched.reserve(&graph).unwrap();
@@ -259,7 +274,7 @@ fn scheduler_pipelines_over_a_remote_device_with_two_copies() {
         sched.graph_compute(&graph).unwrap();
         cx.set_f32(&input).unwrap();
         cpu_backend
-            .graph_compute(&Graph::build(&[cy.clone()]))
+            .graph_compute(&Graph::build(std::slice::from_ref(&cy)))
             .unwrap();
         assert_eq!(
             y.to_f32_vec().unwrap(),
@@ -284,7 +299,7 @@ fn two_clients_compute_at_once() {
         w.set_f32(&values(64 * 64, seed)).unwrap();
         b.set_f32(&values(64, seed + 1)).unwrap();
         x.set_f32(&values(64 * 8, seed + 2)).unwrap();
-        let graph = Graph::build(&[y.clone()]);
+        let graph = Graph::build(std::slice::from_ref(&y));
         let mut last = Vec::new();
         for _ in 0..20 {
             remote.graph_compute(&graph).unwrap();
@@ -305,7 +320,9 @@ fn two_clients_compute_at_once() {
         w.set_f32(&values(64 * 64, seed)).unwrap();
         b.set_f32(&values(64, seed + 1)).unwrap();
         x.set_f32(&values(64 * 8, seed + 2)).unwrap();
-        cpu().graph_compute(&Graph::build(&[y.clone()])).unwrap();
+        cpu()
+            .graph_compute(&Graph::build(std::slice::from_ref(&y)))
+            .unwrap();
         assert_eq!(result, &y.to_f32_vec().unwrap());
     }
     drop((one, two));
@@ -369,11 +386,13 @@ fn a_hung_server_gives_device_lost_within_the_deadline() {
     for (i, t) in [&w, &b, &x].into_iter().enumerate() {
         fill(t, i as u32);
     }
-    remote.graph_compute(&Graph::build(&[y.clone()])).unwrap();
+    remote
+        .graph_compute(&Graph::build(std::slice::from_ref(&y)))
+        .unwrap();
     srv.set_frozen(true);
     lost_within(Duration::from_secs(4), "hung server", || {
         remote
-            .graph_compute(&Graph::build(&[y.clone()]))
+            .graph_compute(&Graph::build(std::slice::from_ref(&y)))
             .map(|_| ())
     });
     srv.set_frozen(false);
@@ -842,13 +861,17 @@ fn fuzzed_sessions_leave_the_server_serving() {
     for (i, t) in [&w, &b, &x].into_iter().enumerate() {
         fill(t, i as u32 + 20);
     }
-    remote.graph_compute(&Graph::build(&[y.clone()])).unwrap();
+    remote
+        .graph_compute(&Graph::build(std::slice::from_ref(&y)))
+        .unwrap();
     let cctx = Context::new(false);
     let (cw, cb, cx, cy) = mlp(&cctx, 8, 2);
     for (i, t) in [&cw, &cb, &cx].into_iter().enumerate() {
         fill(t, i as u32 + 20);
     }
-    cpu().graph_compute(&Graph::build(&[cy.clone()])).unwrap();
+    cpu()
+        .graph_compute(&Graph::build(std::slice::from_ref(&cy)))
+        .unwrap();
     assert_eq!(y.to_f32_vec().unwrap(), cy.to_f32_vec().unwrap());
 }
 
@@ -875,10 +898,97 @@ fn supports_op_is_answered_by_the_server() {
             Ok(())
         }
     }
-    let custom = ops::custom(&ctx, Arc::new(Twice), &[a.clone()], DType::F32, &[8, 4]).unwrap();
+    let custom = ops::custom(
+        &ctx,
+        Arc::new(Twice),
+        std::slice::from_ref(&a),
+        DType::F32,
+        &[8, 4],
+    )
+    .unwrap();
     assert!(!dev.supports_op(&custom));
     assert!(dev.supports_buft(dev.buffer_type().as_ref()));
     assert!(!dev.supports_buft(ferrograph::buffer::CpuBufferType::shared().as_ref()));
     let (free, total) = dev.memory();
     assert!(total > 0 && free <= total);
+}
+
+#[test]
+fn large_uploads_are_cached_by_content_hash_across_clients() {
+    let srv = server();
+    let n = 3 << 20;
+    let data: Vec<u8> = (0..n).map(|i| (i * 7 % 251) as u8).collect();
+    let upload = |reg: &RemoteRegistration| {
+        let ctx = Context::new(true);
+        let t = ctx.new_tensor(DType::I8, &[n]).unwrap();
+        let bufs =
+            alloc_ctx_tensors_from_buft(&ctx, reg.remote_devices()[0].buffer_type()).unwrap();
+        t.write_bytes(0, &data).unwrap();
+        let mut back = vec![0u8; n];
+        t.read_bytes(0, &mut back).unwrap();
+        assert!(back == data);
+        bufs
+    };
+    let first = client(&srv);
+    let _a = upload(&first);
+    assert_eq!(srv.weight_cache_bytes(), n);
+    // A second client (or a reconnect) finds it: the server answers the probe from its cache.
+    let second = client(&srv);
+    let _b = upload(&second);
+    assert_eq!(srv.weight_cache_bytes(), n, "stored once");
+    let (mut raw, welcome) = Raw::handshake(&srv, TOKEN);
+    welcome.unwrap();
+    let alloc = Request::Alloc {
+        device: 0,
+        size: n as u64,
+    };
+    let (_, m, _) = raw.request(1, &alloc, &[]).unwrap();
+    let Reply::Buffer { handle, .. } = decode_meta(&m).unwrap() else {
+        panic!()
+    };
+    let probe = |hash| Request::SetCached {
+        buffer: handle,
+        offset: 0,
+        len: n as u64,
+        hash,
+    };
+    let (_, m, _) = raw.request(2, &probe(content_hash(&data)), &[]).unwrap();
+    assert_eq!(decode_meta::<Reply>(&m).unwrap(), Reply::Cached(true));
+    // Bytes sent under another content's hash are refused and never cached.
+    let fake = [9u8; 32];
+    let poison = Request::SetAndCache {
+        buffer: handle,
+        offset: 0,
+        hash: fake,
+    };
+    let (c, _, _) = raw.request(3, &poison, &[1u8; 64]).unwrap();
+    assert_eq!(c, Command::Error);
+    let (_, m, _) = raw.request(4, &probe(fake), &[]).unwrap();
+    assert_eq!(decode_meta::<Reply>(&m).unwrap(), Reply::Cached(false));
+}
+
+#[test]
+fn a_direct_copy_falls_back_through_the_client_when_servers_cannot_talk() {
+    let a = server();
+    let mut other = ServerConfig::new(b"another token".to_vec());
+    other.n_threads = Some(1);
+    let b = Server::start(other).unwrap();
+    let ra = client(&a);
+    let rb = connect(
+        &b.addr().to_string(),
+        Some(b"another token"),
+        fast_settings(),
+    )
+    .unwrap();
+    let (ba, bb) = (remote_backend(&ra), remote_backend(&rb));
+    let (actx, bctx) = (Context::new(true), Context::new(true));
+    let src = actx.new_tensor(DType::F32, &[300]).unwrap();
+    let dst = bctx.new_tensor(DType::F32, &[300]).unwrap();
+    let _abuf = alloc_ctx_tensors_from_buft(&actx, ra.remote_devices()[0].buffer_type()).unwrap();
+    let _bbuf = alloc_ctx_tensors_from_buft(&bctx, rb.remote_devices()[0].buffer_type()).unwrap();
+    src.set_f32(&values(300, 77)).unwrap();
+    // A cannot authenticate to B (different tokens): the copy still arrives.
+    tensor_copy_async(ba.as_ref(), bb.as_ref(), &src, &dst).unwrap();
+    assert_eq!(dst.to_f32_vec().unwrap(), values(300, 77));
+    assert!(ra.lost().is_none() && rb.lost().is_none());
 }

@@ -281,6 +281,7 @@ def serve(args: argparse.Namespace) -> int:
         n_threads=args.threads,
         max_frame=args.max_frame,
         max_session_bytes=args.max_session_bytes,
+        weight_cache_bytes=args.weight_cache_bytes,
     )
     print(server.address, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
@@ -383,6 +384,12 @@ def main(argv: list[str] | None = None) -> int:
     serve_parser.add_argument("--max-frame", type=int, default=None, help="largest frame payload")
     serve_parser.add_argument(
         "--max-session-bytes", type=int, default=None, help="buffer bytes per client session"
+    )
+    serve_parser.add_argument(
+        "--weight-cache-bytes",
+        type=int,
+        default=None,
+        help="bytes of uploads kept by content hash for later clients (default 1 GiB; 0: off)",
     )
     args = parser.parse_args(argv)
     try:

@@ -347,6 +347,7 @@ def remote_connect(
     heartbeat: float = 0.5,
     dead_after: float = 3.0,
     request_timeout: float = 600.0,
+    direct_copies: bool = True,
 ) -> list[Device]: ...
 
 class RemoteServer:
@@ -359,6 +360,7 @@ class RemoteServer:
         n_threads: int | None = None,
         max_frame: int | None = None,
         max_session_bytes: int | None = None,
+        weight_cache_bytes: int | None = None,
     ) -> None: ...
     @property
     def address(self) -> str: ...

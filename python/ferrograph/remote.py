@@ -37,11 +37,14 @@ def connect(
     heartbeat: float = 0.5,
     dead_after: float = 3.0,
     request_timeout: float = 600.0,
+    direct_copies: bool = True,
 ) -> list[Device]:
     """Connects to the device server at ``endpoint`` (``"host:port"``); returns its devices.
 
     ``token`` defaults to the ``FERROGRAPH_TOKEN`` environment variable. Heartbeats go out
     every ``heartbeat`` seconds; a server silent for ``dead_after`` seconds counts as lost.
+    With ``direct_copies``, a tensor needed on this server that lives on another is pushed by
+    that server directly (both must share the token), else it goes through this process.
     Raises :class:`ferrograph.InvalidArgumentError` for a wrong token or endpoint and
     :class:`ferrograph.BackendError` when the server cannot be reached.
     """
@@ -52,6 +55,7 @@ def connect(
         heartbeat=heartbeat,
         dead_after=dead_after,
         request_timeout=request_timeout,
+        direct_copies=direct_copies,
     )
 
 

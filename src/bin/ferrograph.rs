@@ -6,7 +6,7 @@ use std::process::ExitCode;
 use ferrograph::remote::{Server, ServerConfig};
 
 const USAGE: &str = "usage: ferrograph serve [--host 127.0.0.1] [--port 0] [--token-file PATH] \
-[--threads N] [--max-frame BYTES] [--max-session-bytes BYTES]
+[--threads N] [--max-frame BYTES] [--max-session-bytes BYTES] [--weight-cache-bytes BYTES]
 
 Exposes this machine's devices to ferrograph clients over TCP. The token comes from
 --token-file or the FERROGRAPH_TOKEN environment variable (required). The first line printed
@@ -41,6 +41,7 @@ fn config_from_args(args: &[String]) -> Result<ServerConfig, String> {
             }
             "--max-frame" => config.max_payload = parse_number(flag, &value()?)?,
             "--max-session-bytes" => config.max_session_bytes = parse_number(flag, &value()?)?,
+            "--weight-cache-bytes" => config.weight_cache_bytes = parse_number(flag, &value()?)?,
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown option {other:?}")),
         }

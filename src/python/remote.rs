@@ -26,9 +26,11 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 /// The token comes from `token` or the `FERROGRAPH_TOKEN` environment variable. The devices
 /// keep the connection open; it closes when the last of them (and of their buffers and
 /// backends) is gone. A server that dies or stops answering for `dead_after` seconds makes
-/// every call on its devices raise `DeviceLostError`.
+/// every call on its devices raise `DeviceLostError`. With `direct_copies`, tensors move
+/// between two servers directly (the source server pushes them, authenticated with its own
+/// token) instead of through this process, which stays the fallback.
 #[pyfunction]
-#[pyo3(signature = (endpoint, token = None, *, connect_timeout = 5.0, heartbeat = 0.5, dead_after = 3.0, request_timeout = 600.0))]
+#[pyo3(signature = (endpoint, token = None, *, connect_timeout = 5.0, heartbeat = 0.5, dead_after = 3.0, request_timeout = 600.0, direct_copies = true))]
 pub(crate) fn remote_connect(
     py: Python<'_>,
     endpoint: &str,
@@ -37,19 +39,20 @@ pub(crate) fn remote_connect(
     heartbeat: f64,
     dead_after: f64,
     request_timeout: f64,
+    direct_copies: bool,
 ) -> PyResult<Vec<PyDevice>> {
     let settings = ClientSettings {
         connect_timeout: seconds(connect_timeout, "connect_timeout")?,
         heartbeat: seconds(heartbeat, "heartbeat")?,
         dead_after: seconds(dead_after, "dead_after")?,
         request_timeout: seconds(request_timeout, "request_timeout")?,
+        direct_copies,
     };
     if settings.dead_after <= settings.heartbeat {
         return Err(invalid("dead_after must be longer than heartbeat"));
     }
-    let registration = py.detach(|| {
-        remote::connect(endpoint, token.map(str::as_bytes), settings)
-    })?;
+    let registration =
+        py.detach(|| remote::connect(endpoint, token.map(str::as_bytes), settings))?;
     Ok(registration
         .remote_devices()
         .iter()
@@ -62,7 +65,8 @@ pub(crate) fn remote_connect(
 /// A device server running in this process (threads in the background).
 ///
 /// `RemoteServer(token=..., host="127.0.0.1", port=0)` binds at once; `address` is the
-/// `"host:port"` it listens on. `serve_forever()` blocks until `stop()` (from another thread)
+/// `"host:port"` it listens on. Uploads of 1 MiB or more are kept by content hash (up to
+/// `weight_cache_bytes`, 1 GiB by default) for later clients. `serve_forever()` blocks until `stop()` (from another thread)
 /// or Ctrl-C. Use as a context manager to stop it on exit.
 #[pyclass(name = "RemoteServer", module = "ferrograph._core")]
 pub(crate) struct PyRemoteServer {
@@ -79,7 +83,7 @@ impl PyRemoteServer {
 #[pymethods]
 impl PyRemoteServer {
     #[new]
-    #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None))]
+    #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None, weight_cache_bytes = None))]
     fn new(
         py: Python<'_>,
         token: Option<&str>,
@@ -88,6 +92,7 @@ impl PyRemoteServer {
         n_threads: Option<usize>,
         max_frame: Option<u64>,
         max_session_bytes: Option<u64>,
+        weight_cache_bytes: Option<u64>,
     ) -> PyResult<Self> {
         let token = match token {
             Some(t) => t.to_owned(),
@@ -105,6 +110,9 @@ impl PyRemoteServer {
         }
         if let Some(max) = max_session_bytes {
             config.max_session_bytes = max;
+        }
+        if let Some(max) = weight_cache_bytes {
+            config.weight_cache_bytes = max;
         }
         let server = py.detach(|| Server::start(config))?;
         let address = server.addr().to_string();

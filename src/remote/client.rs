@@ -17,7 +17,8 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use sha2::{Digest, Sha256};
 
 use super::connection::{ClientSettings, Connection};
-use super::protocol::{encode_meta, DeviceInfo, Reply, Request};
+use super::protocol::{encode_meta, nonce, DeviceInfo, Reply, Request};
+use super::weight_cache::content_hash;
 use super::wire::{Describer, GraphDesc};
 use crate::backend::{Backend, Guid};
 use crate::buffer::{Buffer, BufferMemory, BufferType};
@@ -30,6 +31,9 @@ use crate::tensor::Tensor;
 
 /// The remote backend implementation's GUID.
 pub const REMOTE_GUID: Guid = *b"ferrograph-rmt\x00\x01";
+
+/// Writes of at least this many bytes go through the server's weight cache.
+pub const CACHED_WRITE_MIN: usize = 1 << 20;
 
 /// Graphs a client keeps cached per connection before dropping the least recently used.
 const CLIENT_GRAPH_CACHE: usize = 64;
@@ -409,12 +413,31 @@ impl BufferMemory for RemoteMemory {
         None
     }
 
+    /// Large writes (weights, typically) go by content hash: the server's cache may hold
+    /// them already, from this or an earlier session.
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        let request = Request::Set {
-            buffer: self.handle,
-            offset: offset as u64,
+        let (buffer, offset) = (self.handle, offset as u64);
+        if data.len() < CACHED_WRITE_MIN {
+            let request = Request::Set { buffer, offset };
+            return self.shared.conn.call_async(&request, data).map(|_| ());
+        }
+        let hash = content_hash(data);
+        let len = data.len() as u64;
+        let probe = Request::SetCached {
+            buffer,
+            offset,
+            len,
+            hash,
         };
-        self.shared.conn.call_async(&request, data).map(|_| ())
+        if let (Reply::Cached(true), _) = self.shared.conn.call(&probe, &[])? {
+            return Ok(());
+        }
+        let upload = Request::SetAndCache {
+            buffer,
+            offset,
+            hash,
+        };
+        self.shared.conn.call_async(&upload, data).map(|_| ())
     }
 
     fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
@@ -538,6 +561,49 @@ impl RemoteBackend {
     }
 }
 
+impl RemoteBackend {
+    /// Copies `src` (on another server, `from`) into `dst` (on ours) server to server: the
+    /// source server pushes the bytes to ours under a random ticket, then ours claims them in
+    /// its request stream. `Ok(false)` when the servers cannot do it (the caller copies
+    /// through this process instead); a lost device is an error.
+    fn push_direct(&self, from: &RemoteBackend, src: &Tensor, dst: &Tensor) -> Result<bool> {
+        let (to, source) = (self.shared(), from.shared());
+        let (Ok((src_handle, src_offset)), Ok((dst_handle, dst_offset))) =
+            (source.locate(src), to.locate(dst))
+        else {
+            return Ok(false);
+        };
+        let mut ticket = [0u8; 16];
+        ticket.copy_from_slice(&nonce()?[..16]);
+        let push = Request::Push {
+            buffer: src_handle,
+            offset: src_offset,
+            len: src.nbytes() as u64,
+            to: to.conn.endpoint().to_owned(),
+            ticket,
+        };
+        match source.conn.call(&push, &[]) {
+            Ok(_) => {}
+            Err(err @ Error::DeviceLost(_)) => return Err(err),
+            Err(err) => {
+                log::info!(
+                    "direct copy {} -> {} failed ({err}); copying through this process",
+                    source.conn.endpoint(),
+                    to.conn.endpoint()
+                );
+                return Ok(false);
+            }
+        }
+        let claim = Request::Claim {
+            buffer: dst_handle,
+            offset: dst_offset,
+            ticket,
+        };
+        to.conn.call_async(&claim, &[])?;
+        Ok(true)
+    }
+}
+
 impl Backend for RemoteBackend {
     fn guid(&self) -> Guid {
         REMOTE_GUID
@@ -584,15 +650,16 @@ impl Backend for RemoteBackend {
             )?;
             return Ok(true);
         }
-        // Elsewhere: read it (a remote source's reads are ordered after its work; any other
-        // backend is synchronised first) and send the bytes.
-        if src_backend
-            .as_any()
-            .downcast_ref::<RemoteBackend>()
-            .is_none()
-        {
+        let src_remote = src_backend.as_any().downcast_ref::<RemoteBackend>();
+        if let Some(src_remote) = src_remote {
+            if shared.conn.settings().direct_copies && self.push_direct(src_remote, src, dst)? {
+                return Ok(true);
+            }
+        } else {
             src_backend.synchronize()?;
         }
+        // Through this process: read it (a remote source's reads are ordered after its work;
+        // any other backend was synchronised) and send the bytes.
         let mut data = vec![0u8; nbytes];
         src.read_bytes(0, &mut data)?;
         shared.conn.call_async(

@@ -34,16 +34,20 @@ pub struct ClientSettings {
     pub dead_after: Duration,
     /// Longest wait for any one reply (a computation included) while the server is alive.
     pub request_timeout: Duration,
+    /// Copy between two servers directly (server to server) instead of through this process.
+    pub direct_copies: bool,
 }
 
 impl Default for ClientSettings {
-    /// 5 s to connect, a heartbeat every 0.5 s, lost after 3 s of silence, 10 min per reply.
+    /// 5 s to connect, a heartbeat every 0.5 s, lost after 3 s of silence, 10 min per reply,
+    /// direct copies between servers.
     fn default() -> Self {
         ClientSettings {
             connect_timeout: Duration::from_secs(5),
             heartbeat: Duration::from_millis(500),
             dead_after: Duration::from_secs(3),
             request_timeout: Duration::from_secs(600),
+            direct_copies: true,
         }
     }
 }

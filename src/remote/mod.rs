@@ -7,6 +7,7 @@
 //! * [`wire`]: graphs and tensors on the wire, and the server's validator that rebuilds them
 //!   with the crate's op builders.
 //! * [`server`]: sessions, limits, heartbeats, graph caching.
+//! * [`weight_cache`]: uploads kept by content hash across sessions.
 //! * [`connection`]: the client's connection (request ids, fences, heartbeat, loss detection).
 //! * [`client`]: registration, devices, buffer types, buffers, backends and events.
 
@@ -14,6 +15,7 @@ pub mod client;
 pub mod connection;
 pub mod protocol;
 pub mod server;
+pub mod weight_cache;
 pub mod wire;
 
 pub use client::{connect, RemoteBackend, RemoteDevice, RemoteRegistration};

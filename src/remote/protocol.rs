@@ -331,6 +331,57 @@ pub enum Request {
         /// Device index.
         device: u32,
     },
+    /// Writes `len` bytes with SHA-256 `hash` at `offset` from the server's weight cache, if it
+    /// holds them (re-hashed before use) → [`Reply::Cached`].
+    SetCached {
+        /// Buffer handle.
+        buffer: u64,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// SHA-256 of the bytes.
+        hash: [u8; 32],
+    },
+    /// Sends `len` bytes at `offset` straight to another server (`to`, `host:port`, reached
+    /// with this server's own token), which holds them under `ticket` until a `Claim`
+    /// → [`Reply::Done`] once they are there.
+    Push {
+        /// Buffer handle.
+        buffer: u64,
+        /// Byte offset.
+        offset: u64,
+        /// Bytes.
+        len: u64,
+        /// The receiving server.
+        to: String,
+        /// A random name for the transfer.
+        ticket: [u8; 16],
+    },
+    /// Server → server: holds the payload under `ticket` for a later `Claim` → [`Reply::Done`].
+    Deposit {
+        /// The transfer's name.
+        ticket: [u8; 16],
+    },
+    /// Writes the bytes deposited under `ticket` at `offset` → [`Reply::Done`].
+    Claim {
+        /// Buffer handle.
+        buffer: u64,
+        /// Byte offset.
+        offset: u64,
+        /// The transfer's name.
+        ticket: [u8; 16],
+    },
+    /// As `Set`, and keeps the payload in the weight cache under `hash` when the payload
+    /// really hashes to it (a mismatch is an error and nothing is written) → [`Reply::Done`].
+    SetAndCache {
+        /// Buffer handle.
+        buffer: u64,
+        /// Byte offset.
+        offset: u64,
+        /// SHA-256 of the payload.
+        hash: [u8; 32],
+    },
 }
 
 /// A successful answer.
@@ -351,6 +402,8 @@ pub enum Reply {
     Status(i32),
     /// Whether an op is supported.
     Supported(bool),
+    /// Whether a `SetCached` found its bytes.
+    Cached(bool),
     /// Free and total bytes.
     Memory {
         /// Free bytes.

@@ -14,7 +14,7 @@ use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufWriter};
@@ -22,11 +22,13 @@ use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc as tmpsc, OwnedSemaphorePermit, Semaphore};
 
+use super::connection::{ClientSettings, Connection};
 use super::protocol::{
     decode_meta, encode_meta, error_kind, nonce, proof, proof_matches, Auth, Challenge, Command,
     DeviceInfo, ErrorReply, FrameHeader, FrameLimits, Hello, Reply, Request, Welcome,
     HANDSHAKE_META_LIMIT, HEADER_LEN, PROTOCOL_VERSION,
 };
+use super::weight_cache::WeightCache;
 use super::wire::{build_graph, BuiltGraph, GraphLimits};
 use crate::backend::Backend;
 use crate::buffer::Buffer;
@@ -52,6 +54,8 @@ pub struct ServerConfig {
     pub max_graphs: u32,
     /// Tensors in one graph.
     pub max_graph_tensors: usize,
+    /// Bytes of uploads kept by content hash for later sessions (0: no cache).
+    pub weight_cache_bytes: u64,
     /// Threads of each session's compute backends (`None`: the device's default).
     pub n_threads: Option<usize>,
     /// Time a client has to complete the handshake.
@@ -63,7 +67,8 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     /// Defaults: 127.0.0.1, a free port, 1 GiB frames, 64 MiB metadata, 64 GiB per session,
-    /// 256 cached graphs of up to a million tensors, 5 s handshake, 60 s idle limit.
+    /// 256 cached graphs of up to a million tensors, a 1 GiB weight cache, 5 s handshake,
+    /// 60 s idle limit.
     pub fn new(token: impl Into<Vec<u8>>) -> ServerConfig {
         ServerConfig {
             host: "127.0.0.1".into(),
@@ -74,6 +79,7 @@ impl ServerConfig {
             max_session_bytes: 64 << 30,
             max_graphs: 256,
             max_graph_tensors: 1 << 20,
+            weight_cache_bytes: 1 << 30,
             n_threads: None,
             handshake_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(60),
@@ -88,7 +94,13 @@ struct Shared {
     /// Test hook: while set, sessions stop reading and answering (a hung server).
     frozen: AtomicBool,
     sessions: AtomicUsize,
+    weights: WeightCache,
+    /// Bytes other servers pushed here, by ticket, until claimed (or too old).
+    deposits: Mutex<HashMap<[u8; 16], (Vec<u8>, std::time::Instant)>>,
 }
+
+/// Deposits not claimed within this time are dropped.
+const DEPOSIT_LIFETIME: Duration = Duration::from_secs(60);
 
 /// A running device server; dropping it stops it.
 pub struct Server {
@@ -143,10 +155,14 @@ impl Server {
             .local_addr()
             .map_err(|e| Error::Backend(format!("cannot read the bound address: {e}")))?;
         let shared = Arc::new(Shared {
-            config,
             devices: host_devices(),
             frozen: AtomicBool::new(false),
             sessions: AtomicUsize::new(0),
+            deposits: Mutex::new(HashMap::new()),
+            weights: WeightCache::new(
+                usize::try_from(config.weight_cache_bytes).unwrap_or(usize::MAX),
+            ),
+            config,
         });
         let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
         let task_shared = shared.clone();
@@ -180,6 +196,11 @@ impl Server {
     /// Sessions currently connected.
     pub fn sessions(&self) -> usize {
         self.shared.sessions.load(Ordering::Relaxed)
+    }
+
+    /// Bytes held in the weight cache.
+    pub fn weight_cache_bytes(&self) -> usize {
+        self.shared.weights.bytes()
     }
 
     /// Test hook: while frozen, sessions neither read nor answer, as a hung server.
@@ -548,7 +569,10 @@ async fn session(
             }
             Command::Request => {
                 let request: Request = decode_meta(&meta).map_err(|e| bad(id, e))?;
-                let takes_payload = matches!(request, Request::Set { .. });
+                let takes_payload = matches!(
+                    request,
+                    Request::Set { .. } | Request::SetAndCache { .. } | Request::Deposit { .. }
+                );
                 if !takes_payload && header.payload_len != 0 {
                     return Err(bad(
                         id,
@@ -595,6 +619,8 @@ async fn session(
 /// A session's state, owned by its worker thread.
 struct Session {
     shared: Arc<Shared>,
+    /// Connections to other servers, for pushes.
+    peers: HashMap<String, Arc<Connection>>,
     backends: Vec<Option<Arc<dyn Backend>>>,
     buffers: HashMap<u64, Buffer>,
     allocated: u64,
@@ -605,6 +631,7 @@ struct Session {
 fn worker(jobs: mpsc::Receiver<Job>, out: tmpsc::UnboundedSender<OutFrame>, shared: Arc<Shared>) {
     let mut session = Session {
         backends: vec![None; shared.devices.len()],
+        peers: HashMap::new(),
         shared,
         buffers: HashMap::new(),
         allocated: 0,
@@ -829,6 +856,88 @@ impl Session {
                     Err(_) => false,
                 };
                 Ok((Reply::Supported(supported), Vec::new()))
+            }
+            Request::SetCached {
+                buffer,
+                offset,
+                len,
+                hash,
+            } => {
+                let (buffer, offset, len) = self.range(buffer, offset, len)?;
+                match shared.weights.get(&hash) {
+                    Some(bytes) if bytes.len() == len => {
+                        buffer.write(offset, &bytes)?;
+                        Ok((Reply::Cached(true), Vec::new()))
+                    }
+                    _ => Ok((Reply::Cached(false), Vec::new())),
+                }
+            }
+            Request::SetAndCache {
+                buffer,
+                offset,
+                hash,
+            } => {
+                let (buffer, offset, _) = self.range(buffer, offset, payload.len() as u64)?;
+                if !shared.weights.insert(hash, &payload) {
+                    return Err(Error::InvalidArgument(
+                        "the payload does not have the content hash it was sent with".into(),
+                    ));
+                }
+                buffer.write(offset, &payload)?;
+                done
+            }
+            Request::Push {
+                buffer,
+                offset,
+                len,
+                to,
+                ticket,
+            } => {
+                if len > config.max_payload {
+                    return Err(Error::InvalidArgument(format!(
+                        "a push of {len} bytes exceeds the frame limit of {}",
+                        config.max_payload
+                    )));
+                }
+                let (source, offset, len) = self.range(buffer, offset, len)?;
+                let mut data = vec![0u8; len];
+                source.read(offset, &mut data)?;
+                let peer = match self.peers.get(&to) {
+                    Some(peer) if peer.lost().is_none() => peer.clone(),
+                    _ => {
+                        let peer = Connection::open(&to, &config.token, ClientSettings::default())?;
+                        self.peers.insert(to.clone(), peer.clone());
+                        peer
+                    }
+                };
+                peer.call(&Request::Deposit { ticket }, &data)?;
+                done
+            }
+            Request::Deposit { ticket } => {
+                let mut deposits = shared.deposits.lock().unwrap_or_else(|p| p.into_inner());
+                deposits.retain(|_, (_, at)| at.elapsed() < DEPOSIT_LIFETIME);
+                let held: usize = deposits.values().map(|(d, _)| d.len()).sum();
+                if held as u64 + payload.len() as u64 > config.max_payload.max(1 << 30) {
+                    return Err(Error::Alloc("too many unclaimed deposits".into()));
+                }
+                deposits.insert(ticket, (payload, std::time::Instant::now()));
+                done
+            }
+            Request::Claim {
+                buffer,
+                offset,
+                ticket,
+            } => {
+                let deposit = shared
+                    .deposits
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .remove(&ticket);
+                let (data, _) = deposit
+                    .ok_or_else(|| Error::InvalidArgument("no deposit under this ticket".into()))?;
+                let (target, offset, _) = self.range(buffer, offset, data.len() as u64)?;
+                target.write(offset, &data)?;
+                done
             }
             Request::Memory { device } => {
                 let (free, total) = self.device(device)?.memory();

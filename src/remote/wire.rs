@@ -263,6 +263,9 @@ fn op_desc(op: &Op) -> Result<OpDesc> {
     })
 }
 
+/// Maps a tensor's memory to (server buffer handle, offset); `None` leaves it unbound.
+pub type Resolver<'a> = dyn Fn(&Tensor) -> Result<Option<(u64, u64)>> + 'a;
+
 /// Builds descriptions of tensors on the client side.
 ///
 /// Tensors of the graph (its nodes and leafs) are described with their op and operands;
@@ -272,13 +275,12 @@ pub struct Describer<'a> {
     desc: GraphDesc,
     index: HashMap<u64, u32>,
     members: HashSet<u64>,
-    /// Maps a tensor's storage to (buffer handle, offset); `None` leaves it unbound.
-    resolve: &'a dyn Fn(&Tensor) -> Result<Option<(u64, u64)>>,
+    resolve: &'a Resolver<'a>,
 }
 
 impl<'a> Describer<'a> {
     /// A describer that binds owners through `resolve`.
-    pub fn new(resolve: &'a dyn Fn(&Tensor) -> Result<Option<(u64, u64)>>) -> Self {
+    pub fn new(resolve: &'a Resolver<'a>) -> Self {
         Describer {
             desc: GraphDesc::default(),
             index: HashMap::new(),
