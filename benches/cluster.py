@@ -9,10 +9,13 @@ Sections (``--only``):
 
 * ``launch``: the Ray cluster's start, then ``fg.distributed.launch(n, "STRICT_SPREAD")`` until
   every device is connected, and ``shutdown()``; best and median of ``--repeat`` rounds.
-* ``weights``: the MiniLM weights (f32, every tensor of ``model.safetensors``) brought to one
-  actor per node, through Ray's object store (``ray.put`` once, each actor ``ray.get`` and reads
-  every byte) vs streamed from this process over a direct TCP socket to each actor (what a
-  client's upload puts on the wire). Wall time until every actor holds every byte.
+* ``weights``: (1) transport alone: the MiniLM weights (f32, every tensor of
+  ``model.safetensors``) brought to one actor per node, through Ray's object store
+  (``ray.put`` once, each actor ``ray.get`` and reads every byte) vs streamed from this process
+  over a direct TCP socket to each actor; wall time until every actor holds every byte.
+  (2) end to end: MiniLM's encoder layers placed on fresh servers (cold weight caches), the
+  client uploading everything over TCP vs ``Cluster.preload_weights`` (object store, then each
+  actor fills its server's weight cache over loopback) followed by the same placement.
 * ``minilm``: batches of 32 sentences of 128 tokens, the layers split over two servers (one
   CPU each, STRICT_SPREAD) vs this process's CPU (2 threads, the peer), with 1, 2 and 4 batches
   in flight (one model and thread per batch in flight, on both sides); sentences/s.
@@ -179,6 +182,36 @@ def bench_weights(n_receivers: int, repeat: int) -> None:
     )
 
 
+def bench_weights_upload(n_servers: int, repeat: int) -> None:
+    """MiniLM's encoder layers placed on ``n_servers`` fresh servers (cold weight caches): the
+    client uploads every weight over TCP, vs ``Cluster.preload_weights`` through the object
+    store first (the client's writes of 1 MiB or more then send only their hashes)."""
+    import ferrograph as fg
+    from ferrograph.distributed import place_layers
+    from ferrograph.models import MiniLM
+
+    times: dict[str, list[float]] = {"tcp": [], "object store": []}
+    for _ in range(repeat):
+        for way in times:
+            model = MiniLM(n_threads=1)
+            with fg.distributed.launch(n_servers, strategy="STRICT_SPREAD") as cluster:
+                servers = [ds[0] for ds in cluster.devices_per_server]
+                start = time.perf_counter()
+                if way == "object store":
+                    cluster.preload_weights(model)
+                place_layers(model, servers)
+                times[way].append(time.perf_counter() - start)
+                del model, servers
+    tcp, store = min(times["tcp"]), min(times["object store"])
+    print(
+        f"MiniLM layers placed on {n_servers} fresh servers: client upload over TCP best "
+        f"{tcp * 1e3:.0f} ms (median {statistics.median(times['tcp']) * 1e3:.0f}), object store "
+        f"+ warm cache best {store * 1e3:.0f} ms (median "
+        f"{statistics.median(times['object store']) * 1e3:.0f}); object store / TCP = "
+        f"{store / tcp:.2f}"
+    )
+
+
 # ----- MiniLM -----------------------------------------------------------------------------
 
 
@@ -276,6 +309,7 @@ def main() -> int:
             bench_launch(args.nodes, args.repeat)
         if "weights" in sections:
             bench_weights(args.nodes, args.repeat)
+            bench_weights_upload(args.nodes, args.repeat)
         if "minilm" in sections:
             bench_minilm(args.repeat, [int(n) for n in args.copies.split(",")])
     finally:

@@ -330,6 +330,26 @@ def test_minilm_split_over_two_servers_equals_local(
     assert names <= used, used  # both servers computed their layers
 
 
+@needs_servers
+@needs_minilm
+def test_weights_preloaded_through_the_object_store_give_the_same_vectors(
+    launched: distributed.Cluster, local_embeddings: np.ndarray
+) -> None:
+    from ferrograph.models import MiniLM
+
+    model = MiniLM(n_threads=1)
+    big = [
+        t
+        for n, t in model.weights.items()
+        if n.startswith("encoder.layer.") and t.nbytes >= distributed.CACHED_WRITE_MIN
+    ]
+    assert len(big) == 12  # the two feed-forward matrices of each of the 6 layers
+    assert launched.preload_weights(model) == sum(t.nbytes for t in big)
+    assert launched.preload_weights([]) == 0
+    distributed.place_layers(model, [ds[0] for ds in launched.devices_per_server])
+    assert _cosines(model.encode(SENTENCES), local_embeddings).min() >= 0.99999
+
+
 def _encode_in_background(model: Any, sentences: list[str]) -> tuple[threading.Thread, list]:
     outcome: list[Any] = []
 
