@@ -56,7 +56,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import Error, InvalidArgumentError
+from .errors import BackendError, Error, InvalidArgumentError
 
 __all__ = [
     "STRATEGIES",
@@ -230,12 +230,12 @@ class ServerHost:
         ray: Any = _import_ray()
         blobs: list[Any] = ray.get(refs[0])
         device = fg.remote.connect(self.endpoint, token=self.__token)[0]
-        ctx = fg.Context()
-        tensors = [ctx.new_tensor(fg.int8, (len(b),)) for b in blobs]
-        buffer = fg.alloc_ctx_tensors(ctx, device.buffer_type)
-        for tensor, blob in zip(tensors, blobs, strict=True):
+        for blob in blobs:  # one at a time: the session never holds more than one
+            ctx = fg.Context()
+            tensor = ctx.new_tensor(fg.int8, (len(blob),))
+            buffer = fg.alloc_ctx_tensors(ctx, device.buffer_type)
             fg.tensor_set(tensor, blob)
-        del buffer, tensors, ctx, device
+            del buffer, tensor, ctx
         return sum(len(b) for b in blobs)
 
     def ping(self) -> str:
@@ -483,6 +483,9 @@ class Cluster:
         reads them there (zero-copy on its node, one transfer per node) and writes them to its
         server over loopback. Returns the bytes each server received.
 
+        Raises :class:`ferrograph.BackendError` when a server fails to take them (or does not
+        within ``ready_timeout``).
+
         Not the default: on one machine a direct upload from the client is as fast or faster
         (``benches/cluster.py`` measures both); across machines it spares the client's own
         link from sending the weights once per server.
@@ -507,9 +510,13 @@ class Cluster:
         ref = ray.put(blobs)
         with self._lock:
             alive = [i for i, s in enumerate(self.servers) if s.state == "alive"]
-        sizes = ray.get(
-            [self._actors[i].warm_cache.remote([ref]) for i in alive], timeout=self.ready_timeout
-        )
+        try:
+            sizes = ray.get(
+                [self._actors[i].warm_cache.remote([ref]) for i in alive],
+                timeout=self.ready_timeout,
+            )
+        except Exception as error:
+            raise BackendError(f"preloading weights failed: {_actor_failure(error)}") from error
         logger.info(
             "weights through the object store: %d tensor(s), %.1f MiB to %d server(s)",
             len(blobs),
@@ -734,6 +741,10 @@ def _actor_failure(error: BaseException) -> str:
     at = text.rfind(marker)
     if at >= 0:
         return text[at + len("RuntimeError: ") :].strip()
+    # a task's error: Ray's header line, the remote traceback, then the error itself
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    if len(lines) > 1 and lines[0].startswith("ray::"):
+        return lines[-1]
     return _first_line(error)
 
 
