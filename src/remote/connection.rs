@@ -304,7 +304,7 @@ impl Connection {
             if state.lost.is_some() {
                 return;
             }
-            log::warn!("device server {} lost: {reason}", self.endpoint);
+            log::info!("device server {} lost: {reason}", self.endpoint);
             state.lost = Some(reason.to_owned());
         }
         self.changed.notify_all();

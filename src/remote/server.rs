@@ -96,8 +96,11 @@ struct Shared {
     sessions: AtomicUsize,
     weights: WeightCache,
     /// Bytes other servers pushed here, by ticket, until claimed (or too old).
-    deposits: Mutex<HashMap<[u8; 16], (Vec<u8>, std::time::Instant)>>,
+    deposits: Mutex<HashMap<[u8; 16], Deposit>>,
 }
+
+/// Bytes another server pushed here, and when.
+type Deposit = (Vec<u8>, std::time::Instant);
 
 /// Deposits not claimed within this time are dropped.
 const DEPOSIT_LIFETIME: Duration = Duration::from_secs(60);
