@@ -9,6 +9,7 @@ them (32x128), best of ``--repeat`` calls (interleaved between the peers) after 
 * the bytes and time of one split boundary: a 128x384 f32 activation written to a remote
   tensor and read back (the round trip the scheduler makes when a split ends on another
   device), and the time per boundary implied by the end-to-end difference;
+* a copy from one server to the other, direct (server to server) and through this process;
 * ``n_copies`` 1, 2 and 4 for the split model (32 sentences in batches of 8);
 * the weight upload: building the model with its layers on a server, cold (uploaded) and warm
   (a second client: the server's content-hash cache has them), vs locally.
@@ -108,6 +109,34 @@ def boundary_roundtrip_ms(device: fg.Device, repeat: int) -> tuple[int, float]:
     return t.nbytes, best_ms(roundtrip, max(repeat, 20))
 
 
+def server_to_server_ms(
+    a_address: str, b_address: str, nbytes: int, repeat: int
+) -> tuple[float, float]:
+    """Best time of copying ``nbytes`` from a tensor on server a to one on server b: directly
+    (a pushes to b) and through this process (read from a, written to b)."""
+    times = []
+    for direct in (True, False):
+        dev_a = fg.remote.connect(a_address, token=TOKEN, direct_copies=direct)[0]
+        dev_b = fg.remote.connect(b_address, token=TOKEN, direct_copies=direct)[0]
+        ba, bb = dev_a.init_backend(), dev_b.init_backend()
+        actx, bctx = fg.Context(), fg.Context()
+        src = actx.new_tensor(fg.float32, (nbytes // 4,))
+        dst = bctx.new_tensor(fg.float32, (nbytes // 4,))
+        keep = (fg.alloc_ctx_tensors(actx, ba), fg.alloc_ctx_tensors(bctx, bb))
+        src.set(np.arange(nbytes // 4, dtype=np.float32))
+
+        def copy(
+            ba: fg.Backend = ba, bb: fg.Backend = bb, src: fg.Tensor = src, dst: fg.Tensor = dst
+        ) -> None:
+            fg.tensor_copy_async(ba, bb, src, dst)
+            bb.synchronize()
+
+        times.append(best_ms(copy, max(repeat, 10)))
+        assert dst.numpy()[-1] == nbytes // 4 - 1
+        del keep
+    return times[0], times[1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=2, help="threads, local and per server")
@@ -172,6 +201,12 @@ def main() -> None:
 
         nbytes, ms = boundary_roundtrip_ms(dev_a, args.repeat)
         print(f"one split boundary (write + read back {nbytes / 1e3:.0f} kB): {ms:.2f} ms")
+        for size in (128 * 384 * 4, 32 * 128 * 384 * 4):
+            direct, relayed = server_to_server_ms(a.address, b.address, size, args.repeat)
+            print(
+                f"server a -> server b, {size / 1e3:.0f} kB: direct {direct:.2f} ms, "
+                f"through this process {relayed:.2f} ms"
+            )
 
         sentences = [text] * 32
         for n_copies in (1, 2, 4):

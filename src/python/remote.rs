@@ -30,6 +30,7 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
 /// between two servers directly (the source server pushes them, authenticated with its own
 /// token) instead of through this process, which stays the fallback.
 #[pyfunction]
+#[allow(clippy::too_many_arguments)] // keyword arguments of a Python function
 #[pyo3(signature = (endpoint, token = None, *, connect_timeout = 5.0, heartbeat = 0.5, dead_after = 3.0, request_timeout = 600.0, direct_copies = true))]
 pub(crate) fn remote_connect(
     py: Python<'_>,
@@ -83,6 +84,7 @@ impl PyRemoteServer {
 #[pymethods]
 impl PyRemoteServer {
     #[new]
+    #[allow(clippy::too_many_arguments)] // keyword arguments of a Python constructor
     #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None, weight_cache_bytes = None))]
     fn new(
         py: Python<'_>,

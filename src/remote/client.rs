@@ -133,6 +133,10 @@ pub fn connect(
         }
     };
     let conn = Connection::open(endpoint, token, settings)?;
+    log::info!(
+        "connected to device server {endpoint} ({} device(s))",
+        conn.welcome().devices.len()
+    );
     let shared = Arc::new(Shared {
         conn: conn.clone(),
         buffers: Mutex::new(HashMap::new()),

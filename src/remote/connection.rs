@@ -8,6 +8,9 @@
 //! [`ClientSettings::dead_after`], when the connection breaks, or when the server sends a fatal
 //! error, the connection is *lost*: every waiting and later call fails with
 //! [`Error::DeviceLost`] at once.
+//!
+//! Nothing here logs from the reader or heartbeat thread: in a Python process a log record
+//! needs the interpreter, which the caller waiting for that very thread may hold.
 
 use std::collections::{BTreeSet, HashMap};
 use std::io::{ErrorKind, Read, Write};
@@ -262,10 +265,6 @@ impl Connection {
             .name("ferrograph-remote-heartbeat".into())
             .spawn(move || heartbeat_loop(weak))
             .map_err(|e| Error::Backend(format!("cannot start the heartbeat thread: {e}")))?;
-        log::info!(
-            "connected to device server {endpoint} ({} device(s))",
-            conn.welcome.devices.len()
-        );
         Ok(conn)
     }
 
@@ -304,7 +303,6 @@ impl Connection {
             if state.lost.is_some() {
                 return;
             }
-            log::warn!("device server {} lost: {reason}", self.endpoint);
             state.lost = Some(reason.to_owned());
         }
         self.changed.notify_all();
@@ -456,7 +454,6 @@ impl Connection {
             *slot = Some(answer);
         } else if state.outstanding.remove(&id) {
             if let Err(err) = answer {
-                log::debug!("asynchronous request {id} failed: {err}");
                 state.async_error.get_or_insert(err);
             }
         }

@@ -9,6 +9,10 @@
 //! reply and the connection is closed; a request that fails (bad handle, out of bounds, a graph
 //! that does not validate, a computation error) gets an error reply and the session goes on.
 //! Nothing a client sends can stop the server or affect another session.
+//!
+//! The server's threads never log: inside a Python process (`python -m ferrograph serve`, a
+//! `RemoteServer` in a test) a log record needs the interpreter, which a thread waiting for
+//! this server may hold. Errors go to the client that caused them.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -96,8 +100,11 @@ struct Shared {
     sessions: AtomicUsize,
     weights: WeightCache,
     /// Bytes other servers pushed here, by ticket, until claimed (or too old).
-    deposits: Mutex<HashMap<[u8; 16], (Vec<u8>, std::time::Instant)>>,
+    deposits: Mutex<HashMap<[u8; 16], Deposit>>,
 }
+
+/// Bytes another server pushed here, and when.
+type Deposit = (Vec<u8>, std::time::Instant);
 
 /// Deposits not claimed within this time are dropped.
 const DEPOSIT_LIFETIME: Duration = Duration::from_secs(60);
@@ -237,19 +244,16 @@ impl Drop for Server {
 async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     loop {
         match listener.accept().await {
-            Ok((stream, peer)) => {
+            Ok((stream, _peer)) => {
                 let shared = shared.clone();
                 tokio::spawn(async move {
                     shared.sessions.fetch_add(1, Ordering::Relaxed);
-                    log::debug!("session from {peer} opened");
                     serve_connection(stream, &shared).await;
                     shared.sessions.fetch_sub(1, Ordering::Relaxed);
-                    log::debug!("session from {peer} closed");
                 });
             }
-            Err(e) => {
+            Err(_) => {
                 // Out of file descriptors and the like: wait instead of spinning.
-                log::warn!("accept failed: {e}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         }
@@ -369,7 +373,6 @@ async fn serve_connection(stream: TcpStream, shared: &Arc<Shared>) {
     let (out_tx, out_rx) = tmpsc::unbounded_channel::<OutFrame>();
     let mut writer = tokio::spawn(write_loop(wr, out_rx));
     if let Err((id, err)) = session(&mut rd, &out_tx, shared).await {
-        log::info!("closing a session: {err}");
         let _ = out_tx.send(OutFrame::error(id, &err, true));
     }
     drop(out_tx);

@@ -104,7 +104,17 @@ def test_in_process_server_and_its_sessions() -> None:
     with fg.remote.RemoteServer(TOKEN, n_threads=1) as server:
         devices = fg.remote.connect(server.address, token=TOKEN)
         assert server.sessions == 1
-        del devices
+        # Server and client threads in one interpreter: nothing waits on the other's lock.
+        backend = devices[0].init_backend()
+        ctx = fg.Context()
+        t = ctx.new_tensor(fg.float32, (4, 300))
+        buffer = fg.alloc_ctx_tensors(ctx, backend)
+        t.set(np.full((4, 300), 2.5, np.float32))
+        y = fg.ops.scale(t, 2.0, ctx=ctx)
+        with pytest.raises(fg.NotAllocatedError):
+            backend.graph_compute(fg.Graph.build(y))  # y has no memory there
+        np.testing.assert_array_equal(t.numpy(), 2.5)
+        del devices, backend, buffer, t, y, ctx
         deadline = time.monotonic() + 5
         while server.sessions and time.monotonic() < deadline:
             time.sleep(0.02)
