@@ -226,6 +226,24 @@ def test_strict_spread_on_two_nodes_and_loopback_only(
 
 
 @needs_servers
+def test_the_token_is_per_launch_and_never_shown(
+    ray_cluster: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    with caplog.at_level(logging.DEBUG):
+        first = distributed.launch(1)
+    with first, distributed.launch(1) as second:
+        tokens = [c._Cluster__token for c in (first, second)]  # type: ignore[attr-defined]
+        assert len(tokens[0]) == 64 and tokens[0] != tokens[1]
+        for cluster, token in zip((first, second), tokens, strict=True):
+            assert token not in repr(cluster) and token not in repr(cluster.servers)
+            with open(f"/proc/{cluster.servers[0].pid}/cmdline", "rb") as f:
+                assert token.encode() not in f.read()  # given through the environment
+        assert caplog.records and not [r for r in caplog.records if tokens[0] in r.getMessage()]
+
+
+@needs_servers
 def test_shutdown_leaves_no_process_or_placement_group(ray_cluster: Any) -> None:
     import ray
     from ray.util import placement_group_table
