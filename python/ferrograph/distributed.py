@@ -2,12 +2,14 @@
 
 >>> import ferrograph as fg
 >>> with fg.distributed.launch(2, strategy="SPREAD") as cluster:   # doctest: +SKIP
-...     sched = fg.Scheduler([*cluster.devices_backends(), fg.init_backend("CPU")])
+...     sched = fg.Scheduler([*cluster.backends(), fg.init_backend("CPU")])
+...     model = MiniLM(devices=[ds[0] for ds in cluster.devices_per_server])
 
 Ray does the placement, the lifecycle and the failure detection; tensor bytes travel on
-ferrograph's own TCP connections (:mod:`ferrograph.remote`), never through Ray's object store
-(measured here with Ray 2.60: a 6 MB hop between two actors through the object store took
-~26 ms, ~4 ms over a direct socket).
+ferrograph's own TCP connections (:mod:`ferrograph.remote`), not through Ray's object store
+(the issue measured, with Ray 2.60, a 6 MB hop between two actors at ~26 ms through the object
+store and ~4 ms over a direct socket). :meth:`Cluster.preload_weights` is the one exception, an
+opt-in: weights through the object store into the servers' weight caches.
 
 What :func:`launch` does
 ------------------------

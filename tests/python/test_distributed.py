@@ -209,6 +209,9 @@ def test_strict_spread_on_two_nodes_and_loopback_only(
     assert all(ep.startswith("127.0.0.1:") for ep in launched.endpoints)
     assert len(launched.devices) >= 2
     assert "2 alive" in repr(launched) and "STRICT_SPREAD" in repr(launched)
+    backends = launched.backends()
+    assert [b.name for b in backends] == [d.name for d in launched.devices]
+    assert {d.name.rpartition("@")[2] for d in launched.devices} == set(launched.endpoints)
 
     ours = _descendants(os.getpid())
     sockets = _sockets_of(ours)
