@@ -992,3 +992,33 @@ fn a_direct_copy_falls_back_through_the_client_when_servers_cannot_talk() {
     assert_eq!(dst.to_f32_vec().unwrap(), values(300, 77));
     assert!(ra.lost().is_none() && rb.lost().is_none());
 }
+
+#[test]
+fn the_ferrograph_serve_binary_prints_its_address_and_serves() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferrograph"))
+        .args(["serve", "--port", "0", "--threads", "1"])
+        .env("FERROGRAPH_TOKEN", std::str::from_utf8(TOKEN).unwrap())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let address = line.trim().to_owned();
+    let reg = connect(&address, Some(TOKEN), fast_settings());
+    let _ = child.kill();
+    let _ = child.wait();
+    let reg = reg.unwrap();
+    assert!(address.starts_with("127.0.0.1:"), "{address}");
+    assert_eq!(reg.remote_devices()[0].name(), format!("CPU@{address}"));
+    // Without a token it refuses to start.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrograph"))
+        .args(["serve"])
+        .env_remove("FERROGRAPH_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("token is required"));
+}
