@@ -373,6 +373,21 @@ fn a_server_killed_mid_compute_gives_device_lost() {
         remote.graph_compute(&graph).map(|_| ())
     });
     assert!(reg.lost().is_some());
+    // A scheduler rebuilt from the remaining devices (another server and the CPU) works.
+    let other = server();
+    let reg2 = client(&other);
+    let (wctx, gctx) = (Context::new(true), Context::new(true));
+    let (w2, b2, x2, y2) = mlp_in(&wctx, &gctx, 16, 3);
+    let _wbuf = alloc_ctx_tensors_from_buft(&wctx, reg2.remote_devices()[0].buffer_type()).unwrap();
+    fill(&w2, 5);
+    fill(&b2, 6);
+    let g2 = Graph::build(std::slice::from_ref(&y2));
+    let mut sched =
+        Scheduler::new(vec![remote_backend(&reg2), cpu()], None, 64, false, false).unwrap();
+    sched.alloc_graph(&g2).unwrap();
+    fill(&x2, 7);
+    sched.graph_compute(&g2).unwrap();
+    assert!(y2.to_f32_vec().unwrap().iter().all(|v| v.is_finite()));
 }
 
 #[test]
