@@ -651,6 +651,10 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     g.tensors[0].op = OpDesc::External;
     g.tensors[0].nb = [4, u64::MAX / 3, 16, 16];
     bad_cases.push(("overflowing strides", g));
+    let mut g = good.clone();
+    g.tensors[0].op = OpDesc::External;
+    g.tensors[0].nb = [4, 0, 16, 16];
+    bad_cases.push(("overlapping rows", g));
     for (i, (what, desc)) in bad_cases.into_iter().enumerate() {
         let (c, m, _) = raw
             .request(10 + i as u64, &compute(100 + i as u64, Some(desc)), &[])
