@@ -417,7 +417,11 @@ fn check_strides(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -
     // No two elements may share bytes: kernels write such tensors from several threads.
     let mut dims: Vec<(usize, usize)> = (0..MAX_DIMS)
         .map(|i| {
-            let n = if i == 0 { ne[0] / dtype.block_size() } else { ne[i] };
+            let n = if i == 0 {
+                ne[0] / dtype.block_size()
+            } else {
+                ne[i]
+            };
             (n, nb[i])
         })
         .filter(|&(n, _)| n > 1)
@@ -430,7 +434,7 @@ fn check_strides(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -
                 "strides {nb:?} of shape {ne:?} make elements overlap"
             )));
         }
-        extent = (n - 1) * stride + extent;
+        extent += (n - 1) * stride;
     }
     Ok(())
 }
