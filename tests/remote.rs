@@ -373,6 +373,21 @@ fn a_server_killed_mid_compute_gives_device_lost() {
         remote.graph_compute(&graph).map(|_| ())
     });
     assert!(reg.lost().is_some());
+    // A scheduler rebuilt from the remaining devices (another server and the CPU) works.
+    let other = server();
+    let reg2 = client(&other);
+    let (wctx, gctx) = (Context::new(true), Context::new(true));
+    let (w2, b2, x2, y2) = mlp_in(&wctx, &gctx, 16, 3);
+    let _wbuf = alloc_ctx_tensors_from_buft(&wctx, reg2.remote_devices()[0].buffer_type()).unwrap();
+    fill(&w2, 5);
+    fill(&b2, 6);
+    let g2 = Graph::build(std::slice::from_ref(&y2));
+    let mut sched =
+        Scheduler::new(vec![remote_backend(&reg2), cpu()], None, 64, false, false).unwrap();
+    sched.alloc_graph(&g2).unwrap();
+    fill(&x2, 7);
+    sched.graph_compute(&g2).unwrap();
+    assert!(y2.to_f32_vec().unwrap().iter().all(|v| v.is_finite()));
 }
 
 #[test]
@@ -636,6 +651,10 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     g.tensors[0].op = OpDesc::External;
     g.tensors[0].nb = [4, u64::MAX / 3, 16, 16];
     bad_cases.push(("overflowing strides", g));
+    let mut g = good.clone();
+    g.tensors[0].op = OpDesc::External;
+    g.tensors[0].nb = [4, 0, 16, 16];
+    bad_cases.push(("overlapping rows", g));
     for (i, (what, desc)) in bad_cases.into_iter().enumerate() {
         let (c, m, _) = raw
             .request(10 + i as u64, &compute(100 + i as u64, Some(desc)), &[])
@@ -991,4 +1010,34 @@ fn a_direct_copy_falls_back_through_the_client_when_servers_cannot_talk() {
     tensor_copy_async(ba.as_ref(), bb.as_ref(), &src, &dst).unwrap();
     assert_eq!(dst.to_f32_vec().unwrap(), values(300, 77));
     assert!(ra.lost().is_none() && rb.lost().is_none());
+}
+
+#[test]
+fn the_ferrograph_serve_binary_prints_its_address_and_serves() {
+    use std::io::BufRead;
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_ferrograph"))
+        .args(["serve", "--port", "0", "--threads", "1"])
+        .env("FERROGRAPH_TOKEN", std::str::from_utf8(TOKEN).unwrap())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let address = line.trim().to_owned();
+    let reg = connect(&address, Some(TOKEN), fast_settings());
+    let _ = child.kill();
+    let _ = child.wait();
+    let reg = reg.unwrap();
+    assert!(address.starts_with("127.0.0.1:"), "{address}");
+    assert_eq!(reg.remote_devices()[0].name(), format!("CPU@{address}"));
+    // Without a token it refuses to start.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_ferrograph"))
+        .args(["serve"])
+        .env_remove("FERROGRAPH_TOKEN")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("token is required"));
 }

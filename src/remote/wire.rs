@@ -395,8 +395,8 @@ fn to_usize(x: u64, what: &str) -> Result<usize> {
     usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")))
 }
 
-/// Checks explicit strides: the span they give must be computable without overflow, and
-/// quantized rows must be dense blocks (their kernels read whole blocks).
+/// Checks explicit strides: the span they give must be computable without overflow, elements
+/// must not overlap, and quantized rows must be dense blocks (their kernels read whole blocks).
 fn check_strides(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -> Result<()> {
     crate::tensor::check_shape(dtype, ne, "external tensor")?;
     if dtype.is_quantized() && nb[0] != dtype.type_size() {
@@ -413,6 +413,28 @@ fn check_strides(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -
     });
     if span.is_none_or(|s| s > isize::MAX as usize) {
         return Err(bad(format!("strides {nb:?} of shape {ne:?} overflow")));
+    }
+    // No two elements may share bytes: kernels write such tensors from several threads.
+    let mut dims: Vec<(usize, usize)> = (0..MAX_DIMS)
+        .map(|i| {
+            let n = if i == 0 {
+                ne[0] / dtype.block_size()
+            } else {
+                ne[i]
+            };
+            (n, nb[i])
+        })
+        .filter(|&(n, _)| n > 1)
+        .collect();
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut extent = dtype.type_size();
+    for (n, stride) in dims {
+        if stride < extent {
+            return Err(bad(format!(
+                "strides {nb:?} of shape {ne:?} make elements overlap"
+            )));
+        }
+        extent += (n - 1) * stride;
     }
     Ok(())
 }
