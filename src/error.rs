@@ -51,6 +51,10 @@ pub enum Error {
     /// another callback) asked it for something it cannot give until the computation ends.
     #[error("busy: {0}")]
     Busy(String),
+    /// A remote device whose server died, hung past its deadline or closed the connection;
+    /// its buffers and queued work are gone (rebuild the scheduler without it).
+    #[error("device lost: {0}")]
+    DeviceLost(String),
 }
 
 impl Error {

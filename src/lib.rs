@@ -44,6 +44,7 @@ pub mod graph_copy;
 pub mod ops;
 pub mod quant;
 pub mod registry;
+pub mod remote;
 pub mod sched;
 pub mod tensor;
 pub mod util;

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import cpu, ops, plugins
+from . import cpu, distributed, ops, plugins, remote
 from ._core import (
     Backend,
     Buffer,
@@ -135,6 +135,7 @@ from .errors import (
     ArgumentTypeError,
     BackendError,
     BusyError,
+    DeviceLostError,
     DTypeError,
     Error,
     InvalidArgumentError,
@@ -214,6 +215,7 @@ __all__ = [
     "DType",
     "DTypeError",
     "Device",
+    "DeviceLostError",
     "DeviceType",
     "Error",
     "Event",
@@ -261,6 +263,7 @@ __all__ = [
     "dev_get",
     "device_register",
     "devices",
+    "distributed",
     "f16",
     "f32",
     "float16",
@@ -302,6 +305,7 @@ __all__ = [
     "register_backend",
     "register_blas",
     "registrations",
+    "remote",
     "set_global_abort_callback",
     "set_log_callback",
     "set_log_level",

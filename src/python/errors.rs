@@ -16,7 +16,7 @@ use pyo3::types::PyType;
 use crate::error::Error;
 
 /// The exception classes, in the order of [`class_index`].
-const CLASS_NAMES: [&str; 13] = [
+const CLASS_NAMES: [&str; 14] = [
     "Error",
     "ShapeError",
     "DTypeError",
@@ -30,6 +30,7 @@ const CLASS_NAMES: [&str; 13] = [
     "InvalidArgumentError",
     "ArgumentTypeError",
     "BusyError",
+    "DeviceLostError",
 ];
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
@@ -48,6 +49,7 @@ fn class_index(err: &Error) -> usize {
         Error::InvalidArgument(_) => 10,
         Error::ArgumentType(_) => 11,
         Error::Busy(_) => 12,
+        Error::DeviceLost(_) => 13,
     }
 }
 
@@ -131,7 +133,7 @@ pub(crate) fn error_class_names() -> Vec<&'static str> {
 
 /// Raises the exception class mapped from the Rust variant named `variant` (for tests of the
 /// mapping: "Shape", "DType", "Alloc", "UnsupportedOp", "Backend", "OutOfBounds", "Stale",
-/// "NotAllocated", "Aborted", "InvalidArgument", "ArgumentType", "Busy").
+/// "NotAllocated", "Aborted", "InvalidArgument", "ArgumentType", "Busy", "DeviceLost").
 #[pyfunction]
 pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
     let m = message.to_owned();
@@ -148,6 +150,7 @@ pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
         "InvalidArgument" => Error::InvalidArgument(m),
         "ArgumentType" => Error::ArgumentType(m),
         "Busy" => Error::Busy(m),
+        "DeviceLost" => Error::DeviceLost(m),
         other => return Err(invalid(format!("unknown error variant {other:?}"))),
     };
     Err(err.into())

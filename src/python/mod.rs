@@ -21,6 +21,7 @@ mod lock;
 mod log;
 mod ops;
 mod plugin;
+mod remote;
 mod sched;
 mod system;
 mod tensor;
@@ -43,6 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     plugin::register(m)?;
     dynload::register(m)?;
     sched::register(m)?;
+    remote::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;

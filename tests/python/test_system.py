@@ -21,6 +21,7 @@ VARIANTS = {
     "NotAllocated": (fg.NotAllocatedError, RuntimeError),
     "Aborted": (fg.AbortedError, RuntimeError),
     "InvalidArgument": (fg.InvalidArgumentError, ValueError),
+    "DeviceLost": (fg.DeviceLostError, ConnectionError),
 }
 
 

@@ -19,7 +19,7 @@ How the graph is built and run: :mod:`ferrograph.models.sentence_encoder`.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final
 
@@ -147,6 +147,13 @@ class MiniLM(SentenceEncoder):
     max_length
         Tokens per sentence after truncation; the model's own 256 when ``None``. The same
         setting as :attr:`SentenceEncoder.max_seq_length`.
+    devices
+        Devices (remote ones from :func:`ferrograph.remote.connect`, or any other) to spread the
+        encoder layers over: with ``k`` devices, consecutive runs of about ``6 / k`` layers
+        each go to one device, whose weights are uploaded to it once. Embeddings, pooling and
+        normalisation stay on the local backend; the scheduler copies activations between
+        them. A device may also be given as a backend opened on it
+        (:func:`ferrograph.distributed.place_layers`).
 
     Raises
     ------
@@ -169,6 +176,7 @@ class MiniLM(SentenceEncoder):
         fuse_qkv: bool = False,
         blas: bool = False,
         bucket_lengths: bool = True,
+        devices: Sequence[fg.Device | fg.Backend] | None = None,
     ) -> None:
         super().__init__(
             find_model_dir(model_dir),
@@ -181,6 +189,10 @@ class MiniLM(SentenceEncoder):
             fuse_qkv=fuse_qkv,
             bucket_lengths=bucket_lengths,
         )
+        if devices:
+            from ..distributed import place_layers
+
+            place_layers(self, devices)
 
     @property
     def max_length(self) -> int:
