@@ -117,6 +117,11 @@ pub trait BufferMemory: Send + Sync {
     fn parts(&self) -> &[Buffer] {
         &[]
     }
+    /// Told when the buffer's usage changes (remote memory sends only weights through the
+    /// server's weight cache); nothing by default.
+    fn usage_changed(&self, usage: BufferUsage) {
+        let _ = usage;
+    }
 }
 
 /// The memory of a multi-buffer: several buffers addressed as one concatenated range, so
@@ -435,6 +440,7 @@ impl Buffer {
     /// Sets the usage tag (on every part of a multi-buffer too).
     pub fn set_usage(&self, usage: BufferUsage) {
         self.0.usage.store(usage.to_u8(), Ordering::Relaxed);
+        self.0.memory.usage_changed(usage);
         for part in self.0.memory.parts() {
             part.set_usage(usage);
         }

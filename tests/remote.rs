@@ -942,6 +942,14 @@ fn large_uploads_are_cached_by_content_hash_across_clients() {
         let t = ctx.new_tensor(DType::I8, &[n]).unwrap();
         let bufs =
             alloc_ctx_tensors_from_buft(&ctx, reg.remote_devices()[0].buffer_type()).unwrap();
+        // Not a weight buffer: sent as is, never cached.
+        let before = srv.weight_cache_bytes();
+        t.write_bytes(0, &data).unwrap();
+        t.read_bytes(0, &mut [0u8; 4]).unwrap();
+        assert_eq!(srv.weight_cache_bytes(), before);
+        for buffer in &bufs {
+            buffer.set_usage(BufferUsage::Weights);
+        }
         t.write_bytes(0, &data).unwrap();
         let mut back = vec![0u8; n];
         t.read_bytes(0, &mut back).unwrap();

@@ -11,7 +11,7 @@
 use std::any::Any;
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use sha2::{Digest, Sha256};
@@ -21,7 +21,7 @@ use super::protocol::{encode_meta, nonce, DeviceInfo, Reply, Request};
 use super::weight_cache::content_hash;
 use super::wire::{Describer, GraphDesc};
 use crate::backend::{Backend, Guid};
-use crate::buffer::{Buffer, BufferMemory, BufferType};
+use crate::buffer::{Buffer, BufferMemory, BufferType, BufferUsage};
 use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::error::{Error, Result, Status};
 use crate::event::Event;
@@ -32,7 +32,8 @@ use crate::tensor::Tensor;
 /// The remote backend implementation's GUID.
 pub const REMOTE_GUID: Guid = *b"ferrograph-rmt\x00\x01";
 
-/// Writes of at least this many bytes go through the server's weight cache.
+/// Writes of at least this many bytes into weight buffers go through the server's weight
+/// cache.
 pub const CACHED_WRITE_MIN: usize = 1 << 20;
 
 /// Graphs a client keeps cached per connection before dropping the least recently used.
@@ -381,6 +382,7 @@ impl BufferType for RemoteBufferType {
             shared: self.shared.clone(),
             handle,
             size,
+            weights: AtomicBool::new(false),
         };
         let shared = self.shared.clone();
         let buffer = Buffer::new(Box::new(memory), self);
@@ -406,6 +408,8 @@ struct RemoteMemory {
     shared: Arc<Shared>,
     handle: u64,
     size: usize,
+    /// Whether the buffer holds weights (only those go through the weight cache).
+    weights: AtomicBool,
 }
 
 impl BufferMemory for RemoteMemory {
@@ -417,11 +421,12 @@ impl BufferMemory for RemoteMemory {
         None
     }
 
-    /// Large writes (weights, typically) go by content hash: the server's cache may hold
-    /// them already, from this or an earlier session.
+    /// Large writes into weight buffers go by content hash: the server's cache may hold them
+    /// already, from this or an earlier session. Other writes (inputs, activations) are sent
+    /// as they are, so they never crowd weights out of the cache.
     fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
         let (buffer, offset) = (self.handle, offset as u64);
-        if data.len() < CACHED_WRITE_MIN {
+        if data.len() < CACHED_WRITE_MIN || !self.weights.load(Ordering::Relaxed) {
             let request = Request::Set { buffer, offset };
             return self.shared.conn.call_async(&request, data).map(|_| ());
         }
@@ -461,6 +466,11 @@ impl BufferMemory for RemoteMemory {
         }
         out.copy_from_slice(&data);
         Ok(())
+    }
+
+    fn usage_changed(&self, usage: BufferUsage) {
+        self.weights
+            .store(usage == BufferUsage::Weights, Ordering::Relaxed);
     }
 
     fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
