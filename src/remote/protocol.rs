@@ -439,6 +439,8 @@ pub fn error_kind(err: &Error) -> u8 {
         Error::Aborted => 9,
         Error::InvalidArgument(_) => 10,
         Error::DeviceLost(_) => 11,
+        Error::ArgumentType(_) => 12,
+        Error::Busy(_) => 13,
     }
 }
 
@@ -456,6 +458,8 @@ pub fn error_from_reply(reply: &ErrorReply, endpoint: &str) -> Error {
         9 => Error::Aborted,
         10 => Error::InvalidArgument(m),
         11 => Error::DeviceLost(m),
+        12 => Error::ArgumentType(m),
+        13 => Error::Busy(m),
         _ => Error::Backend(m),
     }
 }

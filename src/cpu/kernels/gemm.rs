@@ -789,8 +789,9 @@ unsafe fn kernel_avx512<const NR: usize, const NV: usize>(
 }
 
 /// `dst[j, i] = Σ_k b[j, k] · w[i, k]` for dense row-major slices (`w`: `m × k`, `b`: `n × k`,
-/// `dst`: `n × m`) with the micro-kernels of `isa`: the entry point the tests and benchmarks
-/// use to reach each ISA.
+/// `dst`: `n × m`) with the micro-kernels of `isa`: the entry point the unit tests use to
+/// reach each ISA.
+#[cfg(test)]
 pub fn sgemm(
     isa: Isa,
     (m, n, k): (usize, usize, usize),
