@@ -234,8 +234,14 @@ impl HostMemory {
             // SAFETY: the layout has a non-zero size, checked above.
             unsafe { alloc::alloc_zeroed(layout) }
         };
-        let ptr = NonNull::new(raw)
-            .ok_or_else(|| Error::Alloc(format!("host allocation of {size} bytes failed")))?;
+        let ptr = NonNull::new(raw).ok_or_else(|| {
+            Error::alloc_failed(
+                format!("host allocation of {size} bytes failed"),
+                size,
+                None,
+                "CPU",
+            )
+        })?;
         Ok(Self {
             ptr,
             size,
@@ -534,10 +540,15 @@ impl Buffer {
         let end = offset.checked_add(len);
         match end {
             Some(end) if end <= self.size() => Ok(()),
-            _ => Err(Error::OutOfBounds(format!(
-                "{what} of {len} bytes at offset {offset} exceeds the buffer's {} bytes",
-                self.size()
-            ))),
+            _ => Err(Error::out_of_range(
+                format!(
+                    "{what} of {len} bytes at offset {offset} exceeds the buffer's {} bytes",
+                    self.size()
+                ),
+                offset,
+                len,
+                self.size(),
+            )),
         }
     }
 
@@ -652,12 +663,15 @@ mod tests {
         assert_eq!(out, [1, 2, 3]);
         assert!(matches!(
             buffer.write(15, &[1, 2]),
-            Err(Error::OutOfBounds(_))
+            Err(Error::OutOfRange {
+                offset: 15,
+                size: 2,
+                limit: 16,
+                ..
+            })
         ));
-        assert!(matches!(
-            buffer.read(usize::MAX, &mut out),
-            Err(Error::OutOfBounds(_))
-        ));
+        let err = buffer.read(usize::MAX, &mut out).unwrap_err();
+        assert_eq!(err.kind(), crate::error::ErrorKind::OutOfBounds);
         let generation = buffer.generation();
         buffer.reset();
         assert_ne!(buffer.generation(), generation);

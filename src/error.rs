@@ -55,15 +55,177 @@ pub enum Error {
     /// its buffers and queued work are gone (rebuild the scheduler without it).
     #[error("device lost: {0}")]
     DeviceLost(String),
+
+    // The variants below are the main failures with their facts. Each is of the same kind
+    // (and Python class) as the message-only variant named in its doc: match on
+    // [`Error::kind`] to treat both alike. Build them with [`Error::alloc_failed`],
+    // [`Error::op_unsupported`], [`Error::out_of_range`] and [`Error::shapes_mismatch`].
+    /// An allocation that could not be served ([`ErrorKind::Alloc`]).
+    #[error("allocation error: {message}")]
+    AllocFailed {
+        /// What failed, in words.
+        message: String,
+        /// Bytes asked for.
+        requested: usize,
+        /// The most the buffer type (or buffer) can give, where known.
+        limit: Option<usize>,
+        /// The buffer type's name.
+        buffer_type: String,
+    },
+    /// An op that a device or kernel does not run ([`ErrorKind::UnsupportedOp`]).
+    #[error("unsupported op: {message}")]
+    OpUnsupported {
+        /// What failed, in words.
+        message: String,
+        /// The op's name (`"MUL_MAT"`).
+        op: String,
+        /// The dtypes of the result and its operands, in that order.
+        dtypes: Vec<String>,
+        /// The backend or device that refused it, where one did.
+        backend: Option<String>,
+    },
+    /// A byte range outside a buffer or tensor ([`ErrorKind::OutOfBounds`]).
+    #[error("out of bounds: {message}")]
+    OutOfRange {
+        /// What failed, in words.
+        message: String,
+        /// Start of the range.
+        offset: usize,
+        /// Its length in bytes.
+        size: usize,
+        /// The size in bytes of what it must fit in.
+        limit: usize,
+    },
+    /// Operands whose shapes do not fit together ([`ErrorKind::Shape`]).
+    #[error("shape error: {message}")]
+    ShapeMismatch {
+        /// What failed, in words.
+        message: String,
+        /// The operands' names (empty for unnamed tensors), in operand order.
+        names: Vec<String>,
+        /// Their shapes (numpy order), in the same order.
+        shapes: Vec<Vec<usize>>,
+    },
+}
+
+/// The kind of an [`Error`]: one per Python exception class. A failure with facts has the
+/// kind of its message-only counterpart (`AllocFailed` is [`ErrorKind::Alloc`], ...).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// [`Error::Shape`] and [`Error::ShapeMismatch`].
+    Shape,
+    /// [`Error::DType`].
+    DType,
+    /// [`Error::Alloc`] and [`Error::AllocFailed`].
+    Alloc,
+    /// [`Error::UnsupportedOp`] and [`Error::OpUnsupported`].
+    UnsupportedOp,
+    /// [`Error::Backend`].
+    Backend,
+    /// [`Error::OutOfBounds`] and [`Error::OutOfRange`].
+    OutOfBounds,
+    /// [`Error::Stale`].
+    Stale,
+    /// [`Error::NotAllocated`].
+    NotAllocated,
+    /// [`Error::Aborted`].
+    Aborted,
+    /// [`Error::InvalidArgument`].
+    InvalidArgument,
+    /// [`Error::ArgumentType`].
+    ArgumentType,
+    /// [`Error::Busy`].
+    Busy,
+    /// [`Error::DeviceLost`].
+    DeviceLost,
 }
 
 impl Error {
     /// The [`Status`] a compute call reports for this error.
     pub fn status(&self) -> Status {
-        match self {
-            Error::Alloc(_) => Status::AllocFailed,
-            Error::Aborted => Status::Aborted,
+        match self.kind() {
+            ErrorKind::Alloc => Status::AllocFailed,
+            ErrorKind::Aborted => Status::Aborted,
             _ => Status::Failed,
+        }
+    }
+
+    /// The error's kind (its Python class).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Shape(_) | Error::ShapeMismatch { .. } => ErrorKind::Shape,
+            Error::DType(_) => ErrorKind::DType,
+            Error::Alloc(_) | Error::AllocFailed { .. } => ErrorKind::Alloc,
+            Error::UnsupportedOp(_) | Error::OpUnsupported { .. } => ErrorKind::UnsupportedOp,
+            Error::Backend(_) => ErrorKind::Backend,
+            Error::OutOfBounds(_) | Error::OutOfRange { .. } => ErrorKind::OutOfBounds,
+            Error::Stale(_) => ErrorKind::Stale,
+            Error::NotAllocated(_) => ErrorKind::NotAllocated,
+            Error::Aborted => ErrorKind::Aborted,
+            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Error::ArgumentType(_) => ErrorKind::ArgumentType,
+            Error::Busy(_) => ErrorKind::Busy,
+            Error::DeviceLost(_) => ErrorKind::DeviceLost,
+        }
+    }
+
+    /// An allocation of `requested` bytes from `buffer_type` that failed; `limit` is the most
+    /// it can give, where known.
+    pub fn alloc_failed(
+        message: impl Into<String>,
+        requested: usize,
+        limit: Option<usize>,
+        buffer_type: impl Into<String>,
+    ) -> Error {
+        Error::AllocFailed {
+            message: message.into(),
+            requested,
+            limit,
+            buffer_type: buffer_type.into(),
+        }
+    }
+
+    /// An op that is not run: `dtypes` are the result's then the operands', `backend` the
+    /// backend or device that refused it.
+    pub fn op_unsupported(
+        message: impl Into<String>,
+        op: impl Into<String>,
+        dtypes: Vec<String>,
+        backend: Option<String>,
+    ) -> Error {
+        Error::OpUnsupported {
+            message: message.into(),
+            op: op.into(),
+            dtypes,
+            backend,
+        }
+    }
+
+    /// `size` bytes at `offset` that do not fit in `limit` bytes.
+    pub fn out_of_range(
+        message: impl Into<String>,
+        offset: usize,
+        size: usize,
+        limit: usize,
+    ) -> Error {
+        Error::OutOfRange {
+            message: message.into(),
+            offset,
+            size,
+            limit,
+        }
+    }
+
+    /// Operands (by name, in order) whose shapes (numpy order) do not fit together.
+    pub fn shapes_mismatch(
+        message: impl Into<String>,
+        names: Vec<String>,
+        shapes: Vec<Vec<usize>>,
+    ) -> Error {
+        Error::ShapeMismatch {
+            message: message.into(),
+            names,
+            shapes,
         }
     }
 }

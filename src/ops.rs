@@ -622,11 +622,14 @@ fn binary(ctx: &Context, a: &Tensor, b: &Tensor, op: Op) -> Result<Tensor> {
         )));
     }
     if !can_repeat(b, a) {
-        return Err(Error::Shape(format!(
-            "{name}: {} cannot be broadcast to {} (each dimension of the first must be a multiple of the second's)",
-            describe(b),
-            describe(a)
-        )));
+        return Err(operands_mismatch(
+            format!(
+                "{name}: {} cannot be broadcast to {} (each dimension of the first must be a multiple of the second's)",
+                describe(b),
+                describe(a)
+            ),
+            &[a, b],
+        ));
     }
     new_result(
         ctx,
@@ -799,6 +802,16 @@ pub fn permute(ctx: &Context, a: &Tensor, axes: [usize; MAX_DIMS]) -> Result<Ten
         0,
         Op::Permute { axes },
         vec![a.clone()],
+    )
+}
+
+/// A shape error naming `operands` with their shapes (numpy order), for Python's
+/// `ShapeError.names` / `.shapes`.
+fn operands_mismatch(message: String, operands: &[&Tensor]) -> Error {
+    Error::shapes_mismatch(
+        message,
+        operands.iter().map(|t| t.name()).collect(),
+        operands.iter().map(|t| t.shape()).collect(),
     )
 }
 
@@ -1266,12 +1279,15 @@ pub fn mul_mat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     require_dtype("MUL_MAT activations", b, &[DType::F32])?;
     let (na, nb) = (a.ne(), b.ne());
     if na[0] != nb[0] || na[2] == 0 || na[3] == 0 || nb[2] % na[2] != 0 || nb[3] % na[3] != 0 {
-        return Err(Error::Shape(format!(
-            "MUL_MAT: {} and {} do not fit (inner sizes must match, and the second's batch \
-             dimensions must be multiples of the first's)",
-            describe(a),
-            describe(b)
-        )));
+        return Err(operands_mismatch(
+            format!(
+                "MUL_MAT: {} and {} do not fit (inner sizes must match, and the second's batch \
+                 dimensions must be multiples of the first's)",
+                describe(a),
+                describe(b)
+            ),
+            &[a, b],
+        ));
     }
     if na[0] == 0 {
         return Err(Error::Shape(format!(
@@ -1565,7 +1581,11 @@ mod tests {
         assert_eq!(y.shape(), vec![8, 1024]);
         let bad = c.new_tensor(DType::F32, &[4095, 8]).unwrap();
         let err = mul_mat(&c, &w, &bad).unwrap_err();
-        assert!(matches!(err, Error::Shape(_)), "{err}");
+        assert_eq!(err.kind(), crate::error::ErrorKind::Shape, "{err}");
+        assert!(
+            matches!(&err, Error::ShapeMismatch { shapes, .. } if shapes == &vec![vec![1024, 4096], vec![8, 4095]]),
+            "{err:?}"
+        );
         assert!(mul_mat(&c, &x, &w).is_err(), "f16 activations are rejected");
     }
 

@@ -24,7 +24,11 @@ fn buffer_and_tensor_ranges_are_checked_without_overflow() {
         (0, 1 << 62),
     ] {
         let err = buffer.check_range(offset, len, "read").unwrap_err();
-        assert!(matches!(err, Error::OutOfBounds(_)), "{err}");
+        assert_eq!(
+            err.kind(),
+            ferrograph::error::ErrorKind::OutOfBounds,
+            "{err}"
+        );
         assert!(err.to_string().contains("64 bytes"), "{err}");
     }
     buffer.check_range(0, 64, "read").unwrap();
@@ -65,6 +69,41 @@ fn thread_and_copy_counts_are_bounded() {
     }
     sched.set_n_copies(MAX_COPIES).unwrap();
     assert_eq!(sched.n_copies(), MAX_COPIES);
+}
+
+/// The thread-count limit holds in the Rust constructors themselves, not only in the
+/// bindings: every way of making or resizing a CPU pool refuses 0 and more than MAX_THREADS
+/// before starting a thread, and a refused resize leaves the pool as it was.
+#[test]
+fn rust_constructors_bound_the_thread_count() {
+    use ferrograph::cpu::backend::graph_compute_with_ctx;
+    use ferrograph::{CpuBackend, Threadpool, ThreadpoolParams};
+    for bad in [0, MAX_THREADS + 1, 1 << 40, usize::MAX] {
+        let err = CpuBackend::new(bad).map(|_| ()).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert!(err.to_string().contains(&bad.to_string()), "{err}");
+        let err = Threadpool::new(&ThreadpoolParams::new(bad))
+            .map(|_| ())
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    }
+    let cpu = CpuBackend::new(2).unwrap();
+    for bad in [0, MAX_THREADS + 1, 1 << 40] {
+        let err = cpu.set_n_threads(bad).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+        assert_eq!(cpu.n_threads(), 2);
+    }
+    cpu.set_n_threads(1).unwrap();
+    assert_eq!(cpu.n_threads(), 1);
+
+    let ctx = Context::new(false);
+    let a = ctx.new_tensor(DType::F32, &[4]).unwrap();
+    let b = ops::add(&ctx, &a, &a).unwrap();
+    let graph = ferrograph::Graph::build(&[b]);
+    for bad in [0, MAX_THREADS + 1, 1 << 40] {
+        let err = graph_compute_with_ctx(&graph, bad).unwrap_err();
+        assert!(matches!(err, Error::InvalidArgument(_)), "{err}");
+    }
 }
 
 #[test]

@@ -698,7 +698,7 @@ fn set_and_get_tensor_backend() {
     let normed = ops::norm(&ctx, &inputs.tensors[0], 1e-5).unwrap();
     assert!(matches!(
         sched.set_tensor_backend(&normed, &backends[0]),
-        Err(Error::UnsupportedOp(_))
+        Err(Error::OpUnsupported { op, .. }) if op == "NORM"
     ));
     // reset forgets pins.
     sched.reset();

@@ -4,6 +4,17 @@ Every failure of the native library raises a subclass of :class:`Error`; each al
 the builtin exception a Python user would expect (``ShapeError`` is a ``ValueError``,
 ``DTypeError`` a ``TypeError``, ...), so ``except ValueError`` keeps working. A Rust panic never
 reaches Python: it is raised as :class:`Error` (a :class:`BackendError`).
+
+The main failures carry their facts as attributes (``None`` where the failure did not record
+them): :class:`AllocationError` has ``requested``, ``limit`` and ``buffer_type``;
+:class:`UnsupportedOpError` has ``op``, ``dtypes`` (result first) and ``backend``;
+:class:`OutOfBoundsError` has ``offset``, ``size`` and ``limit`` (bytes); :class:`ShapeError`
+has ``names`` and ``shapes`` (the operands', numpy order)::
+
+    try:
+        buffer.read(0, 2**40)
+    except fg.OutOfBoundsError as e:
+        print(e.offset, e.size, e.limit)
 """
 
 from __future__ import annotations
@@ -31,7 +42,14 @@ class Error(Exception):
 
 
 class ShapeError(Error, ValueError):
-    """Shapes do not fit together (operands of an op, a view, a numpy array, ``out=``)."""
+    """Shapes do not fit together (operands of an op, a view, a numpy array, ``out=``).
+
+    ``names`` and ``shapes``: the operands' names and shapes (numpy order) where the op
+    builder that refused them recorded them, else None.
+    """
+
+    names: tuple[str, ...] | None = None
+    shapes: tuple[tuple[int, ...], ...] | None = None
 
 
 class DTypeError(Error, TypeError):
@@ -39,11 +57,27 @@ class DTypeError(Error, TypeError):
 
 
 class AllocationError(Error, MemoryError):
-    """Memory could not be provided (a buffer too small, a failed allocation)."""
+    """Memory could not be provided (a buffer too small, a failed allocation).
+
+    ``requested`` (bytes asked for), ``limit`` (the most the buffer type can give, where known)
+    and ``buffer_type`` (its name), where the failure recorded them, else None.
+    """
+
+    requested: int | None = None
+    limit: int | None = None
+    buffer_type: str | None = None
 
 
 class UnsupportedOpError(Error, NotImplementedError):
-    """An op, or op/dtype combination, that a device or kernel does not implement."""
+    """An op, or op/dtype combination, that a device or kernel does not implement.
+
+    ``op`` (its name, e.g. ``"MUL_MAT"``), ``dtypes`` (the result's then the operands' dtype
+    names) and ``backend`` (the backend or device that refused it), where recorded, else None.
+    """
+
+    op: str | None = None
+    dtypes: tuple[str, ...] | None = None
+    backend: str | None = None
 
 
 class BackendError(Error, RuntimeError):
@@ -51,7 +85,15 @@ class BackendError(Error, RuntimeError):
 
 
 class OutOfBoundsError(Error, IndexError):
-    """A read or write outside a tensor or buffer, or an index outside a graph."""
+    """A read or write outside a tensor or buffer, or an index outside a graph.
+
+    ``offset``, ``size`` and ``limit``: the byte range asked for and the size it must fit in,
+    where recorded (buffer reads, writes and fills), else None.
+    """
+
+    offset: int | None = None
+    size: int | None = None
+    limit: int | None = None
 
 
 class StaleTensorError(Error, RuntimeError):

@@ -24,12 +24,18 @@ fn ranges(ctx: &Context, buft: &dyn BufferType) -> Result<Vec<(Vec<Tensor>, usiz
         let size = align_up(buft.alloc_size(&tensor), alignment)
             .filter(|&s| s <= max_size)
             .ok_or_else(|| {
-                Error::Alloc(format!(
-                    "{} needs {} bytes, more than the maximum buffer size {max_size} of {}",
-                    tensor.label(),
-                    buft.alloc_size(&tensor),
-                    buft.name()
-                ))
+                let requested = buft.alloc_size(&tensor);
+                Error::alloc_failed(
+                    format!(
+                        "{} needs {requested} bytes, more than the maximum buffer size \
+                         {max_size} of {}",
+                        tensor.label(),
+                        buft.name()
+                    ),
+                    requested,
+                    Some(max_size),
+                    buft.name(),
+                )
             })?;
         let fits = current_size
             .checked_add(size)

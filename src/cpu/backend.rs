@@ -155,11 +155,8 @@ impl GraphPlan for CpuGraphPlan {
 impl CpuBackend {
     /// A backend with `n_threads` workers.
     pub fn new(n_threads: usize) -> Result<CpuBackend> {
-        if n_threads == 0 {
-            return Err(Error::InvalidArgument(
-                "a CPU backend needs at least one thread".into(),
-            ));
-        }
+        // Checked here, not only by the bindings: 1 to MAX_THREADS.
+        crate::device::check_n_threads(n_threads)?;
         Ok(CpuBackend {
             pool: Mutex::new(Threadpool::new(&ThreadpoolParams::new(n_threads))?),
             abort: Mutex::new(None),
@@ -312,11 +309,7 @@ impl Registration for CpuRegistration {
 /// `Context::new(false)`. Pools are kept per thread count and reused.
 pub fn graph_compute_with_ctx(graph: &Graph, n_threads: usize) -> Result<Status> {
     static POOLS: OnceLock<Mutex<Vec<Arc<Threadpool>>>> = OnceLock::new();
-    if n_threads == 0 {
-        return Err(Error::InvalidArgument(
-            "n_threads must be at least 1".into(),
-        ));
-    }
+    crate::device::check_n_threads(n_threads)?;
     let pool = {
         let mut pools = lock(POOLS.get_or_init(|| Mutex::new(Vec::new())));
         match pools.iter().find(|p| p.n_threads() == n_threads) {

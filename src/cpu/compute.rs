@@ -132,13 +132,23 @@ pub fn work_size(graph: &Graph, n_threads: usize) -> usize {
 
 fn unsupported(node: &Tensor) -> Error {
     let dtypes: Vec<&str> = node.srcs().iter().map(|s| s.dtype().name()).collect();
-    Error::UnsupportedOp(format!(
+    let message = format!(
         "the CPU backend has no kernel for {} with operands ({}) producing {} ({})",
         node.op().display_name(),
         dtypes.join(", "),
         node.dtype().name(),
         node.label()
-    ))
+    );
+    let all_dtypes = std::iter::once(node.dtype().name())
+        .chain(dtypes)
+        .map(str::to_owned)
+        .collect();
+    Error::op_unsupported(
+        message,
+        node.op().display_name(),
+        all_dtypes,
+        Some("CPU".to_owned()),
+    )
 }
 
 /// Computes every node of `graph` in order on `pool`.

@@ -244,11 +244,7 @@ impl Threadpool {
     /// OS refuses is kept in [`Threadpool::placement_errors`] (not logged from the worker: a log
     /// record may need the Python interpreter, which the creating thread may hold).
     pub fn new(params: &ThreadpoolParams) -> Result<Arc<Threadpool>> {
-        if params.n_threads == 0 {
-            return Err(Error::InvalidArgument(
-                "a thread pool needs at least one thread".into(),
-            ));
-        }
+        // Thread count (1 to MAX_THREADS), poll and mask ranges, before any thread starts.
         params.check()?;
         let refused = Arc::new(Mutex::new(Vec::new()));
         let placement = (params.clone(), refused.clone());
@@ -343,9 +339,11 @@ pub(crate) fn resize_pool(
     n_threads: usize,
     who: &str,
 ) -> Result<()> {
-    if n_threads == 0 {
+    // Checked before the lock and whatever the current size: 1 to MAX_THREADS.
+    if crate::device::check_n_threads(n_threads).is_err() {
         return Err(Error::InvalidArgument(format!(
-            "a {who} backend needs at least one thread"
+            "a {who} backend needs 1 to {} threads, got {n_threads}",
+            crate::device::MAX_THREADS
         )));
     }
     let mut pool = slot.lock().unwrap_or_else(|p| p.into_inner());

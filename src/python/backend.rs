@@ -675,26 +675,47 @@ pub(crate) fn check_status(status: Status) -> PyResult<()> {
 /// The exception the process-wide abort callback raised, for the computation it stopped.
 pub(crate) static GLOBAL_ABORT_ERROR: ErrorSlot = ErrorSlot::new();
 
-/// Per backend (by address): the exception its abort callback raised.
-static BACKEND_ABORT_ERRORS: std::sync::Mutex<Vec<(usize, Arc<ErrorSlot>)>> =
+/// Per backend (by address): the exception its abort callback raised. The table holds the
+/// slots weakly; the callback installed on the backend holds the only strong handle, so a
+/// slot goes away with its backend (or when the callback is replaced) and dead entries are
+/// pruned on every insertion: the table does not grow with the number of backends made.
+static BACKEND_ABORT_ERRORS: std::sync::Mutex<Vec<(usize, std::sync::Weak<ErrorSlot>)>> =
     std::sync::Mutex::new(Vec::new());
 
 fn backend_key(backend: &Arc<dyn Backend>) -> usize {
     Arc::as_ptr(backend) as *const u8 as usize
 }
 
-/// The error slot of `backend`'s abort callback (made on first use).
+/// The error slot of `backend`'s abort callback (made on first use). The caller moves it
+/// into the callback it installs on the backend, which keeps it alive.
 fn backend_abort_slot(backend: &Arc<dyn Backend>) -> Arc<ErrorSlot> {
     let key = backend_key(backend);
     let mut slots = BACKEND_ABORT_ERRORS
         .lock()
         .unwrap_or_else(|p| p.into_inner());
-    if let Some((_, slot)) = slots.iter().find(|(k, _)| *k == key) {
-        return slot.clone();
+    // An address may be reused by a later backend once the first is gone: only live
+    // entries count.
+    slots.retain(|(_, slot)| slot.strong_count() > 0);
+    if let Some(slot) = slots
+        .iter()
+        .find(|(k, _)| *k == key)
+        .and_then(|(_, s)| s.upgrade())
+    {
+        return slot;
     }
     let slot = Arc::new(ErrorSlot::default());
-    slots.push((key, slot.clone()));
+    slots.push((key, Arc::downgrade(&slot)));
     slot
+}
+
+/// How many per-backend abort slots are alive (for leak tests).
+#[pyfunction(name = "_abort_slot_count")]
+fn abort_slot_count() -> usize {
+    let mut slots = BACKEND_ABORT_ERRORS
+        .lock()
+        .unwrap_or_else(|p| p.into_inner());
+    slots.retain(|(_, slot)| slot.strong_count() > 0);
+    slots.len()
 }
 
 /// Raises the exception an abort callback (the global one, or one of `backends`') raised
@@ -709,7 +730,9 @@ pub(crate) fn raise_callback_error(_py: Python<'_>, backends: &[Arc<dyn Backend>
             .iter()
             .filter_map(|b| {
                 let key = backend_key(b);
-                all.iter().find(|(k, _)| *k == key).map(|(_, s)| s.clone())
+                all.iter()
+                    .find(|(k, s)| *k == key && s.strong_count() > 0)
+                    .and_then(|(_, s)| s.upgrade())
             })
             .collect()
     };
@@ -1434,6 +1457,7 @@ fn tensor_copy_async(
 
 /// Registers the classes and functions.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(abort_slot_count, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_set, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_get, m)?)?;
     m.add_function(wrap_pyfunction!(tensor_memset, m)?)?;

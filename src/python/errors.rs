@@ -13,7 +13,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
 
-use crate::error::Error;
+use crate::error::{Error, ErrorKind};
 
 /// The exception classes, in the order of [`class_index`].
 const CLASS_NAMES: [&str; 14] = [
@@ -36,21 +36,69 @@ const CLASS_NAMES: [&str; 14] = [
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
 
 fn class_index(err: &Error) -> usize {
-    match err {
-        Error::Shape(_) => 1,
-        Error::DType(_) => 2,
-        Error::Alloc(_) => 3,
-        Error::UnsupportedOp(_) => 4,
-        Error::Backend(_) => 5,
-        Error::OutOfBounds(_) => 6,
-        Error::Stale(_) => 7,
-        Error::NotAllocated(_) => 8,
-        Error::Aborted => 9,
-        Error::InvalidArgument(_) => 10,
-        Error::ArgumentType(_) => 11,
-        Error::Busy(_) => 12,
-        Error::DeviceLost(_) => 13,
+    match err.kind() {
+        ErrorKind::Shape => 1,
+        ErrorKind::DType => 2,
+        ErrorKind::Alloc => 3,
+        ErrorKind::UnsupportedOp => 4,
+        ErrorKind::Backend => 5,
+        ErrorKind::OutOfBounds => 6,
+        ErrorKind::Stale => 7,
+        ErrorKind::NotAllocated => 8,
+        ErrorKind::Aborted => 9,
+        ErrorKind::InvalidArgument => 10,
+        ErrorKind::ArgumentType => 11,
+        ErrorKind::Busy => 12,
+        ErrorKind::DeviceLost => 13,
     }
+}
+
+/// Sets the facts of `err` (if it has any) as attributes of the exception `value`: `requested`,
+/// `limit`, `buffer_type`; `op`, `dtypes`, `backend`; `offset`, `size`, `limit`; `names`,
+/// `shapes`. The classes in errors.py declare them all as None by default.
+fn set_facts(value: &Bound<'_, PyAny>, err: &Error) -> PyResult<()> {
+    match err {
+        Error::AllocFailed {
+            requested,
+            limit,
+            buffer_type,
+            ..
+        } => {
+            value.setattr("requested", requested)?;
+            value.setattr("limit", limit)?;
+            value.setattr("buffer_type", buffer_type)?;
+        }
+        Error::OpUnsupported {
+            op,
+            dtypes,
+            backend,
+            ..
+        } => {
+            value.setattr("op", op)?;
+            value.setattr("dtypes", pyo3::types::PyTuple::new(value.py(), dtypes)?)?;
+            value.setattr("backend", backend)?;
+        }
+        Error::OutOfRange {
+            offset,
+            size,
+            limit,
+            ..
+        } => {
+            value.setattr("offset", offset)?;
+            value.setattr("size", size)?;
+            value.setattr("limit", limit)?;
+        }
+        Error::ShapeMismatch { names, shapes, .. } => {
+            value.setattr("names", pyo3::types::PyTuple::new(value.py(), names)?)?;
+            let shapes = shapes
+                .iter()
+                .map(|s| pyo3::types::PyTuple::new(value.py(), s))
+                .collect::<PyResult<Vec<_>>>()?;
+            value.setattr("shapes", pyo3::types::PyTuple::new(value.py(), shapes)?)?;
+        }
+        _ => {}
+    }
+    Ok(())
 }
 
 fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
@@ -68,13 +116,25 @@ fn classes(py: Python<'_>) -> PyResult<&Vec<Py<PyType>>> {
 fn to_pyerr_attached(py: Python<'_>, err: &Error) -> PyErr {
     let message = err.to_string();
     match classes(py) {
-        Ok(classes) => PyErr::from_type(classes[class_index(err)].bind(py).clone(), message),
-        Err(_) => match err {
-            Error::Shape(_) | Error::InvalidArgument(_) => PyValueError::new_err(message),
-            Error::DType(_) | Error::ArgumentType(_) => PyTypeError::new_err(message),
-            Error::Alloc(_) => PyMemoryError::new_err(message),
-            Error::UnsupportedOp(_) => PyNotImplementedError::new_err(message),
-            Error::OutOfBounds(_) => PyIndexError::new_err(message),
+        Ok(classes) => {
+            let class = classes[class_index(err)].bind(py);
+            // The instance is made now (not lazily) so that the facts can be set on it.
+            match class.call1((message.clone(),)) {
+                Ok(value) => {
+                    if let Err(e) = set_facts(&value, err) {
+                        return e;
+                    }
+                    PyErr::from_value(value)
+                }
+                Err(_) => PyErr::from_type(class.clone(), message),
+            }
+        }
+        Err(_) => match err.kind() {
+            ErrorKind::Shape | ErrorKind::InvalidArgument => PyValueError::new_err(message),
+            ErrorKind::DType | ErrorKind::ArgumentType => PyTypeError::new_err(message),
+            ErrorKind::Alloc => PyMemoryError::new_err(message),
+            ErrorKind::UnsupportedOp => PyNotImplementedError::new_err(message),
+            ErrorKind::OutOfBounds => PyIndexError::new_err(message),
             _ => PyRuntimeError::new_err(message),
         },
     }
@@ -82,7 +142,8 @@ fn to_pyerr_attached(py: Python<'_>, err: &Error) -> PyErr {
 
 impl From<Error> for PyErr {
     fn from(err: Error) -> PyErr {
-        Python::attach(|py| to_pyerr_attached(py, &err))
+        // A Python exception the error carries (a custom op's, a plugin's) becomes __cause__.
+        Python::attach(|py| super::raised::restore(py, to_pyerr_attached(py, &err)))
     }
 }
 

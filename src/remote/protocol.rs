@@ -29,7 +29,7 @@ use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
 use sha2::Sha256;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 
 /// The protocol version; a client and server of different versions refuse each other.
 pub const PROTOCOL_VERSION: u32 = 1;
@@ -427,20 +427,22 @@ pub struct ErrorReply {
 
 /// The wire number of an error variant.
 pub fn error_kind(err: &Error) -> u8 {
-    match err {
-        Error::Shape(_) => 1,
-        Error::DType(_) => 2,
-        Error::Alloc(_) => 3,
-        Error::UnsupportedOp(_) => 4,
-        Error::Backend(_) => 5,
-        Error::OutOfBounds(_) => 6,
-        Error::Stale(_) => 7,
-        Error::NotAllocated(_) => 8,
-        Error::Aborted => 9,
-        Error::InvalidArgument(_) => 10,
-        Error::DeviceLost(_) => 11,
-        Error::ArgumentType(_) => 12,
-        Error::Busy(_) => 13,
+    // The facts of structured variants do not travel: the message carries them, and the client
+    // rebuilds an error of the same kind (and so of the same Python class).
+    match err.kind() {
+        ErrorKind::Shape => 1,
+        ErrorKind::DType => 2,
+        ErrorKind::Alloc => 3,
+        ErrorKind::UnsupportedOp => 4,
+        ErrorKind::Backend => 5,
+        ErrorKind::OutOfBounds => 6,
+        ErrorKind::Stale => 7,
+        ErrorKind::NotAllocated => 8,
+        ErrorKind::Aborted => 9,
+        ErrorKind::InvalidArgument => 10,
+        ErrorKind::DeviceLost => 11,
+        ErrorKind::ArgumentType => 12,
+        ErrorKind::Busy => 13,
     }
 }
 

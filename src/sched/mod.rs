@@ -38,6 +38,7 @@ mod assign;
 mod exec;
 mod internal;
 mod plan;
+mod profile;
 mod split;
 mod topology;
 
@@ -53,6 +54,7 @@ use crate::graph::{Graph, Position};
 use crate::tensor::Tensor;
 
 pub use exec::EvalCallback;
+pub use profile::{NodeTime, OpTotal, Profile};
 
 /// Most pipeline slots per copied tensor (ggml fixes 4 at compile time; each slot holds a copy
 /// of every copied input, so a larger count only multiplies memory and events).
@@ -405,12 +407,21 @@ impl Scheduler {
     ) -> Result<()> {
         let b = self.index_of(backend)?;
         if !backend.supports_op(tensor) {
-            return Err(Error::UnsupportedOp(format!(
-                "cannot pin {} ({}) to backend {}, which does not run it",
-                tensor.label(),
+            let dtypes = std::iter::once(tensor)
+                .chain(tensor.srcs().iter())
+                .map(|t| t.dtype().name().to_owned())
+                .collect();
+            return Err(Error::op_unsupported(
+                format!(
+                    "cannot pin {} ({}) to backend {}, which does not run it",
+                    tensor.label(),
+                    tensor.op().display_name(),
+                    backend.name()
+                ),
                 tensor.op().display_name(),
-                backend.name()
-            )));
+                dtypes,
+                Some(backend.name().to_owned()),
+            ));
         }
         if self.pinned.insert(tensor.id(), b) != Some(b) {
             self.plan_epoch += 1;
@@ -752,6 +763,15 @@ impl Scheduler {
     /// Queues the computation of `graph`, allocating it first when nothing is allocated (or
     /// another graph is). After [`Scheduler::reset`], call [`Scheduler::alloc_graph`] first.
     pub fn graph_compute_async(&mut self, graph: &Graph) -> Result<Status> {
+        self.compute_with(graph, None)
+    }
+
+    /// [`Scheduler::graph_compute_async`], appending node times to `profile` when given.
+    fn compute_with(
+        &mut self,
+        graph: &Graph,
+        profile: Option<&mut Vec<NodeTime>>,
+    ) -> Result<Status> {
         let current = self
             .instance
             .as_ref()
@@ -780,7 +800,7 @@ impl Scheduler {
             events: &self.events,
             slot: self.cur_copy,
         };
-        run.compute(self.callback.as_mut())
+        run.compute(self.callback.as_mut(), profile)
     }
 
     /// Computes `graph` and waits for it (see [`Scheduler::graph_compute_async`]).

@@ -1244,6 +1244,23 @@ def _cases() -> list[Case]:
         "; fg.cpu_buffer_from_array(a)",
         "InvalidArgumentError",
     )
+    # ---- per-backend abort slots go with their backends -------------------------------------
+    add(
+        "lifetimes",
+        "abort_slots_do_not_grow",
+        """
+        gc.collect()
+        before = fg._core._abort_slot_count()
+        for i in range(300):
+            b = fg.init_backend("CPU", n_threads=1)
+            b.set_abort_callback(lambda: False)
+            del b
+        gc.collect()
+        after = fg._core._abort_slot_count()
+        assert after <= before + 1, (before, after)
+        """,
+        "ok",
+    )
     return cases
 
 

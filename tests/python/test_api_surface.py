@@ -270,7 +270,7 @@ def test_log_callback_never_runs_under_a_core_lock(
     # The scheduler logs its plans at debug level while it holds its lock; the callback uses
     # the same scheduler, which would be a BusyError if it ran under that lock.
     ctx = fg.Context()
-    x, y, graph = _small_graph(ctx)
+    _x, _y, graph = _small_graph(ctx)
     sched = fg.Scheduler([cpu])
     results: list[object] = []
 
@@ -311,7 +311,7 @@ def test_abort_callback_through_the_registration(rng: np.random.Generator) -> No
     assert reg is not None
     backend = fg.init_backend("CPU")
     ctx = fg.Context()
-    x, y, graph = _small_graph(ctx)
+    x, _y, graph = _small_graph(ctx)
     fg.alloc_ctx_tensors(ctx, backend)
     x.set(rng.standard_normal((4, 8)).astype(np.float32))
     reg.set_abort_callback(backend, lambda: True)
@@ -410,7 +410,7 @@ def test_event_caps_agree_with_event_new() -> None:
 
 def test_get_tensor_backend_after_reset_is_none(cpu: fg.Backend) -> None:
     ctx = fg.Context()
-    x, y, graph = _small_graph(ctx)
+    _x, y, graph = _small_graph(ctx)
     sched = fg.Scheduler([cpu])
     sched.alloc_graph(graph)
     assert sched.get_tensor_backend(y) == cpu
