@@ -346,9 +346,9 @@ def build_parser() -> argparse.ArgumentParser:
     embed_parser.add_argument(
         "--attention",
         choices=["soft_max", "flash"],
-        default="soft_max",
-        help="attention kernel: soft_max (matrix products and a softmax, default) or flash "
-        "(the fused FLASH_ATTN_EXT op)",
+        default="flash",
+        help="attention kernel: flash (the fused FLASH_ATTN_EXT op, default) or soft_max "
+        "(matrix products and a softmax)",
     )
     embed_parser.add_argument(
         "--model",

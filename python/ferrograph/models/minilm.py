@@ -172,7 +172,7 @@ class MiniLM(SentenceEncoder):
         n_threads: int = 2,
         max_length: int | None = None,
         backend: fg.Backend | None = None,
-        attention: str = "soft_max",
+        attention: str = "flash",
         fuse_qkv: bool = False,
         blas: bool = False,
         bucket_lengths: bool = True,

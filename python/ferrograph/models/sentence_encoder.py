@@ -153,8 +153,9 @@ class SentenceEncoder:
         Put the BLAS accelerator before the CPU in the scheduler (ignored, with a log
         message, when no BLAS library is available).
     attention
-        ``"soft_max"`` (default): ``mul_mat``, ``soft_max`` with mask and scale, ``mul_mat``.
-        ``"flash"``: one ``flash_attn_ext`` node per layer.
+        ``"flash"`` (default): one ``flash_attn_ext`` node per layer (keys and values read in
+        place, no copies of the heads; measured faster than ``"soft_max"`` at every batch size).
+        ``"soft_max"``: ``mul_mat``, ``soft_max`` with mask and scale, ``mul_mat``.
     fuse_qkv
         Concatenate each layer's query, key and value projections at load time and compute
         them as one ``mul_mat``.
@@ -183,7 +184,7 @@ class SentenceEncoder:
         max_seq_length: int | None = None,
         backend: fg.Backend | None = None,
         blas: bool = False,
-        attention: str = "soft_max",
+        attention: str = "flash",
         fuse_qkv: bool = False,
         bucket_lengths: bool = True,
     ) -> None:
