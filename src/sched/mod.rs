@@ -407,21 +407,12 @@ impl Scheduler {
     ) -> Result<()> {
         let b = self.index_of(backend)?;
         if !backend.supports_op(tensor) {
-            let dtypes = std::iter::once(tensor)
-                .chain(tensor.srcs().iter())
-                .map(|t| t.dtype().name().to_owned())
-                .collect();
-            return Err(Error::op_unsupported(
-                format!(
-                    "cannot pin {} ({}) to backend {}, which does not run it",
-                    tensor.label(),
-                    tensor.op().display_name(),
-                    backend.name()
-                ),
+            return Err(Error::UnsupportedOp(format!(
+                "cannot pin {} ({}) to backend {}, which does not run it",
+                tensor.label(),
                 tensor.op().display_name(),
-                dtypes,
-                Some(backend.name().to_owned()),
-            ));
+                backend.name()
+            )));
         }
         if self.pinned.insert(tensor.id(), b) != Some(b) {
             self.plan_epoch += 1;
