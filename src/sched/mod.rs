@@ -407,12 +407,21 @@ impl Scheduler {
     ) -> Result<()> {
         let b = self.index_of(backend)?;
         if !backend.supports_op(tensor) {
-            return Err(Error::UnsupportedOp(format!(
-                "cannot pin {} ({}) to backend {}, which does not run it",
-                tensor.label(),
+            let dtypes = std::iter::once(tensor)
+                .chain(tensor.srcs().iter())
+                .map(|t| t.dtype().name().to_owned())
+                .collect();
+            return Err(Error::op_unsupported(
+                format!(
+                    "cannot pin {} ({}) to backend {}, which does not run it",
+                    tensor.label(),
+                    tensor.op().display_name(),
+                    backend.name()
+                ),
                 tensor.op().display_name(),
-                backend.name()
-            )));
+                dtypes,
+                Some(backend.name().to_owned()),
+            ));
         }
         if self.pinned.insert(tensor.id(), b) != Some(b) {
             self.plan_epoch += 1;
