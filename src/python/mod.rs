@@ -21,6 +21,7 @@ mod lock;
 mod log;
 mod ops;
 mod plugin;
+mod raised;
 mod sched;
 mod system;
 mod tensor;
