@@ -45,6 +45,7 @@ pub mod ops;
 pub mod quant;
 pub mod registry;
 pub mod sched;
+pub mod split;
 pub mod tensor;
 pub mod util;
 
