@@ -1647,6 +1647,85 @@ def _cases() -> list[Case]:
         """,
         "ok",
     )
+
+    # ---- op arguments of the wrong Python type -----------------------------------------------
+    # ArgumentTypeError (a TypeError and an InvalidArgumentError) saying what was expected.
+    o = "op_arg_types"
+    for label, call, words in [
+        ("permute_str", "fg.ops.permute(x, 'abc')", ("axes", "sequence of ints", "str")),
+        ("permute_floats", "fg.ops.permute(x, (0.0, 1, 2))", ("axes", "sequence of ints")),
+        ("transpose_str", "fg.ops.transpose(x, 'ab')", ("axes", "str")),
+        ("view_strides_str", "fg.ops.view(x, (2,), strides='x')", ("strides", "str")),
+        ("view_offset_str", "fg.ops.view(x, (2,), offset='1')", ("offset", "an int")),
+        ("view_shape_dict", "fg.ops.view(x, {'a': 1})", ("shape",)),
+        ("reshape_shape_float", "fg.ops.reshape(x, 2.5)", ("shape",)),
+        ("scale_str", "fg.ops.scale(x, 'a')", ("s", "a float")),
+        ("add_int", "fg.ops.add(x, 5)", ("b", "a Tensor", "int")),
+        ("relu_list", "fg.ops.relu([x])", ("a", "a Tensor", "list")),
+        ("get_rows_none", "fg.ops.get_rows(x, None)", ("b", "a Tensor")),
+        ("concat_axis_str", "fg.ops.concat(x, x, '0')", ("axis", "an int")),
+        ("acc_strides_int", "fg.ops.acc(x, x, 5)", ("strides",)),
+        ("custom_srcs_int", "fg.ops.custom(print, 5, fg.float32, (2,))", ("srcs", "Tensors")),
+        ("custom_name_int", "fg.ops.custom(print, [x], fg.float32, (2,), name=5)", ("name", "str")),
+        ("ctx_int", "fg.ops.relu(x, ctx=5)", ("ctx", "Context")),
+        ("unary_op_int", "fg.ops.unary(x, 5)", ("op", "a str")),
+        ("rope_mode_int", "fg.ops.rope(x, x, 2, mode=1)", ("mode", "a str")),
+        ("soft_max_mask_str", "fg.ops.soft_max(x, 'm')", ("mask", "Tensor")),
+        ("norm_eps_list", "fg.ops.rms_norm(x, [1e-6])", ("eps", "a float")),
+        ("glu_swapped_str", "fg.ops.swiglu(x, swapped='yes')", ("swapped", "a bool")),
+    ]:
+        add(
+            o,
+            label,
+            f"""
+            ctx = fg.Context(no_alloc=False)
+            x = ctx.new_tensor(fg.float32, (2, 3, 4))
+            try:
+                with ctx:
+                    {call}
+            except fg.ArgumentTypeError as e:
+                assert isinstance(e, TypeError) and isinstance(e, fg.InvalidArgumentError)
+                missing = [w for w in {words!r} if w not in str(e)]
+                assert not missing, (missing, str(e))
+                assert not any(r in str(e) for r in RUST_NAMES + ("Vec", "extract")), str(e)
+                raise
+            """,
+            "ArgumentTypeError",
+        )
+    add(
+        o,
+        "every_builder_every_argument",
+        """
+        # Each builder with each positional argument in turn replaced by a wrong type: a
+        # documented ferrograph error, never a bare TypeError or a Rust type name.
+        import inspect
+        ctx = fg.Context(no_alloc=False)
+        x = ctx.new_tensor(fg.float32, (2, 3, 4))
+        bad = []
+        for name in fg.ops.__all__:
+            f = getattr(fg.ops, name)
+            try:
+                params = [
+                    p for p in inspect.signature(f).parameters.values()
+                    if p.kind is p.POSITIONAL_OR_KEYWORD
+                ]
+            except (TypeError, ValueError):
+                continue
+            for i in range(len(params)):
+                args = [x] * len(params)
+                args[i] = object()
+                try:
+                    with ctx:
+                        f(*args)
+                except fg.Error as e:
+                    if any(r in str(e) for r in RUST_NAMES + ("Vec", "extract")):
+                        bad.append((name, i, str(e)))
+                except Exception as e:
+                    bad.append((name, i, repr(e)))
+        assert not bad, bad[:5]
+        """,
+        "ok",
+    )
     return cases
 
 
