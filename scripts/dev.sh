@@ -101,6 +101,8 @@ case "${1:-}" in
     ruff check python tests benches examples
     ruff format --check python tests benches examples
     mypy python/ferrograph
+    # The stubs against the built module (what must differ is listed, with reasons).
+    python -m mypy.stubtest ferrograph._core --allowlist python/stubtest-allowlist.txt
     ;;
   *)
     echo "usage: bash scripts/dev.sh embed [sentences...]|demo|test|bench|lint" >&2

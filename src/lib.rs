@@ -46,6 +46,7 @@ pub mod quant;
 pub mod registry;
 pub mod remote;
 pub mod sched;
+pub mod split;
 pub mod tensor;
 pub mod util;
 

@@ -157,3 +157,113 @@ fn scheduler_forgets_assignments_at_reset() {
         &backend
     ));
 }
+
+/// A CPU device under another name, so one registration can offer several CPU devices.
+#[derive(Debug)]
+struct NamedCpu(String);
+
+impl ferrograph::Device for NamedCpu {
+    fn name(&self) -> &str {
+        &self.0
+    }
+    fn description(&self) -> String {
+        format!("{} (a CPU device for split tests)", self.0)
+    }
+    fn memory(&self) -> (usize, usize) {
+        ferrograph::CpuDevice::shared().memory()
+    }
+    fn device_type(&self) -> ferrograph::DeviceType {
+        ferrograph::DeviceType::Cpu
+    }
+    fn caps(&self) -> ferrograph::device::DeviceCaps {
+        ferrograph::CpuDevice::shared().caps()
+    }
+    fn registration_name(&self) -> &str {
+        "SPLITCPU"
+    }
+    fn init_backend(
+        &self,
+        _params: &ferrograph::BackendParams,
+    ) -> ferrograph::Result<Arc<dyn Backend>> {
+        Ok(Arc::new(CpuBackend::new(1)?))
+    }
+    fn buffer_type(&self) -> Arc<dyn BufferType> {
+        CpuBufferType::shared()
+    }
+    fn supports_op(&self, op: &Tensor) -> bool {
+        ferrograph::CpuDevice::shared().supports_op(op)
+    }
+    fn supports_buft(&self, buffer_type: &dyn BufferType) -> bool {
+        buffer_type.is_host()
+    }
+}
+
+struct SplitCpus(usize);
+
+impl ferrograph::Registration for SplitCpus {
+    fn name(&self) -> &str {
+        "SPLITCPU"
+    }
+    fn devices(&self) -> Vec<Arc<dyn ferrograph::Device>> {
+        (0..self.0)
+            .map(|i| Arc::new(NamedCpu(format!("SPLITCPU{i}"))) as Arc<dyn ferrograph::Device>)
+            .collect()
+    }
+}
+
+#[test]
+fn split_rows_cover_the_matrix_in_proportion() {
+    let split = ferrograph::split::SplitBufferType::new(&SplitCpus(3), &[1.0, 2.0, 1.0]).unwrap();
+    assert_eq!(split.row_ranges(8), vec![0..2, 2..6, 6..8]);
+    assert_eq!(split.row_ranges(1), vec![0..0, 0..1, 1..1]);
+    let equal = ferrograph::split::SplitBufferType::new(&SplitCpus(3), &[]).unwrap();
+    assert_eq!(equal.row_ranges(9), vec![0..3, 3..6, 6..9]);
+    for bad in [&[1.0, 1.0][..], &[1.0, -1.0, 1.0], &[f32::NAN, 1.0, 1.0]] {
+        assert!(ferrograph::split::SplitBufferType::new(&SplitCpus(3), bad).is_err());
+    }
+}
+
+#[test]
+fn row_split_mul_mat_equals_the_unsplit_one() {
+    let (k, rows, n) = (32, 13, 3);
+    let w: Vec<f32> = (0..k * rows)
+        .map(|i| ((i * 7) % 19) as f32 * 0.25 - 2.0)
+        .collect();
+    let x: Vec<f32> = (0..k * n)
+        .map(|i| ((i * 5) % 11) as f32 * 0.5 - 2.5)
+        .collect();
+
+    // Unsplit, on the CPU.
+    let ctx = Context::new(true);
+    let wt = ctx.new_tensor(DType::F32, &[k, rows]).unwrap();
+    let xt = ctx.new_tensor(DType::F32, &[k, n]).unwrap();
+    let y = ops::mul_mat(&ctx, &wt, &xt).unwrap();
+    let graph = Graph::build(std::slice::from_ref(&y));
+    ferrograph::GraphAllocator::new(CpuBufferType::shared())
+        .alloc_graph(&graph)
+        .unwrap();
+    wt.set_f32(&w).unwrap();
+    xt.set_f32(&x).unwrap();
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(1).unwrap());
+    cpu.graph_compute(&graph).unwrap();
+    let expected = y.to_f32_vec().unwrap();
+
+    for shares in [&[1.0f32, 1.0, 1.0][..], &[3.0, 0.0, 1.0], &[0.0, 0.0, 0.0]] {
+        let split = ferrograph::split::SplitBufferType::new(&SplitCpus(3), shares).unwrap();
+        let weight = split.alloc_weight(DType::F32, k, rows).unwrap();
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        weight.set_bytes(&bytes).unwrap();
+        assert!(weight.parts().len() >= 2, "{shares:?}");
+        assert_eq!(
+            weight.parts().iter().map(|p| p.rows.len()).sum::<usize>(),
+            rows
+        );
+        let got = weight.mul_mat(&x, n).unwrap();
+        // Each part computes whole dot products exactly as the unsplit kernel does.
+        assert_eq!(got, expected, "{shares:?}");
+    }
+    let split = ferrograph::split::SplitBufferType::new(&SplitCpus(2), &[]).unwrap();
+    let weight = split.alloc_weight(DType::F32, k, rows).unwrap();
+    assert!(weight.set_bytes(&[0u8; 3]).is_err());
+    assert!(weight.mul_mat(&x[..5], n).is_err());
+}

@@ -19,7 +19,15 @@ interpreter re-acquired), so a plugin needs no Rust and no compiler:
 Register one with :func:`register_backend`, or ship it in a distribution under the entry-point
 group ``ferrograph.backends`` (the entry point names a registration object or a callable
 returning one) and call :func:`load_all_backends`. A method that raises becomes a
-:class:`ferrograph.BackendError` naming the plugin; the registry is left as it was.
+:class:`ferrograph.BackendError` naming the plugin and the method (``AllocationError`` for a
+``MemoryError``), with the original exception as its ``__cause__``; the registry is left as it
+was. What methods return is checked: ``supports_op`` and ``accepts_host_buffers`` must be
+``bool``, sizes and alignments non-negative ``int`` in range, ``memory()`` a ``(free, total)``
+pair with ``free <= total``, names ``str`` without NUL, ``read`` bytes of the size asked for;
+anything else is a ``BackendError`` naming the method and the value. Where the core cannot
+report an error (the scheduler asking ``supports_op``), the failure is logged and the op
+treated as unsupported; asked directly (``Device.supports_op``, ``Device.memory``,
+``BufferType.alloc_size``), it is raised.
 
 :class:`NumpyRegistration` below is a complete, working example: a device whose memory lives in
 Python ``bytearray`` objects and whose kernels are numpy expressions.

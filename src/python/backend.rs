@@ -206,8 +206,11 @@ impl PyBufferType {
     }
 
     /// Bytes a tensor needs in a buffer of this type (padding included).
-    fn alloc_size(&self, tensor: &PyTensor) -> usize {
-        self.inner.alloc_size(&tensor.inner)
+    fn alloc_size(&self, tensor: &PyTensor) -> PyResult<usize> {
+        // A Python buffer type's failure or bad size is raised here (BackendError).
+        Ok(super::plugin::checked(|| {
+            self.inner.alloc_size(&tensor.inner)
+        })?)
     }
 
     /// The device this buffer type belongs to, or None for a free-standing type.
@@ -432,8 +435,9 @@ impl PyDevice {
 
     /// `(free, total)` memory in bytes.
     #[getter]
-    fn memory(&self) -> (usize, usize) {
-        self.inner.memory()
+    fn memory(&self) -> PyResult<(usize, usize)> {
+        // A Python device's failure or malformed answer is raised here (BackendError).
+        Ok(super::plugin::checked(|| self.inner.memory())?)
     }
 
     /// The kind of device.
@@ -527,8 +531,11 @@ impl PyDevice {
     }
 
     /// Whether the device computes the op that produces `tensor`.
-    fn supports_op(&self, tensor: &PyTensor) -> bool {
-        self.inner.supports_op(&tensor.inner)
+    fn supports_op(&self, tensor: &PyTensor) -> PyResult<bool> {
+        // A Python device's failure or non-bool answer is raised here (BackendError).
+        Ok(super::plugin::checked(|| {
+            self.inner.supports_op(&tensor.inner)
+        })?)
     }
 
     /// Whether the device's backends can use memory of `buffer_type` directly.
@@ -961,8 +968,11 @@ impl PyBackend {
     }
 
     /// Whether the backend computes the op producing `tensor`.
-    fn supports_op(&self, tensor: &PyTensor) -> bool {
-        self.inner.supports_op(&tensor.inner)
+    fn supports_op(&self, tensor: &PyTensor) -> PyResult<bool> {
+        // A Python device's failure or non-bool answer is raised here (BackendError).
+        Ok(super::plugin::checked(|| {
+            self.inner.supports_op(&tensor.inner)
+        })?)
     }
 
     /// Whether the backend can use memory of `buffer_type`.

@@ -21,6 +21,7 @@ mod lock;
 mod log;
 mod ops;
 mod plugin;
+mod raised;
 mod remote;
 mod sched;
 mod system;

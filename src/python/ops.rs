@@ -865,10 +865,12 @@ impl CustomOp for PyCustomOp {
                         .name()
                         .map(|n| n.to_string())
                         .unwrap_or_else(|_| "exception".into());
+                    let text = err.value(py).to_string();
+                    // The exception itself travels with the error (its __cause__ in Python).
+                    let marker = super::raised::keep(err);
                     Error::Backend(format!(
-                        "custom op '{}' raised {kind}: {}",
-                        self.name,
-                        err.value(py)
+                        "custom op '{}' raised {kind}: {text}{marker}",
+                        self.name
                     ))
                 })
             })
@@ -885,7 +887,7 @@ impl CustomOp for PyCustomOp {
 /// A CUSTOM op computed on the host by the Python callable `fn(out, *srcs)`, with result
 /// `dtype` and numpy-order `shape`. The callable receives writable numpy views of the output's
 /// and sources' memory, valid only during the call (do not keep them); an exception it raises
-/// becomes a `ferrograph.BackendError` of the computation.
+/// stops the computation with a `ferrograph.BackendError` whose `__cause__` is that exception.
 #[pyfunction]
 #[pyo3(signature = (fn_, srcs, dtype, shape, name = None, *, ctx = None))]
 #[allow(clippy::too_many_arguments)]

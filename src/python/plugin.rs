@@ -27,15 +27,108 @@ use crate::graph::Graph;
 use crate::registry::Registration;
 use crate::tensor::Tensor;
 
-/// Turns a Python exception raised by `plugin.method` into a backend error (an allocation
-/// error for `MemoryError`, so a buffer type that runs out of memory reads as one).
-fn plugin_error(plugin: &str, method: &str, err: PyErr) -> Error {
-    let message = format!("Python backend {plugin:?}: {method} raised {err}");
-    let out_of_memory = Python::attach(|py| err.is_instance_of::<PyMemoryError>(py));
-    if out_of_memory {
-        Error::Alloc(message)
+/// Why a call into a plugin failed: the plugin raised, or it returned something the
+/// protocol does not allow (described by the text, e.g. "returned str 'junk'; ...").
+enum CallError {
+    Raised(PyErr),
+    Returned(String),
+    /// A name or text of the right type but unusable content (empty, NUL).
+    Invalid(String),
+}
+
+impl From<PyErr> for CallError {
+    fn from(err: PyErr) -> Self {
+        CallError::Raised(err)
+    }
+}
+
+type CallResult<T> = std::result::Result<T, CallError>;
+
+/// Turns a failed call of `plugin.method` into a core error: an exception the plugin raised
+/// travels with it (the Python exception's `__cause__`, see [`super::raised`]) and a
+/// `MemoryError` makes an allocation error; a return value that breaks the protocol is a
+/// backend error naming the method and the value.
+fn plugin_error(plugin: &str, method: &str, err: CallError) -> Error {
+    match err {
+        CallError::Raised(err) => {
+            let message = format!("Python backend {plugin:?}: {method} raised {err}");
+            let out_of_memory = Python::attach(|py| err.is_instance_of::<PyMemoryError>(py));
+            let message = message + &super::raised::keep(err);
+            if out_of_memory {
+                Error::Alloc(message)
+            } else {
+                Error::Backend(message)
+            }
+        }
+        CallError::Returned(what) => {
+            Error::Backend(format!("Python backend {plugin:?}: {method} {what}"))
+        }
+        CallError::Invalid(what) => {
+            Error::InvalidArgument(format!("Python backend {plugin:?}: {method} {what}"))
+        }
+    }
+}
+
+/// "returned <type> <repr>; <rule>", the text of a protocol violation.
+fn returned(value: &Bound<'_, PyAny>, rule: &str) -> CallError {
+    let repr = value
+        .repr()
+        .map(|r| r.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let repr: String = if repr.chars().count() > 80 {
+        repr.chars().take(80).chain("...".chars()).collect()
     } else {
-        Error::Backend(message)
+        repr
+    };
+    CallError::Returned(format!(
+        "returned {} {repr}; {rule}",
+        super::utils::type_name(value)
+    ))
+}
+
+/// A `bool` (not merely something truthy).
+fn expect_bool(value: &Bound<'_, PyAny>, method: &str) -> CallResult<bool> {
+    match value.cast::<PyBool>() {
+        Ok(b) => Ok(b.is_true()),
+        Err(_) => Err(returned(value, &format!("{method} must return a bool"))),
+    }
+}
+
+/// A non-negative `int` (not a bool) of at most `max`.
+fn expect_size(value: &Bound<'_, PyAny>, what: &str, max: usize) -> CallResult<usize> {
+    let rule = || format!("{what} must be an int from 0 to {max}");
+    if value.cast::<PyBool>().is_ok() || value.cast::<pyo3::types::PyInt>().is_err() {
+        return Err(returned(value, &rule()));
+    }
+    match value.extract::<usize>() {
+        Ok(n) if n <= max => Ok(n),
+        _ => Err(returned(value, &rule())),
+    }
+}
+
+/// A `str` without NUL characters, non-empty when `non_empty`: another type is a protocol
+/// error (BackendError), unusable text an invalid argument (as the registry treats names).
+fn expect_text(value: &Bound<'_, PyAny>, what: &str, non_empty: bool) -> CallResult<String> {
+    let text = expect_str(value, what)?;
+    if text.contains('\0') || (non_empty && text.trim().is_empty()) {
+        let rule = if non_empty {
+            "non-empty, without NUL characters"
+        } else {
+            "without NUL characters"
+        };
+        return Err(CallError::Invalid(format!(
+            "returned {text:?}; {what} must be {rule}"
+        )));
+    }
+    Ok(text)
+}
+
+/// A `str` (a device's or registration's name, which the registry itself checks for
+/// emptiness and control characters: InvalidArgumentError).
+fn expect_str(value: &Bound<'_, PyAny>, what: &str) -> CallResult<String> {
+    match value.cast::<pyo3::types::PyString>() {
+        Ok(text) => Ok(text.to_str()?.to_owned()),
+        Err(_) => Err(returned(value, &format!("{what} must be a str"))),
     }
 }
 
@@ -45,11 +138,11 @@ fn call<T>(
     obj: &Py<PyAny>,
     method: &str,
     args: impl for<'py> FnOnce(Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyTuple>>,
-    extract: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+    extract: impl for<'py> FnOnce(&Bound<'py, PyAny>) -> CallResult<T>,
 ) -> Result<T> {
     Python::attach(|py| {
         let _scope = CallbackScope::enter();
-        let run = || -> PyResult<T> {
+        let run = || -> CallResult<T> {
             let args = args(py)?;
             let result = obj.bind(py).call_method1(method, args)?;
             extract(&result)
@@ -63,10 +156,10 @@ fn attr<'py, T>(
     plugin: &str,
     obj: &Bound<'py, PyAny>,
     name: &str,
-    extract: impl FnOnce(&Bound<'py, PyAny>) -> PyResult<T>,
+    extract: impl FnOnce(&Bound<'py, PyAny>) -> CallResult<T>,
 ) -> Result<T> {
     let _scope = CallbackScope::enter();
-    let run = || -> PyResult<T> {
+    let run = || -> CallResult<T> {
         let mut value = obj.getattr(name)?;
         if value.is_callable() {
             value = value.call0()?;
@@ -74,6 +167,30 @@ fn attr<'py, T>(
         extract(&value)
     };
     run().map_err(|e| plugin_error(plugin, name, e))
+}
+
+thread_local! {
+    /// The failure of the last plugin call on this thread whose core interface cannot
+    /// return an error (`supports_op`, `memory`, `get_alloc_size`): it is logged and a safe
+    /// answer given, and the binding that asked directly raises it ([`checked`]).
+    static UNREPORTED: std::cell::RefCell<Option<Error>> = const { std::cell::RefCell::new(None) };
+}
+
+/// Logs `err` with the fallback used, and keeps it for [`checked`].
+fn unreported(err: Error, fallback: &str) {
+    log::warn!("{err}; {fallback}");
+    UNREPORTED.with(|u| *u.borrow_mut() = Some(err));
+}
+
+/// Runs `f` (a core query that may call a Python plugin, e.g. `Device::supports_op`) and
+/// returns the plugin's failure instead of the safe answer it was replaced with.
+pub(crate) fn checked<T>(f: impl FnOnce() -> T) -> Result<T> {
+    UNREPORTED.with(|u| u.borrow_mut().take());
+    let value = f();
+    match UNREPORTED.with(|u| u.borrow_mut().take()) {
+        Some(err) => Err(err),
+        None => Ok(value),
+    }
 }
 
 /// The memory of a buffer made by a Python buffer type (`read`/`write`/`fill` methods).
@@ -109,7 +226,15 @@ impl BufferMemory for PluginMemory {
             &self.obj,
             "read",
             |py| (offset, len).into_pyobject(py),
-            |r| r.extract::<Vec<u8>>(),
+            |r| {
+                if let Ok(b) = r.cast::<PyBytes>() {
+                    Ok(b.as_bytes().to_vec())
+                } else if let Ok(b) = r.cast::<pyo3::types::PyByteArray>() {
+                    Ok(b.to_vec())
+                } else {
+                    Err(returned(r, "read must return bytes or a bytearray"))
+                }
+            },
         )?;
         if bytes.len() != len {
             return Err(Error::Backend(format!(
@@ -133,6 +258,9 @@ impl BufferMemory for PluginMemory {
     }
 }
 
+/// The largest alignment a Python buffer type may ask for (1 GiB).
+const MAX_ALIGNMENT: usize = 1 << 30;
+
 /// A buffer type implemented in Python (`alloc_buffer(size)`, `alignment`, `max_size`).
 pub(crate) struct PluginBufferType {
     plugin: String,
@@ -154,16 +282,27 @@ impl fmt::Debug for PluginBufferType {
 
 impl PluginBufferType {
     fn new(plugin: &str, obj: &Bound<'_, PyAny>) -> Result<Self> {
-        let name = attr(plugin, obj, "name", |v| v.extract::<String>())?;
-        let alignment = attr(plugin, obj, "alignment", |v| v.extract::<usize>())?;
+        let name = attr(plugin, obj, "name", |v| {
+            expect_text(v, "a buffer type's name", true)
+        })?;
+        let alignment = attr(plugin, obj, "alignment", |v| {
+            expect_size(v, "alignment", MAX_ALIGNMENT)
+        })?;
         let max_size = if obj.hasattr("max_size").unwrap_or(false) {
-            attr(plugin, obj, "max_size", |v| v.extract::<usize>())?
+            attr(plugin, obj, "max_size", |v| {
+                expect_size(v, "max_size", usize::MAX)
+            })?
         } else {
             usize::MAX
         };
         if alignment == 0 || !alignment.is_power_of_two() {
             return Err(Error::Backend(format!(
                 "Python backend {plugin:?}: buffer type alignment must be a power of two, got {alignment}"
+            )));
+        }
+        if max_size == 0 {
+            return Err(Error::Backend(format!(
+                "Python backend {plugin:?}: buffer type max_size must be at least 1"
             )));
         }
         Ok(PluginBufferType {
@@ -204,11 +343,13 @@ impl BufferType for PluginBufferType {
                 if missing.is_empty() {
                     Ok(r.clone().unbind())
                 } else {
-                    Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                        "returned {} without {}; alloc_buffer must return a buffer object",
-                        super::utils::type_name(r),
-                        missing.join(", ")
-                    )))
+                    Err(returned(
+                        r,
+                        &format!(
+                            "alloc_buffer must return a buffer object (no callable {})",
+                            missing.join(", ")
+                        ),
+                    ))
                 }
             },
         )?;
@@ -241,12 +382,12 @@ impl BufferType for PluginBufferType {
             &self.obj,
             "get_alloc_size",
             |py| (PyTensor::wrap(py, tensor.clone())?,).into_pyobject(py),
-            |r| r.extract::<usize>(),
+            |r| expect_size(r, "get_alloc_size", self.max_size),
         );
         match size {
             Ok(size) => size.max(nbytes),
             Err(e) => {
-                log::warn!("{e}; using the tensor's {nbytes} bytes");
+                unreported(e, &format!("using the tensor's {nbytes} bytes"));
                 nbytes
             }
         }
@@ -283,9 +424,13 @@ impl fmt::Debug for PluginDevice {
 
 impl PluginDevice {
     fn new(registration: &str, obj: &Bound<'_, PyAny>) -> Result<Arc<Self>> {
-        let name = attr(registration, obj, "name", |v| v.extract::<String>())?;
+        let name = attr(registration, obj, "name", |v| {
+            expect_str(v, "a device's name")
+        })?;
         let description = if obj.hasattr("description").unwrap_or(false) {
-            attr(registration, obj, "description", |v| v.extract::<String>())?
+            attr(registration, obj, "description", |v| {
+                expect_text(v, "description", false)
+            })?
         } else {
             format!("{name} (Python backend)")
         };
@@ -294,8 +439,8 @@ impl PluginDevice {
                 if let Ok(t) = v.extract::<PyDeviceType>() {
                     return Ok(DeviceType::from(t));
                 }
-                let name: String = v.extract()?;
-                DeviceType::from_name(&name).map_err(PyErr::from)
+                let name = expect_text(v, "type must be a DeviceType or a name; a name", true)?;
+                DeviceType::from_name(&name).map_err(|e| CallError::Returned(e.to_string()))
             })?
         } else {
             DeviceType::Accel
@@ -303,10 +448,13 @@ impl PluginDevice {
         let buft_obj = attr(registration, obj, "buffer_type", |v| Ok(v.clone()))?;
         let plugin_buffer_type = Arc::new(PluginBufferType::new(registration, &buft_obj)?);
         let buffer_type: Arc<dyn BufferType> = plugin_buffer_type.clone();
-        let accepts_host_buffers = obj
-            .getattr("accepts_host_buffers")
-            .and_then(|v| v.is_truthy())
-            .unwrap_or(false);
+        let accepts_host_buffers = if obj.hasattr("accepts_host_buffers").unwrap_or(false) {
+            attr(registration, obj, "accepts_host_buffers", |v| {
+                expect_bool(v, "accepts_host_buffers")
+            })?
+        } else {
+            false
+        };
         let device = Arc::new_cyclic(|me| PluginDevice {
             registration: registration.to_owned(),
             obj: obj.clone().unbind(),
@@ -339,10 +487,22 @@ impl Device for PluginDevice {
                 return (0, 0);
             }
             attr(&self.registration, obj, "memory", |v| {
-                v.extract::<(usize, usize)>()
+                let rule = "memory must return (free, total): two ints with free <= total";
+                let Ok(pair) = v.cast::<pyo3::types::PyTuple>() else {
+                    return Err(returned(v, rule));
+                };
+                if pair.len() != 2 {
+                    return Err(returned(v, rule));
+                }
+                let free = expect_size(&pair.get_item(0)?, "free memory", usize::MAX)?;
+                let total = expect_size(&pair.get_item(1)?, "total memory", usize::MAX)?;
+                if free > total {
+                    return Err(returned(v, rule));
+                }
+                Ok((free, total))
             })
             .unwrap_or_else(|e| {
-                log::warn!("{e}");
+                unreported(e, "reporting (0, 0)");
                 (0, 0)
             })
         })
@@ -385,20 +545,26 @@ impl Device for PluginDevice {
                 if ok {
                     Ok(r.clone().unbind())
                 } else {
-                    Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                        "returned {} without a callable graph_compute(graph); init_backend \
-                         must return a backend object",
-                        super::utils::type_name(r)
-                    )))
+                    Err(returned(
+                        r,
+                        "init_backend must return a backend object with a callable \
+                         graph_compute(graph)",
+                    ))
                 }
             },
         )?;
         let name = Python::attach(|py| {
-            attr(&self.registration, backend.bind(py), "name", |v| {
-                v.extract::<String>()
-            })
-        })
-        .unwrap_or_else(|_| self.name.clone());
+            let obj = backend.bind(py);
+            if obj.hasattr("name").unwrap_or(false) {
+                attr(&self.registration, obj, "name", |v| {
+                    expect_text(v, "a backend's name", true)
+                })
+                .map(Some)
+            } else {
+                Ok(None)
+            }
+        })?
+        .unwrap_or_else(|| self.name.clone());
         Ok(Arc::new(PluginBackend {
             obj: backend,
             name,
@@ -416,10 +582,10 @@ impl Device for PluginDevice {
             &self.obj,
             "supports_op",
             |py| (PyTensor::wrap(py, op.clone())?,).into_pyobject(py),
-            |r| r.is_truthy(),
+            |r| expect_bool(r, "supports_op"),
         );
         result.unwrap_or_else(|e| {
-            log::warn!("{e}; treating the op as unsupported");
+            unreported(e, "treating the op as unsupported");
             false
         })
     }
@@ -481,11 +647,10 @@ impl Backend for PluginBackend {
                 } else if let Ok(b) = r.cast::<PyBool>() {
                     Ok(!b.is_true())
                 } else {
-                    Err(pyo3::exceptions::PyTypeError::new_err(format!(
-                        "returned {} {}; graph_compute must return True, False (aborted) or None",
-                        super::utils::type_name(r),
-                        r.repr().map(|s| s.to_string()).unwrap_or_default()
-                    )))
+                    Err(returned(
+                        r,
+                        "graph_compute must return True, False (aborted) or None",
+                    ))
                 }
             },
         )?;
@@ -503,7 +668,7 @@ impl Backend for PluginBackend {
             if obj.hasattr("synchronize").unwrap_or(false) {
                 obj.call_method0("synchronize")
                     .map(|_| ())
-                    .map_err(|e| plugin_error(&self.name, "synchronize", e))
+                    .map_err(|e| plugin_error(&self.name, "synchronize", e.into()))
             } else {
                 Ok(())
             }
@@ -533,9 +698,14 @@ impl Registration for PluginRegistration {
 /// rejected with BackendError and leaves the registry unchanged.
 #[pyfunction]
 pub(crate) fn register_backend<'py>(registration: &Bound<'py, PyAny>) -> PyResult<()> {
-    let name = attr("?", registration, "name", |v| v.extract::<String>())?;
+    let name = attr("?", registration, "name", |v| {
+        expect_str(v, "a registration's name")
+    })?;
     let device_objs = attr(&name, registration, "devices", |v| {
-        v.try_iter()?.collect::<PyResult<Vec<Bound<'py, PyAny>>>>()
+        let Ok(items) = v.try_iter() else {
+            return Err(returned(v, "devices must return an iterable of devices"));
+        };
+        Ok(items.collect::<PyResult<Vec<Bound<'py, PyAny>>>>()?)
     })?;
     let devices = device_objs
         .iter()

@@ -143,52 +143,75 @@ fn is_view_op(t: &Tensor) -> bool {
     t.op().is_view_op()
 }
 
-/// Runs all passes; returns one assignment per unified tensor (all `Some`).
-pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>> {
-    let input = oracle.input;
-    let graph = input.graph;
-    let topo = input.topo;
-    let n_backends = input.backends.len();
-    let cpu = n_backends - 1;
-    let total = topo.len();
-    let n_nodes = topo.n_nodes;
-    let mut assigned: Vec<Option<Assignment>> = vec![None; total];
-    let set = |assigned: &mut Vec<Option<Assignment>>, u: usize, backend: usize, cause: Cause| {
-        assigned[u] = Some(Assignment { backend, cause });
-    };
+/// Whether pass 1 must not place `t` by its weight operand: ROPE's weight-buffer operand is
+/// its frequency-factor table and FLASH_ATTN_EXT's its sinks, tiny tables whose home says
+/// nothing about where the (large) op should run (ggml skips ROPE for the same reason). Such
+/// ops are placed by the later passes, from their neighbours and operands.
+fn weight_does_not_decide(t: &Tensor) -> bool {
+    matches!(t.op(), Op::Rope(_) | Op::FlashAttnExt { .. })
+}
 
-    // Pinned tensors.
-    if !input.pinned.is_empty() {
-        for (u, slot) in assigned.iter_mut().enumerate() {
-            let t = topo.tensor(graph, u);
-            if let Some(&b) = input.pinned.get(&t.id()) {
-                if !oracle.supports_op(b, u) {
-                    return Err(Error::UnsupportedOp(format!(
-                        "{} ({}) is pinned to backend {} ({}), which cannot run it",
-                        t.label(),
-                        t.op().display_name(),
-                        b,
-                        input.backends[b].name()
-                    )));
-                }
-                *slot = Some(Assignment {
-                    backend: b,
-                    cause: Cause::Pinned,
-                });
+/// The assignments made so far, one slot per unified tensor.
+type Assigned = Vec<Option<Assignment>>;
+
+fn set(assigned: &mut Assigned, u: usize, backend: usize, cause: Cause) {
+    assigned[u] = Some(Assignment { backend, cause });
+}
+
+/// Runs all passes (see the module doc); returns one assignment per unified tensor (all
+/// `Some`).
+pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>> {
+    let mut assigned: Assigned = vec![None; oracle.input.topo.len()];
+    assign_pinned(oracle, &mut assigned)?;
+    assign_from_tensors(oracle, &mut assigned)?;
+    let nodes: Vec<usize> = (0..oracle.input.topo.n_nodes)
+        .filter(|&i| !is_view_op(&oracle.input.graph.nodes()[i]))
+        .collect();
+    expand(oracle, &mut assigned, &nodes);
+    assign_by_operands(oracle, &mut assigned, &nodes);
+    assign_leftovers(oracle, &mut assigned)?;
+    Ok(assigned)
+}
+
+/// Pinned tensors keep their backend (an error if it cannot run them).
+fn assign_pinned(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Result<()> {
+    let input = oracle.input;
+    if input.pinned.is_empty() {
+        return Ok(());
+    }
+    for u in 0..assigned.len() {
+        let t = input.topo.tensor(input.graph, u);
+        if let Some(&b) = input.pinned.get(&t.id()) {
+            if !oracle.supports_op(b, u) {
+                return Err(Error::UnsupportedOp(format!(
+                    "{} ({}) is pinned to backend {} ({}), which cannot run it",
+                    t.label(),
+                    t.op().display_name(),
+                    b,
+                    input.backends[b].name()
+                )));
             }
+            set(assigned, u, b, Cause::Pinned);
         }
     }
+    Ok(())
+}
 
-    // Pass 1: leafs (and outside operands), then nodes.
-    let order = (n_nodes..total).chain(0..n_nodes);
-    for u in order {
+/// Pass 1, from the tensor itself: leafs (and outside operands), then nodes.
+fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Result<()> {
+    let input = oracle.input;
+    let (graph, topo) = (input.graph, input.topo);
+    let n_backends = input.backends.len();
+    let cpu = n_backends - 1;
+    let n_nodes = topo.n_nodes;
+    for u in (n_nodes..topo.len()).chain(0..n_nodes) {
         if assigned[u].is_some() {
             continue;
         }
         let t = topo.tensor(graph, u);
         if topo.buf[u] != NONE {
             match oracle.backend_from_buffer(u) {
-                Some(b) => set(&mut assigned, u, b, Cause::Buffer),
+                Some(b) => set(assigned, u, b, Cause::Buffer),
                 None => {
                     return Err(Error::UnsupportedOp(format!(
                         "{} ({}) already lives in a {} buffer, and no backend that can use \
@@ -202,10 +225,10 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             continue;
         }
         if t.is_input() {
-            set(&mut assigned, u, cpu, Cause::Input);
+            set(assigned, u, cpu, Cause::Input);
             continue;
         }
-        if u >= n_nodes || matches!(t.op(), Op::Rope(_) | Op::FlashAttnExt { .. }) {
+        if u >= n_nodes || weight_does_not_decide(t) {
             continue;
         }
         // The first operand in a weights buffer decides.
@@ -225,58 +248,65 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
                 oracle.supports_op(k, u) && input.policy.offload(input.backends[k].as_ref(), t)
             });
             if let Some(k) = offload {
-                set(&mut assigned, u, k, Cause::Offload);
+                set(assigned, u, k, Cause::Offload);
                 continue;
             }
         }
-        set(&mut assigned, u, b, Cause::Weight);
+        set(assigned, u, b, Cause::Weight);
     }
+    Ok(())
+}
 
-    // Pass 2: expansion.
-    let nodes: Vec<usize> = (0..n_nodes)
-        .filter(|&i| !is_view_op(&graph.nodes()[i]))
-        .collect();
+/// Pass 2, expansion over the non-view `nodes`: first only non-CPU assignments spread (down,
+/// then up), then any.
+fn expand(oracle: &mut Oracle<'_>, assigned: &mut Assigned, nodes: &[usize]) {
+    let cpu = oracle.input.backends.len() - 1;
     for accel_only in [true, false] {
+        let cause = if accel_only {
+            Cause::ExpandAccel
+        } else {
+            Cause::ExpandAny
+        };
         for down in [true, false] {
             let mut carry: Option<usize> = None;
             let mut step =
-                |i: usize, assigned: &mut Vec<Option<Assignment>>, oracle: &mut Oracle<'_>| {
-                    match assigned[i] {
-                        Some(a) => {
-                            carry = if accel_only && a.backend == cpu {
-                                None
-                            } else {
-                                Some(a.backend)
-                            };
-                        }
-                        None => {
-                            if let Some(b) = carry {
-                                if oracle.supports_op(b, i) {
-                                    let cause = if accel_only {
-                                        Cause::ExpandAccel
-                                    } else {
-                                        Cause::ExpandAny
-                                    };
-                                    assigned[i] = Some(Assignment { backend: b, cause });
-                                }
+                |i: usize, assigned: &mut Assigned, oracle: &mut Oracle<'_>| match assigned[i] {
+                    Some(a) => {
+                        carry = if accel_only && a.backend == cpu {
+                            None
+                        } else {
+                            Some(a.backend)
+                        };
+                    }
+                    None => {
+                        if let Some(b) = carry {
+                            if oracle.supports_op(b, i) {
+                                set(assigned, i, b, cause);
                             }
                         }
                     }
                 };
             if down {
-                for &i in &nodes {
-                    step(i, &mut assigned, oracle);
+                for &i in nodes {
+                    step(i, assigned, oracle);
                 }
             } else {
                 for &i in nodes.iter().rev() {
-                    step(i, &mut assigned, oracle);
+                    step(i, assigned, oracle);
                 }
             }
         }
     }
+}
 
-    // Pass 3: best operands for the unassigned; upgrades for the assigned.
-    for &i in &nodes {
+/// Pass 3 over the non-view `nodes`: an unassigned node goes to the backend that reads most of
+/// its assigned operands; an assigned (not pinned) one moves to the first higher-priority
+/// backend with the same buffer type that runs it and reads all its operands.
+fn assign_by_operands(oracle: &mut Oracle<'_>, assigned: &mut Assigned, nodes: &[usize]) {
+    let input = oracle.input;
+    let topo = input.topo;
+    let n_backends = input.backends.len();
+    for &i in nodes {
         match assigned[i] {
             None => {
                 let mut best: Option<(usize, usize)> = None;
@@ -292,7 +322,7 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
                             let root = topo.view_root[s];
                             let known = assigned[s].is_some()
                                 || (root != NONE && assigned[root as usize].is_some());
-                            known && oracle.buffer_supported(b, s, &assigned)
+                            known && oracle.buffer_supported(b, s, assigned)
                         })
                         .count();
                     if best.is_none_or(|(_, m)| n > m) {
@@ -300,7 +330,7 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
                     }
                 }
                 if let Some((b, _)) = best {
-                    set(&mut assigned, i, b, Cause::MostOperands);
+                    set(assigned, i, b, Cause::MostOperands);
                 }
             }
             Some(a) if a.cause != Cause::Pinned => {
@@ -311,12 +341,12 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
                     {
                         continue;
                     }
-                    let srcs = topo.srcs(i);
-                    if srcs
+                    if topo
+                        .srcs(i)
                         .iter()
-                        .all(|&s| oracle.buffer_supported(b, s as usize, &assigned))
+                        .all(|&s| oracle.buffer_supported(b, s as usize, assigned))
                     {
-                        set(&mut assigned, i, b, Cause::Upgrade);
+                        set(assigned, i, b, Cause::Upgrade);
                         break;
                     }
                 }
@@ -324,31 +354,28 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             Some(_) => {}
         }
     }
+}
 
-    // Pass 4: views, operands, leftovers.
-    for i in 0..n_nodes {
+/// Pass 4: views follow what they view, operands their consumer, a node still unassigned the
+/// first backend that runs it (an error if none does), and whatever is left the CPU.
+fn assign_leftovers(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Result<()> {
+    let input = oracle.input;
+    let (graph, topo) = (input.graph, input.topo);
+    let n_backends = input.backends.len();
+    let cpu = n_backends - 1;
+    for i in 0..topo.n_nodes {
         if assigned[i].is_none() {
             let root = topo.view_root[i];
             if root != NONE {
                 if let Some(a) = assigned[root as usize] {
-                    set(&mut assigned, i, a.backend, Cause::ViewSource);
+                    set(assigned, i, a.backend, Cause::ViewSource);
                 }
             }
         }
         if assigned[i].is_none() {
             match (0..n_backends).find(|&b| oracle.supports_op(b, i)) {
-                Some(b) => set(&mut assigned, i, b, Cause::FirstSupporting),
-                None => {
-                    let t = &graph.nodes()[i];
-                    let dtypes: Vec<&str> = t.srcs().iter().map(|s| s.dtype().name()).collect();
-                    return Err(Error::UnsupportedOp(format!(
-                        "no backend of the scheduler runs {} ({} with operands ({}) producing {})",
-                        t.label(),
-                        t.op().display_name(),
-                        dtypes.join(", "),
-                        t.dtype().name()
-                    )));
-                }
+                Some(b) => set(assigned, i, b, Cause::FirstSupporting),
+                None => return Err(no_backend_runs(&graph.nodes()[i])),
             }
         }
         let node_backend = assigned[i].map_or(cpu, |a| a.backend);
@@ -364,13 +391,13 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
                 None
             };
             match from_root {
-                Some(b) => set(&mut assigned, s, b, Cause::ViewSource),
-                None => set(&mut assigned, s, node_backend, Cause::Consumer),
+                Some(b) => set(assigned, s, b, Cause::ViewSource),
+                None => set(assigned, s, node_backend, Cause::Consumer),
             }
         }
     }
     // Whatever is left (leafs nobody reads, view roots outside the graph).
-    for a in &mut assigned {
+    for a in assigned.iter_mut() {
         if a.is_none() {
             *a = Some(Assignment {
                 backend: cpu,
@@ -378,5 +405,22 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
             });
         }
     }
-    Ok(assigned)
+    Ok(())
+}
+
+/// The error for a node no backend of the scheduler runs, with the op and dtypes as facts.
+fn no_backend_runs(t: &Tensor) -> Error {
+    let dtypes: Vec<&str> = t.srcs().iter().map(|s| s.dtype().name()).collect();
+    let message = format!(
+        "no backend of the scheduler runs {} ({} with operands ({}) producing {})",
+        t.label(),
+        t.op().display_name(),
+        dtypes.join(", "),
+        t.dtype().name()
+    );
+    let all = std::iter::once(t.dtype().name())
+        .chain(dtypes)
+        .map(str::to_owned)
+        .collect();
+    Error::op_unsupported(message, t.op().display_name(), all, None)
 }

@@ -3,6 +3,7 @@
 //! use of a pipeline slot waits for the work that read it.
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use crate::backend::{tensor_copy, tensor_copy_async, Backend};
 use crate::error::{Result, Status};
@@ -12,6 +13,7 @@ use crate::tensor::Tensor;
 
 use super::internal::Internal;
 use super::plan::PlanCore;
+use super::profile::NodeTime;
 use super::topology::Topology;
 
 /// The evaluation callback: `(tensor, ask)`. With `ask = true` it answers whether it wants
@@ -46,8 +48,13 @@ impl Run<'_> {
         }
     }
 
-    /// Computes every split; stops at the first status other than success.
-    pub fn compute(&self, mut callback: Option<&mut EvalCallback>) -> Result<Status> {
+    /// Computes every split; stops at the first status other than success. With `profile`,
+    /// every node is computed on its own and its wall time appended there.
+    pub fn compute(
+        &self,
+        mut callback: Option<&mut EvalCallback>,
+        mut profile: Option<&mut Vec<NodeTime>>,
+    ) -> Result<Status> {
         let splits = &self.core.splits;
         for (k, split) in splits.iter().enumerate() {
             let b = split.backend;
@@ -71,9 +78,15 @@ impl Run<'_> {
                 }
             }
             let split_graph = &self.internal.split_graphs[k];
-            let status = match callback.as_deref_mut() {
-                None => backend.graph_compute_async(split_graph)?,
-                Some(cb) => self.compute_observed(backend, split_graph, split.nodes.start, cb)?,
+            // One branch per split: the unprofiled path is unchanged.
+            let status = match (callback.as_deref_mut(), profile.as_deref_mut()) {
+                (None, None) => backend.graph_compute_async(split_graph)?,
+                (Some(cb), None) => {
+                    self.compute_observed(backend, split_graph, split.nodes.start, cb)?
+                }
+                (cb, Some(times)) => {
+                    self.compute_timed(backend, split_graph, split.nodes.start, cb, times)?
+                }
             };
             if status != Status::Success {
                 return Ok(status);
@@ -111,6 +124,49 @@ impl Run<'_> {
                 return Ok(Status::Aborted);
             }
             start = end;
+        }
+        Ok(Status::Success)
+    }
+
+    /// Computes a split one node at a time, waiting for each, and records its wall time
+    /// (the callback, if any, still sees the nodes it asks for).
+    fn compute_timed(
+        &self,
+        backend: &dyn Backend,
+        split_graph: &Graph,
+        first_node: usize,
+        mut callback: Option<&mut EvalCallback>,
+        times: &mut Vec<NodeTime>,
+    ) -> Result<Status> {
+        for j in 0..split_graph.n_nodes() {
+            let original = &self.graph.nodes()[first_node + j];
+            let wanted = match callback.as_deref_mut() {
+                Some(cb) => cb(original, true),
+                None => false,
+            };
+            let one = split_graph.view(j, j + 1)?;
+            let start = Instant::now();
+            let status = backend.graph_compute_async(&one)?;
+            backend.synchronize()?;
+            let seconds = start.elapsed().as_secs_f64();
+            times.push(NodeTime {
+                index: first_node + j,
+                name: original.name(),
+                op: original.op().display_name(),
+                shape: original.shape(),
+                backend: backend.name().to_owned(),
+                seconds,
+            });
+            if status != Status::Success {
+                return Ok(status);
+            }
+            if wanted {
+                if let Some(cb) = callback.as_deref_mut() {
+                    if !cb(original, false) {
+                        return Ok(Status::Aborted);
+                    }
+                }
+            }
         }
         Ok(Status::Success)
     }

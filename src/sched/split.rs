@@ -9,17 +9,13 @@
 
 use std::collections::HashMap;
 
+use crate::alloc::dyn_alloc::align_up;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 use super::assign::Oracle;
 use super::plan::{Assignment, CopyPlan, PipelineEntry, PlanCore, SplitPlan};
 use super::topology::NONE;
-
-fn align_up(n: usize, align: usize) -> Option<usize> {
-    let align = align.max(1);
-    n.checked_add(align - 1).map(|v| v / align * align)
-}
 
 /// Builds the splits, copies and pipeline layout from the final assignments.
 pub(crate) fn split(

@@ -158,6 +158,105 @@ class Plugin:
                 return Backend() if outer.init_result == "backend" else outer.init_result
 
         return [Device()]
+
+def original(fn):
+    # Runs fn; a ferrograph error that carries a Python exception re-raises that exception, so
+    # a case expecting the original class passes when it arrived directly or as __cause__.
+    try:
+        fn()
+    except fg.Error as e:
+        if e.__cause__ is not None:
+            raise e.__cause__ from None
+        raise
+
+
+def names(fn, *words):
+    # Runs fn; the ferrograph error it raises must mention every word.
+    try:
+        fn()
+    except fg.Error as e:
+        missing = [w for w in words if w not in str(e)]
+        if missing:
+            raise AssertionError(f"{missing} not in {e}") from None
+        raise
+
+
+def plugin(name, device=None, buft=None, backend=None, buf=None, reg=None):
+    # A Python backend whose attributes can be replaced per object (plain functions, no self).
+    class Buf:
+        def __init__(self, size):
+            self.data = bytearray(size)
+
+        def read(self, offset, size):
+            return bytes(self.data[offset:offset + size])
+
+        def write(self, offset, data):
+            self.data[offset:offset + len(data)] = data
+
+        def fill(self, offset, size, value):
+            self.data[offset:offset + size] = bytes([value]) * size
+
+    class Buft:
+        alignment = 32
+
+        def __init__(self):
+            self.name = name + "_BUF"
+
+        def alloc_buffer(self, size):
+            b = Buf(size)
+            for k, v in (buf or {}).items():
+                setattr(b, k, v)
+            return b
+
+    class Backend:
+        def __init__(self):
+            self.name = name
+
+        def graph_compute(self, graph):
+            return True
+
+    class Device:
+        def __init__(self):
+            self.name = name
+            self.buffer_type = Buft()
+            for k, v in (buft or {}).items():
+                setattr(self.buffer_type, k, v)
+
+        def supports_op(self, t):
+            return True
+
+        def init_backend(self, params):
+            b = Backend()
+            for k, v in (backend or {}).items():
+                setattr(b, k, v)
+            return b
+
+    class Reg:
+        def __init__(self):
+            self.name = name
+            self.dev = Device()
+            for k, v in (device or {}).items():
+                setattr(self.dev, k, v)
+
+        def devices(self):
+            return [self.dev]
+
+    r = Reg()
+    for k, v in (reg or {}).items():
+        setattr(r, k, v)
+    return r
+
+
+def registered(name, **parts):
+    fg.register_backend(plugin(name, **parts))
+    return [d for d in fg.devices() if d.name == name][0]
+
+
+def boom(exc=ZeroDivisionError("boom")):
+    def raiser(*args):
+        raise exc
+
+    return raiser
 """
 
 
@@ -1244,6 +1343,293 @@ def _cases() -> list[Case]:
         "; fg.cpu_buffer_from_array(a)",
         "InvalidArgumentError",
     )
+
+    # ---- exceptions from custom ops and Python plugins reach the caller ---------------------
+    # (the original exception, directly or as the __cause__ of a documented fg.Error)
+    r = "raised"
+    custom_graph = textwrap.dedent(
+        """
+        ctx = fg.Context(no_alloc=False)
+        x = ctx.new_tensor(fg.float32, (4,)); x.set(np.ones(4, np.float32))
+        y = fg.ops.custom(boom({exc}), [x], fg.float32, (4,), name="bad", ctx=ctx)
+        g = fg.Graph.build(fg.ops.relu(y, ctx=ctx))
+        """
+    )
+    for label, exc, cls in [
+        ("zero_division", "ZeroDivisionError('x')", "ZeroDivisionError"),
+        ("key_error", "KeyError('k')", "KeyError"),
+        ("own_class", "type('MyError', (Exception,), {})('mine')", "MyError"),
+        ("value_error", "ValueError('v')", "ValueError"),
+    ]:
+        setup = custom_graph.format(exc=exc)
+        add(r, f"custom_{label}_backend", setup + "original(lambda: cpu.graph_compute(g))", cls)
+        add(
+            r,
+            f"custom_{label}_with_ctx",
+            setup + "original(lambda: fg.graph_compute_with_ctx(g, 2))",
+            cls,
+        )
+    add(
+        r,
+        "custom_in_scheduler",
+        """
+        s, g, x, y, keep = sched_graph(custom=boom(KeyError("sched")))
+        original(lambda: s.graph_compute(g))
+        """,
+        "KeyError",
+    )
+    add(
+        r,
+        "custom_run_custom",
+        custom_graph.format(exc="OSError('io')") + "original(lambda: fg.ops.run_custom(y))",
+        "OSError",
+    )
+    add(
+        r,
+        "custom_cause_is_the_object",
+        custom_graph.format(exc="LookupError('same')")
+        + textwrap.dedent(
+            """
+            try:
+                cpu.graph_compute(g)
+            except fg.BackendError as e:
+                assert isinstance(e.__cause__, LookupError), e.__cause__
+                assert str(e.__cause__) == "same", e.__cause__
+                assert "python exception #" not in str(e), str(e)
+                raise
+            """
+        ),
+        "BackendError",
+    )
+    plugin_raises = [
+        (
+            "alloc_buffer",
+            "buft={'alloc_buffer': boom(KeyError('a'))}",
+            "d.buffer_type.alloc_buffer(64)",
+            "KeyError",
+        ),
+        (
+            "alloc_buffer_memory",
+            "buft={'alloc_buffer': boom(MemoryError('m'))}",
+            "d.buffer_type.alloc_buffer(64)",
+            "MemoryError",
+        ),
+        (
+            "buffer_read",
+            "buf={'read': boom(ValueError('r'))}",
+            "d.buffer_type.alloc_buffer(64).read(0, 8)",
+            "ValueError",
+        ),
+        (
+            "buffer_write",
+            "buf={'write': boom(ValueError('w'))}",
+            "d.buffer_type.alloc_buffer(64).write(0, b'ab')",
+            "ValueError",
+        ),
+        (
+            "buffer_fill",
+            "buf={'fill': boom(ValueError('f'))}",
+            "d.buffer_type.alloc_buffer(64).clear(1)",
+            "ValueError",
+        ),
+        (
+            "init_backend",
+            "device={'init_backend': boom(RuntimeError('i'))}",
+            "fg.init_backend(NAME)",
+            "RuntimeError",
+        ),
+        (
+            "graph_compute",
+            "backend={'graph_compute': boom(ArithmeticError('g'))}",
+            "fg.init_backend(NAME).graph_compute(fg.Graph.build(tensor()[1]))",
+            "ArithmeticError",
+        ),
+        (
+            "synchronize",
+            "backend={'synchronize': boom(EOFError('s'))}",
+            "fg.init_backend(NAME).synchronize()",
+            "EOFError",
+        ),
+        (
+            "supports_op",
+            "device={'supports_op': boom(KeyError('o'))}",
+            "d.supports_op(tensor()[1])",
+            "KeyError",
+        ),
+        ("memory", "device={'memory': boom(KeyError('m'))}", "d.memory", "KeyError"),
+        (
+            "get_alloc_size",
+            "buft={'get_alloc_size': boom(KeyError('s'))}",
+            "d.buffer_type.alloc_size(tensor()[1])",
+            "KeyError",
+        ),
+        ("devices", "reg={'devices': boom(IndexError('d'))}", "pass", "IndexError"),
+    ]
+    for label, parts, call, cls in plugin_raises:
+        add(
+            r,
+            f"plugin_{label}",
+            f"""
+            NAME = "PYR_{label}"
+            def run():
+                d = registered(NAME, {parts})
+                {call}
+            original(run)
+            """,
+            cls,
+        )
+    add(
+        r,
+        "plugin_memory_error_is_allocation_error",
+        """
+        d = registered("PYR_mem", buft={'alloc_buffer': boom(MemoryError('m'))})
+        try:
+            d.buffer_type.alloc_buffer(64)
+        except fg.AllocationError as e:
+            assert isinstance(e.__cause__, MemoryError), e.__cause__
+            raise
+        """,
+        "AllocationError",
+    )
+
+    # ---- what Python plugins return is validated -------------------------------------------
+    v = "plugin_returns"
+    bad_returns = [
+        (
+            "supports_op_str",
+            "device={'supports_op': lambda t: 'junk'}",
+            "d.supports_op(tensor()[1])",
+            ("supports_op", "junk"),
+        ),
+        (
+            "supports_op_int",
+            "device={'supports_op': lambda t: 1}",
+            "d.supports_op(tensor()[1])",
+            ("supports_op", "int"),
+        ),
+        (
+            "supports_op_none",
+            "device={'supports_op': lambda t: None}",
+            "d.supports_op(tensor()[1])",
+            ("supports_op", "None"),
+        ),
+        (
+            "backend_supports_op",
+            "device={'supports_op': lambda t: 'junk'}",
+            "fg.init_backend(NAME).supports_op(tensor()[1])",
+            ("supports_op", "junk"),
+        ),
+        ("memory_str", "device={'memory': lambda: 'junk'}", "d.memory", ("memory", "junk")),
+        ("memory_short", "device={'memory': lambda: (1,)}", "d.memory", ("memory", "(1,)")),
+        (
+            "memory_free_gt_total",
+            "device={'memory': lambda: (5, 2)}",
+            "d.memory",
+            ("memory", "(5, 2)"),
+        ),
+        ("memory_negative", "device={'memory': lambda: (-1, 10)}", "d.memory", ("memory", "-1")),
+        ("memory_float", "device={'memory': lambda: (1.5, 2)}", "d.memory", ("memory", "1.5")),
+        ("memory_bool", "device={'memory': lambda: (True, 2)}", "d.memory", ("memory", "True")),
+        (
+            "memory_huge",
+            "device={'memory': lambda: (0, 2**70)}",
+            "d.memory",
+            ("memory", str(2**70)),
+        ),
+        ("alignment_str", "buft={'alignment': 'junk'}", "pass", ("alignment", "junk")),
+        ("alignment_bool", "buft={'alignment': True}", "pass", ("alignment", "True")),
+        ("alignment_negative", "buft={'alignment': -8}", "pass", ("alignment", "-8")),
+        ("alignment_huge", "buft={'alignment': 2**70}", "pass", ("alignment", str(2**70))),
+        ("alignment_not_pow2", "buft={'alignment': 24}", "pass", ("alignment", "24")),
+        ("max_size_negative", "buft={'max_size': -1}", "pass", ("max_size", "-1")),
+        ("max_size_str", "buft={'max_size': '10'}", "pass", ("max_size", "'10'")),
+        ("max_size_zero", "buft={'max_size': 0}", "pass", ("max_size",)),
+        ("buft_name_int", "buft={'name': 5}", "pass", ("name", "5")),
+        ("buft_name_nul", "buft={'name': 'a\\x00b'}", "pass", ("name",)),
+        ("device_description_int", "device={'description': 5}", "pass", ("description", "5")),
+        ("device_type_int", "device={'type': 5}", "pass", ("type", "5")),
+        (
+            "accepts_host_buffers_str",
+            "device={'accepts_host_buffers': 'yes'}",
+            "pass",
+            ("accepts_host_buffers", "yes"),
+        ),
+        ("backend_name_int", "backend={'name': 7}", "fg.init_backend(NAME)", ("name", "7")),
+        ("backend_name_nul", "backend={'name': 'x\\x00'}", "fg.init_backend(NAME)", ("name",)),
+        (
+            "read_str",
+            "buf={'read': lambda o, n: 'x' * n}",
+            "d.buffer_type.alloc_buffer(64).read(0, 8)",
+            ("read", "str"),
+        ),
+        (
+            "read_int",
+            "buf={'read': lambda o, n: 5}",
+            "d.buffer_type.alloc_buffer(64).read(0, 8)",
+            ("read", "5"),
+        ),
+        (
+            "read_list",
+            "buf={'read': lambda o, n: [0] * n}",
+            "d.buffer_type.alloc_buffer(64).read(0, 8)",
+            ("read", "list"),
+        ),
+        (
+            "read_short",
+            "buf={'read': lambda o, n: b'x'}",
+            "d.buffer_type.alloc_buffer(64).read(0, 8)",
+            ("read",),
+        ),
+        (
+            "alloc_size_str",
+            "buft={'get_alloc_size': lambda t: 'junk'}",
+            "d.buffer_type.alloc_size(tensor()[1])",
+            ("get_alloc_size", "junk"),
+        ),
+        (
+            "alloc_size_negative",
+            "buft={'get_alloc_size': lambda t: -4}",
+            "d.buffer_type.alloc_size(tensor()[1])",
+            ("get_alloc_size", "-4"),
+        ),
+        (
+            "alloc_size_over_max",
+            "buft={'max_size': 100, 'get_alloc_size': lambda t: 10**6}",
+            "d.buffer_type.alloc_size(tensor()[1])",
+            ("get_alloc_size", "1000000"),
+        ),
+        ("devices_int", "reg={'devices': lambda: 5}", "pass", ("devices", "5")),
+        ("reg_name_int", "reg={'name': 5}", "pass", ("name", "5")),
+    ]
+    for label, parts, call, words in bad_returns:
+        add(
+            v,
+            label,
+            f"""
+            NAME = "PYV_{label}"
+            def run():
+                d = registered(NAME, {parts})
+                {call}
+            names(run, *{words!r})
+            """,
+            # A name of the right type with a NUL in it is refused as the registry refuses
+            # such names; every other bad value breaks the protocol.
+            "InvalidArgumentError" if label.endswith("_nul") else "BackendError",
+        )
+    add(
+        v,
+        "scheduler_treats_bad_supports_op_as_unsupported",
+        """
+        registered("PYV_sched", device={'supports_op': lambda t: 'junk'})
+        be = fg.init_backend("PYV_sched")
+        s, g, x, y, keep = sched_graph()
+        s2 = fg.Scheduler([be, cpu])
+        s2.graph_compute(g)
+        assert (y.numpy() == 4 * np.maximum(np.arange(8) - 3, 0)).all(), y.numpy()
+        """,
+        "ok",
+    )
+
     # ---- per-backend abort slots go with their backends -------------------------------------
     add(
         "lifetimes",
@@ -1258,6 +1644,85 @@ def _cases() -> list[Case]:
         gc.collect()
         after = fg._core._abort_slot_count()
         assert after <= before + 1, (before, after)
+        """,
+        "ok",
+    )
+
+    # ---- op arguments of the wrong Python type -----------------------------------------------
+    # ArgumentTypeError (a TypeError and an InvalidArgumentError) saying what was expected.
+    o = "op_arg_types"
+    for label, call, words in [
+        ("permute_str", "fg.ops.permute(x, 'abc')", ("axes", "sequence of ints", "str")),
+        ("permute_floats", "fg.ops.permute(x, (0.0, 1, 2))", ("axes", "sequence of ints")),
+        ("transpose_str", "fg.ops.transpose(x, 'ab')", ("axes", "str")),
+        ("view_strides_str", "fg.ops.view(x, (2,), strides='x')", ("strides", "str")),
+        ("view_offset_str", "fg.ops.view(x, (2,), offset='1')", ("offset", "an int")),
+        ("view_shape_dict", "fg.ops.view(x, {'a': 1})", ("shape",)),
+        ("reshape_shape_float", "fg.ops.reshape(x, 2.5)", ("shape",)),
+        ("scale_str", "fg.ops.scale(x, 'a')", ("s", "a float")),
+        ("add_int", "fg.ops.add(x, 5)", ("b", "a Tensor", "int")),
+        ("relu_list", "fg.ops.relu([x])", ("a", "a Tensor", "list")),
+        ("get_rows_none", "fg.ops.get_rows(x, None)", ("b", "a Tensor")),
+        ("concat_axis_str", "fg.ops.concat(x, x, '0')", ("axis", "an int")),
+        ("acc_strides_int", "fg.ops.acc(x, x, 5)", ("strides",)),
+        ("custom_srcs_int", "fg.ops.custom(print, 5, fg.float32, (2,))", ("srcs", "Tensors")),
+        ("custom_name_int", "fg.ops.custom(print, [x], fg.float32, (2,), name=5)", ("name", "str")),
+        ("ctx_int", "fg.ops.relu(x, ctx=5)", ("ctx", "Context")),
+        ("unary_op_int", "fg.ops.unary(x, 5)", ("op", "a str")),
+        ("rope_mode_int", "fg.ops.rope(x, x, 2, mode=1)", ("mode", "a str")),
+        ("soft_max_mask_str", "fg.ops.soft_max(x, 'm')", ("mask", "Tensor")),
+        ("norm_eps_list", "fg.ops.rms_norm(x, [1e-6])", ("eps", "a float")),
+        ("glu_swapped_str", "fg.ops.swiglu(x, swapped='yes')", ("swapped", "a bool")),
+    ]:
+        add(
+            o,
+            label,
+            f"""
+            ctx = fg.Context(no_alloc=False)
+            x = ctx.new_tensor(fg.float32, (2, 3, 4))
+            try:
+                with ctx:
+                    {call}
+            except fg.ArgumentTypeError as e:
+                assert isinstance(e, TypeError) and isinstance(e, fg.InvalidArgumentError)
+                missing = [w for w in {words!r} if w not in str(e)]
+                assert not missing, (missing, str(e))
+                assert not any(r in str(e) for r in RUST_NAMES + ("Vec", "extract")), str(e)
+                raise
+            """,
+            "ArgumentTypeError",
+        )
+    add(
+        o,
+        "every_builder_every_argument",
+        """
+        # Each builder with each positional argument in turn replaced by a wrong type: a
+        # documented ferrograph error, never a bare TypeError or a Rust type name.
+        import inspect
+        ctx = fg.Context(no_alloc=False)
+        x = ctx.new_tensor(fg.float32, (2, 3, 4))
+        bad = []
+        for name in fg.ops.__all__:
+            f = getattr(fg.ops, name)
+            try:
+                params = [
+                    p for p in inspect.signature(f).parameters.values()
+                    if p.kind is p.POSITIONAL_OR_KEYWORD
+                ]
+            except (TypeError, ValueError):
+                continue
+            for i in range(len(params)):
+                args = [x] * len(params)
+                args[i] = object()
+                try:
+                    with ctx:
+                        f(*args)
+                except fg.Error as e:
+                    if any(r in str(e) for r in RUST_NAMES + ("Vec", "extract")):
+                        bad.append((name, i, str(e)))
+                except Exception as e:
+                    bad.append((name, i, repr(e)))
+        assert not bad, bad[:5]
         """,
         "ok",
     )
