@@ -21,6 +21,7 @@ mod lock;
 mod log;
 mod ops;
 mod plugin;
+mod profile;
 mod raised;
 mod sched;
 mod system;
@@ -44,6 +45,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     plugin::register(m)?;
     dynload::register(m)?;
     sched::register(m)?;
+    profile::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;
