@@ -1749,10 +1749,12 @@ def _cases() -> list[Case]:
             ga.alloc_graph(g)
             cpu.graph_compute(g)
             assert (y.numpy() == 5 * (np.arange(64) + 1)).all()
-            # Leave non-zero bytes all over the compute memory, then free x's own buffer.
+            # Free x's own buffer (the plan changes: x now needs compute memory), leave
+            # non-zero bytes all over the compute memory, and allocate again with that plan.
+            wbuf.free()
+            ga.alloc_graph(g)
             for b in ga.buffers(0):
                 b.clear(0x41)
-            wbuf.free()
             ga.alloc_graph(g)
             assert (x.numpy() == 0).all(), x.numpy()[:8]
             cpu.graph_compute(g)
