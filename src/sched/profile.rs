@@ -129,7 +129,16 @@ impl Profile {
                 "node", "name", "op", "shape", "backend", "ms"
             ));
             for n in slowest {
-                let shape = format!("{:?}", n.shape);
+                let shape = match n.shape.as_slice() {
+                    [one] => format!("({one},)"),
+                    dims => format!(
+                        "({})",
+                        dims.iter()
+                            .map(usize::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                };
                 out.push_str(&format!(
                     "{:>5} {:<20} {:<16} {:<18} {:<6} {:>10.3}\n",
                     n.index,

@@ -1726,6 +1726,58 @@ def _cases() -> list[Case]:
         """,
         "ok",
     )
+
+    # ---- inputs given fresh compute memory read as zeros, never leftovers -------------------
+    # The documented choice: a leaf the graph allocator (or scheduler) places in compute memory
+    # (never allocated, or its own buffer freed) starts as zeros; ggml leaves such an input
+    # undefined, ferrograph defines it so a forgotten set is deterministic, not garbage.
+    for label, poison in [("poisoned", True), ("reused", False)]:
+        add(
+            "lifetimes",
+            f"freed_input_reads_zeros_{label}",
+            f"""
+            ctx = fg.Context()
+            x = ctx.new_tensor(fg.float32, (64,), name="x")
+            wbuf = fg.alloc_ctx_tensors(ctx, cpu)
+            x.set(np.arange(64, dtype=np.float32) + 1)
+            oc = fg.Context()
+            with oc:
+                y = fg.ops.add(fg.ops.scale(x, 2.0), fg.ops.scale(x, 3.0))
+            g = fg.Graph.build(y)
+            ga = fg.GraphAllocator(cpu)
+            ga.poison = {poison}
+            ga.alloc_graph(g)
+            cpu.graph_compute(g)
+            assert (y.numpy() == 5 * (np.arange(64) + 1)).all()
+            # Free x's own buffer (the plan changes: x now needs compute memory), leave
+            # non-zero bytes all over the compute memory, and allocate again with that plan.
+            wbuf.free()
+            ga.alloc_graph(g)
+            for b in ga.buffers(0):
+                b.clear(0x41)
+            ga.alloc_graph(g)
+            assert (x.numpy() == 0).all(), x.numpy()[:8]
+            cpu.graph_compute(g)
+            assert (y.numpy() == 0).all(), y.numpy()[:8]
+            # Set after allocation, as usual: computed from the new values.
+            x.set(np.ones(64, np.float32))
+            cpu.graph_compute(g)
+            assert (y.numpy() == 5).all(), y.numpy()[:8]
+            """,
+            "ok",
+        )
+    add(
+        "lifetimes",
+        "scheduler_freed_input_reads_zeros",
+        """
+        s, g, x, y, keep = sched_graph()
+        s.graph_compute(g)
+        keep[1].free()
+        s.reset(); s.alloc_graph(g); s.graph_compute(g)
+        assert (x.numpy() == 0).all() and (y.numpy() == 0).all(), (x.numpy(), y.numpy())
+        """,
+        "ok",
+    )
     return cases
 
 

@@ -239,6 +239,8 @@ class SentenceEncoder:
             if accelerator is not None:
                 backends.insert(0, accelerator)
         self.scheduler = fg.Scheduler(backends)
+        self.last_profile: fg.Profile | None = None
+        """The per-op profile of the last ``encode(..., profile=True)`` (all its batches)."""
         self._reserved: tuple[int, int] = (0, 0)
         self._graphs: OrderedDict[tuple[int, int], ShapeGraph] = OrderedDict()
         # One scheduler and one compute buffer serve every call: a batch is allocated, filled,
@@ -628,6 +630,11 @@ class SentenceEncoder:
     def run_batch(self, batch: Batch, prompt_length: int = 0) -> npt.NDArray[np.float32]:
         """Embeds one tokenized, padded batch; returns ``(batch, dim)`` float32.
         ``prompt_length`` leading tokens are left out of the pooling."""
+        return self._run_batch(batch, prompt_length, False)[0]
+
+    def _run_batch(
+        self, batch: Batch, prompt_length: int, profile: bool
+    ) -> tuple[npt.NDArray[np.float32], fg.Profile | None]:
         b, s = batch.shape
         real = batch.attention_mask.astype(np.float32)
         mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
@@ -644,11 +651,11 @@ class SentenceEncoder:
                 g.pool_weights.set(weights)
             if g.max_index is not None and index is not None:
                 g.max_index.set(index)
-            self.scheduler.graph_compute(g.graph)
+            timings = self.scheduler.graph_compute(g.graph, profile=profile)
             result: npt.NDArray[np.float32] = np.array(
                 g.output.numpy(), dtype=np.float32, copy=True
             )
-        return result
+        return result, timings
 
     def _check_encodings(self, encodings: Sequence[Any]) -> npt.NDArray[np.int64]:
         lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
@@ -674,6 +681,7 @@ class SentenceEncoder:
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
+        profile: bool = False,
     ) -> npt.NDArray[np.float32]:
         """Embeds sentences.
 
@@ -693,6 +701,10 @@ class SentenceEncoder:
             model's default prompt (:attr:`prompts`, ``default_prompt_name``) if it has one.
             With the Pooling module's ``include_prompt`` false the prompt's tokens are left
             out of the pooling (they still take part in the attention).
+        profile
+            ``True`` times every graph node (see :class:`ferrograph.Profile`; the run is
+            slower while profiled) and leaves the profile of all batches in
+            :attr:`last_profile`.
 
         Returns
         -------
@@ -739,13 +751,19 @@ class SentenceEncoder:
         # the first batch is the largest shape: reserve once for it, the others replay
         self.reserve(min(batch_size, n), self.padded_length(int(lengths[order[0]])))
         done = 0
+        total: fg.Profile | None = None
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
             seq = self.padded_length(int(lengths[idx[0]]))
-            out[idx] = self.run_batch(pad([encodings[i] for i in idx], seq), prompt_length)
+            batch = pad([encodings[i] for i in idx], seq)
+            out[idx], timings = self._run_batch(batch, prompt_length, profile)
+            if timings is not None:
+                total = timings if total is None else total + timings
             done += len(idx)
             if report is not None:
                 report(done, n)
+        if profile:
+            self.last_profile = total
         return out
 
     @property
