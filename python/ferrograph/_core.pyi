@@ -416,9 +416,10 @@ def remote_connect(
     direct_copies: bool = True,
 ) -> list[Device]: ...
 
+@final
 class RemoteServer:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         token: str | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
@@ -427,7 +428,7 @@ class RemoteServer:
         max_frame: int | None = None,
         max_session_bytes: int | None = None,
         weight_cache_bytes: int | None = None,
-    ) -> None: ...
+    ) -> RemoteServer: ...
     @property
     def address(self) -> str: ...
     @property
@@ -439,7 +440,13 @@ class RemoteServer:
     def stop(self) -> None: ...
     def serve_forever(self) -> None: ...
     def __enter__(self) -> RemoteServer: ...
-    def __exit__(self, *args: object) -> bool: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> bool: ...
 
 def unregister_backend(name: str) -> None: ...
 
