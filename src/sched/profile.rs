@@ -142,7 +142,7 @@ impl Profile {
                 out.push_str(&format!(
                     "{:>5} {:<20} {:<16} {:<18} {:<6} {:>10.3}\n",
                     n.index,
-                    n.name,
+                    if n.name.is_empty() { "-" } else { &n.name },
                     n.op,
                     shape,
                     n.backend,

@@ -132,6 +132,11 @@ def test_profile_across_backends_and_sum(
     assert profile is not None
     backends = {n["name"]: n["backend"] for n in profile.nodes}
     assert backends["half"] == "NPPROFILE"
+    plan = sched.plan
+    assert plan is not None
+    assert backends == {n["name"]: n["backend"] for n in plan.nodes}  # the planned backends
+    # the copies to and from the Python backend count in the total, in no node
+    assert 0 <= profile.node_seconds <= profile.total_seconds
     assert len(profile.nodes) == 4 and sorted(n["index"] for n in profile.nodes) == [0, 1, 2, 3]
     both = profile + profile
     assert len(both) == 8

@@ -756,9 +756,12 @@ class SentenceEncoder:
             idx = order[start : start + batch_size]
             seq = self.padded_length(int(lengths[idx[0]]))
             batch = pad([encodings[i] for i in idx], seq)
-            out[idx], timings = self._run_batch(batch, prompt_length, profile)
-            if timings is not None:
-                total = timings if total is None else total + timings
+            if profile:
+                out[idx], timings = self._run_batch(batch, prompt_length, True)
+                if timings is not None:
+                    total = timings if total is None else total + timings
+            else:
+                out[idx] = self.run_batch(batch, prompt_length)  # the public hook, as before
             done += len(idx)
             if report is not None:
                 report(done, n)
