@@ -15,8 +15,9 @@ use ferrograph::{
 fn build(
     ctx: &Context,
 ) -> ferrograph::Result<(Vec<ferrograph::Tensor>, ferrograph::Tensor, Graph)> {
-    let a = ctx.new_tensor(DType::F32, &[16, 8])?;
-    let b = ctx.new_tensor(DType::F32, &[16, 4])?;
+    // Every size at least 32: the BLAS backend leaves smaller products to the CPU.
+    let a = ctx.new_tensor(DType::F32, &[64, 48])?;
+    let b = ctx.new_tensor(DType::F32, &[64, 40])?;
     let ab = ops::mul_mat(ctx, &a, &b)?;
     let out = ops::add(ctx, &ops::unary(ctx, &ab, UnaryOp::Tanh)?, &ab)?;
     let graph = Graph::build(std::slice::from_ref(&out));
@@ -69,7 +70,8 @@ fn main() -> ferrograph::Result<()> {
         .zip(&one)
         .map(|(a, b)| (a - b).abs())
         .fold(0f32, f32::max);
-    if worst > 1e-5 {
+    // BLAS may sum the 64 products in another order than the CPU.
+    if worst > 1e-4 {
         eprintln!("the two-backend result differs from the CPU's by {worst}");
         std::process::exit(1);
     }
