@@ -25,6 +25,7 @@ mod profile;
 mod raised;
 mod remote;
 mod sched;
+mod split;
 mod system;
 mod tensor;
 mod utils;
@@ -48,6 +49,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sched::register(m)?;
     profile::register(m)?;
     remote::register(m)?;
+    split::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;
