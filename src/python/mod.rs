@@ -28,6 +28,7 @@ mod sched;
 mod split;
 mod system;
 mod tensor;
+mod tensor_raw;
 mod utils;
 
 /// The native module `ferrograph._core`.
@@ -43,6 +44,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<graph::PyGraph>()?;
     backend::register(m)?;
+    tensor_raw::register(m)?;
     alloc::register(m)?;
     plugin::register(m)?;
     dynload::register(m)?;
