@@ -286,34 +286,44 @@ unsafe fn host_fill(base: NonNull<u8>, offset: usize, len: usize, value: u8) {
     unsafe { std::ptr::write_bytes(base.as_ptr().add(offset), value, len) }
 }
 
-impl BufferMemory for HostMemory {
-    fn size(&self) -> usize {
-        self.size
-    }
+/// Implements [`BufferMemory`] for a host-memory type with fields `ptr: NonNull<u8>` valid for
+/// reads and writes of `size: usize` bytes while the value lives ([`HostMemory`] owns its
+/// allocation; [`ForeignHostMemory`]'s creator guarantees it, see its `new`).
+macro_rules! host_buffer_memory {
+    ($ty:ty) => {
+        impl BufferMemory for $ty {
+            fn size(&self) -> usize {
+                self.size
+            }
 
-    fn host_ptr(&self) -> Option<NonNull<u8>> {
-        Some(self.ptr)
-    }
+            fn host_ptr(&self) -> Option<NonNull<u8>> {
+                Some(self.ptr)
+            }
 
-    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        // SAFETY: `Buffer` checked `offset + data.len() <= size`; the source is a separate
-        // borrowed slice, so the ranges cannot overlap.
-        unsafe { host_write(self.ptr, offset, data) };
-        Ok(())
-    }
+            fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+                // SAFETY: `Buffer` checked `offset + data.len() <= size` and the memory is
+                // valid (see the macro's doc); the source is a separate borrowed slice, so the
+                // ranges cannot overlap.
+                unsafe { host_write(self.ptr, offset, data) };
+                Ok(())
+            }
 
-    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        // SAFETY: bounds checked by `Buffer`; `out` is an exclusive borrow distinct from us.
-        unsafe { host_read(self.ptr, offset, out) };
-        Ok(())
-    }
+            fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+                // SAFETY: as in `write`; `out` is an exclusive borrow distinct from this memory.
+                unsafe { host_read(self.ptr, offset, out) };
+                Ok(())
+            }
 
-    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
-        // SAFETY: bounds checked by `Buffer`.
-        unsafe { host_fill(self.ptr, offset, len, value) };
-        Ok(())
-    }
+            fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+                // SAFETY: bounds checked by `Buffer`; validity as in `write`.
+                unsafe { host_fill(self.ptr, offset, len, value) };
+                Ok(())
+            }
+        }
+    };
 }
+
+host_buffer_memory!(HostMemory);
 
 /// Host memory owned by someone else (a numpy array, a memory map), optionally kept alive by
 /// an owner object stored beside it.
@@ -354,33 +364,7 @@ impl ForeignHostMemory {
     }
 }
 
-impl BufferMemory for ForeignHostMemory {
-    fn size(&self) -> usize {
-        self.size
-    }
-
-    fn host_ptr(&self) -> Option<NonNull<u8>> {
-        Some(self.ptr)
-    }
-
-    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
-        // SAFETY: bounds checked by `Buffer`; validity guaranteed by the creator (see `new`).
-        unsafe { host_write(self.ptr, offset, data) };
-        Ok(())
-    }
-
-    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        // SAFETY: as in `write`; `out` is an exclusive borrow distinct from this memory.
-        unsafe { host_read(self.ptr, offset, out) };
-        Ok(())
-    }
-
-    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
-        // SAFETY: as in `write`.
-        unsafe { host_fill(self.ptr, offset, len, value) };
-        Ok(())
-    }
-}
+host_buffer_memory!(ForeignHostMemory);
 
 struct BufferInner {
     memory: Box<dyn BufferMemory>,

@@ -1379,6 +1379,53 @@ pub fn diag_mask_inf(ctx: &Context, a: &Tensor, n_past: usize) -> Result<Tensor>
     elementwise(ctx, a, Op::DiagMaskInf { n_past })
 }
 
+/// The shape an attention mask must fit: `cols` wide (the keys), at least `rows` rows (the
+/// queries; extra rows are padding), dividing `n2` and `n3` so it broadcasts over them.
+struct MaskFit {
+    cols: usize,
+    rows: usize,
+    n2: usize,
+    n3: usize,
+    /// Whether the kernel reads mask rows as dense runs.
+    contiguous_rows: bool,
+}
+
+/// The mask check shared by SOFT_MAX and FLASH_ATTN_EXT: an f16 or f32 mask that fits (the
+/// shape error names `operands()`), and no ALiBi (`max_bias > 0`) without a mask.
+fn check_attention_mask(
+    op: &str,
+    mask: Option<&Tensor>,
+    max_bias: f32,
+    fit: MaskFit,
+    operands: impl FnOnce() -> String,
+) -> Result<()> {
+    let Some(mask) = mask else {
+        if max_bias > 0.0 {
+            return Err(Error::InvalidArgument(format!(
+                "{op}: ALiBi (max_bias > 0) needs a mask"
+            )));
+        }
+        return Ok(());
+    };
+    require_dtype(&format!("{op} mask"), mask, &[DType::F32, DType::F16])?;
+    let nm = mask.ne();
+    if (fit.contiguous_rows && !mask.is_contiguous_rows())
+        || nm[0] != fit.cols
+        || nm[1] < fit.rows
+        || nm[2] == 0
+        || nm[3] == 0
+        || !fit.n2.is_multiple_of(nm[2])
+        || !fit.n3.is_multiple_of(nm[3])
+    {
+        return Err(Error::Shape(format!(
+            "{op}: mask {} does not fit {}",
+            describe(mask),
+            operands()
+        )));
+    }
+    Ok(())
+}
+
 /// Row softmax of `a·scale + mask` with optional ALiBi slopes (`max_bias > 0` needs a mask).
 /// The mask (f16 or f32) is `[ne0, ≥ne1, ..]` and broadcasts over dimensions 2 and 3.
 pub fn soft_max(
@@ -1390,29 +1437,21 @@ pub fn soft_max(
 ) -> Result<Tensor> {
     require_dtype("SOFT_MAX", a, &[DType::F32])?;
     let mut srcs = vec![a.clone()];
-    if let Some(mask) = mask {
-        require_dtype("SOFT_MAX mask", mask, &[DType::F32, DType::F16])?;
-        let (na, nm) = (a.ne(), mask.ne());
-        if !mask.is_contiguous_rows()
-            || nm[0] != na[0]
-            || nm[1] < na[1]
-            || nm[2] == 0
-            || nm[3] == 0
-            || na[2] % nm[2] != 0
-            || na[3] % nm[3] != 0
-        {
-            return Err(Error::Shape(format!(
-                "SOFT_MAX: mask {} does not fit {}",
-                describe(mask),
-                describe(a)
-            )));
-        }
-        srcs.push(mask.clone());
-    } else if max_bias > 0.0 {
-        return Err(Error::InvalidArgument(
-            "SOFT_MAX: ALiBi (max_bias > 0) needs a mask".into(),
-        ));
-    }
+    let na = a.ne();
+    check_attention_mask(
+        "SOFT_MAX",
+        mask,
+        max_bias,
+        MaskFit {
+            cols: na[0],
+            rows: na[1],
+            n2: na[2],
+            n3: na[3],
+            contiguous_rows: true,
+        },
+        || describe(a),
+    )?;
+    srcs.extend(mask.cloned());
     if !scale.is_finite() || !max_bias.is_finite() || max_bias < 0.0 {
         return Err(Error::InvalidArgument(format!(
             "SOFT_MAX: scale {scale} and max_bias {max_bias} must be finite (max_bias ≥ 0)"
@@ -1504,29 +1543,20 @@ pub fn flash_attn_ext(
         )));
     }
     let mut srcs = vec![q.clone(), k.clone(), v.clone()];
-    if let Some(mask) = mask {
-        require_dtype("FLASH_ATTN_EXT mask", mask, &[DType::F32, DType::F16])?;
-        let nm = mask.ne();
-        if nm[0] != nk[1]
-            || nm[1] < nq[1]
-            || nm[2] == 0
-            || nm[3] == 0
-            || nq[2] % nm[2] != 0
-            || nq[3] % nm[3] != 0
-        {
-            return Err(Error::Shape(format!(
-                "FLASH_ATTN_EXT: mask {} does not fit q {} and k {}",
-                describe(mask),
-                describe(q),
-                describe(k)
-            )));
-        }
-        srcs.push(mask.clone());
-    } else if max_bias > 0.0 {
-        return Err(Error::InvalidArgument(
-            "FLASH_ATTN_EXT: ALiBi (max_bias > 0) needs a mask".into(),
-        ));
-    }
+    check_attention_mask(
+        "FLASH_ATTN_EXT",
+        mask,
+        max_bias,
+        MaskFit {
+            cols: nk[1],
+            rows: nq[1],
+            n2: nq[2],
+            n3: nq[3],
+            contiguous_rows: false,
+        },
+        || format!("q {} and k {}", describe(q), describe(k)),
+    )?;
+    srcs.extend(mask.cloned());
     let ne = [nv[0], nq[2], nq[1], nq[3]];
     new_result(
         ctx,
@@ -1629,9 +1659,43 @@ mod tests {
         assert!(soft_max(&c, &s, Some(&mask), 1.0, 0.0).is_ok());
         assert!(soft_max(&c, &s, None, 1.0, 8.0).is_err());
         let pos = c.new_tensor(DType::I32, &[7]).unwrap();
+        attention_mask_errors(&c, &q, &k, &v, &s);
         let x = c.new_tensor(DType::F32, &[64, 12, 7]).unwrap();
         assert!(rope(&c, &x, &pos, None, RopeParams::new(64, RopeMode::Neox)).is_ok());
         assert!(rope(&c, &x, &pos, None, RopeParams::new(65, RopeMode::Neox)).is_err());
+    }
+
+    /// The mask rules SOFT_MAX and FLASH_ATTN_EXT share: dtype, width, rows, broadcast, ALiBi.
+    fn attention_mask_errors(c: &Context, q: &Tensor, k: &Tensor, v: &Tensor, s: &Tensor) {
+        let fa = |mask: Option<&Tensor>, max_bias: f32| {
+            flash_attn_ext(c, q, k, v, mask, 0.125, max_bias, 0.0)
+        };
+        let sm = |mask: Option<&Tensor>, max_bias: f32| soft_max(c, s, mask, 1.0, max_bias);
+        let bad = [
+            c.new_tensor(DType::F16, &[31, 8]).unwrap(), // width is not the keys'
+            c.new_tensor(DType::F16, &[32, 6]).unwrap(), // fewer rows than queries
+            c.new_tensor(DType::F16, &[32, 8, 5]).unwrap(), // 5 does not divide 12
+        ];
+        for mask in &bad {
+            let err = fa(Some(mask), 0.0).unwrap_err();
+            assert!(err.to_string().contains("FLASH_ATTN_EXT: mask"), "{err}");
+            let err = sm(Some(mask), 0.0).unwrap_err();
+            assert!(err.to_string().contains("SOFT_MAX: mask"), "{err}");
+        }
+        let i32_mask = c.new_tensor(DType::I32, &[32, 8]).unwrap();
+        assert!(fa(Some(&i32_mask), 0.0).is_err() && sm(Some(&i32_mask), 0.0).is_err());
+        let err = fa(None, 8.0).unwrap_err().to_string();
+        assert!(err.contains("FLASH_ATTN_EXT: ALiBi"), "{err}");
+        let err = sm(None, 8.0).unwrap_err().to_string();
+        assert!(err.contains("SOFT_MAX: ALiBi"), "{err}");
+        // A broadcasting mask and ALiBi with a mask are accepted.
+        let broadcast = c.new_tensor(DType::F32, &[32, 7, 4]).unwrap();
+        assert!(fa(Some(&broadcast), 8.0).is_ok() && sm(Some(&broadcast), 8.0).is_ok());
+        // SOFT_MAX reads mask rows as dense runs; FLASH_ATTN_EXT takes a strided mask.
+        let wide = c.new_tensor(DType::F16, &[64, 8]).unwrap();
+        let strided = transpose(c, &view(c, &wide, &[8, 32], &[16], 0).unwrap()).unwrap();
+        assert!(sm(Some(&strided), 0.0).is_err());
+        assert!(fa(Some(&strided), 0.0).is_ok());
     }
 
     #[test]

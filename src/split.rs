@@ -35,11 +35,22 @@ impl SplitBufferType {
     /// `tensor_split[i]` (ggml's `tensor_split`); an empty or all-zero list gives equal
     /// shares. Shares must be finite and not negative, one per device.
     pub fn new(registration: &dyn Registration, tensor_split: &[f32]) -> Result<SplitBufferType> {
-        let devices = registration.devices();
+        Self::from_devices(registration.name(), registration.devices(), tensor_split)
+    }
+
+    /// Splits over `devices` (in that order), as [`SplitBufferType::new`] does over a
+    /// registration's; `name` says where they come from (the registration's name, or any label
+    /// for devices gathered from several registrations, e.g. remote servers). The mechanism only
+    /// needs each device's buffer type and backends, so the devices need not share a
+    /// registration.
+    pub fn from_devices(
+        name: &str,
+        devices: Vec<Arc<dyn Device>>,
+        tensor_split: &[f32],
+    ) -> Result<SplitBufferType> {
         if devices.is_empty() {
             return Err(Error::InvalidArgument(format!(
-                "registration {} has no devices to split over",
-                registration.name()
+                "{name} has no devices to split over"
             )));
         }
         let weights: Vec<f64> = if tensor_split.iter().all(|&w| w == 0.0) {
@@ -65,13 +76,13 @@ impl SplitBufferType {
             acc += w;
         }
         Ok(SplitBufferType {
-            registration: registration.name().to_owned(),
+            registration: name.to_owned(),
             devices,
             starts,
         })
     }
 
-    /// The registration's name.
+    /// The registration's name (or the label given to [`SplitBufferType::from_devices`]).
     pub fn registration(&self) -> &str {
         &self.registration
     }

@@ -267,3 +267,28 @@ fn row_split_mul_mat_equals_the_unsplit_one() {
     assert!(weight.set_bytes(&[0u8; 3]).is_err());
     assert!(weight.mul_mat(&x[..5], n).is_err());
 }
+
+#[test]
+fn split_over_a_list_of_devices() {
+    // Devices need not share a registration (remote servers are one registration each).
+    let cpu: Arc<dyn ferrograph::Device> = ferrograph::CpuDevice::shared();
+    let devices = vec![cpu.clone(), Arc::new(NamedCpu("SPLITCPU9".into())) as _];
+    let split =
+        ferrograph::split::SplitBufferType::from_devices("mixed", devices, &[1.0, 1.0]).unwrap();
+    assert_eq!(split.registration(), "mixed");
+    assert_eq!(split.row_ranges(4), vec![0..2, 2..4]);
+    let err = ferrograph::split::SplitBufferType::from_devices("none", Vec::new(), &[]);
+    assert!(err.unwrap_err().to_string().contains("no devices"));
+    let (k, rows) = (8, 5);
+    let w: Vec<f32> = (0..k * rows).map(|i| i as f32 * 0.25 - 3.0).collect();
+    let weight = split.alloc_weight(DType::F32, k, rows).unwrap();
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_ne_bytes()).collect();
+    weight.set_bytes(&bytes).unwrap();
+    let x: Vec<f32> = (0..k).map(|i| i as f32 * 0.5).collect();
+    let got = weight.mul_mat(&x, 1).unwrap();
+    for (r, g) in got.iter().enumerate() {
+        // Small integers and quarters: every product and sum is exact in f32.
+        let expected: f32 = (0..k).map(|i| w[r * k + i] * x[i]).sum();
+        assert_eq!(*g, expected, "row {r}");
+    }
+}

@@ -277,82 +277,37 @@ fn stream<S, D>(src: &[S], dst: &[D]) -> bool {
 // Kernel dispatch. `nt` asks for streaming stores where the path has them.
 // ---------------------------------------------------------------------------------------------
 
-fn f16_to_f32_with(src: &[f16], dst: &mut [f32], nt: bool) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = nt;
-    match path() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Path::Avx2F16c` is only chosen after run-time detection of avx2, f16c and
-        // fma, the features the kernels are compiled for.
-        Path::Avx2F16c => unsafe {
-            if nt {
-                x86::f16_to_f32::<true>(src, dst)
-            } else {
-                x86::f16_to_f32::<false>(src, dst)
+/// Defines `$name(src, dst, nt)`, which runs the conversion kernel `$kernel` of the path
+/// chosen at run time (`x86::$kernel`, `aarch64::$kernel`) or the scalar `$scalar`. The four
+/// conversions differ only in these names and element types.
+macro_rules! dispatch {
+    ($name:ident, $src:ty, $dst:ty, $kernel:ident, $scalar:ident) => {
+        fn $name(src: &[$src], dst: &mut [$dst], nt: bool) {
+            #[cfg(not(target_arch = "x86_64"))]
+            let _ = nt;
+            match path() {
+                #[cfg(target_arch = "x86_64")]
+                // SAFETY: `Path::Avx2F16c` is only chosen after run-time detection of avx2,
+                // f16c and fma, the features the kernels are compiled for.
+                Path::Avx2F16c => unsafe {
+                    if nt {
+                        x86::$kernel::<true>(src, dst)
+                    } else {
+                        x86::$kernel::<false>(src, dst)
+                    }
+                },
+                #[cfg(target_arch = "aarch64")]
+                Path::Neon => aarch64::$kernel(src, dst),
+                Path::Scalar => $scalar(src, dst),
             }
-        },
-        #[cfg(target_arch = "aarch64")]
-        Path::Neon => aarch64::f16_to_f32(src, dst),
-        Path::Scalar => scalar_f16_to_f32(src, dst),
-    }
+        }
+    };
 }
 
-fn f32_to_f16_with(src: &[f32], dst: &mut [f16], nt: bool) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = nt;
-    match path() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `f16_to_f32_with`.
-        Path::Avx2F16c => unsafe {
-            if nt {
-                x86::f32_to_f16::<true>(src, dst)
-            } else {
-                x86::f32_to_f16::<false>(src, dst)
-            }
-        },
-        #[cfg(target_arch = "aarch64")]
-        Path::Neon => aarch64::f32_to_f16(src, dst),
-        Path::Scalar => scalar_f32_to_f16(src, dst),
-    }
-}
-
-fn bf16_to_f32_with(src: &[bf16], dst: &mut [f32], nt: bool) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = nt;
-    match path() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `f16_to_f32_with`.
-        Path::Avx2F16c => unsafe {
-            if nt {
-                x86::bf16_to_f32::<true>(src, dst)
-            } else {
-                x86::bf16_to_f32::<false>(src, dst)
-            }
-        },
-        #[cfg(target_arch = "aarch64")]
-        Path::Neon => aarch64::bf16_to_f32(src, dst),
-        Path::Scalar => scalar_bf16_to_f32(src, dst),
-    }
-}
-
-fn f32_to_bf16_with(src: &[f32], dst: &mut [bf16], nt: bool) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = nt;
-    match path() {
-        #[cfg(target_arch = "x86_64")]
-        // SAFETY: as in `f16_to_f32_with`.
-        Path::Avx2F16c => unsafe {
-            if nt {
-                x86::f32_to_bf16::<true>(src, dst)
-            } else {
-                x86::f32_to_bf16::<false>(src, dst)
-            }
-        },
-        #[cfg(target_arch = "aarch64")]
-        Path::Neon => aarch64::f32_to_bf16(src, dst),
-        Path::Scalar => scalar_f32_to_bf16(src, dst),
-    }
-}
+dispatch!(f16_to_f32_with, f16, f32, f16_to_f32, scalar_f16_to_f32);
+dispatch!(f32_to_f16_with, f32, f16, f32_to_f16, scalar_f32_to_f16);
+dispatch!(bf16_to_f32_with, bf16, f32, bf16_to_f32, scalar_bf16_to_f32);
+dispatch!(f32_to_bf16_with, f32, bf16, f32_to_bf16, scalar_f32_to_bf16);
 
 // ---------------------------------------------------------------------------------------------
 // Single-threaded kernels.

@@ -25,8 +25,10 @@ mod profile;
 mod raised;
 mod remote;
 mod sched;
+mod split;
 mod system;
 mod tensor;
+mod tensor_raw;
 mod utils;
 
 /// The native module `ferrograph._core`.
@@ -42,12 +44,14 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<context::PyContext>()?;
     m.add_class::<graph::PyGraph>()?;
     backend::register(m)?;
+    tensor_raw::register(m)?;
     alloc::register(m)?;
     plugin::register(m)?;
     dynload::register(m)?;
     sched::register(m)?;
     profile::register(m)?;
     remote::register(m)?;
+    split::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;

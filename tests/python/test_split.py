@@ -1,0 +1,159 @@
+"""The split buffer type: a weight's rows spread over several devices, and a row-split
+``mul_mat`` that equals the unsplit one."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+import ferrograph as fg
+
+TOKEN = "pytest-split-token"
+
+
+def _unsplit(w: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """``mul_mat(w, x)`` on the CPU, unsplit."""
+    ctx = fg.Context(no_alloc=False)
+    wt = ctx.new_tensor(fg.float32, w.shape).set(w)
+    xt = ctx.new_tensor(fg.float32, x.shape).set(x)
+    y = fg.ops.mul_mat(wt, xt, ctx=ctx)
+    fg.graph_compute_with_ctx(fg.Graph.build(y), 1)
+    return y.numpy()
+
+
+def _cpu() -> fg.Device:
+    cpu = fg.dev_by_type("cpu")
+    assert cpu is not None
+    return cpu
+
+
+def _data(rows: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((rows, k)).astype(np.float32)
+    x = rng.standard_normal((n, k)).astype(np.float32)
+    return w, x
+
+
+@pytest.mark.parametrize("shares", [[], [1.0, 1.0, 1.0], [1.0, 2.0, 1.0], [3.0, 0.0, 1.0]])
+def test_row_split_mul_mat_on_cpu_devices_equals_the_unsplit_one(shares: list[float]) -> None:
+    cpu = _cpu()
+    split = fg.SplitBufferType([cpu, cpu, cpu], tensor_split=shares)
+    rows, k, n = 37, 64, 5
+    w, x = _data(rows, k, n)
+    weight = split.alloc_weight((rows, k))
+    assert weight.shape == (rows, k) and weight.dtype is fg.float32
+    assert weight.set(w) is weight
+    ranges = split.row_ranges(rows)
+    # Contiguous, in order, covering every row once; a zero share holds nothing.
+    assert ranges[0][0] == 0 and ranges[-1][1] == rows
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(ranges))
+    parts = weight.parts()
+    assert [p[1] for p in parts] == [r for r in ranges if r[1] > r[0]]
+    for _, (start, stop), tensor in parts:
+        assert tensor.shape == (stop - start, k)
+        np.testing.assert_array_equal(tensor.numpy(), w[start:stop])
+    # Each part computes whole dot products; the CPU kernel may tile a part's rows differently
+    # from the same rows of the whole matrix, so the sums can differ in the last bits:
+    # tolerance 1e-6 relative (plus 1e-5 absolute for sums near zero), about 8 ulps.
+    got = weight.mul_mat(x)
+    assert got.shape == (n, rows) and got.dtype == np.float32
+    np.testing.assert_allclose(got, _unsplit(w, x), rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(got, x @ w.T, rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(weight.mul_mat(x[1]), got[1])
+
+
+def test_proportions_follow_the_shares() -> None:
+    cpu = _cpu()
+    split = fg.SplitBufferType([cpu, cpu, cpu], [1.0, 2.0, 1.0])
+    assert split.row_ranges(8) == [(0, 2), (2, 6), (6, 8)]
+    assert split.row_ranges(1) == [(0, 0), (0, 1), (1, 1)]
+    assert len(split.devices) == 3 and "CPU" in repr(split)
+
+
+def test_f16_weight_split_equals_unsplit_f16() -> None:
+    cpu = _cpu()
+    split = fg.SplitBufferType([cpu, cpu], [1.0, 3.0])
+    w, x = _data(19, 32, 3, seed=1)
+    w16 = w.astype(np.float16)
+    weight = split.alloc_weight((19, 32), fg.float16).set(w16)
+    assert weight.dtype is fg.float16
+    ctx = fg.Context(no_alloc=False)
+    wt = ctx.new_tensor(fg.float16, w.shape).set(w16)
+    xt = ctx.new_tensor(fg.float32, x.shape).set(x)
+    y = fg.ops.mul_mat(wt, xt, ctx=ctx)
+    fg.graph_compute_with_ctx(fg.Graph.build(y), 1)
+    np.testing.assert_allclose(weight.mul_mat(x), y.numpy(), rtol=1e-6, atol=1e-5)
+
+
+def test_devices_of_one_python_registration() -> None:
+    """A registration of three (Python, numpy-kernel) devices: each part lives in its device's
+    own memory and is multiplied by that device's backend."""
+
+    class ThreeNumpyDevices(fg.plugins.NumpyRegistration):
+        def __init__(self) -> None:
+            super().__init__("SPLITNP")
+            self._devices = [type(self._devices[0])(f"SPLITNP{i}") for i in range(3)]
+
+    fg.register_backend(ThreeNumpyDevices())
+    try:
+        registration = fg.reg_by_name("SPLITNP")
+        assert registration is not None
+        split = fg.SplitBufferType(registration, tensor_split=[2.0, 1.0, 1.0])
+        assert split.registration == "SPLITNP"
+        assert [d.name for d in split.devices] == ["SPLITNP0", "SPLITNP1", "SPLITNP2"]
+        w, x = _data(10, 8, 4, seed=2)
+        weight = split.alloc_weight((10, 8)).set(w)
+        assert [p[0].name for p in weight.parts()] == ["SPLITNP0", "SPLITNP1", "SPLITNP2"]
+        np.testing.assert_allclose(weight.mul_mat(x), _unsplit(w, x), rtol=1e-5, atol=1e-5)
+    finally:
+        fg.unregister_backend("SPLITNP")
+
+
+def test_bad_input_is_an_error() -> None:
+    cpu = _cpu()
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.SplitBufferType([cpu, cpu], [1.0])  # one share for two devices
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.SplitBufferType([cpu, cpu], [1.0, -1.0])
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.SplitBufferType([cpu, cpu], [1.0, float("nan")])
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.SplitBufferType([])
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.SplitBufferType([cpu, "CPU"])  # type: ignore[list-item]
+    with pytest.raises(TypeError):
+        fg.SplitBufferType(3)  # type: ignore[arg-type]
+    split = fg.SplitBufferType([cpu, cpu])
+    weight = split.alloc_weight((4, 6))
+    with pytest.raises(fg.ShapeError):
+        weight.set(np.zeros((4, 5), np.float32))
+    with pytest.raises(fg.ShapeError):
+        weight.mul_mat(np.zeros((2, 5), np.float32))
+    with pytest.raises(fg.ShapeError):
+        weight.mul_mat(np.zeros((2, 2, 6), np.float32))
+    with pytest.raises(fg.Error):
+        split.alloc_weight((1 << 40, 1 << 40))
+
+
+@pytest.fixture(scope="module")
+def servers() -> Iterator[list[fg.remote.ServerProcess]]:
+    procs = [fg.remote.spawn_server(TOKEN, n_threads=1) for _ in range(2)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.stop()
+
+
+def test_rows_split_over_two_remote_servers(servers: list[fg.remote.ServerProcess]) -> None:
+    """The devices of two servers belong to separate registrations; the split takes a list of
+    devices, so a weight's rows can live on both."""
+    devices = [fg.remote.connect(s.address, token=TOKEN)[0] for s in servers]
+    split = fg.SplitBufferType(devices, tensor_split=[1.0, 2.0])
+    w, x = _data(23, 16, 3, seed=3)
+    weight = split.alloc_weight((23, 16)).set(w)
+    assert [p[0].name for p in weight.parts()] == [d.name for d in devices]
+    np.testing.assert_allclose(weight.mul_mat(x), _unsplit(w, x), rtol=1e-6, atol=1e-5)
