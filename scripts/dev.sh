@@ -5,7 +5,7 @@
 #   bash scripts/dev.sh embed "a sentence" "another"   # the main job: MiniLM embeddings
 #   bash scripts/dev.sh demo        # a small graph computed and checked against numpy
 #   bash scripts/dev.sh test        # every test: Rust (cargo test) and Python (pytest)
-#   bash scripts/dev.sh bench       # benchmarks: cargo bench + benches/compare.py
+#   bash scripts/dev.sh bench       # benchmarks: cargo bench + benches/*.py
 #   bash scripts/dev.sh lint        # cargo fmt --check, clippy, ruff, mypy
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +92,10 @@ case "${1:-}" in
     python benches/compare.py
     python benches/compare_kernels.py
     python benches/minilm.py
+    python benches/remote.py
+    # Ray for the cluster bench (the 'distributed' extra)
+    python -m pip install -q "ray>=2.9"
+    python benches/cluster.py
     ;;
   lint)
     setup
