@@ -111,6 +111,7 @@ pub enum Error {
 /// The kind of an [`Error`]: one per Python exception class. A failure with facts has the
 /// kind of its message-only counterpart (`AllocFailed` is [`ErrorKind::Alloc`], ...).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
 pub enum ErrorKind {
     /// [`Error::Shape`] and [`Error::ShapeMismatch`].
     Shape,
@@ -140,7 +141,56 @@ pub enum ErrorKind {
     DeviceLost,
 }
 
+impl ErrorKind {
+    /// Every kind in declaration order. A kind's position here is its stable number, which the
+    /// Python exception table and the remote wire format share.
+    pub const ALL: [ErrorKind; 13] = [
+        ErrorKind::Shape,
+        ErrorKind::DType,
+        ErrorKind::Alloc,
+        ErrorKind::UnsupportedOp,
+        ErrorKind::Backend,
+        ErrorKind::OutOfBounds,
+        ErrorKind::Stale,
+        ErrorKind::NotAllocated,
+        ErrorKind::Aborted,
+        ErrorKind::InvalidArgument,
+        ErrorKind::ArgumentType,
+        ErrorKind::Busy,
+        ErrorKind::DeviceLost,
+    ];
+
+    /// This kind's position in [`ErrorKind::ALL`].
+    pub fn number(self) -> u8 {
+        self as u8
+    }
+
+    /// The kind at position `number` of [`ErrorKind::ALL`], if there is one.
+    pub fn from_number(number: u8) -> Option<ErrorKind> {
+        Self::ALL.get(usize::from(number)).copied()
+    }
+}
+
 impl Error {
+    /// A message-only error of `kind` (the facts of structured variants are not rebuilt).
+    pub fn of_kind(kind: ErrorKind, message: String) -> Error {
+        match kind {
+            ErrorKind::Shape => Error::Shape(message),
+            ErrorKind::DType => Error::DType(message),
+            ErrorKind::Alloc => Error::Alloc(message),
+            ErrorKind::UnsupportedOp => Error::UnsupportedOp(message),
+            ErrorKind::Backend => Error::Backend(message),
+            ErrorKind::OutOfBounds => Error::OutOfBounds(message),
+            ErrorKind::Stale => Error::Stale(message),
+            ErrorKind::NotAllocated => Error::NotAllocated(message),
+            ErrorKind::Aborted => Error::Aborted,
+            ErrorKind::InvalidArgument => Error::InvalidArgument(message),
+            ErrorKind::ArgumentType => Error::ArgumentType(message),
+            ErrorKind::Busy => Error::Busy(message),
+            ErrorKind::DeviceLost => Error::DeviceLost(message),
+        }
+    }
+
     /// The [`Status`] a compute call reports for this error.
     pub fn status(&self) -> Status {
         match self.kind() {
@@ -306,6 +356,16 @@ impl fmt::Display for Status {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn kinds_have_stable_numbers_and_round_trip() {
+        for (i, kind) in ErrorKind::ALL.iter().enumerate() {
+            assert_eq!(usize::from(kind.number()), i);
+            assert_eq!(ErrorKind::from_number(kind.number()), Some(*kind));
+            assert_eq!(Error::of_kind(*kind, "m".into()).kind(), *kind);
+        }
+        assert_eq!(ErrorKind::from_number(ErrorKind::ALL.len() as u8), None);
+    }
 
     #[test]
     fn status_codes_follow_ggml() {

@@ -36,21 +36,8 @@ const CLASS_NAMES: [&str; 14] = [
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
 
 fn class_index(err: &Error) -> usize {
-    match err.kind() {
-        ErrorKind::Shape => 1,
-        ErrorKind::DType => 2,
-        ErrorKind::Alloc => 3,
-        ErrorKind::UnsupportedOp => 4,
-        ErrorKind::Backend => 5,
-        ErrorKind::OutOfBounds => 6,
-        ErrorKind::Stale => 7,
-        ErrorKind::NotAllocated => 8,
-        ErrorKind::Aborted => 9,
-        ErrorKind::InvalidArgument => 10,
-        ErrorKind::ArgumentType => 11,
-        ErrorKind::Busy => 12,
-        ErrorKind::DeviceLost => 13,
-    }
+    // Index 0 is the base class; the kinds follow in `ErrorKind::ALL` order.
+    1 + usize::from(err.kind().number())
 }
 
 /// Sets the facts of `err` (if it has any) as attributes of the exception `value`: `requested`,

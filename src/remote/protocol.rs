@@ -425,45 +425,23 @@ pub struct ErrorReply {
     pub fatal: bool,
 }
 
-/// The wire number of an error variant.
+/// The wire number of an error's kind: its [`ErrorKind::number`] plus one (0 is never sent).
+/// The facts of structured variants do not travel: the message carries them, and the client
+/// rebuilds an error of the same kind (and so of the same Python class).
 pub fn error_kind(err: &Error) -> u8 {
-    // The facts of structured variants do not travel: the message carries them, and the client
-    // rebuilds an error of the same kind (and so of the same Python class).
-    match err.kind() {
-        ErrorKind::Shape => 1,
-        ErrorKind::DType => 2,
-        ErrorKind::Alloc => 3,
-        ErrorKind::UnsupportedOp => 4,
-        ErrorKind::Backend => 5,
-        ErrorKind::OutOfBounds => 6,
-        ErrorKind::Stale => 7,
-        ErrorKind::NotAllocated => 8,
-        ErrorKind::Aborted => 9,
-        ErrorKind::InvalidArgument => 10,
-        ErrorKind::DeviceLost => 11,
-        ErrorKind::ArgumentType => 12,
-        ErrorKind::Busy => 13,
-    }
+    err.kind().number() + 1
 }
 
-/// Rebuilds an error from its wire number and message, prefixed with where it happened.
+/// Rebuilds an error from its wire number and message, prefixed with where it happened; an
+/// unknown number is a backend error.
 pub fn error_from_reply(reply: &ErrorReply, endpoint: &str) -> Error {
     let m = format!("server {endpoint}: {}", reply.message);
-    match reply.kind {
-        1 => Error::Shape(m),
-        2 => Error::DType(m),
-        3 => Error::Alloc(m),
-        4 => Error::UnsupportedOp(m),
-        6 => Error::OutOfBounds(m),
-        7 => Error::Stale(m),
-        8 => Error::NotAllocated(m),
-        9 => Error::Aborted,
-        10 => Error::InvalidArgument(m),
-        11 => Error::DeviceLost(m),
-        12 => Error::ArgumentType(m),
-        13 => Error::Busy(m),
-        _ => Error::Backend(m),
-    }
+    let kind = reply
+        .kind
+        .checked_sub(1)
+        .and_then(ErrorKind::from_number)
+        .unwrap_or(ErrorKind::Backend);
+    Error::of_kind(kind, m)
 }
 
 fn mac(token: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> Hmac<Sha256> {
