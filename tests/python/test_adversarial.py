@@ -108,6 +108,21 @@ def quant(dtype=fg.q8_0, shape=(4, 64)):
     return ctx, q
 
 
+class MemBuf:
+    # Buffer memory of the Python backends below: a bytearray behind read/write/fill.
+    def __init__(self, size):
+        self.data = bytearray(size)
+
+    def read(self, offset, size):
+        return bytes(self.data[offset:offset + size])
+
+    def write(self, offset, data):
+        self.data[offset:offset + len(data)] = data
+
+    def fill(self, offset, size, value):
+        self.data[offset:offset + size] = bytes([value]) * size
+
+
 class Plugin:
     # A minimal Python backend whose pieces can be replaced per case.
     def __init__(self, name, compute_result=True, init_result="backend", alloc_error=None):
@@ -119,19 +134,6 @@ class Plugin:
     def devices(self):
         outer = self
 
-        class Buf:
-            def __init__(self, size):
-                self.data = bytearray(size)
-
-            def read(self, offset, size):
-                return bytes(self.data[offset:offset + size])
-
-            def write(self, offset, data):
-                self.data[offset:offset + len(data)] = data
-
-            def fill(self, offset, size, value):
-                self.data[offset:offset + size] = bytes([value]) * size
-
         class Buft:
             name = outer.name + "_BUF"
             alignment = 32
@@ -139,7 +141,7 @@ class Plugin:
             def alloc_buffer(self, size):
                 if outer.alloc_error is not None:
                     raise outer.alloc_error
-                return Buf(size)
+                return MemBuf(size)
 
         class Backend:
             name = outer.name
@@ -183,19 +185,6 @@ def names(fn, *words):
 
 def plugin(name, device=None, buft=None, backend=None, buf=None, reg=None):
     # A Python backend whose attributes can be replaced per object (plain functions, no self).
-    class Buf:
-        def __init__(self, size):
-            self.data = bytearray(size)
-
-        def read(self, offset, size):
-            return bytes(self.data[offset:offset + size])
-
-        def write(self, offset, data):
-            self.data[offset:offset + len(data)] = data
-
-        def fill(self, offset, size, value):
-            self.data[offset:offset + size] = bytes([value]) * size
-
     class Buft:
         alignment = 32
 
@@ -203,7 +192,7 @@ def plugin(name, device=None, buft=None, backend=None, buf=None, reg=None):
             self.name = name + "_BUF"
 
         def alloc_buffer(self, size):
-            b = Buf(size)
+            b = MemBuf(size)
             for k, v in (buf or {}).items():
                 setattr(b, k, v)
             return b
