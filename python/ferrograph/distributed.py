@@ -1034,9 +1034,7 @@ def place_layers(model: Any, devices: Sequence[Any]) -> list[int]:
     model.placed_weights = placed
     model.backends = backends
     model.layer_homes = homes
-    model.scheduler = fg.Scheduler([*backends[1:], *model.scheduler.backends])
-    model._graphs.clear()
-    model._reserved = (0, 0)
+    model.set_scheduler(fg.Scheduler([*backends[1:], *model.scheduler.backends]))
     logger.info(
         "layers of %s over %s: %s",
         type(model).__name__,

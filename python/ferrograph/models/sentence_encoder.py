@@ -570,6 +570,15 @@ class SentenceEncoder:
             self._reserved = shape
             logger.debug("reserved compute memory for batch %d seq %d", *shape)
 
+    def set_scheduler(self, scheduler: fg.Scheduler) -> None:
+        """Computes later batches with ``scheduler`` (e.g. one whose backends hold some of the
+        layers' weights); the cached graphs and the compute reservation are dropped, since
+        they belong to the previous scheduler."""
+        with self._lock:
+            self.scheduler = scheduler
+            self._graphs.clear()
+            self._reserved = (0, 0)
+
     # ----- running -----
 
     def padded_length(self, longest: int) -> int:
