@@ -11,6 +11,7 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ferrograph::context::Context;
 use ferrograph::cpu::backend::default_n_threads;
+use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use ferrograph::cpu::{compute_graph, ComputeOptions};
 use ferrograph::dtype::DType;
 use ferrograph::graph::Graph;
@@ -133,17 +134,14 @@ fn encoder(ctx: &Context, wtype: DType, batch: usize, seq: usize) -> Result<Grap
     Ok(Graph::build(&[out]))
 }
 
-fn pool() -> rayon::ThreadPool {
+fn pool() -> std::sync::Arc<Threadpool> {
     ok(
-        rayon::ThreadPoolBuilder::new()
-            .num_threads(default_n_threads())
-            .build()
-            .map_err(|e| ferrograph::Error::Backend(e.to_string())),
+        Threadpool::new(&ThreadpoolParams::new(default_n_threads())),
         "pool",
     )
 }
 
-fn run(graph: &Graph, pool: &rayon::ThreadPool) {
+fn run(graph: &Graph, pool: &Threadpool) {
     let options = ComputeOptions::default();
     ok(compute_graph(graph, pool, &options, None), "compute");
 }
@@ -179,7 +177,7 @@ fn bench_graphs(c: &mut Criterion) {
 }
 
 /// Benches `out` (a one-op graph) with a throughput of `bytes`.
-fn bench_op(c: &mut Criterion, pool: &rayon::ThreadPool, name: &str, out: &Tensor, bytes: u64) {
+fn bench_op(c: &mut Criterion, pool: &Threadpool, name: &str, out: &Tensor, bytes: u64) {
     let graph = Graph::build(std::slice::from_ref(out));
     let mut group = c.benchmark_group("op");
     group

@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use ferrograph::buffer::alloc_cpu_buffer;
 use ferrograph::context::Context;
+use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use ferrograph::cpu::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
 use ferrograph::dtype::DType;
 use ferrograph::error::{Error, Result, Status};
@@ -38,11 +39,8 @@ impl Rng {
     }
 }
 
-fn pool(threads: usize) -> rayon::ThreadPool {
-    rayon::ThreadPoolBuilder::new()
-        .num_threads(threads)
-        .build()
-        .expect("thread pool")
+fn pool(threads: usize) -> std::sync::Arc<Threadpool> {
+    Threadpool::new(&ThreadpoolParams::new(threads)).expect("thread pool")
 }
 
 /// Fills a float tensor with uniform values and returns them as stored (rounded to its dtype).

@@ -263,7 +263,7 @@ impl BlasBackend {
         match op {
             Op::MulMat => {
                 let mut scratch = lock(&self.scratch);
-                gemm::mul_mat(library, pool.rayon(), dst, a, b, &mut scratch)
+                gemm::mul_mat(library, pool.rayon()?, dst, a, b, &mut scratch)
             }
             _ => gemm::out_prod(library, dst, a, b),
         }

@@ -200,8 +200,7 @@ impl CpuBackend {
     }
 
     fn run(&self, graph: &Graph) -> Result<Status> {
-        let threadpool = self.threadpool();
-        let pool = threadpool.rayon();
+        let pool = self.threadpool();
         let options = ComputeOptions {
             use_reference: self.use_reference(),
         };
@@ -212,7 +211,7 @@ impl CpuBackend {
             .clone();
         let abort =
             move || own.as_ref().is_some_and(|f| f()) || global.as_ref().is_some_and(|f| f());
-        compute::compute_graph(graph, pool, &options, Some(&abort))
+        compute::compute_graph(graph, &pool, &options, Some(&abort))
     }
 }
 
@@ -326,10 +325,5 @@ pub fn graph_compute_with_ctx(graph: &Graph, n_threads: usize) -> Result<Status>
         .unwrap_or_else(|p| p.into_inner())
         .clone();
     let abort = move || global.as_ref().is_some_and(|f| f());
-    compute::compute_graph(
-        graph,
-        pool.rayon(),
-        &ComputeOptions::default(),
-        Some(&abort),
-    )
+    compute::compute_graph(graph, &pool, &ComputeOptions::default(), Some(&abort))
 }

@@ -1,13 +1,13 @@
 //! Graph compute on the CPU: op dispatch, support queries and scratch sizing.
 //!
-//! [`compute_graph`] walks a graph's nodes in order and runs each one with [`compute_node`]
-//! inside the given rayon pool. Kernels live in [`super::kernels`], one module per op family.
-
-use rayon::ThreadPool;
+//! [`compute_graph`] walks a graph's nodes in order on the calling thread, which joins the
+//! given [`Threadpool`] for the call: kernels split their work over the pool's threads.
+//! Kernels live in [`super::kernels`], one module per op family.
 
 use super::kernels::{
     attention, binary, copy, custom, matmul, norm, reduce, rope, softmax, unary, view::RawTensor,
 };
+use super::threadpool::Threadpool;
 use crate::dtype::DType;
 use crate::error::{Error, Result, Status};
 use crate::graph::Graph;
@@ -151,7 +151,7 @@ fn unsupported(node: &Tensor) -> Error {
     )
 }
 
-/// Computes every node of `graph` in order on `pool`.
+/// Computes every node of `graph` in order on `pool` (the calling thread is one of its threads).
 ///
 /// Leaves and pure view ops are skipped. `abort` is polled before each node; when it returns
 /// true the call returns `Ok(Status::Aborted)` with the nodes computed so far intact. An op or
@@ -159,16 +159,15 @@ fn unsupported(node: &Tensor) -> Error {
 /// without host memory returns its storage error.
 pub fn compute_graph(
     graph: &Graph,
-    pool: &ThreadPool,
+    pool: &Threadpool,
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
 ) -> Result<Status> {
     let nodes = graph.nodes();
-    let mut scratch = Vec::with_capacity(work_size(graph, pool.current_num_threads()));
-    // One hand-over to the pool for the whole graph: entering the pool wakes a worker and
-    // blocks the caller (tens of µs on a busy machine), far more than a small node costs. Small
-    // nodes then run on that worker alone and large ones split over the pool from there.
-    pool.install(|| {
+    let mut scratch = Vec::with_capacity(work_size(graph, pool.n_threads()));
+    // No hand-over: this thread walks the graph and runs small nodes alone; a node that splits
+    // its work shares it with the pool's workers (spinning between nodes, or woken).
+    pool.run(|| {
         for node in nodes {
             if abort.is_some_and(|f| f()) {
                 return Ok(Status::Aborted);
@@ -192,17 +191,17 @@ fn is_noop(node: &Tensor) -> bool {
 /// The node and its operands must be allocated host tensors; leaves and view ops do nothing.
 pub fn compute_node(
     node: &Tensor,
-    pool: &ThreadPool,
+    pool: &Threadpool,
     options: &ComputeOptions,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     if is_noop(node) {
         return Ok(());
     }
-    pool.install(|| compute_in_pool(node, options, scratch))
+    pool.run(|| compute_in_pool(node, options, scratch))
 }
 
-/// Computes one non-view node on the current rayon pool.
+/// Computes one non-view node on the pool this thread computes on.
 fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8>) -> Result<()> {
     if !supports_op(node) {
         return Err(unsupported(node));

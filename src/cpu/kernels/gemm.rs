@@ -281,7 +281,7 @@ pub unsafe fn run(
     if m == 0 || n == 0 || n_products == 0 {
         return Ok(());
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = super::current_num_threads().max(1);
     let mr = isa.mr();
     // Tasks split the activations first: each task packs only its own rows and reads the
     // weights in place (cheap to re-read), so nothing is packed twice. Aim for a few tasks

@@ -11,8 +11,6 @@
 
 use std::ops::Range;
 
-use rayon::prelude::*;
-
 use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
 use super::par_ranges;
@@ -20,7 +18,7 @@ use super::quant_dot::{
     dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
     dot_q8_0_q8_0_ref, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
-use super::view::{read_index, RawTensor};
+use super::view::{read_index, RawTensor, SendPtr};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::MAX_DIMS;
@@ -101,20 +99,22 @@ fn prepare<'s>(weights: DType, b: RawTensor, scratch: &'s mut Vec<u8>) -> Result
         let row_bytes = DType::Q8_0.row_size(k)?;
         scratch.clear();
         scratch.resize(nrows * row_bytes, 0);
-        scratch
-            .par_chunks_mut(row_bytes.max(1))
-            .enumerate()
-            .with_min_len((super::MIN_TASK_ELEMENTS / k.max(1)).max(1))
-            .try_for_each_init(
-                || vec![0f32; k],
-                |buf, (r, out)| -> Result<()> {
-                    let (i1, i2, i3) = b.row_coords(r);
-                    // SAFETY: row `r` lies inside `b` (read-only).
-                    unsafe { b.load_row(i1, i2, i3, buf)? };
-                    quantize_row_q8_0(buf, out);
-                    Ok(())
-                },
-            )?;
+        let out = SendPtr(scratch.as_mut_ptr());
+        par_ranges(nrows, super::row_grain(k), |rows| {
+            let base = out; // the whole SendPtr, not its raw field
+            let mut buf = vec![0f32; k];
+            for r in rows {
+                let (i1, i2, i3) = b.row_coords(r);
+                // SAFETY: row `r` lies inside `b` (read-only).
+                unsafe { b.load_row(i1, i2, i3, &mut buf)? };
+                // SAFETY: `scratch` holds `nrows` rows of `row_bytes`; this task alone writes
+                // row `r`, and `scratch` is not otherwise used until the split returns.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(base.0.add(r * row_bytes), row_bytes) };
+                quantize_row_q8_0(&buf, row);
+            }
+            Ok(())
+        })?;
         return Ok(Prepared::Q8(scratch.as_slice(), row_bytes, b.ne));
     }
     if f32_direct(&b) {
@@ -122,14 +122,20 @@ fn prepare<'s>(weights: DType, b: RawTensor, scratch: &'s mut Vec<u8>) -> Result
     }
     let mut data = vec![0f32; nrows * k];
     if k > 0 {
-        data.par_chunks_mut(k)
-            .enumerate()
-            .with_min_len((super::MIN_TASK_ELEMENTS / k).max(1))
-            .try_for_each(|(r, out)| {
+        let out = SendPtr(data.as_mut_ptr().cast());
+        par_ranges(nrows, super::row_grain(k), |rows| {
+            let base = out; // the whole SendPtr, not its raw field
+            for r in rows {
                 let (i1, i2, i3) = b.row_coords(r);
+                // SAFETY: `data` holds `nrows` rows of `k`; this task alone writes row `r`, and
+                // `data` is not otherwise used until the split returns.
+                let row =
+                    unsafe { std::slice::from_raw_parts_mut(base.0.cast::<f32>().add(r * k), k) };
                 // SAFETY: row `r` lies inside `b` (read-only).
-                unsafe { b.load_row(i1, i2, i3, out) }
-            })?;
+                unsafe { b.load_row(i1, i2, i3, row)? };
+            }
+            Ok(())
+        })?;
     }
     Ok(Prepared::Packed(data, b.ne))
 }

@@ -1,7 +1,7 @@
 //! CPU kernels, one module per op family.
 //!
 //! Every kernel receives raw views ([`view::RawTensor`]) of its output and sources, already
-//! checked to be allocated host tensors, and runs inside the caller's rayon pool. Work is split
+//! checked to be allocated host tensors, and runs on the pool the caller computes on. Work is split
 //! over rows (or output tiles) so that no two tasks write the same bytes; ops that may run in
 //! place read each row completely before writing it.
 
@@ -52,9 +52,9 @@ macro_rules! simd_fn {
 }
 pub(crate) use simd_fn;
 
-use rayon::prelude::*;
-
 use crate::error::Result;
+
+pub(crate) use crate::cpu::threadpool::current_num_threads;
 
 /// Elements a task should handle at least, so scheduling costs stay small.
 pub(crate) const MIN_TASK_ELEMENTS: usize = 16 * 1024;
@@ -65,8 +65,10 @@ pub(crate) fn row_grain(row_len: usize) -> usize {
 }
 
 /// Runs `f` over `0..n` split into ranges of at least `grain` items, in parallel on the
-/// current rayon pool (on the calling thread alone when there is one range). The first error
-/// is returned.
+/// threads of the pool the calling thread computes on (on the calling thread alone when
+/// there is one range, outside a computation, or inside another split: nested calls never
+/// wait for other threads). The ranges depend on `n`, `grain` and the pool's size only. The
+/// first error is returned.
 pub(crate) fn par_ranges<F>(n: usize, grain: usize, f: F) -> Result<()>
 where
     F: Fn(Range<usize>) -> Result<()> + Sync,
@@ -74,32 +76,30 @@ where
     if n == 0 {
         return Ok(());
     }
-    let threads = rayon::current_num_threads().max(1);
+    let threads = current_num_threads().max(1);
     let chunk = grain.max(n.div_ceil(threads * 4)).max(1);
     let n_chunks = n.div_ceil(chunk);
     if n_chunks <= 1 || threads == 1 {
         return f(0..n);
     }
-    (0..n_chunks)
-        .into_par_iter()
-        .try_for_each(|c| f(c * chunk..((c + 1) * chunk).min(n)))
+    crate::cpu::threadpool::run_chunks(n, chunk, &f)
 }
 
 /// Test support shared by the kernel unit tests.
 #[cfg(test)]
 pub(crate) mod testing {
+    use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
+
     /// Thread counts kernel results are compared at.
     pub const THREAD_COUNTS: [usize; 3] = [1, 2, 3];
 
-    /// Runs `f` in rayon pools of 1, 2 and 3 threads, asserts that every run returns the same
+    /// Runs `f` on pools of 1, 2 and 3 threads, asserts that every run returns the same
     /// value (compare bit patterns for floats), and returns it.
-    pub fn at_thread_counts<T: PartialEq + Send>(f: impl Fn() -> T + Sync + Send) -> T {
+    pub fn at_thread_counts<T: PartialEq>(f: impl Fn() -> T + Sync) -> T {
         let mut results = THREAD_COUNTS.iter().map(|&threads| {
-            rayon::ThreadPoolBuilder::new()
-                .num_threads(threads)
-                .build()
+            Threadpool::new(&ThreadpoolParams::new(threads))
                 .expect("thread pool")
-                .install(&f)
+                .run(&f)
         });
         let first = results.next().expect("at least one thread count");
         for (got, threads) in results.zip(&THREAD_COUNTS[1..]) {

@@ -3,8 +3,6 @@
 //! Sums accumulate in f64 (ggml uses a double accumulator too). REPEAT and CONCAT copy bytes,
 //! so they are exact for every non-quantized dtype.
 
-use rayon::prelude::*;
-
 use super::view::RawTensor;
 use super::{par_ranges, row_grain};
 use crate::error::Result;
@@ -21,12 +19,21 @@ pub fn sum(dst: RawTensor, a: RawTensor) -> Result<()> {
     let n0 = a.ne[0];
     // Row sums in parallel, then added in row order: a parallel tree reduction would group the
     // additions by thread count and change the result's last bits with it.
-    let row_sums = (0..a.nrows())
-        .into_par_iter()
-        .with_min_len(row_grain(n0))
-        .map_init(|| vec![0f32; n0], |buf, r| row_sum(&a, r, buf))
-        .collect::<Result<Vec<f64>>>()?;
-    let total: f64 = row_sums.iter().sum();
+    let nrows = a.nrows();
+    let row_sums: Vec<std::sync::atomic::AtomicU64> =
+        (0..nrows).map(|_| Default::default()).collect();
+    par_ranges(nrows, row_grain(n0), |rows| {
+        let mut buf = vec![0f32; n0];
+        for r in rows {
+            let s = row_sum(&a, r, &mut buf)?;
+            row_sums[r].store(s.to_bits(), std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    })?;
+    let total: f64 = row_sums
+        .into_iter()
+        .map(|s| f64::from_bits(s.into_inner()))
+        .sum();
     // SAFETY: dst has one element and nothing else accesses it.
     unsafe { dst.store_row(0, 0, 0, &[total as f32]) }
 }
