@@ -62,158 +62,241 @@ pub(crate) fn build(
     n_copies: usize,
     backend_names: &[String],
 ) -> Result<Internal> {
-    let n_nodes = topo.n_nodes;
-    let backend_of = |u: usize| core.assignments[u].backend;
-    let identity = core.copies.is_empty() && topo.extras.is_empty();
-    if identity {
-        let mut split_graphs = Vec::with_capacity(core.splits.len());
-        for split in &core.splits {
-            // One split of the whole graph computes the graph itself (a clone shares the
-            // tensors and copies the index instead of rebuilding it).
-            split_graphs.push(if split.nodes.start == 0 && split.nodes.end == n_nodes {
-                graph.clone()
-            } else {
-                graph.view(split.nodes.start, split.nodes.end)?
-            });
-        }
-        return Ok(Internal {
-            graph: None,
-            node_ids: (0..n_nodes).map(backend_of).collect(),
-            leaf_ids: (n_nodes..n_nodes + topo.n_leafs).map(backend_of).collect(),
-            split_graphs,
-            copies: Vec::new(),
-            bindings: Vec::new(),
-        });
+    if core.copies.is_empty() && topo.extras.is_empty() {
+        return identity(graph, topo, core);
     }
-
-    let total = topo.len();
-    let mut internal = Graph::new();
-    let mut node_ids = Vec::with_capacity(n_nodes + core.copies.len());
-    let mut leaf_ids = Vec::with_capacity(total - n_nodes);
-    for u in n_nodes..total {
-        internal.add_leaf(topo.tensor(graph, u))?;
-        leaf_ids.push(backend_of(u));
-    }
-    let mut subst: Vec<Option<Tensor>> = vec![None; total];
-    let mut copies: Vec<Option<Tensor>> = vec![None; core.copies.len()];
-    let mut bindings = Vec::new();
-    let mut split_graphs = Vec::with_capacity(core.splits.len());
-    let mut next_operand_copy = 0usize;
-    let current = |u: usize, subst: &[Option<Tensor>]| -> Tensor {
-        subst[u]
-            .clone()
-            .unwrap_or_else(|| topo.tensor(graph, u).clone())
-    };
-
+    let mut builder = Builder::new(graph, topo, core, slot, n_copies, backend_names)?;
     for split in &core.splits {
         for &c in &split.inputs {
-            let plan = &core.copies[c];
-            let source_index = core.copy_sources[c];
-            let source = current(source_index, &subst);
-            let copy = Tensor::from_spec(
-                TensorSpec {
-                    dtype: source.dtype(),
-                    ne: source.ne(),
-                    nb: Some(source.nb()),
-                    ndim: source.ndim(),
-                    op: crate::ops::Op::None,
-                    srcs: vec![source.clone()],
-                    view: None,
-                },
-                Weak::new(),
-            )?;
-            let name = topo.tensor(graph, source_index).name();
-            let name = if name.is_empty() {
-                format!("#{}", topo.tensor(graph, source_index).id())
-            } else {
-                name
-            };
-            copy.set_name(&format!(
-                "{}#{}#{}",
-                backend_names
-                    .get(plan.to_backend)
-                    .map_or("?", String::as_str),
-                name,
-                slot
-            ));
-            if n_copies > 1 {
-                copy.set_input();
-                copy.set_output();
-            }
-            internal.add_node(&copy)?;
-            node_ids.push(plan.to_backend);
-            copies[c] = Some(copy);
+            builder.add_copy(c)?;
         }
         let mut split_graph = Graph::new();
         for i in split.nodes.clone() {
-            let original = &graph.nodes()[i];
-            let first_copy = next_operand_copy;
-            while next_operand_copy < core.operand_copies.len()
-                && core.operand_copies[next_operand_copy].0 == i
-            {
-                next_operand_copy += 1;
-            }
-            let through_copy = &core.operand_copies[first_copy..next_operand_copy];
-            let root = topo.view_root[i];
-            let needs_shadow = !through_copy.is_empty()
-                || topo.srcs(i).iter().any(|&s| subst[s as usize].is_some())
-                || (root != NONE && subst[root as usize].is_some());
-            if needs_shadow {
-                let mut srcs = Vec::with_capacity(original.srcs().len());
-                for (j, &s) in topo.srcs(i).iter().enumerate() {
-                    let via = through_copy
-                        .iter()
-                        .find(|&&(_, k, _)| k == j)
-                        .and_then(|&(_, _, c)| copies[c].clone());
-                    srcs.push(via.unwrap_or_else(|| current(s as usize, &subst)));
-                }
-                let view = if root != NONE {
-                    Some((current(root as usize, &subst), original.view_offset()))
-                } else {
-                    None
-                };
-                let shadow = Tensor::from_spec(
-                    TensorSpec {
-                        dtype: original.dtype(),
-                        ne: original.ne(),
-                        nb: Some(original.nb()),
-                        ndim: original.ndim(),
-                        op: original.op().clone(),
-                        srcs,
-                        view,
-                    },
-                    Weak::new(),
-                )?;
-                shadow.set_name(&original.name());
-                copy_flags(original, &shadow);
-                if !original.is_view() {
-                    bindings.push((original.clone(), shadow.clone()));
-                }
-                subst[i] = Some(shadow);
-            }
-            let node = current(i, &subst);
-            internal.add_node(&node)?;
-            node_ids.push(backend_of(i));
+            let node = builder.add_node(i)?;
             split_graph.add_node(&node)?;
         }
-        split_graphs.push(split_graph);
+        builder.split_graphs.push(split_graph);
     }
-    let copies = copies
-        .into_iter()
-        .map(|c| {
-            c.ok_or_else(|| {
-                crate::error::Error::InvalidArgument(
-                    "internal: a copy of the plan was not made".into(),
-                )
-            })
-        })
-        .collect::<Result<Vec<_>>>()?;
+    builder.finish()
+}
+
+/// The internal graph of a plan without copies or outside operands: the caller's graph itself,
+/// each split a view of its nodes.
+fn identity(graph: &Graph, topo: &Topology, core: &PlanCore) -> Result<Internal> {
+    let n_nodes = topo.n_nodes;
+    let backend_of = |u: usize| core.assignments[u].backend;
+    let mut split_graphs = Vec::with_capacity(core.splits.len());
+    for split in &core.splits {
+        // One split of the whole graph computes the graph itself (a clone shares the tensors
+        // and copies the index instead of rebuilding it).
+        split_graphs.push(if split.nodes.start == 0 && split.nodes.end == n_nodes {
+            graph.clone()
+        } else {
+            graph.view(split.nodes.start, split.nodes.end)?
+        });
+    }
     Ok(Internal {
-        graph: Some(internal),
-        node_ids,
-        leaf_ids,
+        graph: None,
+        node_ids: (0..n_nodes).map(backend_of).collect(),
+        leaf_ids: (n_nodes..n_nodes + topo.n_leafs).map(backend_of).collect(),
         split_graphs,
-        copies,
-        bindings,
+        copies: Vec::new(),
+        bindings: Vec::new(),
     })
+}
+
+/// The internal graph being built, split by split.
+struct Builder<'a> {
+    graph: &'a Graph,
+    topo: &'a Topology,
+    core: &'a PlanCore,
+    slot: usize,
+    n_copies: usize,
+    backend_names: &'a [String],
+    internal: Graph,
+    node_ids: Vec<usize>,
+    leaf_ids: Vec<usize>,
+    /// Per unified tensor: its shadow, once it has one.
+    subst: Vec<Option<Tensor>>,
+    /// Per copy of the plan: its tensor, once made.
+    copies: Vec<Option<Tensor>>,
+    bindings: Vec<(Tensor, Tensor)>,
+    split_graphs: Vec<Graph>,
+    /// The first entry of `core.operand_copies` not yet used (they are in node order).
+    next_operand_copy: usize,
+}
+
+impl<'a> Builder<'a> {
+    /// Starts the internal graph with every leaf and outside operand of the caller's graph.
+    fn new(
+        graph: &'a Graph,
+        topo: &'a Topology,
+        core: &'a PlanCore,
+        slot: usize,
+        n_copies: usize,
+        backend_names: &'a [String],
+    ) -> Result<Self> {
+        let (n_nodes, total) = (topo.n_nodes, topo.len());
+        let mut internal = Graph::new();
+        let mut leaf_ids = Vec::with_capacity(total - n_nodes);
+        for u in n_nodes..total {
+            internal.add_leaf(topo.tensor(graph, u))?;
+            leaf_ids.push(core.assignments[u].backend);
+        }
+        Ok(Builder {
+            graph,
+            topo,
+            core,
+            slot,
+            n_copies,
+            backend_names,
+            internal,
+            node_ids: Vec::with_capacity(n_nodes + core.copies.len()),
+            leaf_ids,
+            subst: vec![None; total],
+            copies: vec![None; core.copies.len()],
+            bindings: Vec::new(),
+            split_graphs: Vec::with_capacity(core.splits.len()),
+            next_operand_copy: 0,
+        })
+    }
+
+    /// Tensor `u` as the internal graph sees it: its shadow if it has one.
+    fn current(&self, u: usize) -> Tensor {
+        self.subst[u]
+            .clone()
+            .unwrap_or_else(|| self.topo.tensor(self.graph, u).clone())
+    }
+
+    /// Adds the tensor of copy `c`: op NONE reading its source (so the allocator keeps the
+    /// source alive until the copy is made), named `<backend>#<source>#<slot>`, and marked
+    /// input and output when pipelined (its memory must not be reused within the graph).
+    fn add_copy(&mut self, c: usize) -> Result<()> {
+        let plan = &self.core.copies[c];
+        let source_index = self.core.copy_sources[c];
+        let source = self.current(source_index);
+        let copy = Tensor::from_spec(
+            TensorSpec {
+                dtype: source.dtype(),
+                ne: source.ne(),
+                nb: Some(source.nb()),
+                ndim: source.ndim(),
+                op: crate::ops::Op::None,
+                srcs: vec![source.clone()],
+                view: None,
+            },
+            Weak::new(),
+        )?;
+        let original = self.topo.tensor(self.graph, source_index);
+        let name = original.name();
+        let name = if name.is_empty() {
+            format!("#{}", original.id())
+        } else {
+            name
+        };
+        let backend = self
+            .backend_names
+            .get(plan.to_backend)
+            .map_or("?", String::as_str);
+        copy.set_name(&format!("{backend}#{name}#{}", self.slot));
+        if self.n_copies > 1 {
+            copy.set_input();
+            copy.set_output();
+        }
+        self.internal.add_node(&copy)?;
+        self.node_ids.push(plan.to_backend);
+        self.copies[c] = Some(copy);
+        Ok(())
+    }
+
+    /// Adds node `i` (its shadow when it needs one) and returns what was added.
+    fn add_node(&mut self, i: usize) -> Result<Tensor> {
+        let first = self.next_operand_copy;
+        let operand_copies = &self.core.operand_copies;
+        while self.next_operand_copy < operand_copies.len()
+            && operand_copies[self.next_operand_copy].0 == i
+        {
+            self.next_operand_copy += 1;
+        }
+        let through_copy = &operand_copies[first..self.next_operand_copy];
+        if self.needs_shadow(i, through_copy) {
+            self.add_shadow(i, through_copy)?;
+        }
+        let node = self.current(i);
+        self.internal.add_node(&node)?;
+        self.node_ids.push(self.core.assignments[i].backend);
+        Ok(node)
+    }
+
+    /// Whether node `i` must be shadowed: it reads an operand through a copy, an operand that
+    /// is shadowed, or is a view of a shadowed tensor.
+    fn needs_shadow(&self, i: usize, through_copy: &[(usize, usize, usize)]) -> bool {
+        let root = self.topo.view_root[i];
+        !through_copy.is_empty()
+            || self
+                .topo
+                .srcs(i)
+                .iter()
+                .any(|&s| self.subst[s as usize].is_some())
+            || (root != NONE && self.subst[root as usize].is_some())
+    }
+
+    /// Makes node `i`'s shadow: its metadata and op, operands replaced by their copies
+    /// (`through_copy`) or shadows, a view of its root's shadow. Non-view nodes are bound to
+    /// their shadow's storage later (`bindings`).
+    fn add_shadow(&mut self, i: usize, through_copy: &[(usize, usize, usize)]) -> Result<()> {
+        let original = &self.graph.nodes()[i];
+        let mut srcs = Vec::with_capacity(original.srcs().len());
+        for (j, &s) in self.topo.srcs(i).iter().enumerate() {
+            let via = through_copy
+                .iter()
+                .find(|&&(_, k, _)| k == j)
+                .and_then(|&(_, _, c)| self.copies[c].clone());
+            srcs.push(via.unwrap_or_else(|| self.current(s as usize)));
+        }
+        let root = self.topo.view_root[i];
+        let view = (root != NONE).then(|| (self.current(root as usize), original.view_offset()));
+        let shadow = Tensor::from_spec(
+            TensorSpec {
+                dtype: original.dtype(),
+                ne: original.ne(),
+                nb: Some(original.nb()),
+                ndim: original.ndim(),
+                op: original.op().clone(),
+                srcs,
+                view,
+            },
+            Weak::new(),
+        )?;
+        shadow.set_name(&original.name());
+        copy_flags(original, &shadow);
+        if !original.is_view() {
+            self.bindings.push((original.clone(), shadow.clone()));
+        }
+        self.subst[i] = Some(shadow);
+        Ok(())
+    }
+
+    /// The finished internal graph; every copy of the plan must have been made.
+    fn finish(self) -> Result<Internal> {
+        let copies = self
+            .copies
+            .into_iter()
+            .map(|c| {
+                c.ok_or_else(|| {
+                    crate::error::Error::InvalidArgument(
+                        "internal: a copy of the plan was not made".into(),
+                    )
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Internal {
+            graph: Some(self.internal),
+            node_ids: self.node_ids,
+            leaf_ids: self.leaf_ids,
+            split_graphs: self.split_graphs,
+            copies,
+            bindings: self.bindings,
+        })
+    }
 }
