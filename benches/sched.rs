@@ -149,6 +149,15 @@ fn bench_sched(c: &mut Criterion) {
     c.bench_function("sched/tiny_compute_backend_only", |b| {
         b.iter(|| ok(cpu_floor.graph_compute(&tiny), "compute"))
     });
+    // The backend alone at the default thread count: the pool's workers are never woken for
+    // a node too small to split, so this is the same floor.
+    let cpu_default: Arc<dyn Backend> = Arc::new(ok(
+        CpuBackend::new(ferrograph::cpu::backend::default_n_threads()),
+        "cpu",
+    ));
+    c.bench_function("sched/tiny_compute_backend_only_all_threads", |b| {
+        b.iter(|| ok(cpu_default.graph_compute(&tiny), "compute"))
+    });
     c.bench_function("sched/tiny_compute_profiled", |b| {
         b.iter(|| ok(small.graph_compute_profiled(&tiny), "compute"))
     });
