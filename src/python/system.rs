@@ -213,7 +213,8 @@ impl PyThreadpoolParams {
         self.inner.priority.code()
     }
 
-    /// Busy-wait level before sleeping, 0-100 (recorded; rayon's own policy applies).
+    /// Busy-wait level before sleeping, 0-100: idle workers spin up to poll × 2 µs between
+    /// the jobs of a computation before they sleep (0: sleep at once).
     #[getter]
     fn poll(&self) -> u32 {
         self.inner.poll

@@ -189,7 +189,8 @@ fn graph_compute_with_ctx(py: Python<'_>, graph: &PyGraph, n_threads: usize) -> 
     finish_compute(py, &[], result)
 }
 
-/// A persistent pool of worker threads for CPU backends (ggml's threadpool API on rayon).
+/// A persistent pool of worker threads for CPU backends (ggml's threadpool API); the thread
+/// computing on it joins its workers for the call.
 #[pyclass(name = "Threadpool", module = "ferrograph", frozen)]
 pub struct PyThreadpool {
     inner: Arc<Threadpool>,
