@@ -248,6 +248,10 @@ fn set_priority(_priority: ThreadPriority) -> std::io::Result<()> {
 /// find them awake, short enough not to take a core from whatever runs next.
 const TAIL_SPIN: Duration = Duration::from_micros(20);
 
+/// How long the computing thread spins for chunks other threads are finishing before it sleeps
+/// until the last one is done (on a busy machine a worker may lose its core mid-chunk).
+const OWNER_SPIN: Duration = Duration::from_micros(30);
+
 /// Spin time per `poll` level while a computation runs (poll 50, the default: 100 µs).
 const SPIN_PER_POLL: Duration = Duration::from_micros(2);
 
@@ -290,6 +294,10 @@ struct Shared {
     sleepers: AtomicUsize,
     sleep_lock: Mutex<()>,
     wake: Condvar,
+    /// The owner sleeps on `finished` for the last chunk (set and checked under `finish_lock`).
+    owner_sleeping: AtomicBool,
+    finish_lock: Mutex<()>,
+    finished: Condvar,
     spin: Duration,
     /// Held by the thread computing on the pool (one computation at a time).
     busy: Mutex<()>,
@@ -333,16 +341,17 @@ impl Shared {
     /// Runs chunk `index` of the current job (claimed by this thread), records its error and
     /// marks it done.
     fn run_chunk(&self, index: usize) {
+        // SAFETY: this thread claimed a chunk of the current job and has not marked it done,
+        // so the owner neither rewrites `job` nor returns (freeing the closure) meanwhile.
+        let (f, range, n_chunks) = unsafe {
+            let job = &*self.job.get();
+            (
+                &*job.f,
+                index * job.chunk..((index + 1) * job.chunk).min(job.n),
+                job.n.div_ceil(job.chunk),
+            )
+        };
         if !self.failed.load(Ordering::Relaxed) {
-            // SAFETY: this thread claimed a chunk of the current job and has not marked it done,
-            // so the owner neither rewrites `job` nor returns (freeing the closure) meanwhile.
-            let (f, range) = unsafe {
-                let job = &*self.job.get();
-                (
-                    &*job.f,
-                    index * job.chunk..((index + 1) * job.chunk).min(job.n),
-                )
-            };
             let outcome = in_chunk(|| catch_unwind(AssertUnwindSafe(|| f(range))));
             let error = match outcome {
                 Ok(Ok(())) => None,
@@ -360,7 +369,13 @@ impl Shared {
                 self.failed.store(true, Ordering::Relaxed);
             }
         }
-        self.done.fetch_add(1, Ordering::Release);
+        // SeqCst, with the owner's store of `owner_sleeping` and load of `done`: either it sees
+        // this chunk done or this thread sees it asleep and wakes it.
+        let finished = self.done.fetch_add(1, Ordering::SeqCst) + 1;
+        if finished == n_chunks && self.owner_sleeping.load(Ordering::SeqCst) {
+            let _guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.finished.notify_one();
+        }
     }
 
     /// Splits `0..n` into chunks of `chunk` items and runs `f` on each, on this thread (the
@@ -389,15 +404,22 @@ impl Shared {
         while let Some(index) = self.claim() {
             self.run_chunk(index);
         }
-        // Chunks other threads took: usually short (they started with this one).
+        // Chunks other threads took: usually short (they started with this one), so spin a
+        // little, then sleep until the last one is done.
+        let spin_start = Instant::now();
         let mut spins = 0u32;
         while self.done.load(Ordering::Acquire) < n_chunks {
-            spins = spins.saturating_add(1);
-            if spins < 4096 {
-                std::hint::spin_loop();
-            } else {
-                std::thread::yield_now();
+            spins = spins.wrapping_add(1);
+            if spins.is_multiple_of(64) && spin_start.elapsed() >= OWNER_SPIN {
+                let mut guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+                self.owner_sleeping.store(true, Ordering::SeqCst);
+                while self.done.load(Ordering::SeqCst) < n_chunks {
+                    guard = self.finished.wait(guard).unwrap_or_else(|p| p.into_inner());
+                }
+                self.owner_sleeping.store(false, Ordering::SeqCst);
+                break;
             }
+            std::hint::spin_loop();
         }
         if self.failed.load(Ordering::Relaxed) {
             let error = self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -589,6 +611,9 @@ impl Threadpool {
             sleepers: AtomicUsize::new(0),
             sleep_lock: Mutex::new(()),
             wake: Condvar::new(),
+            owner_sleeping: AtomicBool::new(false),
+            finish_lock: Mutex::new(()),
+            finished: Condvar::new(),
             spin: SPIN_PER_POLL * params.poll,
             busy: Mutex::new(()),
         });
