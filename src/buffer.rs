@@ -91,6 +91,12 @@ pub trait BufferType: Send + Sync + fmt::Debug {
     fn device(&self) -> Option<Arc<dyn Device>> {
         None
     }
+    /// Whether buffers of this type spread each tensor's rows over several devices (a
+    /// [`SplitBufferType`](crate::split::SplitBufferType)): such a tensor can be read only by
+    /// a backend that runs the op on every part, never copied whole to another backend.
+    fn is_split(&self) -> bool {
+        false
+    }
 }
 
 /// Whether two buffer types make interchangeable memory: the same object, or two host buffer
@@ -121,6 +127,18 @@ pub trait BufferMemory: Send + Sync {
     /// server's weight cache); nothing by default.
     fn usage_changed(&self, usage: BufferUsage) {
         let _ = usage;
+    }
+    /// Told when `tensor` is bound at `offset` (ggml's `buffer_init_tensor`), after the bounds
+    /// and alignment checks: memory that places tensors itself (a split buffer allocates each
+    /// device's rows) does it here; nothing by default.
+    fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
+        let _ = (tensor, offset);
+        Ok(())
+    }
+    /// The memory as `Any`, for the backend that made it to reach its own type; `None` by
+    /// default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
     }
 }
 
@@ -448,6 +466,17 @@ impl Buffer {
         let buffer = Buffer::new(Box::new(MultiMemory { parts }), buffer_type);
         buffer.set_usage(usage);
         Ok(buffer)
+    }
+
+    /// Lets the memory place `tensor`, being bound at `offset` (see
+    /// [`BufferMemory::init_tensor`]); called by [`Tensor::bind`].
+    pub fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
+        self.0.memory.init_tensor(tensor, offset)
+    }
+
+    /// The buffer's memory, for the backend that made it (see [`BufferMemory::as_any`]).
+    pub fn memory(&self) -> &dyn BufferMemory {
+        self.0.memory.as_ref()
     }
 
     /// The parts of a multi-buffer (empty for an ordinary buffer).

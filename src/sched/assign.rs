@@ -228,7 +228,11 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
             set(assigned, u, cpu, Cause::Input);
             continue;
         }
-        if u >= n_nodes || weight_does_not_decide(t) {
+        if u >= n_nodes {
+            continue;
+        }
+        check_split_operands(oracle, u)?;
+        if weight_does_not_decide(t) {
             continue;
         }
         // The first operand in a weights buffer decides.
@@ -253,6 +257,47 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
             }
         }
         set(assigned, u, b, Cause::Weight);
+    }
+    Ok(())
+}
+
+/// A weight split by rows over several devices (a split buffer) is read only by a backend
+/// that runs the op on it (the split buffer type's own, for `MUL_MAT`): copying it whole to
+/// another backend would gather on one device what was split because it does not fit one.
+fn check_split_operands(oracle: &mut Oracle<'_>, u: usize) -> Result<()> {
+    let topo = oracle.input.topo;
+    for &s in topo.srcs(u) {
+        let Some(info) = topo.buf_info(s as usize).filter(|i| i.buft.is_split()) else {
+            continue;
+        };
+        let buft = info.buft.clone();
+        if (0..oracle.input.backends.len())
+            .any(|b| oracle.supports_buft(b, &buft) && oracle.supports_op(b, u))
+        {
+            continue;
+        }
+        let t = topo.tensor(oracle.input.graph, u);
+        let w = topo.tensor(oracle.input.graph, s as usize);
+        let message = format!(
+            "{} ({}) reads {}, a weight split by rows in a {} buffer: only MUL_MAT with the whole \
+             split weight as its first operand runs on it, on the split buffer type's backend \
+             (give the scheduler `buffer_type.device().init_backend()`)",
+            t.label(),
+            t.op().display_name(),
+            w.label(),
+            buft.name()
+        );
+        let dtypes = t
+            .srcs()
+            .iter()
+            .map(|s| s.dtype().name().to_owned())
+            .collect();
+        return Err(Error::op_unsupported(
+            message,
+            t.op().display_name(),
+            dtypes,
+            None,
+        ));
     }
     Ok(())
 }
