@@ -653,6 +653,34 @@ pub unsafe fn cpu_buffer_from_ptr(ptr: *mut u8, size: usize) -> Result<Buffer> {
     Ok(Buffer::new(Box::new(memory), CpuBufferType::shared()))
 }
 
+/// The [`Device`] methods of a device that computes in host memory (the CPU, BLAS): its
+/// buffer type is the CPU's, it wraps host pointers as CPU buffers, and it reads any host
+/// buffer. Expanded inside an `impl Device for ...` block, so the devices share one
+/// implementation.
+macro_rules! host_memory_device {
+    () => {
+        fn buffer_type(&self) -> std::sync::Arc<dyn $crate::buffer::BufferType> {
+            $crate::buffer::CpuBufferType::shared()
+        }
+
+        unsafe fn buffer_from_host_ptr(
+            &self,
+            ptr: *mut u8,
+            size: usize,
+            _max_tensor_size: usize,
+        ) -> $crate::error::Result<$crate::buffer::Buffer> {
+            // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's
+            // life (the contract of `Device::buffer_from_host_ptr`).
+            unsafe { $crate::buffer::cpu_buffer_from_ptr(ptr, size) }
+        }
+
+        fn supports_buft(&self, buffer_type: &dyn $crate::buffer::BufferType) -> bool {
+            buffer_type.is_host()
+        }
+    };
+}
+pub(crate) use host_memory_device;
+
 /// Allocates a CPU buffer of `size` bytes.
 pub fn alloc_cpu_buffer(size: usize) -> Result<Buffer> {
     Arc::new(CpuBufferType).alloc_buffer(size)
