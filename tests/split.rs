@@ -152,6 +152,33 @@ fn scheduler_runs_split_weight_mul_mat_per_part_and_equals_unsplit() {
 }
 
 #[test]
+fn split_weight_decides_even_without_the_weights_usage() {
+    // A split buffer is marked as weights when allocated; a caller resetting the usage must
+    // not make the scheduler copy the whole weight to the CPU instead.
+    let split = three_cpus(&[2.0, 1.0, 1.0]);
+    let (k, rows, n) = (32, 9, 33);
+    let m = mlp(DType::F32, k, rows, n, 1, split.clone());
+    m.w.buffer().unwrap().set_usage(BufferUsage::Any);
+    let backend = split
+        .split_device()
+        .init_backend(&BackendParams::default())
+        .unwrap();
+    let mut sched = Scheduler::new(vec![backend, cpu()], None, 16, false, false).unwrap();
+    let input = values(k * n, 20);
+    sched.alloc_graph(&m.graph).unwrap();
+    m.x.set_f32(&input).unwrap();
+    sched.graph_compute(&m.graph).unwrap();
+    assert_eq!(
+        m.y.to_f32_vec().unwrap(),
+        unsplit(DType::F32, k, rows, n, 1, &input)
+    );
+    let plan = sched.plan().unwrap();
+    let mm = plan.nodes.iter().find(|e| e.op == "MUL_MAT").unwrap();
+    assert_eq!(mm.assignment.backend, 0, "{plan}");
+    assert!(plan.copies.is_empty(), "{plan}");
+}
+
+#[test]
 fn split_weight_with_an_unsupported_op_is_a_clear_error() {
     let split = three_cpus(&[]);
     let wctx = Context::new(true);

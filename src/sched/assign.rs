@@ -231,7 +231,10 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
         if u >= n_nodes {
             continue;
         }
-        check_split_operands(oracle, u)?;
+        if let Some(b) = split_operand_backend(oracle, u)? {
+            set(assigned, u, b, Cause::Weight);
+            continue;
+        }
         if weight_does_not_decide(t) {
             continue;
         }
@@ -262,19 +265,20 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
 }
 
 /// A weight split by rows over several devices (a split buffer) is read only by a backend
-/// that runs the op on it (the split buffer type's own, for `MUL_MAT`): copying it whole to
-/// another backend would gather on one device what was split because it does not fit one.
-fn check_split_operands(oracle: &mut Oracle<'_>, u: usize) -> Result<()> {
+/// that runs the op on it (the split buffer type's own, for `MUL_MAT`), whatever the buffer's
+/// usage: copying it whole to another backend would gather on one device what was split
+/// because it does not fit one. `Some(backend)` for a node reading one, an error if none can.
+fn split_operand_backend(oracle: &mut Oracle<'_>, u: usize) -> Result<Option<usize>> {
     let topo = oracle.input.topo;
     for &s in topo.srcs(u) {
         let Some(info) = topo.buf_info(s as usize).filter(|i| i.buft.is_split()) else {
             continue;
         };
         let buft = info.buft.clone();
-        if (0..oracle.input.backends.len())
-            .any(|b| oracle.supports_buft(b, &buft) && oracle.supports_op(b, u))
+        if let Some(b) = (0..oracle.input.backends.len())
+            .find(|&b| oracle.supports_buft(b, &buft) && oracle.supports_op(b, u))
         {
-            continue;
+            return Ok(Some(b));
         }
         let t = topo.tensor(oracle.input.graph, u);
         let w = topo.tensor(oracle.input.graph, s as usize);
@@ -299,7 +303,7 @@ fn check_split_operands(oracle: &mut Oracle<'_>, u: usize) -> Result<()> {
             None,
         ));
     }
-    Ok(())
+    Ok(None)
 }
 
 /// Pass 2, expansion over the non-view `nodes`: first only non-CPU assignments spread (down,
