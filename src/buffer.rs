@@ -148,6 +148,27 @@ struct MultiMemory {
     parts: Vec<Buffer>,
 }
 
+/// Calls `f(i, offset in piece i, start in the request, length)` for each byte range
+/// `pieces[i]` that the request `offset..offset + len` overlaps (the pieces in ascending order,
+/// not overlapping each other); returns how many requested bytes the pieces covered.
+pub(crate) fn for_overlaps(
+    pieces: impl IntoIterator<Item = std::ops::Range<usize>>,
+    offset: usize,
+    len: usize,
+    mut f: impl FnMut(usize, usize, usize, usize) -> Result<()>,
+) -> Result<usize> {
+    let end = offset + len;
+    let mut covered = 0;
+    for (i, piece) in pieces.into_iter().enumerate() {
+        let (lo, hi) = (offset.max(piece.start), end.min(piece.end));
+        if lo < hi {
+            f(i, lo - piece.start, lo - offset, hi - lo)?;
+            covered += hi - lo;
+        }
+    }
+    Ok(covered)
+}
+
 impl MultiMemory {
     /// Calls `f(part, offset in part, start in the request, length)` for each part that the
     /// byte range `offset..offset + len` touches.
@@ -157,18 +178,15 @@ impl MultiMemory {
         len: usize,
         mut f: impl FnMut(&Buffer, usize, usize, usize) -> Result<()>,
     ) -> Result<()> {
-        let mut part_start = 0usize;
-        let end = offset + len;
-        for part in &self.parts {
-            let part_end = part_start + part.size();
-            let lo = offset.max(part_start);
-            let hi = end.min(part_end);
-            if lo < hi {
-                f(part, lo - part_start, lo - offset, hi - lo)?;
-            }
-            part_start = part_end;
-        }
-        Ok(())
+        let starts = self.parts.iter().scan(0usize, |start, part| {
+            let range = *start..*start + part.size();
+            *start = range.end;
+            Some(range)
+        });
+        for_overlaps(starts, offset, len, |i, at, start, n| {
+            f(&self.parts[i], at, start, n)
+        })
+        .map(|_| ())
     }
 }
 

@@ -23,7 +23,9 @@ use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::alloc::{alloc_ctx_tensors_from_buft, GraphAllocator};
 use crate::backend::{Backend, Guid};
-use crate::buffer::{Buffer, BufferMemory, BufferType, BufferUsage, CpuBufferType, HOST_ALIGNMENT};
+use crate::buffer::{
+    for_overlaps, Buffer, BufferMemory, BufferType, BufferUsage, CpuBufferType, HOST_ALIGNMENT,
+};
 use crate::context::Context;
 use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::dtype::DType;
@@ -293,18 +295,14 @@ impl SplitTensor {
         len: usize,
         mut f: impl FnMut(&SplitPart, usize, usize, usize) -> Result<()>,
     ) -> Result<()> {
-        let end = at + len;
-        for part in &self.parts {
-            let (p0, p1) = (
-                part.rows.start * self.row_bytes,
-                part.rows.end * self.row_bytes,
-            );
-            let (lo, hi) = (at.max(p0), end.min(p1));
-            if lo < hi {
-                f(part, lo - p0, lo - at, hi - lo)?;
-            }
-        }
-        Ok(())
+        let pieces = self
+            .parts
+            .iter()
+            .map(|p| p.rows.start * self.row_bytes..p.rows.end * self.row_bytes);
+        for_overlaps(pieces, at, len, |i, at, start, n| {
+            f(&self.parts[i], at, start, n)
+        })
+        .map(|_| ())
     }
 }
 
@@ -334,16 +332,12 @@ impl SplitMemory {
     ) -> Result<()> {
         let tensors = lock(&self.state).tensors.clone();
         let end = offset + len;
-        let mut covered = 0usize;
-        for t in &tensors {
-            let (lo, hi) = (offset.max(t.offset), end.min(t.offset + t.nbytes));
-            if lo < hi {
-                t.for_range(lo - t.offset, hi - lo, |part, at, start, n| {
-                    f(part, at, lo - offset + start, n)
-                })?;
-                covered += hi - lo;
-            }
-        }
+        let pieces = tensors.iter().map(|t| t.offset..t.offset + t.nbytes);
+        let covered = for_overlaps(pieces, offset, len, |i, at, start, n| {
+            tensors[i].for_range(at, n, |part, p_at, p_start, p_n| {
+                f(part, p_at, start + p_start, p_n)
+            })
+        })?;
         if strict && covered != len {
             return Err(Error::InvalidArgument(format!(
                 "bytes {offset}..{end} of a {} buffer are not all inside its tensors (a split \

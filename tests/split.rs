@@ -86,6 +86,16 @@ fn unsplit(dtype: DType, k: usize, rows: usize, n: usize, batch: usize, input: &
     m.y.to_f32_vec().unwrap()
 }
 
+/// The split device's backend and a scheduler over it and the CPU (last).
+fn split_sched(split: &SplitBufferType) -> (Arc<dyn Backend>, Scheduler) {
+    let backend = split
+        .split_device()
+        .init_backend(&BackendParams::default())
+        .unwrap();
+    let sched = Scheduler::new(vec![backend.clone(), cpu()], None, 16, false, false).unwrap();
+    (backend, sched)
+}
+
 #[test]
 fn scheduler_runs_split_weight_mul_mat_per_part_and_equals_unsplit() {
     // Uneven shares over three CPU devices; 4 and 40 columns (register tiles and the GEMM),
@@ -103,12 +113,7 @@ fn scheduler_runs_split_weight_mul_mat_per_part_and_equals_unsplit() {
             let reference = mlp(dtype, k, rows, n, batch, CpuBufferType::shared());
             assert_eq!(whole, reference.w.to_f32_vec().unwrap());
 
-            let split_backend = split
-                .split_device()
-                .init_backend(&BackendParams::default())
-                .unwrap();
-            let mut sched =
-                Scheduler::new(vec![split_backend.clone(), cpu()], None, 16, false, false).unwrap();
+            let (_, mut sched) = split_sched(&split);
             for round in 0..2 {
                 let input = values(k * n * batch, 10 + round);
                 sched.alloc_graph(&m.graph).unwrap();
@@ -159,11 +164,7 @@ fn split_weight_decides_even_without_the_weights_usage() {
     let (k, rows, n) = (32, 9, 33);
     let m = mlp(DType::F32, k, rows, n, 1, split.clone());
     m.w.buffer().unwrap().set_usage(BufferUsage::Any);
-    let backend = split
-        .split_device()
-        .init_backend(&BackendParams::default())
-        .unwrap();
-    let mut sched = Scheduler::new(vec![backend, cpu()], None, 16, false, false).unwrap();
+    let (_, mut sched) = split_sched(&split);
     let input = values(k * n, 20);
     sched.alloc_graph(&m.graph).unwrap();
     m.x.set_f32(&input).unwrap();
@@ -190,12 +191,7 @@ fn split_weight_with_an_unsupported_op_is_a_clear_error() {
     x.set_input();
     let y = ops::add(&ctx, &w, &x).unwrap();
     let graph = Graph::build(std::slice::from_ref(&y));
-    let split_backend = split
-        .split_device()
-        .init_backend(&BackendParams::default())
-        .unwrap();
-    let mut sched =
-        Scheduler::new(vec![split_backend.clone(), cpu()], None, 16, false, false).unwrap();
+    let (split_backend, mut sched) = split_sched(&split);
     let err = sched.alloc_graph(&graph).unwrap_err();
     let text = err.to_string();
     assert_eq!(
