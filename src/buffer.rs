@@ -91,6 +91,12 @@ pub trait BufferType: Send + Sync + fmt::Debug {
     fn device(&self) -> Option<Arc<dyn Device>> {
         None
     }
+    /// Whether buffers of this type spread each tensor's rows over several devices (a
+    /// [`SplitBufferType`](crate::split::SplitBufferType)): such a tensor can be read only by
+    /// a backend that runs the op on every part, never copied whole to another backend.
+    fn is_split(&self) -> bool {
+        false
+    }
 }
 
 /// Whether two buffer types make interchangeable memory: the same object, or two host buffer
@@ -122,12 +128,45 @@ pub trait BufferMemory: Send + Sync {
     fn usage_changed(&self, usage: BufferUsage) {
         let _ = usage;
     }
+    /// Told when `tensor` is bound at `offset` (ggml's `buffer_init_tensor`), after the bounds
+    /// and alignment checks: memory that places tensors itself (a split buffer allocates each
+    /// device's rows) does it here; nothing by default.
+    fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
+        let _ = (tensor, offset);
+        Ok(())
+    }
+    /// The memory as `Any`, for the backend that made it to reach its own type; `None` by
+    /// default.
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        None
+    }
 }
 
 /// The memory of a multi-buffer: several buffers addressed as one concatenated range, so
 /// usage, clear, reset and free reach every part.
 struct MultiMemory {
     parts: Vec<Buffer>,
+}
+
+/// Calls `f(i, offset in piece i, start in the request, length)` for each byte range
+/// `pieces[i]` that the request `offset..offset + len` overlaps (the pieces in ascending order,
+/// not overlapping each other); returns how many requested bytes the pieces covered.
+pub(crate) fn for_overlaps(
+    pieces: impl IntoIterator<Item = std::ops::Range<usize>>,
+    offset: usize,
+    len: usize,
+    mut f: impl FnMut(usize, usize, usize, usize) -> Result<()>,
+) -> Result<usize> {
+    let end = offset + len;
+    let mut covered = 0;
+    for (i, piece) in pieces.into_iter().enumerate() {
+        let (lo, hi) = (offset.max(piece.start), end.min(piece.end));
+        if lo < hi {
+            f(i, lo - piece.start, lo - offset, hi - lo)?;
+            covered += hi - lo;
+        }
+    }
+    Ok(covered)
 }
 
 impl MultiMemory {
@@ -139,18 +178,15 @@ impl MultiMemory {
         len: usize,
         mut f: impl FnMut(&Buffer, usize, usize, usize) -> Result<()>,
     ) -> Result<()> {
-        let mut part_start = 0usize;
-        let end = offset + len;
-        for part in &self.parts {
-            let part_end = part_start + part.size();
-            let lo = offset.max(part_start);
-            let hi = end.min(part_end);
-            if lo < hi {
-                f(part, lo - part_start, lo - offset, hi - lo)?;
-            }
-            part_start = part_end;
-        }
-        Ok(())
+        let starts = self.parts.iter().scan(0usize, |start, part| {
+            let range = *start..*start + part.size();
+            *start = range.end;
+            Some(range)
+        });
+        for_overlaps(starts, offset, len, |i, at, start, n| {
+            f(&self.parts[i], at, start, n)
+        })
+        .map(|_| ())
     }
 }
 
@@ -450,6 +486,17 @@ impl Buffer {
         Ok(buffer)
     }
 
+    /// Lets the memory place `tensor`, being bound at `offset` (see
+    /// [`BufferMemory::init_tensor`]); called by [`Tensor::bind`].
+    pub fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
+        self.0.memory.init_tensor(tensor, offset)
+    }
+
+    /// The buffer's memory, for the backend that made it (see [`BufferMemory::as_any`]).
+    pub fn memory(&self) -> &dyn BufferMemory {
+        self.0.memory.as_ref()
+    }
+
     /// The parts of a multi-buffer (empty for an ordinary buffer).
     pub fn parts(&self) -> &[Buffer] {
         self.0.memory.parts()
@@ -623,6 +670,34 @@ pub unsafe fn cpu_buffer_from_ptr(ptr: *mut u8, size: usize) -> Result<Buffer> {
     let memory = unsafe { ForeignHostMemory::new(ptr, size, None)? };
     Ok(Buffer::new(Box::new(memory), CpuBufferType::shared()))
 }
+
+/// The [`Device`] methods of a device that computes in host memory (the CPU, BLAS): its
+/// buffer type is the CPU's, it wraps host pointers as CPU buffers, and it reads any host
+/// buffer. Expanded inside an `impl Device for ...` block, so the devices share one
+/// implementation.
+macro_rules! host_memory_device {
+    () => {
+        fn buffer_type(&self) -> std::sync::Arc<dyn $crate::buffer::BufferType> {
+            $crate::buffer::CpuBufferType::shared()
+        }
+
+        unsafe fn buffer_from_host_ptr(
+            &self,
+            ptr: *mut u8,
+            size: usize,
+            _max_tensor_size: usize,
+        ) -> $crate::error::Result<$crate::buffer::Buffer> {
+            // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's
+            // life (the contract of `Device::buffer_from_host_ptr`).
+            unsafe { $crate::buffer::cpu_buffer_from_ptr(ptr, size) }
+        }
+
+        fn supports_buft(&self, buffer_type: &dyn $crate::buffer::BufferType) -> bool {
+            buffer_type.is_host()
+        }
+    };
+}
+pub(crate) use host_memory_device;
 
 /// Allocates a CPU buffer of `size` bytes.
 pub fn alloc_cpu_buffer(size: usize) -> Result<Buffer> {

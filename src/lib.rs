@@ -70,6 +70,7 @@ pub use graph_copy::GraphCopy;
 pub use ops::{Op, UnaryOp};
 pub use registry::{Extension, Registration};
 pub use sched::Scheduler;
+pub use split::{SplitBackend, SplitBufferType, SplitDevice, SplitWeight};
 pub use tensor::Tensor;
 
 /// The library's version, as in `Cargo.toml`.

@@ -436,6 +436,7 @@ impl Tensor {
                 self.label()
             )));
         }
+        buffer.init_tensor(self, offset)?;
         let generation = buffer.generation();
         let mut storage = lock(&self.0.storage);
         *storage = Some(Storage {

@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 use super::gemm;
 use super::library::{self, BlasLibrary};
 use crate::backend::{Backend, Guid};
-use crate::buffer::{Buffer, BufferType, CpuBufferType};
+use crate::buffer::BufferType;
 use crate::cpu::backend::default_n_threads;
 use crate::cpu::kernels::view::RawTensor;
 use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
@@ -160,26 +160,10 @@ impl Device for BlasDevice {
         Ok(Arc::new(backend))
     }
 
-    fn buffer_type(&self) -> Arc<dyn BufferType> {
-        CpuBufferType::shared()
-    }
-
-    unsafe fn buffer_from_host_ptr(
-        &self,
-        ptr: *mut u8,
-        size: usize,
-        _max_tensor_size: usize,
-    ) -> Result<Buffer> {
-        // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's life.
-        unsafe { crate::buffer::cpu_buffer_from_ptr(ptr, size) }
-    }
+    crate::buffer::host_memory_device!();
 
     fn supports_op(&self, op: &Tensor) -> bool {
         supports_op_with(op, self.min_dim())
-    }
-
-    fn supports_buft(&self, buffer_type: &dyn BufferType) -> bool {
-        buffer_type.is_host()
     }
 }
 

@@ -5,7 +5,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use crate::backend::{Backend, GraphPlan, Guid};
-use crate::buffer::{Buffer, BufferType, CpuBufferType};
 use crate::cpu::compute::{self, ComputeOptions};
 use crate::cpu::sysinfo;
 use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
@@ -89,26 +88,10 @@ impl Device for CpuDevice {
         )?))
     }
 
-    fn buffer_type(&self) -> Arc<dyn BufferType> {
-        CpuBufferType::shared()
-    }
-
-    unsafe fn buffer_from_host_ptr(
-        &self,
-        ptr: *mut u8,
-        size: usize,
-        _max_tensor_size: usize,
-    ) -> Result<Buffer> {
-        // SAFETY: the caller guarantees `ptr` is valid for `size` bytes for the buffer's life.
-        unsafe { crate::buffer::cpu_buffer_from_ptr(ptr, size) }
-    }
+    crate::buffer::host_memory_device!();
 
     fn supports_op(&self, op: &Tensor) -> bool {
         compute::supports_op(op)
-    }
-
-    fn supports_buft(&self, buffer_type: &dyn BufferType) -> bool {
-        buffer_type.is_host()
     }
 
     fn event_new(&self) -> Result<Arc<dyn Event>> {

@@ -45,8 +45,17 @@ fn resolve(ctx: &Ctx<'_>, operands: &[&Tensor]) -> PyResult<Context> {
     ))
 }
 
-fn out(py: Python<'_>, t: crate::Result<Tensor>) -> PyResult<Bound<'_, PyTensor>> {
-    PyTensor::wrap(py, t?)
+/// Every builder's frame: resolves the result's context from `ctx` and the first operand
+/// (before anything else, so a missing context is reported first), runs `op` with it (argument
+/// checks, then the core builder) and wraps the result.
+fn build<'py, E: Into<PyErr>>(
+    py: Python<'py>,
+    ctx: &Ctx<'_>,
+    first: &Tensor,
+    op: impl FnOnce(&Context) -> Result<Tensor, E>,
+) -> PyResult<Bound<'py, PyTensor>> {
+    let c = resolve(ctx, &[first])?;
+    PyTensor::wrap(py, op(&c).map_err(Into::into)?)
 }
 
 /// A numpy axis (negative counts from the end) of a tensor with `ndim` axes, as ggml's
@@ -137,8 +146,7 @@ macro_rules! binary_op {
             b: T<'_>,
             ctx: Ctx<'_>,
         ) -> PyResult<Bound<'py, PyTensor>> {
-            let c = resolve(&ctx, &[&a.inner])?;
-            out(py, ops::$name(&c, &a.inner, &b.inner))
+            build(py, &ctx, &a.inner, |c| ops::$name(c, &a.inner, &b.inner))
         }
     };
 }
@@ -149,8 +157,7 @@ macro_rules! unary_fn {
         #[pyfunction]
         #[pyo3(signature = (a, *, ctx = None))]
         fn $name<'py>(py: Python<'py>, a: T<'_>, ctx: Ctx<'_>) -> PyResult<Bound<'py, PyTensor>> {
-            let c = resolve(&ctx, &[&a.inner])?;
-            out(py, ops::$name(&c, &a.inner))
+            build(py, &ctx, &a.inner, |c| ops::$name(c, &a.inner))
         }
     };
 }
@@ -161,8 +168,9 @@ macro_rules! unary_op {
         #[pyfunction]
         #[pyo3(signature = (a, *, ctx = None))]
         fn $name<'py>(py: Python<'py>, a: T<'_>, ctx: Ctx<'_>) -> PyResult<Bound<'py, PyTensor>> {
-            let c = resolve(&ctx, &[&a.inner])?;
-            out(py, ops::unary(&c, &a.inner, UnaryOp::$variant))
+            build(py, &ctx, &a.inner, |c| {
+                ops::unary(c, &a.inner, UnaryOp::$variant)
+            })
         }
     };
 }
@@ -179,11 +187,12 @@ macro_rules! glu_op {
             swapped: bool,
             ctx: Ctx<'_>,
         ) -> PyResult<Bound<'py, PyTensor>> {
-            let c = resolve(&ctx, &[&a.inner])?;
-            match b {
-                Some(b) => out(py, ops::glu_split(&c, &a.inner, &b.inner, GluOp::$variant)),
-                None => out(py, ops::glu(&c, &a.inner, GluOp::$variant, swapped)),
-            }
+            build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+                match b {
+                    Some(b) => Ok(ops::glu_split(c, &a.inner, &b.inner, GluOp::$variant)?),
+                    None => Ok(ops::glu(c, &a.inner, GluOp::$variant, swapped)?),
+                }
+            })
         }
     };
 }
@@ -210,14 +219,15 @@ fn transpose<'py>(
     axes: Option<Vec<i64>>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    match axes {
-        None => out(py, ops::transpose(&c, &a.inner)),
-        Some(axes) => {
-            let perm = ggml_permutation(&axes, a.inner.ndim(), "TRANSPOSE")?;
-            out(py, ops::permute(&c, &a.inner, perm))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        match axes {
+            None => Ok(ops::transpose(c, &a.inner)?),
+            Some(axes) => {
+                let perm = ggml_permutation(&axes, a.inner.ndim(), "TRANSPOSE")?;
+                Ok(ops::permute(c, &a.inner, perm)?)
+            }
         }
-    }
+    })
 }
 
 /// A contiguous copy of `a`, optionally with a new numpy-order `shape` of the same size.
@@ -229,14 +239,15 @@ fn cont<'py>(
     shape: Option<ShapeArg>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    match shape {
-        None => out(py, ops::cont(&c, &a.inner)),
-        Some(shape) => {
-            let ne = ne_of(&shape.into_vec(), "CONT")?;
-            out(py, ops::cont_shape(&c, &a.inner, &ne))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        match shape {
+            None => Ok(ops::cont(c, &a.inner)?),
+            Some(shape) => {
+                let ne = ne_of(&shape.into_vec(), "CONT")?;
+                Ok(ops::cont_shape(c, &a.inner, &ne)?)
+            }
         }
-    }
+    })
 }
 
 /// A view of contiguous `a` with a new numpy-order `shape` (one entry may be -1).
@@ -248,41 +259,42 @@ fn reshape<'py>(
     shape: Bound<'_, PyAny>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let wanted: Vec<i64> = match shape.extract::<i64>() {
-        Ok(n) => vec![n],
-        Err(_) => shape.extract()?,
-    };
-    let n_unknown = wanted.iter().filter(|&&d| d == -1).count();
-    if n_unknown > 1 || wanted.iter().any(|&d| d < -1) {
-        return Err(errors::shape(format!(
-            "RESHAPE: invalid shape {wanted:?} (sizes ≥ 0, at most one -1)"
-        )));
-    }
-    let known: usize = wanted
-        .iter()
-        .filter(|&&d| d >= 0)
-        .map(|&d| d as usize)
-        .product();
-    let total = a.inner.nelements();
-    let resolved: Vec<usize> = wanted
-        .iter()
-        .map(|&d| {
-            if d == -1 {
-                if known == 0 || !total.is_multiple_of(known) {
-                    Err(errors::shape(format!(
-                        "RESHAPE: cannot infer -1 in {wanted:?} for {total} elements"
-                    )))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let wanted: Vec<i64> = match shape.extract::<i64>() {
+            Ok(n) => vec![n],
+            Err(_) => shape.extract()?,
+        };
+        let n_unknown = wanted.iter().filter(|&&d| d == -1).count();
+        if n_unknown > 1 || wanted.iter().any(|&d| d < -1) {
+            return Err(errors::shape(format!(
+                "RESHAPE: invalid shape {wanted:?} (sizes ≥ 0, at most one -1)"
+            )));
+        }
+        let known: usize = wanted
+            .iter()
+            .filter(|&&d| d >= 0)
+            .map(|&d| d as usize)
+            .product();
+        let total = a.inner.nelements();
+        let resolved: Vec<usize> = wanted
+            .iter()
+            .map(|&d| {
+                if d == -1 {
+                    if known == 0 || !total.is_multiple_of(known) {
+                        Err(errors::shape(format!(
+                            "RESHAPE: cannot infer -1 in {wanted:?} for {total} elements"
+                        )))
+                    } else {
+                        Ok(total / known)
+                    }
                 } else {
-                    Ok(total / known)
+                    Ok(d as usize)
                 }
-            } else {
-                Ok(d as usize)
-            }
-        })
-        .collect::<PyResult<_>>()?;
-    let ne = ne_of(&resolved, "RESHAPE")?;
-    out(py, ops::reshape(&c, &a.inner, &ne))
+            })
+            .collect::<PyResult<_>>()?;
+        let ne = ne_of(&resolved, "RESHAPE")?;
+        Ok(ops::reshape(c, &a.inner, &ne)?)
+    })
 }
 
 /// A view of `a`'s memory with a numpy-order `shape`, numpy-order byte `strides` and a byte
@@ -298,20 +310,21 @@ fn view<'py>(
     offset: usize,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let shape = shape.into_vec();
-    let ne = ne_of(&shape, "VIEW")?;
-    let n = ne.len();
-    let dtype = a.inner.dtype();
-    let nb_rest: Vec<usize> = match strides {
-        None => {
-            let mut full = [1usize; MAX_DIMS];
-            full[..n].copy_from_slice(&ne);
-            crate::tensor::contiguous_strides(dtype, &full)[1..n].to_vec()
-        }
-        Some(strides) => ggml_strides(&strides, &ne, dtype, "VIEW")?,
-    };
-    out(py, ops::view(&c, &a.inner, &ne, &nb_rest, offset))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let shape = shape.into_vec();
+        let ne = ne_of(&shape, "VIEW")?;
+        let n = ne.len();
+        let dtype = a.inner.dtype();
+        let nb_rest: Vec<usize> = match strides {
+            None => {
+                let mut full = [1usize; MAX_DIMS];
+                full[..n].copy_from_slice(&ne);
+                crate::tensor::contiguous_strides(dtype, &full)[1..n].to_vec()
+            }
+            Some(strides) => ggml_strides(&strides, &ne, dtype, "VIEW")?,
+        };
+        Ok(ops::view(c, &a.inner, &ne, &nb_rest, offset)?)
+    })
 }
 
 /// A view with axes reordered, numpy's `np.transpose(a, axes)`: axis `i` of the result is axis
@@ -324,9 +337,10 @@ fn permute<'py>(
     axes: Vec<i64>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let perm = ggml_permutation(&axes, a.inner.ndim(), "PERMUTE")?;
-    out(py, ops::permute(&c, &a.inner, perm))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let perm = ggml_permutation(&axes, a.inner.ndim(), "PERMUTE")?;
+        Ok(ops::permute(c, &a.inner, perm)?)
+    })
 }
 
 /// ggml's `ggml_permute`, for code ported from ggml: `axes[i]` is where ggml dimension `i` of
@@ -340,15 +354,16 @@ fn permute_ggml<'py>(
     axes: Vec<usize>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    if axes.is_empty() || axes.len() > MAX_DIMS {
-        return Err(errors::shape(format!(
-            "PERMUTE: needs 1 to {MAX_DIMS} axes, got {axes:?}"
-        )));
-    }
-    let mut full = [0, 1, 2, 3];
-    full[..axes.len()].copy_from_slice(&axes);
-    out(py, ops::permute(&c, &a.inner, full))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        if axes.is_empty() || axes.len() > MAX_DIMS {
+            return Err(errors::shape(format!(
+                "PERMUTE: needs 1 to {MAX_DIMS} axes, got {axes:?}"
+            )));
+        }
+        let mut full = [0, 1, 2, 3];
+        full[..axes.len()].copy_from_slice(&axes);
+        Ok(ops::permute(c, &a.inner, full)?)
+    })
 }
 
 /// Scatters the f32 rows `b` into `a` at the indices `c` (int32/int64); a view of `a`.
@@ -361,8 +376,9 @@ fn set_rows<'py>(
     c: T<'_>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let cx = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::set_rows(&cx, &a.inner, &b.inner, &c.inner))
+    build(py, &ctx, &a.inner, |cx| {
+        ops::set_rows(cx, &a.inner, &b.inner, &c.inner)
+    })
 }
 
 // ----- arithmetic -----
@@ -401,19 +417,19 @@ fn acc<'py>(
     offset: usize,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let ne_b = b.inner.ne();
-    let n = b.inner.ndim();
-    let mut nb = a.inner.nb();
-    if let Some(strides) = strides {
-        // Dimensions past b's own have one element, so a's strides there never move.
-        let rest = ggml_strides(&strides, &ne_b[..n], a.inner.dtype(), "ACC")?;
-        nb[1..n].copy_from_slice(&rest);
-    }
-    out(
-        py,
-        ops::acc(&c, &a.inner, &b.inner, nb[1], nb[2], nb[3], offset),
-    )
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let ne_b = b.inner.ne();
+        let n = b.inner.ndim();
+        let mut nb = a.inner.nb();
+        if let Some(strides) = strides {
+            // Dimensions past b's own have one element, so a's strides there never move.
+            let rest = ggml_strides(&strides, &ne_b[..n], a.inner.dtype(), "ACC")?;
+            nb[1..n].copy_from_slice(&rest);
+        }
+        Ok(ops::acc(
+            c, &a.inner, &b.inner, nb[1], nb[2], nb[3], offset,
+        )?)
+    })
 }
 
 /// ggml's `ggml_acc`, for code ported from ggml: `b` is added into the region of a copy of `a`
@@ -432,8 +448,9 @@ fn acc_ggml<'py>(
     offset: usize,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::acc(&c, &a.inner, &b.inner, nb1, nb2, nb3, offset))
+    build(py, &ctx, &a.inner, |c| {
+        ops::acc(c, &a.inner, &b.inner, nb1, nb2, nb3, offset)
+    })
 }
 
 /// `a * s + b`.
@@ -446,8 +463,7 @@ fn scale<'py>(
     b: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::scale(&c, &a.inner, s, b))
+    build(py, &ctx, &a.inner, |c| ops::scale(c, &a.inner, s, b))
 }
 
 /// Clamps to `[min, max]`.
@@ -460,8 +476,7 @@ fn clamp<'py>(
     max: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::clamp(&c, &a.inner, min, max))
+    build(py, &ctx, &a.inner, |c| ops::clamp(c, &a.inner, min, max))
 }
 
 unary_fn!(sqr, "`a²` elementwise.");
@@ -470,8 +485,7 @@ unary_fn!(sqrt, "`√a` elementwise.");
 #[pyfunction(name = "log")]
 #[pyo3(signature = (a, *, ctx = None))]
 fn log_<'py>(py: Python<'py>, a: T<'_>, ctx: Ctx<'_>) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::log(&c, &a.inner))
+    build(py, &ctx, &a.inner, |c| ops::log(c, &a.inner))
 }
 unary_fn!(sin, "`sin a` elementwise.");
 unary_fn!(cos, "`cos a` elementwise.");
@@ -500,17 +514,18 @@ fn concat<'py>(
     axis: i64,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let ndim = a.inner.ndim();
-    if b.inner.ndim() != ndim {
-        return Err(errors::shape(format!(
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let ndim = a.inner.ndim();
+        if b.inner.ndim() != ndim {
+            return Err(errors::shape(format!(
             "CONCAT: both operands need the same number of dimensions, got shapes {:?} and {:?}",
             a.inner.shape(),
             b.inner.shape()
         )));
-    }
-    let dim = ggml_dim(axis, ndim, "CONCAT")?;
-    out(py, ops::concat(&c, &a.inner, &b.inner, dim))
+        }
+        let dim = ggml_dim(axis, ndim, "CONCAT")?;
+        Ok(ops::concat(c, &a.inner, &b.inner, dim)?)
+    })
 }
 
 /// ggml's `ggml_concat`, for code ported from ggml: joins `a` and `b` along ggml dimension
@@ -524,8 +539,9 @@ fn concat_ggml<'py>(
     dim: usize,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::concat(&c, &a.inner, &b.inner, dim))
+    build(py, &ctx, &a.inner, |c| {
+        ops::concat(c, &a.inner, &b.inner, dim)
+    })
 }
 
 // ----- unary functions and GLUs -----
@@ -549,8 +565,9 @@ fn unary_from_name(name: &str) -> PyResult<UnaryOp> {
 #[pyfunction]
 #[pyo3(signature = (a, op, *, ctx = None))]
 fn unary<'py>(py: Python<'py>, a: T<'_>, op: &str, ctx: Ctx<'_>) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::unary(&c, &a.inner, unary_from_name(op)?))
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        Ok(ops::unary(c, &a.inner, unary_from_name(op)?)?)
+    })
 }
 
 /// The names accepted by `unary` (lower case).
@@ -591,8 +608,9 @@ fn leaky_relu<'py>(
     negative_slope: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::leaky_relu(&c, &a.inner, negative_slope))
+    build(py, &ctx, &a.inner, |c| {
+        ops::leaky_relu(c, &a.inner, negative_slope)
+    })
 }
 
 fn glu_from_name(name: &str) -> PyResult<GluOp> {
@@ -619,12 +637,13 @@ fn glu<'py>(
     swapped: bool,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let op = glu_from_name(op)?;
-    match b {
-        Some(b) => out(py, ops::glu_split(&c, &a.inner, &b.inner, op)),
-        None => out(py, ops::glu(&c, &a.inner, op, swapped)),
-    }
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let op = glu_from_name(op)?;
+        match b {
+            Some(b) => Ok(ops::glu_split(c, &a.inner, &b.inner, op)?),
+            None => Ok(ops::glu(c, &a.inner, op, swapped)?),
+        }
+    })
 }
 
 glu_op!(reglu, Reglu, "ReLU-gated linear unit (see `glu`).");
@@ -637,8 +656,7 @@ glu_op!(swiglu, Swiglu, "SiLU-gated linear unit (see `glu`).");
 #[pyfunction]
 #[pyo3(signature = (a, eps = 1e-5, *, ctx = None))]
 fn norm<'py>(py: Python<'py>, a: T<'_>, eps: f32, ctx: Ctx<'_>) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::norm(&c, &a.inner, eps))
+    build(py, &ctx, &a.inner, |c| ops::norm(c, &a.inner, eps))
 }
 
 /// Divides each row by its root mean square.
@@ -650,8 +668,7 @@ fn rms_norm<'py>(
     eps: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::rms_norm(&c, &a.inner, eps))
+    build(py, &ctx, &a.inner, |c| ops::rms_norm(c, &a.inner, eps))
 }
 
 /// Normalises `n_groups` groups of channels, the channels being axis -3 (each group spans its
@@ -665,8 +682,9 @@ fn group_norm<'py>(
     eps: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::group_norm(&c, &a.inner, n_groups, eps))
+    build(py, &ctx, &a.inner, |c| {
+        ops::group_norm(c, &a.inner, n_groups, eps)
+    })
 }
 
 /// Divides each row by its L2 norm (at least `eps`).
@@ -678,8 +696,7 @@ fn l2_norm<'py>(
     eps: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::l2_norm(&c, &a.inner, eps))
+    build(py, &ctx, &a.inner, |c| ops::l2_norm(c, &a.inner, eps))
 }
 
 // ----- matrix products, attention -----
@@ -694,11 +711,9 @@ fn mul_mat_id<'py>(
     ids: T<'_>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&experts.inner])?;
-    out(
-        py,
-        ops::mul_mat_id(&c, &experts.inner, &b.inner, &ids.inner),
-    )
+    build(py, &ctx, &experts.inner, |c| {
+        ops::mul_mat_id(c, &experts.inner, &b.inner, &ids.inner)
+    })
 }
 
 /// Sets elements above the diagonal (shifted by `n_past`) to -inf.
@@ -710,8 +725,9 @@ fn diag_mask_inf<'py>(
     n_past: usize,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(py, ops::diag_mask_inf(&c, &a.inner, n_past))
+    build(py, &ctx, &a.inner, |c| {
+        ops::diag_mask_inf(c, &a.inner, n_past)
+    })
 }
 
 /// Softmax of each row of `a·scale + mask` (plus ALiBi when `max_bias > 0`, which needs a
@@ -726,17 +742,15 @@ fn soft_max<'py>(
     max_bias: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    out(
-        py,
+    build(py, &ctx, &a.inner, |c| {
         ops::soft_max(
-            &c,
+            c,
             &a.inner,
             mask.as_ref().map(|m| &m.inner),
             scale,
             max_bias,
-        ),
-    )
+        )
+    })
 }
 
 /// Rotary position embedding of `a` (..., tokens, heads, head_dim) at the int32 positions
@@ -765,37 +779,35 @@ fn rope<'py>(
     freq_factors: Option<T<'_>>,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&a.inner])?;
-    let mode = match mode.to_ascii_lowercase().as_str() {
-        "normal" => RopeMode::Normal,
-        "neox" => RopeMode::Neox,
-        other => {
-            return Err(errors::invalid(format!(
-                "ROPE: unknown mode {other:?}; expected \"normal\" or \"neox\""
-            )))
-        }
-    };
-    let params = RopeParams {
-        n_dims,
-        mode,
-        n_ctx_orig,
-        freq_base,
-        freq_scale,
-        ext_factor,
-        attn_factor,
-        beta_fast,
-        beta_slow,
-    };
-    out(
-        py,
-        ops::rope(
-            &c,
+    build(py, &ctx, &a.inner, |c| -> PyResult<Tensor> {
+        let mode = match mode.to_ascii_lowercase().as_str() {
+            "normal" => RopeMode::Normal,
+            "neox" => RopeMode::Neox,
+            other => {
+                return Err(errors::invalid(format!(
+                    "ROPE: unknown mode {other:?}; expected \"normal\" or \"neox\""
+                )))
+            }
+        };
+        let params = RopeParams {
+            n_dims,
+            mode,
+            n_ctx_orig,
+            freq_base,
+            freq_scale,
+            ext_factor,
+            attn_factor,
+            beta_fast,
+            beta_slow,
+        };
+        Ok(ops::rope(
+            c,
             &a.inner,
             &pos.inner,
             freq_factors.as_ref().map(|f| &f.inner),
             params,
-        ),
-    )
+        )?)
+    })
 }
 
 /// Fused attention `softmax(q·kᵀ·scale + mask) · v` (ggml's FLASH_ATTN_EXT): q (..., heads,
@@ -815,11 +827,9 @@ fn flash_attn_ext<'py>(
     logit_softcap: f32,
     ctx: Ctx<'_>,
 ) -> PyResult<Bound<'py, PyTensor>> {
-    let c = resolve(&ctx, &[&q.inner])?;
-    out(
-        py,
+    build(py, &ctx, &q.inner, |c| {
         ops::flash_attn_ext(
-            &c,
+            c,
             &q.inner,
             &k.inner,
             &v.inner,
@@ -827,8 +837,8 @@ fn flash_attn_ext<'py>(
             scale,
             max_bias,
             logit_softcap,
-        ),
-    )
+        )
+    })
 }
 
 // ----- custom ops -----
@@ -918,7 +928,7 @@ fn custom<'py>(
         name,
     });
     let ne = ne_of(&shape.into_vec(), "CUSTOM")?;
-    out(py, ops::custom(&c, op, &tensors, dtype.0, &ne))
+    PyTensor::wrap(py, ops::custom(&c, op, &tensors, dtype.0, &ne)?)
 }
 
 /// Runs a CUSTOM node's callable now, on the host, with the interpreter released around the

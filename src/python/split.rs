@@ -1,37 +1,48 @@
-//! Python bindings of the split buffer type (`src/split.rs`): a weight's rows spread over
-//! several devices, and the row-split matrix product.
+//! Python bindings of the split buffer type (`src/split.rs`): a buffer type whose tensors'
+//! rows are spread over several devices, its device and backend (through the inherited
+//! `BufferType.device`), and the stand-alone row-split product of `SplitWeight`.
 
 use std::sync::Arc;
 
 use numpy::{PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
 
-use super::backend::{PyDevice, PyRegistration};
+use super::backend::{PyBufferType, PyDevice, PyRegistration};
 use super::convert::numpy;
 use super::dtype::{self, DTypeArg};
 use super::errors;
 use super::tensor::PyTensor;
+use crate::buffer::BufferType;
 use crate::context::Context;
 use crate::device::Device;
 use crate::dtype::DType;
-use crate::split::{SplitBufferType, SplitWeight};
+use crate::split::{SplitBufferType, SplitPart, SplitWeight};
 
-/// How the rows of weights are divided among several devices (ggml's split buffer type).
+/// A buffer type whose matrices' rows are divided among several devices (ggml's split buffer
+/// type).
 ///
 /// ``SplitBufferType(registration, tensor_split=[...])`` splits over every device of a
 /// :class:`Registration`; a sequence of :class:`Device` objects (possibly of different
 /// registrations, e.g. remote servers) works too. Device ``i`` takes a share of the rows
 /// proportional to ``tensor_split[i]``; an empty or all-zero list gives equal shares.
-#[pyclass(name = "SplitBufferType", module = "ferrograph", frozen)]
+///
+/// It is a :class:`BufferType`: weights allocated in it
+/// (``fg.alloc_ctx_tensors_from_buft(ctx, split)``) keep each device's rows in that device's
+/// memory, and ``split.device.init_backend()`` opens the backend that computes ``mul_mat``
+/// with them, part by part; a :class:`Scheduler` given that backend runs such products there.
+#[pyclass(name = "SplitBufferType", module = "ferrograph", frozen, extends = PyBufferType)]
 pub struct PySplitBufferType {
-    inner: SplitBufferType,
+    inner: Arc<SplitBufferType>,
 }
 
 #[pymethods]
 impl PySplitBufferType {
     #[new]
     #[pyo3(signature = (devices, tensor_split = Vec::new()))]
-    fn new(devices: &Bound<'_, PyAny>, tensor_split: Vec<f32>) -> PyResult<Self> {
+    fn new(
+        devices: &Bound<'_, PyAny>,
+        tensor_split: Vec<f32>,
+    ) -> PyResult<PyClassInitializer<Self>> {
         let inner =
             if let Ok(reg) = devices.cast::<PyRegistration>() {
                 SplitBufferType::new(&*reg.get().inner, &tensor_split)?
@@ -60,7 +71,10 @@ impl PySplitBufferType {
                     devices.get_type().name()?
                 )));
             };
-        Ok(PySplitBufferType { inner })
+        let base = PyBufferType {
+            inner: inner.clone() as Arc<dyn BufferType>,
+        };
+        Ok(PyClassInitializer::from(base).add_subclass(PySplitBufferType { inner }))
     }
 
     /// The registration's name (for a list of devices, their names joined by ``+``).
@@ -89,9 +103,28 @@ impl PySplitBufferType {
             .collect()
     }
 
+    /// The parts of ``tensor``, a tensor allocated in this buffer type:
+    /// ``(device, (start, stop), part)`` for each device holding rows, ``part`` being those
+    /// rows as a tensor in the device's memory. Raises ``InvalidArgumentError`` for any other
+    /// tensor (or a view of part of one).
+    fn tensor_parts<'py>(
+        &self,
+        py: Python<'py>,
+        tensor: &PyTensor,
+    ) -> PyResult<Vec<PartTuple<'py>>> {
+        let parts = self.inner.tensor_parts(&tensor.inner).ok_or_else(|| {
+            errors::invalid(format!(
+                "{} is not a tensor allocated in {}",
+                tensor.inner.label(),
+                self.inner.name()
+            ))
+        })?;
+        part_tuples(py, parts.parts())
+    }
+
     /// Allocates a weight of numpy ``shape`` ``(nrows, row_len)`` and ``dtype`` (default
-    /// float32), each device's rows in that device's buffer type. Its contents are undefined
-    /// until :meth:`SplitWeight.set`.
+    /// float32) in a buffer of this type, each device's rows in that device's memory. Its
+    /// contents are undefined until :meth:`SplitWeight.set`.
     #[pyo3(signature = (shape, dtype = DTypeArg(DType::F32)))]
     fn alloc_weight(&self, shape: (usize, usize), dtype: DTypeArg) -> PyResult<PySplitWeight> {
         let (nrows, row_len) = shape;
@@ -112,6 +145,21 @@ impl PySplitBufferType {
 
 /// One part of a split weight as Python sees it: `(device, (start, stop), tensor)`.
 type PartTuple<'py> = (PyDevice, (usize, usize), Bound<'py, PyTensor>);
+
+fn part_tuples<'py>(py: Python<'py>, parts: &[SplitPart]) -> PyResult<Vec<PartTuple<'py>>> {
+    parts
+        .iter()
+        .map(|p| {
+            Ok((
+                PyDevice {
+                    inner: p.device.clone(),
+                },
+                (p.rows.start, p.rows.end),
+                PyTensor::wrap(py, p.tensor.clone())?,
+            ))
+        })
+        .collect()
+}
 
 /// A weight matrix whose rows live on several devices (made by
 /// :meth:`SplitBufferType.alloc_weight`).
@@ -138,19 +186,13 @@ impl PySplitWeight {
     /// The parts in row order: ``(device, (start, stop), tensor)`` for each device holding
     /// rows, ``tensor`` being its rows (numpy shape ``(stop - start, row_len)``).
     fn parts<'py>(&self, py: Python<'py>) -> PyResult<Vec<PartTuple<'py>>> {
-        self.inner
-            .parts()
-            .iter()
-            .map(|p| {
-                Ok((
-                    PyDevice {
-                        inner: p.device.clone(),
-                    },
-                    (p.rows.start, p.rows.end),
-                    PyTensor::wrap(py, p.tensor.clone())?,
-                ))
-            })
-            .collect()
+        part_tuples(py, self.inner.parts())
+    }
+
+    /// The weight as a tensor in its split buffer, for graphs (see :class:`SplitBufferType`).
+    #[getter]
+    fn tensor<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTensor>> {
+        PyTensor::wrap(py, self.inner.tensor().clone())
     }
 
     /// Sets the whole weight from an array of its shape (converted to its dtype as

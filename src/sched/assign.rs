@@ -228,7 +228,14 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
             set(assigned, u, cpu, Cause::Input);
             continue;
         }
-        if u >= n_nodes || weight_does_not_decide(t) {
+        if u >= n_nodes {
+            continue;
+        }
+        if let Some(b) = split_operand_backend(oracle, u)? {
+            set(assigned, u, b, Cause::Weight);
+            continue;
+        }
+        if weight_does_not_decide(t) {
             continue;
         }
         // The first operand in a weights buffer decides.
@@ -255,6 +262,48 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
         set(assigned, u, b, Cause::Weight);
     }
     Ok(())
+}
+
+/// A weight split by rows over several devices (a split buffer) is read only by a backend
+/// that runs the op on it (the split buffer type's own, for `MUL_MAT`), whatever the buffer's
+/// usage: copying it whole to another backend would gather on one device what was split
+/// because it does not fit one. `Some(backend)` for a node reading one, an error if none can.
+fn split_operand_backend(oracle: &mut Oracle<'_>, u: usize) -> Result<Option<usize>> {
+    let topo = oracle.input.topo;
+    for &s in topo.srcs(u) {
+        let Some(info) = topo.buf_info(s as usize).filter(|i| i.buft.is_split()) else {
+            continue;
+        };
+        let buft = info.buft.clone();
+        if let Some(b) = (0..oracle.input.backends.len())
+            .find(|&b| oracle.supports_buft(b, &buft) && oracle.supports_op(b, u))
+        {
+            return Ok(Some(b));
+        }
+        let t = topo.tensor(oracle.input.graph, u);
+        let w = topo.tensor(oracle.input.graph, s as usize);
+        let message = format!(
+            "{} ({}) reads {}, a weight split by rows in a {} buffer: only MUL_MAT with the whole \
+             split weight as its first operand runs on it, on the split buffer type's backend \
+             (give the scheduler `buffer_type.device().init_backend()`)",
+            t.label(),
+            t.op().display_name(),
+            w.label(),
+            buft.name()
+        );
+        let dtypes = t
+            .srcs()
+            .iter()
+            .map(|s| s.dtype().name().to_owned())
+            .collect();
+        return Err(Error::op_unsupported(
+            message,
+            t.op().display_name(),
+            dtypes,
+            None,
+        ));
+    }
+    Ok(None)
 }
 
 /// Pass 2, expansion over the non-view `nodes`: first only non-CPU assignments spread (down,

@@ -157,3 +157,154 @@ def test_rows_split_over_two_remote_servers(servers: list[fg.remote.ServerProces
     weight = split.alloc_weight((23, 16)).set(w)
     assert [p[0].name for p in weight.parts()] == [d.name for d in devices]
     np.testing.assert_allclose(weight.mul_mat(x), _unsplit(w, x), rtol=1e-6, atol=1e-5)
+
+
+# ----- split weights in ordinary graphs, placed by the scheduler -----
+
+
+def _mlp(
+    w: np.ndarray, b: np.ndarray, x_shape: tuple[int, ...], buft: fg.BufferType, dtype: fg.DType
+) -> tuple[fg.Tensor, fg.Tensor, fg.Graph, list[fg.Buffer]]:
+    """``y = mul_mat(w, x) + b`` with ``w`` allocated in ``buft`` and ``b`` in host memory,
+    both buffers marked as weights; returns ``(x, y, graph, buffers)``."""
+    wctx, bctx, ctx = fg.Context(no_alloc=True), fg.Context(no_alloc=True), fg.Context()
+    wt = wctx.new_tensor(dtype, w.shape)
+    bt = bctx.new_tensor(fg.float32, b.shape)
+    buffers = [fg.alloc_ctx_tensors(wctx, buft), fg.alloc_ctx_tensors(bctx, fg.cpu_buffer_type())]
+    kept = [buf for buf in buffers if buf is not None]
+    for buf in kept:
+        buf.usage = fg.BufferUsage.WEIGHTS
+    wt.set(w.astype(np.float16) if dtype is fg.float16 else w)
+    bt.set(b)
+    x = ctx.new_tensor(fg.float32, x_shape).set_input()
+    y = fg.ops.add(fg.ops.mul_mat(wt, x, ctx=ctx), bt, ctx=ctx).set_output()
+    return x, y, fg.Graph.build(y), kept
+
+
+def _sched_compute(
+    split: fg.SplitBufferType, w: np.ndarray, b: np.ndarray, x: np.ndarray, dtype: fg.DType
+) -> tuple[np.ndarray, fg.Scheduler]:
+    xt, y, graph, _buffers = _mlp(w, b, x.shape, split, dtype)
+    split_device = split.device
+    assert split_device is not None
+    sched = fg.Scheduler([split_device.init_backend(), fg.init_backend("CPU", n_threads=2)])
+    sched.alloc_graph(graph)
+    xt.set(x)
+    sched.graph_compute(graph)
+    return y.numpy(), sched
+
+
+def _unsplit_mlp(w: np.ndarray, b: np.ndarray, x: np.ndarray, dtype: fg.DType) -> np.ndarray:
+    xt, y, graph, _buffers = _mlp(w, b, x.shape, fg.cpu_buffer_type(), dtype)
+    cpu = fg.init_backend("CPU", n_threads=2)
+    fg.GraphAllocator(cpu).alloc_graph(graph)
+    xt.set(x)
+    cpu.graph_compute(graph)
+    return y.numpy()
+
+
+@pytest.mark.parametrize("dtype", [fg.float32, fg.float16])
+@pytest.mark.parametrize("x_shape", [(4, 64), (40, 64), (2, 3, 64)])
+def test_scheduler_runs_a_split_weight_mul_mat_on_the_split_backend(
+    dtype: fg.DType, x_shape: tuple[int, ...]
+) -> None:
+    cpu = _cpu()
+    split = fg.SplitBufferType([cpu, cpu, cpu], tensor_split=[1.0, 2.0, 0.5])
+    assert isinstance(split, fg.BufferType) and not split.is_host
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((37, 64)).astype(np.float32)
+    if dtype is fg.float16:
+        w = w.astype(np.float16).astype(np.float32)
+    b = rng.standard_normal(37).astype(np.float32)
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    got, sched = _sched_compute(split, w, b, x, dtype)
+    want = _unsplit_mlp(w, b, x, dtype)
+    assert got.shape == (*x_shape[:-1], 37)
+    if x_shape[-2] >= 32:
+        # The GEMM path: each output element is one chain of fused multiply-adds over k
+        # whatever rows surround it, so the parts give the unsplit bits.
+        np.testing.assert_array_equal(got, want)
+    else:
+        # Register tiles of 4 weight rows: a part's row count changes which rows share a tile.
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(got, x @ w.T + b, rtol=1e-4, atol=1e-4)
+    # What the scheduler did: the product on the split backend because of its weight, the
+    # bias add on the CPU, nothing copied (both compute in host memory).
+    plan = sched.plan
+    assert plan is not None
+    assert plan.backend_names[0] == "CPU+CPU+CPU_Split"
+    (mm,) = [n for n in plan.nodes if n["op"] == "MUL_MAT"]
+    assert (mm["backend"], mm["cause"]) == ("CPU+CPU+CPU_Split", "weight")
+    (add,) = [n for n in plan.nodes if n["op"] == "ADD"]
+    assert add["backend"] == "CPU"
+    assert plan.copies == []
+    assert [s["backend"] for s in plan.splits] == ["CPU+CPU+CPU_Split", "CPU"]
+
+
+def test_split_tensor_parts_and_reads() -> None:
+    cpu = _cpu()
+    split = fg.SplitBufferType([cpu, cpu, cpu], [1.0, 2.0, 1.0])
+    ctx = fg.Context(no_alloc=True)
+    w = ctx.new_tensor(fg.float32, (8, 5))
+    buffer = fg.alloc_ctx_tensors(ctx, split)
+    assert buffer is not None and buffer.buffer_type == split
+    data = np.arange(40, dtype=np.float32).reshape(8, 5)
+    w.set(data)
+    parts = split.tensor_parts(w)
+    assert [p[1] for p in parts] == [(0, 2), (2, 6), (6, 8)]
+    for _, (start, stop), part in parts:
+        np.testing.assert_array_equal(part.numpy(), data[start:stop])
+    np.testing.assert_array_equal(w.numpy(), data)
+    device = split.device
+    assert device is not None and device.name == split.name == "CPU+CPU+CPU_Split"
+    other = fg.Context().new_tensor(fg.float32, (8, 5))
+    with pytest.raises(fg.InvalidArgumentError):
+        split.tensor_parts(other)
+    # Matrices only: rows of a 3-D tensor cannot be split.
+    ctx3 = fg.Context(no_alloc=True)
+    ctx3.new_tensor(fg.float32, (2, 3, 4))
+    with pytest.raises(fg.ShapeError, match="2-D"):
+        fg.alloc_ctx_tensors(ctx3, split)
+    weight = split.alloc_weight((8, 5)).set(data)
+    np.testing.assert_array_equal(weight.tensor.numpy(), data)
+
+
+def test_split_weight_under_an_unsupported_op_is_a_clear_error() -> None:
+    cpu = _cpu()
+    split = fg.SplitBufferType([cpu, cpu])
+    wctx = fg.Context(no_alloc=True)
+    w = wctx.new_tensor(fg.float32, (6, 8))
+    _buffer = fg.alloc_ctx_tensors(wctx, split)
+    w.set(np.ones((6, 8), np.float32))
+    ctx = fg.Context()
+    x = ctx.new_tensor(fg.float32, (6, 8)).set_input()
+    split_device = split.device
+    assert split_device is not None
+    sched = fg.Scheduler([split_device.init_backend(), fg.init_backend("CPU")])
+    graph = fg.Graph.build(fg.ops.add(w, x, ctx=ctx))
+    with pytest.raises(fg.UnsupportedOpError, match="split by rows") as info:
+        sched.alloc_graph(graph)
+    assert info.value.op == "ADD"
+    # Without the split backend no backend can read the weight at all: also an error, not a
+    # silent copy of the whole weight to the CPU.
+    graph = fg.Graph.build(fg.ops.mul_mat(w, x, ctx=ctx))
+    with pytest.raises(fg.UnsupportedOpError, match="CPU\\+CPU_Split"):
+        fg.Scheduler([fg.init_backend("CPU")]).alloc_graph(graph)
+
+
+def test_scheduler_with_a_weight_split_over_two_remote_servers(
+    servers: list[fg.remote.ServerProcess],
+) -> None:
+    devices = [fg.remote.connect(s.address, token=TOKEN)[0] for s in servers]
+    split = fg.SplitBufferType(devices, tensor_split=[1.0, 2.0])
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((23, 64)).astype(np.float32)
+    b = rng.standard_normal(23).astype(np.float32)
+    x = rng.standard_normal((40, 64)).astype(np.float32)
+    got, sched = _sched_compute(split, w, b, x, fg.float32)
+    # The servers run the same kernels (the GEMM path at 40 columns): identical bits.
+    np.testing.assert_array_equal(got, _unsplit_mlp(w, b, x, fg.float32))
+    plan = sched.plan
+    assert plan is not None
+    (mm,) = [n for n in plan.nodes if n["op"] == "MUL_MAT"]
+    assert mm["backend"] == split.name and mm["cause"] == "weight"

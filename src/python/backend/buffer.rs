@@ -71,7 +71,7 @@ impl From<PyBufferUsage> for BufferUsage {
 }
 
 /// A kind of memory that makes buffers (host memory for the CPU).
-#[pyclass(name = "BufferType", module = "ferrograph", frozen)]
+#[pyclass(name = "BufferType", module = "ferrograph", frozen, subclass)]
 pub struct PyBufferType {
     pub(crate) inner: Arc<dyn BufferType>,
 }
