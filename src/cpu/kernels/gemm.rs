@@ -236,13 +236,11 @@ unsafe impl Send for Product {}
 // SAFETY: as above.
 unsafe impl Sync for Product {}
 
-/// Per-thread buffers: packed activations, converted weights and the accumulator tiles of a
-/// block.
+/// Per-thread buffers: packed activations and converted weights of a block.
 #[derive(Default)]
 struct Scratch {
     packed: Vec<f32>,
     weights: Vec<f32>,
-    acc: Vec<f32>,
 }
 
 thread_local! {
@@ -259,10 +257,6 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     SCRATCH.with(|cell| cell.replace(scratch));
     out
 }
-
-/// Weight rows handled together by one pass over a block of activations: their accumulator
-/// tiles (`NC × MC` values, ≤ 480 KiB) stay in L2 between `k` blocks.
-const NC: usize = 480;
 
 /// Runs `n_products` products of `m` weight rows × `n` activation rows × `k`, in parallel on
 /// the current rayon pool, with the micro-kernels of `isa`.
@@ -282,6 +276,11 @@ pub unsafe fn run(
         return Ok(());
     }
     let threads = rayon::current_num_threads().max(1);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && n >= WIDE_MIN_COLS {
+        // SAFETY: as stated (caller).
+        return unsafe { wide::run(threads, (m, n, k), n_products, product) };
+    }
     let mr = isa.mr();
     // Tasks split the activations first: each task packs only its own rows and reads the
     // weights in place (cheap to re-read), so nothing is packed twice. Aim for a few tasks
@@ -309,21 +308,9 @@ pub unsafe fn run(
                 let p = product(task / (i_blocks * j_blocks));
                 let rows = jb * mc..((jb + 1) * mc).min(n);
                 let cols = ib * nc..((ib + 1) * nc).min(m);
-                // Weight rows in chunks of NC, so the accumulator tiles stay small.
-                for c0 in cols.clone().step_by(NC) {
-                    // SAFETY: the block lies inside the product (caller), and this task alone
-                    // writes its output elements (rows × cols).
-                    unsafe {
-                        block(
-                            isa,
-                            &p,
-                            k,
-                            rows.clone(),
-                            c0..(c0 + NC).min(cols.end),
-                            scratch,
-                        )?
-                    };
-                }
+                // SAFETY: the block lies inside the product (caller), and this task alone
+                // writes its output elements (rows × cols).
+                unsafe { block(isa, &p, k, rows, cols, scratch)? };
             }
             Ok(())
         })
@@ -338,19 +325,8 @@ pub unsafe fn run(
 pub unsafe fn run_serial(isa: Isa, (m, n, k): (usize, usize, usize), p: &Product) -> Result<()> {
     with_scratch(|scratch| {
         for j0 in (0..n).step_by(MC) {
-            for c0 in (0..m).step_by(NC) {
-                // SAFETY: the block lies inside the product (caller), which is this thread's.
-                unsafe {
-                    block(
-                        isa,
-                        p,
-                        k,
-                        j0..(j0 + MC).min(n),
-                        c0..(c0 + NC).min(m),
-                        scratch,
-                    )?
-                };
-            }
+            // SAFETY: the block lies inside the product (caller), which is this thread's.
+            unsafe { block(isa, p, k, j0..(j0 + MC).min(n), 0..m, scratch)? };
         }
         Ok(())
     })
@@ -381,25 +357,21 @@ unsafe fn block(
         return Ok(());
     }
     let panels = rows.len().div_ceil(mr);
-    let Scratch {
-        packed,
-        weights,
-        acc,
-    } = scratch;
-    // One accumulator tile per (weight micro-panel, activation panel): nr × mr values, rows
-    // padded to a multiple of 8 for the transposing store.
-    let tile = nr.next_multiple_of(8) * mr;
-    acc.resize(cols.len().div_ceil(nr) * panels * tile, 0.0);
+    let Scratch { packed, weights } = scratch;
+    // The accumulators of one micro-tile pass through this L1-resident tile on their way to
+    // and from the output: nr × mr values, rows padded to a multiple of 8 for the 8 × 8
+    // transposes.
+    let mut tile = Tile([0.0; TILE]);
+    let tile = &mut tile.0[..nr.next_multiple_of(8) * mr];
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
-        let last = pc + kc == k;
         packed.resize(panels * mr * kc, 0.0);
         for (q, panel) in packed.chunks_exact_mut(mr * kc).enumerate() {
             let j0 = rows.start + q * mr;
             // SAFETY: rows j0.. of the activations hold at least pc + kc elements (caller).
             unsafe { pack_panel(isa, p.b, j0, rows.end.min(j0 + mr) - j0, (pc, kc), panel) };
         }
-        for (t, i0) in cols.clone().step_by(nr).enumerate() {
+        for i0 in cols.clone().step_by(nr) {
             let nr_here = nr.min(cols.end - i0);
             // SAFETY: weight rows i0..i0 + nr_here and elements pc..pc + kc exist; `pc` is a
             // multiple of KC, itself a multiple of every block size.
@@ -407,12 +379,17 @@ unsafe fn block(
             for (q, panel) in packed.chunks_exact(mr * kc).enumerate() {
                 let j0 = rows.start + q * mr;
                 let rows_here = mr.min(rows.end - j0);
-                let slot = &mut acc[(t * panels + q) * tile..][..tile];
                 // SAFETY: `w` holds `nr_here` rows of `kc` elements with stride `w_stride`;
-                // `panel` holds `kc` × `mr` packed values; `slot` one tile; output rows
+                // `panel` holds `kc` × `mr` packed values; `tile` one padded tile; output rows
                 // j0..j0 + rows_here, columns i0..i0 + nr_here lie in the product and belong
-                // to this block.
+                // to this block. A later `k` block resumes from the partial sums the earlier
+                // one stored in the output (exact: f32 values round-trip unchanged).
                 unsafe {
+                    let c = p.dst.add(j0 * p.dst_stride + i0);
+                    let shape = (nr_here, rows_here);
+                    if pc > 0 {
+                        load_tile(isa, c, p.dst_stride, shape, mr, tile);
+                    }
                     micro_kernel(
                         isa,
                         nr_here,
@@ -420,25 +397,23 @@ unsafe fn block(
                         kc,
                         panel,
                         (w, w_stride),
-                        slot,
+                        tile,
                         pc > 0,
                     );
-                    if last {
-                        let c = p.dst.add(j0 * p.dst_stride + i0);
-                        let shape = (nr_here, rows_here);
-                        #[cfg(target_arch = "x86_64")]
-                        if isa != Isa::Portable {
-                            store_tile_avx2(c, p.dst_stride, shape, mr, slot);
-                            continue;
-                        }
-                        store_tile(c, p.dst_stride, shape, mr, slot);
-                    }
+                    store_tile(isa, c, p.dst_stride, shape, mr, tile);
                 }
             }
         }
     }
     Ok(())
 }
+
+/// Floats in the largest padded micro-tile (AVX-512: 16 × 32).
+const TILE: usize = 16 * 32;
+
+/// A micro-tile's accumulators in memory, aligned to a cache line.
+#[repr(align(64))]
+struct Tile([f32; TILE]);
 
 /// Packs activation rows `j0..j0 + count` (elements `pc..pc + kc`) as `kc` groups of
 /// `isa.mr()` values, rows past `count` as zeros.
@@ -583,8 +558,106 @@ unsafe fn store_tile_avx2(
 ///
 /// # Safety
 /// `c` must address `rows` rows (stride `stride`) of `nr` writable elements nobody else
-/// accesses; `tile` holds `nr × mr` values.
+/// accesses; `tile` holds `nr` rounded up to 8 × `mr` values; the CPU runs `isa`.
 unsafe fn store_tile(
+    isa: Isa,
+    c: *mut f32,
+    stride: usize,
+    shape: (usize, usize),
+    mr: usize,
+    tile: &[f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: as stated (caller); AVX2 runs wherever the non-portable kernels do.
+        unsafe { store_tile_avx2(c, stride, shape, mr, tile) };
+        return;
+    }
+    let _ = isa;
+    // SAFETY: as stated (caller).
+    unsafe { store_tile_portable(c, stride, shape, mr, tile) };
+}
+
+/// The inverse of [`store_tile`]: `tile[r * mr + l] = c[l, r]` for the valid part (lanes of
+/// rows past `rows` are left as they are: the micro-kernels ignore them).
+///
+/// # Safety
+/// `c` must address `rows` rows (stride `stride`) of `nr` readable elements nobody else
+/// writes; `tile` holds `nr` rounded up to 8 × `mr` values; the CPU runs `isa`.
+unsafe fn load_tile(
+    isa: Isa,
+    c: *const f32,
+    stride: usize,
+    (nr, rows): (usize, usize),
+    mr: usize,
+    tile: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: as stated (caller); AVX2 runs wherever the non-portable kernels do.
+        unsafe { load_tile_avx2(c, stride, (nr, rows), mr, tile) };
+        return;
+    }
+    let _ = isa;
+    debug_assert!(tile.len() >= nr * mr && rows <= mr);
+    let t = tile.as_mut_ptr();
+    for l in 0..rows {
+        for r in 0..nr {
+            // SAFETY: inside the tile and its output elements (caller).
+            unsafe { *t.add(r * mr + l) = *c.add(l * stride + r) };
+        }
+    }
+}
+
+/// [`load_tile`] through 8 × 8 register transposes (masked loads for a partial block).
+///
+/// # Safety
+/// As [`load_tile`]; `tile` holds a multiple of 8 rows of `mr` (a multiple of 8) values; the
+/// CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn load_tile_avx2(
+    c: *const f32,
+    stride: usize,
+    (nr, rows): (usize, usize),
+    mr: usize,
+    tile: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(tile.len() >= nr.next_multiple_of(8) * mr && mr.is_multiple_of(8));
+    let t = tile.as_mut_ptr();
+    for r0 in (0..nr).step_by(8) {
+        let width = (nr - r0).min(8) as i32;
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), lanes);
+        for l0 in (0..rows).step_by(8) {
+            // SAFETY: output rows l0 + i < rows, elements r0..r0 + width lie inside the
+            // tile's output (caller); tile rows r0..r0 + 8 and lanes l0..l0 + 8 inside the
+            // tile.
+            unsafe {
+                let v: [__m256; 8] = std::array::from_fn(|i| {
+                    let src = c.add((l0 + i).min(rows - 1) * stride + r0);
+                    if l0 + i >= rows {
+                        _mm256_setzero_ps()
+                    } else if width == 8 {
+                        _mm256_loadu_ps(src)
+                    } else {
+                        _mm256_maskload_ps(src, mask)
+                    }
+                });
+                for (i, row) in transpose8x8(v).iter().enumerate() {
+                    _mm256_storeu_ps(t.add((r0 + i) * mr + l0), *row);
+                }
+            }
+        }
+    }
+}
+
+/// [`store_tile`] element by element.
+///
+/// # Safety
+/// As [`store_tile`].
+unsafe fn store_tile_portable(
     c: *mut f32,
     stride: usize,
     (nr, rows): (usize, usize),
@@ -788,6 +861,251 @@ unsafe fn kernel_avx512<const NR: usize, const NV: usize>(
     }
 }
 
+/// Columns (activation rows) from which AVX-512 products take the wide path ([`wide`]).
+pub const WIDE_MIN_COLS: usize = 256;
+
+/// The wide path: the AVX-512 GEMM for many activation rows, vectorised over weight rows.
+///
+/// Weights are packed per task into panels of [`wide::WR`] rows, `k`-major (two zmm per `k`),
+/// and the activations are broadcast straight from their rows, [`wide::AR`] rows per
+/// micro-tile, so a micro-tile's accumulators are rows of the output and are stored (or, for a
+/// later `k` block, reloaded) without any transpose. Packing costs one pass over the task's
+/// weights, repaid by the many activation rows that reuse them; products with fewer columns
+/// read the weights in place instead (the main path above). Packed weights live only for the
+/// call: nothing is cached, so nothing can go stale when the weights' memory changes.
+///
+/// Blocking: `k` in blocks of [`wide::KC`] (an activation sliver, `AR × KC` floats, stays in
+/// L1 across the weight panels), weight rows in blocks of at most [`wide::WC`] (their packed
+/// panels stay in L2 across the slivers). Every output element is still one chain of fused
+/// multiply-adds over `k` in ascending order (resumed from the output between `k` blocks), the
+/// same chain as the other paths, so results are bit-identical to them.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::{pack_panel, par_ranges, with_scratch, Isa, Product, Result, Scratch};
+
+    /// Weight rows per packed panel: two zmm vectors.
+    pub const WR: usize = 32;
+    /// Activation rows per micro-tile: 24 accumulators, two weight vectors and a broadcast
+    /// fit the 32 zmm registers.
+    pub const AR: usize = 12;
+    /// Elements of `k` per block: a sliver of `AR` activation rows (18 KiB) stays in L1; a
+    /// multiple of the quantized block size (32).
+    pub const KC: usize = 384;
+    /// Most weight rows per task block (packed: `WC × KC` floats, 384 KiB, in L2).
+    pub const WC: usize = 256;
+
+    /// [`super::run`] on the wide path.
+    ///
+    /// # Safety
+    /// As [`super::run`], with AVX-512F on this CPU.
+    pub unsafe fn run(
+        threads: usize,
+        (m, n, k): (usize, usize, usize),
+        n_products: usize,
+        product: &(dyn Fn(usize) -> Product + Sync),
+    ) -> Result<()> {
+        // Weight blocks of equal size (multiples of WR) up to WC rows; then enough activation
+        // blocks for a few tasks per thread. Each task packs its weight block once per `k`
+        // block and runs it over its activation rows.
+        let i_blocks = m.div_ceil(WC);
+        let wc = m.div_ceil(i_blocks).next_multiple_of(WR);
+        let i_blocks = m.div_ceil(wc);
+        let want = 3 * threads;
+        let j_blocks = want.div_ceil(n_products * i_blocks).min(n.div_ceil(4 * AR));
+        let nc = n.div_ceil(j_blocks.max(1)).next_multiple_of(AR);
+        let j_blocks = n.div_ceil(nc);
+        let tasks = n_products * i_blocks * j_blocks;
+        par_ranges(tasks, 1, |range| {
+            with_scratch(|scratch| {
+                for task in range {
+                    let jb = task % j_blocks;
+                    let ib = (task / j_blocks) % i_blocks;
+                    let p = product(task / (i_blocks * j_blocks));
+                    let rows = jb * nc..((jb + 1) * nc).min(n);
+                    let cols = ib * wc..((ib + 1) * wc).min(m);
+                    // SAFETY: the block lies inside the product (caller), and this task alone
+                    // writes its output elements (rows × cols); the CPU has AVX-512F (caller).
+                    unsafe { block(&p, k, rows, cols, scratch)? };
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// Output rows `rows` × columns `cols` (at most WC) of `p`.
+    ///
+    /// # Safety
+    /// As [`run`]; this block's output elements belong to the caller alone.
+    unsafe fn block(
+        p: &Product,
+        k: usize,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        if k == 0 {
+            for j in rows {
+                for i in cols.clone() {
+                    // SAFETY: output element (j, i) belongs to this block (caller).
+                    unsafe { *p.dst.add(j * p.dst_stride + i) = 0.0 };
+                }
+            }
+            return Ok(());
+        }
+        let Scratch { packed, weights } = scratch;
+        let panels = cols.len().div_ceil(WR);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            packed.resize(panels * WR * kc, 0.0);
+            for (q, panel) in packed.chunks_exact_mut(WR * kc).enumerate() {
+                let i0 = cols.start + q * WR;
+                let count = WR.min(cols.end - i0);
+                // SAFETY: weight rows i0..i0 + count and elements pc..pc + kc exist; `pc` is
+                // a multiple of KC, itself a multiple of every block size. The rows come back
+                // as f32 rows (in place or converted into `weights`), packed like activations.
+                unsafe {
+                    let (w, w_stride) = p.weights.rows(i0, count, (pc, kc), weights)?;
+                    let rows = super::F32Rows {
+                        ptr: w,
+                        row_stride: w_stride,
+                    };
+                    pack_panel(Isa::Avx512, rows, 0, count, (0, kc), panel);
+                }
+            }
+            for j0 in rows.clone().step_by(AR) {
+                let ar = AR.min(rows.end - j0);
+                // SAFETY: activation rows j0..j0 + ar hold elements pc..pc + kc (caller).
+                let a = unsafe { p.b.ptr.add(j0 * p.b.row_stride + pc) };
+                for (q, panel) in packed.chunks_exact(WR * kc).enumerate() {
+                    let i0 = cols.start + q * WR;
+                    // SAFETY: `panel` holds kc × WR packed weights; the activation rows and
+                    // the output rows j0..j0 + ar, columns i0..i0 + width belong to this block
+                    // (caller); the CPU has AVX-512F (caller).
+                    unsafe {
+                        let c = p.dst.add(j0 * p.dst_stride + i0);
+                        let width = WR.min(cols.end - i0);
+                        kernel(
+                            ar,
+                            kc,
+                            panel.as_ptr(),
+                            (a, p.b.row_stride),
+                            (c, p.dst_stride),
+                            width,
+                            pc > 0,
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Dispatches [`kernel_ar`] by the sliver's row count and the panel's width.
+    ///
+    /// # Safety
+    /// As [`kernel_ar`] with `AR_ = ar ≤ AR`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel(
+        ar: usize,
+        kc: usize,
+        w: *const f32,
+        a: (*const f32, usize),
+        c: (*mut f32, usize),
+        width: usize,
+        accumulate: bool,
+    ) {
+        macro_rules! dispatch {
+            ($nv:literal) => {
+                match ar {
+                    1 => kernel_ar::<1, $nv>(kc, w, a, c, width, accumulate),
+                    2 => kernel_ar::<2, $nv>(kc, w, a, c, width, accumulate),
+                    3 => kernel_ar::<3, $nv>(kc, w, a, c, width, accumulate),
+                    4 => kernel_ar::<4, $nv>(kc, w, a, c, width, accumulate),
+                    5 => kernel_ar::<5, $nv>(kc, w, a, c, width, accumulate),
+                    6 => kernel_ar::<6, $nv>(kc, w, a, c, width, accumulate),
+                    7 => kernel_ar::<7, $nv>(kc, w, a, c, width, accumulate),
+                    8 => kernel_ar::<8, $nv>(kc, w, a, c, width, accumulate),
+                    9 => kernel_ar::<9, $nv>(kc, w, a, c, width, accumulate),
+                    10 => kernel_ar::<10, $nv>(kc, w, a, c, width, accumulate),
+                    11 => kernel_ar::<11, $nv>(kc, w, a, c, width, accumulate),
+                    _ => kernel_ar::<12, $nv>(kc, w, a, c, width, accumulate),
+                }
+            };
+        }
+        debug_assert!((1..=AR).contains(&ar) && (1..=WR).contains(&width));
+        // SAFETY: as stated (caller).
+        unsafe {
+            if width <= 16 {
+                dispatch!(1)
+            } else {
+                dispatch!(2)
+            }
+        }
+    }
+
+    /// `c[r][0..width] (+)= Σ_kk a[r][kk] · w[kk][0..width]` for `AR_` activation rows `a`
+    /// (row stride given) and a packed weight panel `w` (`kc × WR`), each product a fused
+    /// multiply-add in ascending `kk`; `NV` zmm vectors per output row (`width ≤ 16 · NV`).
+    ///
+    /// # Safety
+    /// `w` holds `kc × WR` floats; the `AR_` activation rows hold `kc` elements each; `c`
+    /// addresses `AR_` output rows (stride given) of `width` elements nobody else accesses;
+    /// the CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn kernel_ar<const AR_: usize, const NV: usize>(
+        kc: usize,
+        w: *const f32,
+        (a, a_stride): (*const f32, usize),
+        (c, c_stride): (*mut f32, usize),
+        width: usize,
+        accumulate: bool,
+    ) {
+        use std::arch::x86_64::*;
+        let masks: [__mmask16; 2] = [
+            if width >= 16 {
+                0xFFFF
+            } else {
+                ((1u32 << width) - 1) as u16
+            },
+            if width >= 32 {
+                0xFFFF
+            } else if width <= 16 {
+                0
+            } else {
+                ((1u32 << (width - 16)) - 1) as u16
+            },
+        ];
+        // SAFETY: every access stays inside the panel, the activation rows or the output
+        // elements (caller); masked lanes are not touched.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); NV]; AR_];
+            if accumulate {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (v, x) in row.iter_mut().enumerate() {
+                        *x = _mm512_maskz_loadu_ps(masks[v], c.add(r * c_stride + v * 16));
+                    }
+                }
+            }
+            let rows: [*const f32; AR_] = std::array::from_fn(|r| a.add(r * a_stride));
+            for kk in 0..kc {
+                let wp = w.add(kk * WR);
+                let wv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(wp.add(v * 16)));
+                for r in 0..AR_ {
+                    let x = _mm512_set1_ps(*rows[r].add(kk));
+                    for v in 0..NV {
+                        acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (v, &x) in row.iter().enumerate() {
+                    _mm512_mask_storeu_ps(c.add(r * c_stride + v * 16), masks[v], x);
+                }
+            }
+        }
+    }
+}
+
 /// `dst[j, i] = Σ_k b[j, k] · w[i, k]` for dense row-major slices (`w`: `m × k`, `b`: `n × k`,
 /// `dst`: `n × m`) with the micro-kernels of `isa`: the entry point the unit tests use to
 /// reach each ISA.
@@ -869,6 +1187,11 @@ mod tests {
             (100, 300, 1100),
             (384, 40, 64),
             (25, 257, 520),
+            // The wide AVX-512 path (n ≥ WIDE_MIN_COLS): partial weight panels (m % 32),
+            // partial slivers (n % 12), several weight blocks (m > 256) and k blocks (k > 384).
+            (300, 263, 800),
+            (7, 300, 33),
+            (40, 256, 384),
         ] {
             let w = values(m * k, 1 + m as u64);
             let b = values(n * k, 2 + n as u64);
