@@ -2,26 +2,35 @@
 //! columns, on register-tiled micro-kernels (AVX-512, AVX2/FMA or portable, chosen at run
 //! time).
 //!
-//! Layout. A micro-kernel keeps a tile of `NR` weight rows × `MR` activation rows in registers
-//! (AVX-512: 12 × 32 in 24 zmm accumulators; AVX2: 6 × 16 in 12 ymm; portable: 4 × 8). The
-//! vector dimension runs over activations, so the activations are the packed operand (`MR`
-//! values per `k`, packed once per block) and the weights are *broadcast* one value at a time
-//! straight from their rows. f32 weights are therefore never packed or copied: the model's
-//! weight memory is read in place on every call, so nothing has to be cached, and nothing can
-//! go stale when that memory changes. f16, bf16, q8_0 and q4_0 weights are converted to f32 a
-//! few rows × `KC` at a time into a small per-thread buffer, reused by every activation panel
-//! of the block.
+//! Two layouts:
 //!
-//! Blocking. `k` is cut into blocks of [`KC`] (the weight rows of one micro-panel stay in L1
-//! across the activation panels), activations into blocks of [`MC`] rows (their packed block
-//! stays in L2 across the weight rows). Work is split between threads by (batch, activation
-//! block, weight-row block) tasks.
+//! * Main path (every ISA; AVX-512 below [`WIDE_MIN_COLS`] columns). A micro-kernel keeps a
+//!   tile of `NR` weight rows × `MR` activation rows in registers (AVX-512: 12 × 32 in 24 zmm
+//!   accumulators; AVX2: 6 × 16 in 12 ymm; portable: 4 × 8). The vector dimension runs over
+//!   activations, so the activations are the packed operand (`MR` values per `k`, packed once
+//!   per task and `k` block) and the weights are *broadcast* one value at a time straight from
+//!   their rows: f32 weights are never copied, which is what pays with few columns (each
+//!   weight is used by few of them). A tile leaves the registers through one L1-resident tile
+//!   and 8 × 8 transposes into the output rows (and comes back the same way for a later `k`
+//!   block). f16, bf16, q8_0 and q4_0 weights are converted to f32 a few rows × `KC` at a
+//!   time into a small per-thread buffer.
+//! * Wide path (AVX-512, from [`WIDE_MIN_COLS`] columns; see [`wide`]). Vectorised over weight
+//!   rows instead: each task packs its block of weights into 32-row `k`-major panels (per
+//!   call: nothing is cached, so nothing can go stale when a weight's memory is rewritten),
+//!   broadcasts activations from their rows in place, and stores a micro-tile's accumulators
+//!   straight into output rows, without transposes. Packing is repaid by the many columns.
+//!
+//! Blocking (main path). `k` is cut into blocks of [`KC`] (the weight rows of one micro-panel
+//! stay in L1 across the activation panels), activations into blocks of at most [`MC`] rows
+//! (their packed block stays in L2 across the weight rows). Work is split between threads by
+//! (batch, activation block, weight-row block) tasks.
 //!
 //! Determinism. Every output element is one chain of fused multiply-adds over `k` in
-//! ascending order, starting from zero: each micro-kernel loads its accumulators from the
-//! output before a later `k` block, and no reduction is ever split. The chain is the same for
-//! every tile size, task split and ISA, so results are bit-identical for any thread count
-//! *and* on the AVX-512, AVX2 and portable paths (the portable path uses `f32::mul_add`).
+//! ascending order, starting from zero: a later `k` block resumes from the partial sums stored
+//! in the output (f32 round-trips exactly), and no reduction is ever split. The chain is the
+//! same for every tile size, task split, path and ISA, so results are bit-identical for any
+//! thread count *and* on the AVX-512 (both paths), AVX2 and portable kernels (the portable
+//! path uses `f32::mul_add`).
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -428,7 +437,23 @@ unsafe fn pack_panel(
     (pc, kc): (usize, usize),
     out: &mut [f32],
 ) {
-    let mr = isa.mr();
+    // SAFETY: as stated (caller).
+    unsafe { pack_rows(isa, isa.mr(), b, j0, count, (pc, kc), out) }
+}
+
+/// [`pack_panel`] into groups of `mr` (a multiple of 8) values per `k`.
+///
+/// # Safety
+/// As [`pack_panel`]; `out` holds `kc × mr` values.
+unsafe fn pack_rows(
+    isa: Isa,
+    mr: usize,
+    b: F32Rows,
+    j0: usize,
+    count: usize,
+    (pc, kc): (usize, usize),
+    out: &mut [f32],
+) {
     debug_assert!(out.len() >= kc * mr && count <= mr);
     // SAFETY: row j0 + l has elements pc..pc + kc (caller).
     let row = |l: usize| unsafe { b.ptr.add((j0 + l) * b.row_stride + pc) };
@@ -881,10 +906,12 @@ pub const WIDE_MIN_COLS: usize = 256;
 /// same chain as the other paths, so results are bit-identical to them.
 #[cfg(target_arch = "x86_64")]
 mod wide {
-    use super::{pack_panel, par_ranges, with_scratch, Isa, Product, Result, Scratch};
+    use super::{pack_rows, par_ranges, with_scratch, Isa, Product, Result, Scratch};
 
     /// Weight rows per packed panel: two zmm vectors.
-    pub const WR: usize = 32;
+    pub const WR: usize = 16 * NVMAX;
+    /// zmm vectors per output row of a micro-tile.
+    const NVMAX: usize = 2;
     /// Activation rows per micro-tile: 24 accumulators, two weight vectors and a broadcast
     /// fit the 32 zmm registers.
     pub const AR: usize = 12;
@@ -969,7 +996,7 @@ mod wide {
                         ptr: w,
                         row_stride: w_stride,
                     };
-                    pack_panel(Isa::Avx512, rows, 0, count, (0, kc), panel);
+                    pack_rows(Isa::Avx512, WR, rows, 0, count, (0, kc), panel);
                 }
             }
             for j0 in rows.clone().step_by(AR) {
@@ -1035,10 +1062,11 @@ mod wide {
         debug_assert!((1..=AR).contains(&ar) && (1..=WR).contains(&width));
         // SAFETY: as stated (caller).
         unsafe {
-            if width <= 16 {
-                dispatch!(1)
-            } else {
-                dispatch!(2)
+            match width.div_ceil(16) {
+                1 => dispatch!(1),
+                2 => dispatch!(2),
+                3 => dispatch!(3),
+                _ => dispatch!(4),
             }
         }
     }
@@ -1061,20 +1089,10 @@ mod wide {
         accumulate: bool,
     ) {
         use std::arch::x86_64::*;
-        let masks: [__mmask16; 2] = [
-            if width >= 16 {
-                0xFFFF
-            } else {
-                ((1u32 << width) - 1) as u16
-            },
-            if width >= 32 {
-                0xFFFF
-            } else if width <= 16 {
-                0
-            } else {
-                ((1u32 << (width - 16)) - 1) as u16
-            },
-        ];
+        let masks: [__mmask16; NV] = std::array::from_fn(|v| {
+            let lanes = width.saturating_sub(16 * v).min(16);
+            ((1u32 << lanes) - 1) as u16
+        });
         // SAFETY: every access stays inside the panel, the activation rows or the output
         // elements (caller); masked lanes are not touched.
         unsafe {
