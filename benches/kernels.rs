@@ -258,6 +258,31 @@ fn bench_ops(c: &mut Criterion) {
             flops,
         );
     }
+    // The other f32 MiniLM products (the shapes of benches/compare_kernels.py, there beside
+    // numpy): the FFN down-projection and the attention projections over 128 tokens (one
+    // sentence: the main path) and 4096 (a batch: the wide path), and the up-projection over 128.
+    for (k_in, m_out) in [
+        (INTERMEDIATE, HIDDEN),
+        (HIDDEN, HIDDEN),
+        (HIDDEN, INTERMEDIATE),
+    ] {
+        for n_tok in [seq, tokens] {
+            if (k_in, m_out, n_tok) == (HIDDEN, INTERMEDIATE, tokens) {
+                continue; // above
+            }
+            let w = tensor(&ctx, DType::F32, &[k_in, m_out], 13, 0.08);
+            let x = f(&[k_in, n_tok], 14);
+            let y = ok(ops::mul_mat(&ctx, &w, &x), "gemm");
+            let flops = (2 * k_in * m_out * n_tok) as u64;
+            bench_op(
+                c,
+                &pool,
+                &format!("gemm_f32_{k_in}x{m_out}x{n_tok}_flops"),
+                &y,
+                flops,
+            );
+        }
+    }
 
     // matrix × vector: weight bytes
     let xv = f(&[4096], 11);

@@ -1537,6 +1537,73 @@ fn results_do_not_depend_on_thread_count() {
     assert!((got - 200.0).abs() < 1e-2, "softmax rows sum to one");
 }
 
+/// Products with many columns (from 256 the AVX-512 GEMM packs the weights and stores output
+/// rows straight from its registers): partial weight panels (m not a multiple of 32), partial
+/// activation slivers (n not a multiple of 12), several weight blocks (m > 256) and `k` blocks
+/// (k > 384, resumed from the output), batches with broadcast weights, and strided
+/// activations. Every weight type against the f64 reference (NMSE ≤ 5e-4, the bound of the
+/// other product tests), with guard bytes around the output and identical bits at 1, 2 and 3
+/// threads; f32 weights also bit for bit against one fused multiply-add chain over `k` per
+/// element (the order every GEMM path promises).
+#[test]
+fn mul_mat_many_columns_matches_reference_and_fma_chain() {
+    let mut rng = Rng::new(31);
+    for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0] {
+        for (k, m, n, batches, transposed) in [
+            (800usize, 300usize, 263usize, 1usize, false),
+            (64, 7, 256, 1, false),
+            (384, 40, 300, 2, false),
+            (96, 33, 270, 1, true),
+        ] {
+            let c = ctx();
+            let a = c.new_tensor(dtype, &[k, m, 1]).unwrap();
+            let (b, bv) = if transposed {
+                // Activations stored n-major and transposed by a view: packed before the
+                // product.
+                let raw = c.new_tensor(DType::F32, &[n, k, batches]).unwrap();
+                let rv = fill(&raw, &mut rng, -1.0, 1.0);
+                let view = ops::transpose(&c, &raw).unwrap();
+                let mut bv = vec![0f32; k * n * batches];
+                for t in 0..batches {
+                    for j in 0..n {
+                        for kk in 0..k {
+                            bv[kk + k * (j + n * t)] = rv[j + n * (kk + k * t)];
+                        }
+                    }
+                }
+                (view, bv)
+            } else {
+                let b = c.new_tensor(DType::F32, &[k, n, batches]).unwrap();
+                let bv = fill(&b, &mut rng, -1.0, 1.0);
+                (b, bv)
+            };
+            let av = fill_any(&a, &mut rng);
+            let out = ops::mul_mat(&c, &a, &b).unwrap();
+            let check_guard = guard(&out);
+            compute(&out);
+            check_guard();
+            let got = out.to_f32_vec().unwrap();
+            let what = format!("mul_mat {dtype} k{k} m{m} n{n}×{batches}");
+            check(
+                &what,
+                &got,
+                &mul_mat_ref(&av, a.ne(), &bv, [k, n, batches, 1]),
+                5e-4,
+            );
+            if dtype == DType::F32 {
+                for (e, &g) in got.iter().enumerate() {
+                    let (i, j) = (e % m, e / m);
+                    let mut acc = 0f32;
+                    for kk in 0..k {
+                        acc = bv[j * k + kk].mul_add(av[i * k + kk], acc);
+                    }
+                    assert_eq!(g.to_bits(), acc.to_bits(), "{what}: element {i},{j}");
+                }
+            }
+        }
+    }
+}
+
 /// The shapes whose results used to change with the thread count: f16 weights with few
 /// columns (the path depended on each tile's column count) and converted-weight GEMM panels
 /// (split per thread), plus products with many small batches and a large SUM.

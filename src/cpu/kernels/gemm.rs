@@ -2,26 +2,35 @@
 //! columns, on register-tiled micro-kernels (AVX-512, AVX2/FMA or portable, chosen at run
 //! time).
 //!
-//! Layout. A micro-kernel keeps a tile of `NR` weight rows × `MR` activation rows in registers
-//! (AVX-512: 12 × 32 in 24 zmm accumulators; AVX2: 6 × 16 in 12 ymm; portable: 4 × 8). The
-//! vector dimension runs over activations, so the activations are the packed operand (`MR`
-//! values per `k`, packed once per block) and the weights are *broadcast* one value at a time
-//! straight from their rows. f32 weights are therefore never packed or copied: the model's
-//! weight memory is read in place on every call, so nothing has to be cached, and nothing can
-//! go stale when that memory changes. f16, bf16, q8_0 and q4_0 weights are converted to f32 a
-//! few rows × `KC` at a time into a small per-thread buffer, reused by every activation panel
-//! of the block.
+//! Two layouts:
 //!
-//! Blocking. `k` is cut into blocks of [`KC`] (the weight rows of one micro-panel stay in L1
-//! across the activation panels), activations into blocks of [`MC`] rows (their packed block
-//! stays in L2 across the weight rows). Work is split between threads by (batch, activation
-//! block, weight-row block) tasks.
+//! * Main path (every ISA; AVX-512 below [`WIDE_MIN_COLS`] columns). A micro-kernel keeps a
+//!   tile of `NR` weight rows × `MR` activation rows in registers (AVX-512: 12 × 32 in 24 zmm
+//!   accumulators; AVX2: 6 × 16 in 12 ymm; portable: 4 × 8). The vector dimension runs over
+//!   activations, so the activations are the packed operand (`MR` values per `k`, packed once
+//!   per task and `k` block) and the weights are *broadcast* one value at a time straight from
+//!   their rows: f32 weights are never copied, which is what pays with few columns (each
+//!   weight is used by few of them). A tile leaves the registers through one L1-resident tile
+//!   and 8 × 8 transposes into the output rows (and comes back the same way for a later `k`
+//!   block). f16, bf16, q8_0 and q4_0 weights are converted to f32 a few rows × `KC` at a
+//!   time into a small per-thread buffer.
+//! * Wide path (AVX-512, from [`WIDE_MIN_COLS`] columns; see [`wide`]). Vectorised over weight
+//!   rows instead: each task packs its block of weights into 32-row `k`-major panels (per
+//!   call: nothing is cached, so nothing can go stale when a weight's memory is rewritten),
+//!   broadcasts activations from their rows in place, and stores a micro-tile's accumulators
+//!   straight into output rows, without transposes. Packing is repaid by the many columns.
+//!
+//! Blocking (main path). `k` is cut into blocks of [`KC`] (the weight rows of one micro-panel
+//! stay in L1 across the activation panels), activations into blocks of at most [`MC`] rows
+//! (their packed block stays in L2 across the weight rows). Work is split between threads by
+//! (batch, activation block, weight-row block) tasks.
 //!
 //! Determinism. Every output element is one chain of fused multiply-adds over `k` in
-//! ascending order, starting from zero: each micro-kernel loads its accumulators from the
-//! output before a later `k` block, and no reduction is ever split. The chain is the same for
-//! every tile size, task split and ISA, so results are bit-identical for any thread count
-//! *and* on the AVX-512, AVX2 and portable paths (the portable path uses `f32::mul_add`).
+//! ascending order, starting from zero: a later `k` block resumes from the partial sums stored
+//! in the output (f32 round-trips exactly), and no reduction is ever split. The chain is the
+//! same for every tile size, task split, path and ISA, so results are bit-identical for any
+//! thread count *and* on the AVX-512 (both paths), AVX2 and portable kernels (the portable
+//! path uses `f32::mul_add`).
 
 use std::cell::RefCell;
 use std::sync::OnceLock;
@@ -236,13 +245,11 @@ unsafe impl Send for Product {}
 // SAFETY: as above.
 unsafe impl Sync for Product {}
 
-/// Per-thread buffers: packed activations, converted weights and the accumulator tiles of a
-/// block.
+/// Per-thread buffers: packed activations and converted weights of a block.
 #[derive(Default)]
 struct Scratch {
     packed: Vec<f32>,
     weights: Vec<f32>,
-    acc: Vec<f32>,
 }
 
 thread_local! {
@@ -260,12 +267,8 @@ fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     out
 }
 
-/// Weight rows handled together by one pass over a block of activations: their accumulator
-/// tiles (`NC × MC` values, ≤ 480 KiB) stay in L2 between `k` blocks.
-const NC: usize = 480;
-
 /// Runs `n_products` products of `m` weight rows × `n` activation rows × `k`, in parallel on
-/// the current rayon pool, with the micro-kernels of `isa`.
+/// the current CPU thread pool, with the micro-kernels of `isa`.
 ///
 /// # Safety
 /// Every product's pointers must address the elements implied by `m`, `n`, `k` and their
@@ -282,6 +285,11 @@ pub unsafe fn run(
         return Ok(());
     }
     let threads = super::current_num_threads().max(1);
+    #[cfg(target_arch = "x86_64")]
+    if isa == Isa::Avx512 && n >= WIDE_MIN_COLS {
+        // SAFETY: as stated (caller).
+        return unsafe { wide::run(threads, (m, n, k), n_products, product) };
+    }
     let mr = isa.mr();
     // Tasks split the activations first: each task packs only its own rows and reads the
     // weights in place (cheap to re-read), so nothing is packed twice. Aim for a few tasks
@@ -309,21 +317,9 @@ pub unsafe fn run(
                 let p = product(task / (i_blocks * j_blocks));
                 let rows = jb * mc..((jb + 1) * mc).min(n);
                 let cols = ib * nc..((ib + 1) * nc).min(m);
-                // Weight rows in chunks of NC, so the accumulator tiles stay small.
-                for c0 in cols.clone().step_by(NC) {
-                    // SAFETY: the block lies inside the product (caller), and this task alone
-                    // writes its output elements (rows × cols).
-                    unsafe {
-                        block(
-                            isa,
-                            &p,
-                            k,
-                            rows.clone(),
-                            c0..(c0 + NC).min(cols.end),
-                            scratch,
-                        )?
-                    };
-                }
+                // SAFETY: the block lies inside the product (caller), and this task alone
+                // writes its output elements (rows × cols).
+                unsafe { block(isa, &p, k, rows, cols, scratch)? };
             }
             Ok(())
         })
@@ -338,19 +334,8 @@ pub unsafe fn run(
 pub unsafe fn run_serial(isa: Isa, (m, n, k): (usize, usize, usize), p: &Product) -> Result<()> {
     with_scratch(|scratch| {
         for j0 in (0..n).step_by(MC) {
-            for c0 in (0..m).step_by(NC) {
-                // SAFETY: the block lies inside the product (caller), which is this thread's.
-                unsafe {
-                    block(
-                        isa,
-                        p,
-                        k,
-                        j0..(j0 + MC).min(n),
-                        c0..(c0 + NC).min(m),
-                        scratch,
-                    )?
-                };
-            }
+            // SAFETY: the block lies inside the product (caller), which is this thread's.
+            unsafe { block(isa, p, k, j0..(j0 + MC).min(n), 0..m, scratch)? };
         }
         Ok(())
     })
@@ -381,25 +366,21 @@ unsafe fn block(
         return Ok(());
     }
     let panels = rows.len().div_ceil(mr);
-    let Scratch {
-        packed,
-        weights,
-        acc,
-    } = scratch;
-    // One accumulator tile per (weight micro-panel, activation panel): nr × mr values, rows
-    // padded to a multiple of 8 for the transposing store.
-    let tile = nr.next_multiple_of(8) * mr;
-    acc.resize(cols.len().div_ceil(nr) * panels * tile, 0.0);
+    let Scratch { packed, weights } = scratch;
+    // The accumulators of one micro-tile pass through this L1-resident tile on their way to
+    // and from the output: nr × mr values, rows padded to a multiple of 8 for the 8 × 8
+    // transposes.
+    let mut tile = Tile([0.0; TILE]);
+    let tile = &mut tile.0[..nr.next_multiple_of(8) * mr];
     for pc in (0..k).step_by(KC) {
         let kc = KC.min(k - pc);
-        let last = pc + kc == k;
         packed.resize(panels * mr * kc, 0.0);
         for (q, panel) in packed.chunks_exact_mut(mr * kc).enumerate() {
             let j0 = rows.start + q * mr;
             // SAFETY: rows j0.. of the activations hold at least pc + kc elements (caller).
             unsafe { pack_panel(isa, p.b, j0, rows.end.min(j0 + mr) - j0, (pc, kc), panel) };
         }
-        for (t, i0) in cols.clone().step_by(nr).enumerate() {
+        for i0 in cols.clone().step_by(nr) {
             let nr_here = nr.min(cols.end - i0);
             // SAFETY: weight rows i0..i0 + nr_here and elements pc..pc + kc exist; `pc` is a
             // multiple of KC, itself a multiple of every block size.
@@ -407,12 +388,17 @@ unsafe fn block(
             for (q, panel) in packed.chunks_exact(mr * kc).enumerate() {
                 let j0 = rows.start + q * mr;
                 let rows_here = mr.min(rows.end - j0);
-                let slot = &mut acc[(t * panels + q) * tile..][..tile];
                 // SAFETY: `w` holds `nr_here` rows of `kc` elements with stride `w_stride`;
-                // `panel` holds `kc` × `mr` packed values; `slot` one tile; output rows
+                // `panel` holds `kc` × `mr` packed values; `tile` one padded tile; output rows
                 // j0..j0 + rows_here, columns i0..i0 + nr_here lie in the product and belong
-                // to this block.
+                // to this block. A later `k` block resumes from the partial sums the earlier
+                // one stored in the output (exact: f32 values round-trip unchanged).
                 unsafe {
+                    let c = p.dst.add(j0 * p.dst_stride + i0);
+                    let shape = (nr_here, rows_here);
+                    if pc > 0 {
+                        load_tile(isa, c, p.dst_stride, shape, mr, tile);
+                    }
                     micro_kernel(
                         isa,
                         nr_here,
@@ -420,25 +406,23 @@ unsafe fn block(
                         kc,
                         panel,
                         (w, w_stride),
-                        slot,
+                        tile,
                         pc > 0,
                     );
-                    if last {
-                        let c = p.dst.add(j0 * p.dst_stride + i0);
-                        let shape = (nr_here, rows_here);
-                        #[cfg(target_arch = "x86_64")]
-                        if isa != Isa::Portable {
-                            store_tile_avx2(c, p.dst_stride, shape, mr, slot);
-                            continue;
-                        }
-                        store_tile(c, p.dst_stride, shape, mr, slot);
-                    }
+                    store_tile(isa, c, p.dst_stride, shape, mr, tile);
                 }
             }
         }
     }
     Ok(())
 }
+
+/// Floats in the largest padded micro-tile (AVX-512: 16 × 32).
+const TILE: usize = 16 * 32;
+
+/// A micro-tile's accumulators in memory, aligned to a cache line.
+#[repr(align(64))]
+struct Tile([f32; TILE]);
 
 /// Packs activation rows `j0..j0 + count` (elements `pc..pc + kc`) as `kc` groups of
 /// `isa.mr()` values, rows past `count` as zeros.
@@ -453,7 +437,23 @@ unsafe fn pack_panel(
     (pc, kc): (usize, usize),
     out: &mut [f32],
 ) {
-    let mr = isa.mr();
+    // SAFETY: as stated (caller).
+    unsafe { pack_rows(isa, isa.mr(), b, j0, count, (pc, kc), out) }
+}
+
+/// [`pack_panel`] into groups of `mr` (a multiple of 8) values per `k`.
+///
+/// # Safety
+/// As [`pack_panel`]; `out` holds `kc × mr` values.
+unsafe fn pack_rows(
+    isa: Isa,
+    mr: usize,
+    b: F32Rows,
+    j0: usize,
+    count: usize,
+    (pc, kc): (usize, usize),
+    out: &mut [f32],
+) {
     debug_assert!(out.len() >= kc * mr && count <= mr);
     // SAFETY: row j0 + l has elements pc..pc + kc (caller).
     let row = |l: usize| unsafe { b.ptr.add((j0 + l) * b.row_stride + pc) };
@@ -583,8 +583,106 @@ unsafe fn store_tile_avx2(
 ///
 /// # Safety
 /// `c` must address `rows` rows (stride `stride`) of `nr` writable elements nobody else
-/// accesses; `tile` holds `nr × mr` values.
+/// accesses; `tile` holds `nr` rounded up to 8 × `mr` values; the CPU runs `isa`.
 unsafe fn store_tile(
+    isa: Isa,
+    c: *mut f32,
+    stride: usize,
+    shape: (usize, usize),
+    mr: usize,
+    tile: &[f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: as stated (caller); AVX2 runs wherever the non-portable kernels do.
+        unsafe { store_tile_avx2(c, stride, shape, mr, tile) };
+        return;
+    }
+    let _ = isa;
+    // SAFETY: as stated (caller).
+    unsafe { store_tile_portable(c, stride, shape, mr, tile) };
+}
+
+/// The inverse of [`store_tile`]: `tile[r * mr + l] = c[l, r]` for the valid part (lanes of
+/// rows past `rows` are left as they are: the micro-kernels ignore them).
+///
+/// # Safety
+/// `c` must address `rows` rows (stride `stride`) of `nr` readable elements nobody else
+/// writes; `tile` holds `nr` rounded up to 8 × `mr` values; the CPU runs `isa`.
+unsafe fn load_tile(
+    isa: Isa,
+    c: *const f32,
+    stride: usize,
+    (nr, rows): (usize, usize),
+    mr: usize,
+    tile: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if isa != Isa::Portable {
+        // SAFETY: as stated (caller); AVX2 runs wherever the non-portable kernels do.
+        unsafe { load_tile_avx2(c, stride, (nr, rows), mr, tile) };
+        return;
+    }
+    let _ = isa;
+    debug_assert!(tile.len() >= nr * mr && rows <= mr);
+    let t = tile.as_mut_ptr();
+    for l in 0..rows {
+        for r in 0..nr {
+            // SAFETY: inside the tile and its output elements (caller).
+            unsafe { *t.add(r * mr + l) = *c.add(l * stride + r) };
+        }
+    }
+}
+
+/// [`load_tile`] through 8 × 8 register transposes (masked loads for a partial block).
+///
+/// # Safety
+/// As [`load_tile`]; `tile` holds a multiple of 8 rows of `mr` (a multiple of 8) values; the
+/// CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn load_tile_avx2(
+    c: *const f32,
+    stride: usize,
+    (nr, rows): (usize, usize),
+    mr: usize,
+    tile: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    debug_assert!(tile.len() >= nr.next_multiple_of(8) * mr && mr.is_multiple_of(8));
+    let t = tile.as_mut_ptr();
+    for r0 in (0..nr).step_by(8) {
+        let width = (nr - r0).min(8) as i32;
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(width), lanes);
+        for l0 in (0..rows).step_by(8) {
+            // SAFETY: output rows l0 + i < rows, elements r0..r0 + width lie inside the
+            // tile's output (caller); tile rows r0..r0 + 8 and lanes l0..l0 + 8 inside the
+            // tile.
+            unsafe {
+                let v: [__m256; 8] = std::array::from_fn(|i| {
+                    let src = c.add((l0 + i).min(rows - 1) * stride + r0);
+                    if l0 + i >= rows {
+                        _mm256_setzero_ps()
+                    } else if width == 8 {
+                        _mm256_loadu_ps(src)
+                    } else {
+                        _mm256_maskload_ps(src, mask)
+                    }
+                });
+                for (i, row) in transpose8x8(v).iter().enumerate() {
+                    _mm256_storeu_ps(t.add((r0 + i) * mr + l0), *row);
+                }
+            }
+        }
+    }
+}
+
+/// [`store_tile`] element by element.
+///
+/// # Safety
+/// As [`store_tile`].
+unsafe fn store_tile_portable(
     c: *mut f32,
     stride: usize,
     (nr, rows): (usize, usize),
@@ -788,6 +886,244 @@ unsafe fn kernel_avx512<const NR: usize, const NV: usize>(
     }
 }
 
+/// Columns (activation rows) from which AVX-512 products take the wide path ([`wide`]).
+pub const WIDE_MIN_COLS: usize = 256;
+
+/// The wide path: the AVX-512 GEMM for many activation rows, vectorised over weight rows.
+///
+/// Weights are packed per task into panels of [`wide::WR`] rows, `k`-major (two zmm per `k`),
+/// and the activations are broadcast straight from their rows, [`wide::AR`] rows per
+/// micro-tile, so a micro-tile's accumulators are rows of the output and are stored (or, for a
+/// later `k` block, reloaded) without any transpose. Packing costs one pass over the task's
+/// weights, repaid by the many activation rows that reuse them; products with fewer columns
+/// read the weights in place instead (the main path above). Packed weights live only for the
+/// call: nothing is cached, so nothing can go stale when the weights' memory changes.
+///
+/// Blocking: `k` in blocks of [`wide::KC`] (an activation sliver, `AR × KC` floats, stays in
+/// L1 across the weight panels), weight rows in blocks of at most [`wide::WC`] (their packed
+/// panels stay in L2 across the slivers). Every output element is still one chain of fused
+/// multiply-adds over `k` in ascending order (resumed from the output between `k` blocks), the
+/// same chain as the other paths, so results are bit-identical to them.
+#[cfg(target_arch = "x86_64")]
+mod wide {
+    use super::{pack_rows, par_ranges, with_scratch, Isa, Product, Result, Scratch};
+
+    /// Weight rows per packed panel: two zmm vectors.
+    pub const WR: usize = 16 * NVMAX;
+    /// zmm vectors per output row of a micro-tile.
+    const NVMAX: usize = 2;
+    /// Activation rows per micro-tile: 24 accumulators, two weight vectors and a broadcast
+    /// fit the 32 zmm registers.
+    pub const AR: usize = 12;
+    /// Elements of `k` per block: a sliver of `AR` activation rows (18 KiB) stays in L1; a
+    /// multiple of the quantized block size (32).
+    pub const KC: usize = 384;
+    /// Most weight rows per task block (packed: `WC × KC` floats, 384 KiB, in L2).
+    pub const WC: usize = 256;
+
+    /// [`super::run`] on the wide path.
+    ///
+    /// # Safety
+    /// As [`super::run`], with AVX-512F on this CPU.
+    pub unsafe fn run(
+        threads: usize,
+        (m, n, k): (usize, usize, usize),
+        n_products: usize,
+        product: &(dyn Fn(usize) -> Product + Sync),
+    ) -> Result<()> {
+        // Weight blocks of equal size (multiples of WR) up to WC rows; then enough activation
+        // blocks for a few tasks per thread. Each task packs its weight block once per `k`
+        // block and runs it over its activation rows.
+        let i_blocks = m.div_ceil(WC);
+        let wc = m.div_ceil(i_blocks).next_multiple_of(WR);
+        let i_blocks = m.div_ceil(wc);
+        let want = 3 * threads;
+        let j_blocks = want.div_ceil(n_products * i_blocks).min(n.div_ceil(4 * AR));
+        let nc = n.div_ceil(j_blocks.max(1)).next_multiple_of(AR);
+        let j_blocks = n.div_ceil(nc);
+        let tasks = n_products * i_blocks * j_blocks;
+        par_ranges(tasks, 1, |range| {
+            with_scratch(|scratch| {
+                for task in range {
+                    let jb = task % j_blocks;
+                    let ib = (task / j_blocks) % i_blocks;
+                    let p = product(task / (i_blocks * j_blocks));
+                    let rows = jb * nc..((jb + 1) * nc).min(n);
+                    let cols = ib * wc..((ib + 1) * wc).min(m);
+                    // SAFETY: the block lies inside the product (caller), and this task alone
+                    // writes its output elements (rows × cols); the CPU has AVX-512F (caller).
+                    unsafe { block(&p, k, rows, cols, scratch)? };
+                }
+                Ok(())
+            })
+        })
+    }
+
+    /// Output rows `rows` × columns `cols` (at most WC) of `p`.
+    ///
+    /// # Safety
+    /// As [`run`]; this block's output elements belong to the caller alone.
+    unsafe fn block(
+        p: &Product,
+        k: usize,
+        rows: std::ops::Range<usize>,
+        cols: std::ops::Range<usize>,
+        scratch: &mut Scratch,
+    ) -> Result<()> {
+        if k == 0 {
+            for j in rows {
+                for i in cols.clone() {
+                    // SAFETY: output element (j, i) belongs to this block (caller).
+                    unsafe { *p.dst.add(j * p.dst_stride + i) = 0.0 };
+                }
+            }
+            return Ok(());
+        }
+        let Scratch { packed, weights } = scratch;
+        let panels = cols.len().div_ceil(WR);
+        for pc in (0..k).step_by(KC) {
+            let kc = KC.min(k - pc);
+            packed.resize(panels * WR * kc, 0.0);
+            for (q, panel) in packed.chunks_exact_mut(WR * kc).enumerate() {
+                let i0 = cols.start + q * WR;
+                let count = WR.min(cols.end - i0);
+                // SAFETY: weight rows i0..i0 + count and elements pc..pc + kc exist; `pc` is
+                // a multiple of KC, itself a multiple of every block size. The rows come back
+                // as f32 rows (in place or converted into `weights`), packed like activations.
+                unsafe {
+                    let (w, w_stride) = p.weights.rows(i0, count, (pc, kc), weights)?;
+                    let rows = super::F32Rows {
+                        ptr: w,
+                        row_stride: w_stride,
+                    };
+                    pack_rows(Isa::Avx512, WR, rows, 0, count, (0, kc), panel);
+                }
+            }
+            for j0 in rows.clone().step_by(AR) {
+                let ar = AR.min(rows.end - j0);
+                // SAFETY: activation rows j0..j0 + ar hold elements pc..pc + kc (caller).
+                let a = unsafe { p.b.ptr.add(j0 * p.b.row_stride + pc) };
+                for (q, panel) in packed.chunks_exact(WR * kc).enumerate() {
+                    let i0 = cols.start + q * WR;
+                    // SAFETY: `panel` holds kc × WR packed weights; the activation rows and
+                    // the output rows j0..j0 + ar, columns i0..i0 + width belong to this block
+                    // (caller); the CPU has AVX-512F (caller).
+                    unsafe {
+                        let c = p.dst.add(j0 * p.dst_stride + i0);
+                        let width = WR.min(cols.end - i0);
+                        kernel(
+                            ar,
+                            kc,
+                            panel.as_ptr(),
+                            (a, p.b.row_stride),
+                            (c, p.dst_stride),
+                            width,
+                            pc > 0,
+                        );
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Dispatches [`kernel_ar`] by the sliver's row count and the panel's width.
+    ///
+    /// # Safety
+    /// As [`kernel_ar`] with `AR_ = ar ≤ AR`.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn kernel(
+        ar: usize,
+        kc: usize,
+        w: *const f32,
+        a: (*const f32, usize),
+        c: (*mut f32, usize),
+        width: usize,
+        accumulate: bool,
+    ) {
+        macro_rules! dispatch {
+            ($nv:literal) => {
+                match ar {
+                    1 => kernel_ar::<1, $nv>(kc, w, a, c, width, accumulate),
+                    2 => kernel_ar::<2, $nv>(kc, w, a, c, width, accumulate),
+                    3 => kernel_ar::<3, $nv>(kc, w, a, c, width, accumulate),
+                    4 => kernel_ar::<4, $nv>(kc, w, a, c, width, accumulate),
+                    5 => kernel_ar::<5, $nv>(kc, w, a, c, width, accumulate),
+                    6 => kernel_ar::<6, $nv>(kc, w, a, c, width, accumulate),
+                    7 => kernel_ar::<7, $nv>(kc, w, a, c, width, accumulate),
+                    8 => kernel_ar::<8, $nv>(kc, w, a, c, width, accumulate),
+                    9 => kernel_ar::<9, $nv>(kc, w, a, c, width, accumulate),
+                    10 => kernel_ar::<10, $nv>(kc, w, a, c, width, accumulate),
+                    11 => kernel_ar::<11, $nv>(kc, w, a, c, width, accumulate),
+                    _ => kernel_ar::<12, $nv>(kc, w, a, c, width, accumulate),
+                }
+            };
+        }
+        debug_assert!((1..=AR).contains(&ar) && (1..=WR).contains(&width));
+        // SAFETY: as stated (caller).
+        unsafe {
+            match width.div_ceil(16) {
+                1 => dispatch!(1),
+                2 => dispatch!(2),
+                3 => dispatch!(3),
+                _ => dispatch!(4),
+            }
+        }
+    }
+
+    /// `c[r][0..width] (+)= Σ_kk a[r][kk] · w[kk][0..width]` for `AR_` activation rows `a`
+    /// (row stride given) and a packed weight panel `w` (`kc × WR`), each product a fused
+    /// multiply-add in ascending `kk`; `NV` zmm vectors per output row (`width ≤ 16 · NV`).
+    ///
+    /// # Safety
+    /// `w` holds `kc × WR` floats; the `AR_` activation rows hold `kc` elements each; `c`
+    /// addresses `AR_` output rows (stride given) of `width` elements nobody else accesses;
+    /// the CPU has AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    unsafe fn kernel_ar<const AR_: usize, const NV: usize>(
+        kc: usize,
+        w: *const f32,
+        (a, a_stride): (*const f32, usize),
+        (c, c_stride): (*mut f32, usize),
+        width: usize,
+        accumulate: bool,
+    ) {
+        use std::arch::x86_64::*;
+        let masks: [__mmask16; NV] = std::array::from_fn(|v| {
+            let lanes = width.saturating_sub(16 * v).min(16);
+            ((1u32 << lanes) - 1) as u16
+        });
+        // SAFETY: every access stays inside the panel, the activation rows or the output
+        // elements (caller); masked lanes are not touched.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); NV]; AR_];
+            if accumulate {
+                for (r, row) in acc.iter_mut().enumerate() {
+                    for (v, x) in row.iter_mut().enumerate() {
+                        *x = _mm512_maskz_loadu_ps(masks[v], c.add(r * c_stride + v * 16));
+                    }
+                }
+            }
+            let rows: [*const f32; AR_] = std::array::from_fn(|r| a.add(r * a_stride));
+            for kk in 0..kc {
+                let wp = w.add(kk * WR);
+                let wv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(wp.add(v * 16)));
+                for r in 0..AR_ {
+                    let x = _mm512_set1_ps(*rows[r].add(kk));
+                    for v in 0..NV {
+                        acc[r][v] = _mm512_fmadd_ps(x, wv[v], acc[r][v]);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (v, &x) in row.iter().enumerate() {
+                    _mm512_mask_storeu_ps(c.add(r * c_stride + v * 16), masks[v], x);
+                }
+            }
+        }
+    }
+}
+
 /// `dst[j, i] = Σ_k b[j, k] · w[i, k]` for dense row-major slices (`w`: `m × k`, `b`: `n × k`,
 /// `dst`: `n × m`) with the micro-kernels of `isa`: the entry point the unit tests use to
 /// reach each ISA.
@@ -869,6 +1205,11 @@ mod tests {
             (100, 300, 1100),
             (384, 40, 64),
             (25, 257, 520),
+            // The wide AVX-512 path (n ≥ WIDE_MIN_COLS): partial weight panels (m % 32),
+            // partial slivers (n % 12), several weight blocks (m > 256) and k blocks (k > 384).
+            (300, 263, 800),
+            (7, 300, 33),
+            (40, 256, 384),
         ] {
             let w = values(m * k, 1 + m as u64);
             let b = values(n * k, 2 + n as u64);
