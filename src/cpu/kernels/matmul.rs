@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
+use super::gemm_q8;
 use super::par_ranges;
 use super::quant_dot::{
     dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
@@ -29,7 +30,7 @@ use crate::tensor::MAX_DIMS;
 pub fn scratch_bytes(weights: DType, b_ne: &[usize; MAX_DIMS], b_contiguous: bool) -> usize {
     let rows = b_ne[1] * b_ne[2] * b_ne[3];
     if weights.is_quantized() {
-        rows * (b_ne[0] / QK) * Q8_0_BYTES
+        rows * (b_ne[0] / QK) * Q8_0_BYTES.max(gemm_q8::act_row_bytes(QK))
     } else if b_contiguous {
         0
     } else {
@@ -320,6 +321,11 @@ pub fn mul_mat(
         ));
     }
     let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
+    // Quantized weights with more than a couple of columns: integer block products against
+    // q8_0 activations (see `gemm_q8`).
+    if !reference && n > DIRECT_DOT_MAX_COLS && gemm_q8::applies(&a, &dst) {
+        return gemm_q8::mul_mat(gemm_q8::Isa::best(), &dst, &a, &b, (r2, r3), scratch);
+    }
     if !reference && gemm::applies(&a, &dst, n) {
         return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
     }
