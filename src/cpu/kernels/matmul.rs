@@ -15,6 +15,7 @@ use rayon::prelude::*;
 
 use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
+use super::gemm_bf16;
 use super::gemm_q8;
 use super::par_ranges;
 use super::quant_dot::{
@@ -371,6 +372,14 @@ pub fn mul_mat(
     // q8_0 activations (see `gemm_q8`).
     if !reference && n > DIRECT_DOT_MAX_COLS && gemm_q8::applies(&a, &dst) {
         return gemm_q8::mul_mat(gemm_q8::Isa::best(), &dst, &a, &b, (r2, r3), scratch);
+    }
+    // bf16 weights: bf16 × bf16 products on AMX tiles where the CPU has them (see `gemm_bf16`).
+    if !reference
+        && n > DIRECT_DOT_MAX_COLS
+        && gemm_bf16::applies(&a, &dst)
+        && gemm_bf16::Isa::best() == gemm_bf16::Isa::Amx
+    {
+        return gemm_bf16::mul_mat(gemm_bf16::Isa::Amx, &dst, &a, &b, (r2, r3));
     }
     if !reference && gemm::applies(&a, &dst, n) {
         return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
