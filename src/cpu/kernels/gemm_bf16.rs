@@ -8,7 +8,9 @@
 //! a time) into a 16 × 16 f32 tile; 2 × 2 output tiles stay in tile registers for a whole
 //! row of `k`. `vdpbf16ps` (AVX512_BF16), the instruction the issue named, was measured at
 //! about a quarter of the FMA rate per instruction on this CPU (twice the products, so half
-//! the f32 FMA's multiply-add rate): it cannot beat the f32 GEMM and is not used.
+//! the f32 FMA's multiply-add rate): it cannot beat the f32 GEMM and is not used. Setting
+//! `FERROGRAPH_NO_AMX` in the environment turns the AMX path off (bf16 weights then take the
+//! f32 GEMM).
 //!
 //! Arithmetic. The portable kernel (also compiled for AVX2) computes, for output element
 //! `(i, j)`, with `k` padded with zeros to a multiple of 32: `acc = 0`, then for each pair

@@ -5,6 +5,11 @@
 //! element `j + 16`, offset by 8. Quantization follows ggml's reference rounding. The SIMD
 //! paths use AVX2/FMA when the CPU has them (checked at run time); the scalar paths are the
 //! reference.
+//!
+//! The q4_0 mat-vec kernel (`dot_q4_0_pairs`) reads activations prepared once per product in
+//! its own lane order (`prepare_q4_pairs`), so that two q4_0 blocks take one 512-bit
+//! `vpdpbusd`; its arithmetic is defined lane by lane and its portable, AVX2-compiled and
+//! AVX-512 VNNI versions give identical bits.
 
 use half::f16;
 
