@@ -343,8 +343,14 @@ def main() -> None:
                 table, cpu, r, fg.float32, m, k, n, f"MUL_MAT f32 MiniLM {m}x{k} by {n}", True
             )
     # (columns, weight types, the type measured beside its peers)
+    # Low-precision weights on the MiniLM shapes (beside the f32 rows above: goal >= 1.6x).
+    for m, k in ((384, 1536), (1536, 384), (384, 384)):
+        for n in (128, 4096 if not args.quick else 512):
+            for dtype in (fg.bfloat16, fg.q8_0):
+                label = f"MUL_MAT {dtype} MiniLM {m}x{k} by {n}"
+                mul_mat_case(table, cpu, r, dtype, m, k, n, label, False)
     for n, dtypes, with_peers in (
-        (512, (fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0), fg.float16),
+        (512, (fg.float32, fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0), fg.float16),
         (1, (fg.float32, fg.float16, fg.q8_0, fg.q4_0), fg.float32),
     ):
         for dtype in dtypes:

@@ -14,7 +14,13 @@ worker runs there (the model directory is passed to it). ONNX Runtime runs the s
 exported once with ``torch.onnx`` (cached under the system temp directory), f32, with
 ``intra_op_num_threads`` = ``--threads``; its pipeline is the same as sentence-transformers':
 tokenize (pad to the longest, truncate at 128), the BERT graph, mean pooling over the attention
-mask, L2 normalisation. A peer that is not installed is skipped with a note.
+mask, L2 normalisation. ``onnxruntime-int8`` runs that export after ONNX Runtime's own dynamic
+int8 quantization (``onnxruntime.quantization.quantize_dynamic``, int8 weights). A peer that is
+not installed is skipped with a note.
+
+Accuracy: every implementation also embeds 8 distinct sentences, and the table ends with the
+smallest cosine similarity of each to the first of ferrograph-f32, sentence-transformers and
+ONNX Runtime (f32) that ran (q8_0 weights should stay ≥ 0.99, bf16 ≥ 0.999).
 """
 
 from __future__ import annotations
@@ -37,10 +43,16 @@ TARGETS_MS: dict[str, dict[str, float]] = {
     "ggml f32 (issue)": {"1x16": 5.4, "1x128": 36.0, "32x128": 1293.0},
 }
 FERROGRAPH_IMPLS = ("ferrograph-f32", "ferrograph-f16", "ferrograph-q8_0")
-PEER_IMPLS = ("sentence-transformers", "onnxruntime")
+PEER_IMPLS = ("sentence-transformers", "onnxruntime", "onnxruntime-int8")
 ALL_IMPLS = (*FERROGRAPH_IMPLS, "ferrograph-bf16", "ferrograph-f32-flash", *PEER_IMPLS)
 # The module a peer needs in its interpreter.
-PEER_MODULES = {"sentence-transformers": "sentence_transformers", "onnxruntime": "onnxruntime"}
+PEER_MODULES = {
+    "sentence-transformers": "sentence_transformers",
+    "onnxruntime": "onnxruntime",
+    "onnxruntime-int8": "onnxruntime",
+}
+# Whose embeddings the others' cosine similarity is measured against (the first one run).
+COSINE_REFERENCES = ("ferrograph-f32", "sentence-transformers", "onnxruntime")
 
 TEXT = (
     "The history of computing is long and winding, starting with mechanical calculators, "
@@ -130,8 +142,10 @@ def worker(impl: str, threads: int, repeat: int) -> dict[str, Any]:
         version = (
             f"sentence-transformers {sentence_transformers.__version__}, torch {torch.__version__}"
         )
-    elif impl == "onnxruntime":
-        encode, version = onnxruntime_encoder(directory, tokenizer, threads)
+    elif impl in ("onnxruntime", "onnxruntime-int8"):
+        encode, version = onnxruntime_encoder(
+            directory, tokenizer, threads, int8=impl.endswith("int8")
+        )
     else:
         from ferrograph.models import MiniLM
 
@@ -152,13 +166,60 @@ def worker(impl: str, threads: int, repeat: int) -> dict[str, Any]:
         sentences = [sentence_with_tokens(count, n_tokens)] * n
         results[name] = time_best(functools.partial(encode, sentences), repeat) * 1e3
     peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import numpy as np
+
+    embeddings = np.asarray(encode(accuracy_sentences()), dtype=np.float64)
     return {
         "impl": impl,
         "version": version,
         "load_s": load_s,
         "ms": results,
         "peak_rss_mib": peak_kib / 1024,
+        "embeddings": embeddings.tolist(),
     }
+
+
+def accuracy_sentences() -> list[str]:
+    """Distinct sentences of 3 to 80 words from ``TEXT`` (under 128 tokens, so no
+    implementation truncates) whose embeddings are compared between implementations."""
+    words = TEXT.split()
+    return [
+        " ".join(words[start : start + length])
+        for start, length in (
+            (0, 3),
+            (5, 12),
+            (20, 30),
+            (7, 60),
+            (40, 80),
+            (0, 75),
+            (60, 45),
+            (90, 25),
+        )
+    ]
+
+
+def min_cosine(a: list[list[float]], b: list[list[float]]) -> float:
+    """The smallest cosine similarity between corresponding rows of ``a`` and ``b``."""
+    import numpy as np
+
+    x, y = np.asarray(a), np.asarray(b)
+    cos = (x * y).sum(axis=1) / (np.linalg.norm(x, axis=1) * np.linalg.norm(y, axis=1))
+    return float(cos.min())
+
+
+def quantize_onnx(directory: Path) -> Path:
+    """The exported model with ONNX Runtime's own int8 dynamic quantization
+    (``quantize_dynamic``, int8 weights; once, cached beside the f32 export)."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    source = export_onnx(directory)
+    path = source.with_name("all-minilm-l6-v2-int8.onnx")
+    if path.exists():
+        return path
+    partial = path.with_suffix(".partial")
+    quantize_dynamic(str(source), str(partial), weight_type=QuantType.QInt8)
+    partial.rename(path)
+    return path
 
 
 def export_onnx(directory: Path) -> Path:
@@ -206,13 +267,14 @@ def export_onnx(directory: Path) -> Path:
 
 
 def onnxruntime_encoder(
-    directory: Path, tokenizer: Any, threads: int
+    directory: Path, tokenizer: Any, threads: int, int8: bool = False
 ) -> tuple[Callable[[Sequence[str]], object], str]:
-    """ONNX Runtime's encode: sentence-transformers' pipeline around the exported graph."""
+    """ONNX Runtime's encode: sentence-transformers' pipeline around the exported graph (with
+    ``int8``, the graph after ONNX Runtime's dynamic int8 quantization)."""
     import numpy as np
     import onnxruntime as ort
 
-    path = export_onnx(directory)
+    path = quantize_onnx(directory) if int8 else export_onnx(directory)
     options = ort.SessionOptions()
     options.intra_op_num_threads = threads
     options.inter_op_num_threads = 1
@@ -237,7 +299,8 @@ def onnxruntime_encoder(
             out.append(pooled / np.linalg.norm(pooled, axis=1, keepdims=True).clip(1e-12))
         return np.concatenate(out)
 
-    return encode, f"onnxruntime {ort.__version__} (f32, model exported by torch.onnx)"
+    kind = "int8 dynamic quantization" if int8 else "f32"
+    return encode, f"onnxruntime {ort.__version__} ({kind}, model exported by torch.onnx)"
 
 
 def run_worker(python: str, impl: str, threads: int, repeat: int) -> dict[str, Any] | str:
@@ -278,6 +341,16 @@ def print_table(rows: list[dict[str, Any]], threads: int, repeat: int, rounds: i
         line = f"  {name:<30}" + "".join(f"{ms[n]:>11.1f}" for n in names)
         line += "".join(f"{CASES[n][0] / ms[n] * 1e3:>14.1f}" for n in names)
         print(line)
+    reference = next(
+        (r for name in COSINE_REFERENCES for r in rows if r["impl"] == name and "embeddings" in r),
+        None,
+    )
+    if reference is not None:
+        print(f"  smallest cosine similarity to {reference['impl']} over 8 distinct sentences:")
+        for row in rows:
+            if row is not reference and "embeddings" in row:
+                cos = min_cosine(row["embeddings"], reference["embeddings"])
+                print(f"    {row['impl']:<30}{cos:.6f}")
     ours = [r for r in rows if r["impl"].startswith("ferrograph")]
     peers = [r for r in rows if not r["impl"].startswith("ferrograph")]
     for peer in peers:
@@ -356,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     if rows:
         print_table(rows, args.threads, args.repeat, args.rounds)
     if args.json is not None:
-        args.json.write_text(json.dumps(rows, indent=2))
+        kept = [{k: v for k, v in row.items() if k != "embeddings"} for row in rows]
+        args.json.write_text(json.dumps(kept, indent=2))
     return 0 if rows else 1
 
 

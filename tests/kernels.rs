@@ -906,6 +906,46 @@ fn mul_mat_quantized_weights() {
     }
 }
 
+/// The low-precision GEMM paths (q8_0 / q4_0 weights × activations quantized to q8_0 as
+/// integer block products; bf16 weights × activations rounded to bf16): partial weight panels
+/// (m not a multiple of 32), several activation tiles and passes (n up to 70), odd block
+/// counts, k = 1024, broadcast batches — against the f64 product of the dequantized weights
+/// with the f32 activations (the limit covers the activations' own rounding: q8_0 steps of
+/// amax/127, bf16's 8-bit significand), with identical bits at 1, 2 and 3 threads and no write
+/// outside the output.
+#[test]
+fn mul_mat_low_precision_gemm_paths() {
+    let mut rng = Rng::new(31);
+    for (dtype, limit) in [
+        (DType::Q8_0, 1e-4),
+        (DType::Q4_0, 1e-4),
+        (DType::BF16, 2e-5),
+    ] {
+        for (k, m, n, batches, bcast) in [
+            (96usize, 33usize, 3usize, 1usize, 1usize),
+            (160, 65, 70, 2, 2),
+            (32, 100, 7, 1, 3),
+            (1024, 40, 37, 1, 1),
+        ] {
+            let c = ctx();
+            let a = c.new_tensor(dtype, &[k, m, batches]).unwrap();
+            let b = c.new_tensor(DType::F32, &[k, n, batches * bcast]).unwrap();
+            let av = fill_any(&a, &mut rng);
+            let bv = fill(&b, &mut rng, -1.0, 1.0);
+            let out = ops::mul_mat(&c, &a, &b).unwrap();
+            let check_guard = guard(&out);
+            compute(&out);
+            check_guard();
+            check(
+                &format!("mul_mat {dtype} k{k} m{m} n{n}"),
+                &out.to_f32_vec().unwrap(),
+                &mul_mat_ref(&av, a.ne(), &bv, b.ne()),
+                limit,
+            );
+        }
+    }
+}
+
 #[test]
 fn mul_mat_id_and_out_prod() {
     let mut rng = Rng::new(13);

@@ -13,10 +13,12 @@ use std::ops::Range;
 
 use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
+use super::gemm_bf16;
+use super::gemm_q8;
 use super::par_ranges;
 use super::quant_dot::{
-    dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_q8_0, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
-    dot_q8_0_q8_0_ref, quantize_row_q8_0, Q8_0_BYTES, QK,
+    dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
+    dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
 use super::view::{read_index, RawTensor, SendPtr};
 use crate::dtype::DType;
@@ -27,7 +29,10 @@ use crate::tensor::MAX_DIMS;
 pub fn scratch_bytes(weights: DType, b_ne: &[usize; MAX_DIMS], b_contiguous: bool) -> usize {
     let rows = b_ne[1] * b_ne[2] * b_ne[3];
     if weights.is_quantized() {
-        rows * (b_ne[0] / QK) * Q8_0_BYTES
+        let k = b_ne[0];
+        rows * ((k / QK) * Q8_0_BYTES)
+            .max(gemm_q8::act_row_bytes(k))
+            .max(q4_pairs_row_bytes(k))
     } else if b_contiguous {
         0
     } else {
@@ -57,6 +62,8 @@ enum Prepared<'s> {
     Packed(Vec<f32>, [usize; MAX_DIMS]),
     /// q8_0 rows packed contiguously in the scratch.
     Q8(&'s [u8], usize, [usize; MAX_DIMS]),
+    /// Rows quantized for the q4_0 mat-vec kernel (`prepare_q4_pairs`), in the scratch.
+    Q4Pairs(&'s [u8], usize, [usize; MAX_DIMS]),
 }
 
 fn flat(ne: &[usize; MAX_DIMS], i1: usize, i2: usize, i3: usize) -> usize {
@@ -77,13 +84,13 @@ impl Prepared<'_> {
                 let r = flat(ne, i1, i2, i3);
                 &data[r * k..(r + 1) * k]
             }
-            Prepared::Q8(..) => &[],
+            Prepared::Q8(..) | Prepared::Q4Pairs(..) => &[],
         }
     }
 
     fn q8_row(&self, (i1, i2, i3): (usize, usize, usize)) -> &[u8] {
         match self {
-            Prepared::Q8(data, row_bytes, ne) => {
+            Prepared::Q8(data, row_bytes, ne) | Prepared::Q4Pairs(data, row_bytes, ne) => {
                 let r = flat(ne, i1, i2, i3);
                 &data[r * row_bytes..(r + 1) * row_bytes]
             }
@@ -92,9 +99,36 @@ impl Prepared<'_> {
     }
 }
 
-fn prepare<'s>(weights: DType, b: RawTensor, scratch: &'s mut Vec<u8>) -> Result<Prepared<'s>> {
+/// Activations for dot products with `weights`; `q4_pairs`: q4_0 weights use the
+/// `dot_q4_0_pairs` mat-vec kernel (not the reference).
+fn prepare<'s>(
+    weights: DType,
+    b: RawTensor,
+    scratch: &'s mut Vec<u8>,
+    q4_pairs: bool,
+) -> Result<Prepared<'s>> {
     let k = b.ne[0];
     let nrows = b.nrows();
+    if weights == DType::Q4_0 && q4_pairs && k.is_multiple_of(QK) && k > 0 {
+        let row_bytes = q4_pairs_row_bytes(k);
+        scratch.clear();
+        scratch.resize(nrows * row_bytes, 0);
+        scratch
+            .par_chunks_mut(row_bytes)
+            .enumerate()
+            .with_min_len((super::MIN_TASK_ELEMENTS / k).max(1))
+            .try_for_each_init(
+                || vec![0f32; k],
+                |buf, (r, out)| -> Result<()> {
+                    let (i1, i2, i3) = b.row_coords(r);
+                    // SAFETY: row `r` lies inside `b` (read-only).
+                    unsafe { b.load_row(i1, i2, i3, buf)? };
+                    prepare_q4_pairs(buf, out);
+                    Ok(())
+                },
+            )?;
+        return Ok(Prepared::Q4Pairs(scratch.as_slice(), row_bytes, b.ne));
+    }
     if weights.is_quantized() {
         let row_bytes = DType::Q8_0.row_size(k)?;
         scratch.clear();
@@ -171,12 +205,26 @@ fn run_tile(
         }
     };
     match a.dtype {
+        DType::Q4_0 if matches!(b, Prepared::Q4Pairs(..)) => {
+            let row_bytes = a.dtype.row_size(k)?;
+            for col in cols {
+                let brow = b.q8_row(col.b);
+                for i in rows.clone() {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+                    // `row_bytes` bytes of adjacent blocks.
+                    let arow = unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
+                    };
+                    write(col, i, dot_q4_0_pairs(arow, brow));
+                }
+            }
+        }
         DType::Q8_0 | DType::Q4_0 if matches!(b, Prepared::Q8(..)) => {
             let row_bytes = a.dtype.row_size(k)?;
             let dot = match (a.dtype, reference) {
                 (DType::Q8_0, false) => dot_q8_0_q8_0,
                 (DType::Q8_0, true) => dot_q8_0_q8_0_ref,
-                (_, false) => dot_q4_0_q8_0,
+                (_, false) => super::quant_dot::dot_q4_0_q8_0,
                 (_, true) => dot_q4_0_q8_0_ref,
             };
             for col in cols {
@@ -326,6 +374,19 @@ pub fn mul_mat(
         ));
     }
     let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
+    // Quantized weights with more than a couple of columns: integer block products against
+    // q8_0 activations (see `gemm_q8`).
+    if !reference && n > DIRECT_DOT_MAX_COLS && gemm_q8::applies(&a, &dst) {
+        return gemm_q8::mul_mat(gemm_q8::Isa::best(), &dst, &a, &b, (r2, r3), scratch);
+    }
+    // bf16 weights: bf16 × bf16 products on AMX tiles where the CPU has them (see `gemm_bf16`).
+    if !reference
+        && n > DIRECT_DOT_MAX_COLS
+        && gemm_bf16::applies(&a, &dst)
+        && gemm_bf16::Isa::best() == gemm_bf16::Isa::Amx
+    {
+        return gemm_bf16::mul_mat(gemm_bf16::Isa::Amx, &dst, &a, &b, (r2, r3));
+    }
     if !reference && gemm::applies(&a, &dst, n) {
         return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
     }
@@ -336,7 +397,8 @@ pub fn mul_mat(
     } else {
         a.dtype
     };
-    let prepared = prepare(activations, b, scratch)?;
+    let q4_pairs = !reference && a.nb[0] == a.dtype.type_size();
+    let prepared = prepare(activations, b, scratch, q4_pairs)?;
     let ti = row_tile(m, n);
     let i_tiles = m.div_ceil(ti);
     let batches = ne12 * ne13;
@@ -396,7 +458,7 @@ fn mul_mat_gemm(
 ) -> Result<()> {
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
-    let prepared = prepare(DType::F32, b, scratch)?;
+    let prepared = prepare(DType::F32, b, scratch, false)?;
     let rows_of = |i12: usize, i13: usize| -> F32Rows {
         match &prepared {
             Prepared::Direct(b) => F32Rows {
@@ -408,7 +470,7 @@ fn mul_mat_gemm(
                 ptr: data[flat(ne, 0, i12, i13) * k..].as_ptr(),
                 row_stride: k,
             },
-            Prepared::Q8(..) => F32Rows {
+            Prepared::Q8(..) | Prepared::Q4Pairs(..) => F32Rows {
                 ptr: std::ptr::null(),
                 row_stride: 0,
             },
@@ -458,7 +520,7 @@ pub fn mul_mat_id(
             });
         }
     }
-    let prepared = prepare(experts.dtype, b, scratch)?;
+    let prepared = prepare(experts.dtype, b, scratch, false)?;
     let m = experts.ne[1];
     let ti = 16.min(m.max(1));
     let i_tiles = m.div_ceil(ti);

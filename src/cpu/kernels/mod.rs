@@ -11,6 +11,8 @@ pub mod copy;
 pub mod custom;
 pub mod dot_tile;
 pub mod gemm;
+pub mod gemm_bf16;
+pub mod gemm_q8;
 pub mod math;
 pub mod matmul;
 pub mod norm;

@@ -1,0 +1,842 @@
+//! MUL_MAT with q8_0 / q4_0 weights as integer block products, as ggml does: the activations
+//! are quantized to q8_0 per block of 32, each (weight row, activation row, block) product is
+//! an exact integer sum, scaled by the two block scales and accumulated in f32.
+//!
+//! Layout. Weights are repacked a panel of [`PANEL`] rows at a time (per task, into a
+//! thread-local buffer) so that one 64-byte line holds 4 consecutive `k` of 16 rows: the
+//! layout `vpdpbusd` wants (16 i32 lanes, each the sum of four u8 × i8 products). q4_0
+//! nibbles are unpacked to signed bytes there, so both weight types share one kernel. The
+//! activations are stored as unsigned bytes (`q + 128`); the offset's contribution,
+//! `128 · Σ w` per weight row and block, is precomputed at packing time and is the starting
+//! value of each block's integer sum, so no sign tricks are needed and every i8 weight value
+//! (−128 included) is exact.
+//!
+//! Arithmetic (identical on every path and for every task split). For output element
+//! `(i, j)`: `acc = 0`, then for blocks `b` in ascending order
+//! `acc = fma(isum(i, j, b) as f32, dw(i, b) · da(j, b), acc)` where `isum` is the exact
+//! integer block sum (at most 32 · 128 · 127 in magnitude, so its f32 conversion is exact),
+//! `dw · da` is one rounded f32 product and `fma` rounds once. The AVX-512 VNNI kernel, the
+//! portable kernel and the portable kernel compiled for AVX2 therefore agree bit for bit.
+
+use std::cell::RefCell;
+
+use rayon::prelude::*;
+
+use super::par_ranges;
+use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTES, QK};
+use super::view::RawTensor;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Weight rows per packed panel (two 16-lane vectors).
+pub const PANEL: usize = 32;
+
+/// Activation rows (output columns) per micro-tile.
+const COLS: usize = 6;
+
+/// Steps of four `k` per block.
+const STEPS: usize = QK / 4;
+
+/// One cache line of a packed panel (64-byte aligned so the kernel's loads are aligned).
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct Line([u8; 64]);
+
+/// Lines per packed block: 8 steps × 2 vectors of quants, then the 32 f32 scales, then the
+/// 32 i32 offset corrections.
+const BLOCK_LINES: usize = STEPS * 2 + 2 + 2;
+/// Byte offset of the scales inside a packed block.
+const SCALES_AT: usize = STEPS * 2 * 64;
+/// Byte offset of the offset corrections inside a packed block.
+const COMP_AT: usize = SCALES_AT + 2 * 64;
+
+/// The kernel family.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust.
+    Portable,
+    /// The portable kernel compiled with AVX2 + FMA enabled (auto-vectorized).
+    Avx2,
+    /// AVX-512 with VNNI (`vpdpbusd` on 512-bit vectors).
+    Vnni512,
+}
+
+impl Isa {
+    /// Every family this CPU runs, slowest first.
+    pub fn available() -> Vec<Isa> {
+        let mut out = vec![Isa::Portable];
+        #[cfg(target_arch = "x86_64")]
+        {
+            if super::has_avx2_fma() {
+                out.push(Isa::Avx2);
+            }
+            if has_vnni512() {
+                out.push(Isa::Vnni512);
+            }
+        }
+        out
+    }
+
+    /// The fastest family this CPU runs.
+    pub fn best() -> Isa {
+        static BEST: std::sync::OnceLock<Isa> = std::sync::OnceLock::new();
+        *BEST.get_or_init(|| *Isa::available().last().unwrap_or(&Isa::Portable))
+    }
+}
+
+/// Whether the AVX-512 VNNI kernel can run on this CPU.
+fn has_vnni512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx512f")
+                && is_x86_feature_detected!("avx512bw")
+                && is_x86_feature_detected!("avx512vnni")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Bytes of one prepared activation row of `k` elements: `k` offset quants, then one f32
+/// scale per block.
+pub fn act_row_bytes(k: usize) -> usize {
+    k + 4 * (k / QK)
+}
+
+/// Whether this path handles the product (quantized weights with whole blocks in dense rows,
+/// a dense f32 output).
+pub fn applies(a: &RawTensor, dst: &RawTensor) -> bool {
+    let block_bytes = match a.dtype {
+        DType::Q8_0 => Q8_0_BYTES,
+        DType::Q4_0 => Q4_0_BYTES,
+        _ => return false,
+    };
+    a.ne[0] > 0
+        && a.ne[0].is_multiple_of(QK)
+        && a.nb[0] == block_bytes
+        && dst.dtype == DType::F32
+        && dst.nb[0] == 4
+        && (dst.ptr.0 as usize).is_multiple_of(4)
+        && dst.nb[1..].iter().all(|s| s % 4 == 0)
+}
+
+/// Quantizes one f32 row into the prepared layout (the q8_0 quantization of
+/// [`quantize_row_q8_0`], values offset by 128, scales widened to f32); AVX-512 when the CPU
+/// has it, with the same bits.
+pub fn prepare_row(x: &[f32], out: &mut [u8]) {
+    assert!(x.len().is_multiple_of(QK) && out.len() >= act_row_bytes(x.len()));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx512() {
+        // SAFETY: the CPU has AVX-512F/BW (checked); the sizes were checked above.
+        unsafe { x86::prepare_row(x, out) };
+        return;
+    }
+    prepare_row_portable(x, out);
+}
+
+/// Whether the AVX-512F/BW quantizer can run on this CPU.
+fn has_avx512() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
+        })
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// One block of [`prepare_row`], portable: quantizes `xs` (32 values) into `quants` and
+/// returns the scale.
+fn prepare_block(xs: &[f32], quants: &mut [u8]) -> f32 {
+    let mut block = [0u8; Q8_0_BYTES];
+    quantize_row_q8_0(xs, &mut block);
+    for (q, &v) in quants.iter_mut().zip(&block[2..]) {
+        *q = v ^ 0x80;
+    }
+    f16_bits_to_f32(u16::from_ne_bytes([block[0], block[1]]))
+}
+
+/// [`prepare_row`] in portable Rust (the reference).
+pub fn prepare_row_portable(x: &[f32], out: &mut [u8]) {
+    let k = x.len();
+    let (quants, scales) = out.split_at_mut(k);
+    for (b, xs) in x.chunks_exact(QK).enumerate() {
+        let d = prepare_block(xs, &mut quants[b * QK..(b + 1) * QK]);
+        scales[4 * b..4 * b + 4].copy_from_slice(&d.to_ne_bytes());
+    }
+}
+
+/// Prepares every row of `b` (parallel) into `out` (`nrows × act_row_bytes(k)` bytes).
+fn prepare_acts(b: &RawTensor, out: &mut [u8]) -> Result<()> {
+    let k = b.ne[0];
+    let row_bytes = act_row_bytes(k);
+    out.par_chunks_mut(row_bytes)
+        .enumerate()
+        .with_min_len((super::MIN_TASK_ELEMENTS / k.max(1)).max(1))
+        .try_for_each_init(
+            || vec![0f32; k],
+            |buf, (r, row)| -> Result<()> {
+                let (i1, i2, i3) = b.row_coords(r);
+                // SAFETY: row `r` lies inside `b` (read-only during the product).
+                unsafe { b.load_row(i1, i2, i3, buf)? };
+                prepare_row(buf, row);
+                Ok(())
+            },
+        )
+}
+
+/// Packs weight rows (`rows[r]` is the raw q8_0/q4_0 row of panel row `r`, `None` past the
+/// last row) into `out`: `nb` packed blocks.
+fn pack_panel(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut Vec<Line>) {
+    out.clear();
+    out.resize(nb * BLOCK_LINES, Line([0; 64]));
+    let block = if dtype == DType::Q4_0 {
+        Q4_0_BYTES
+    } else {
+        Q8_0_BYTES
+    };
+    assert!(rows.iter().flatten().all(|r| r.len() >= nb * block));
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni512() {
+        // SAFETY: the CPU has AVX-512F/BW/VNNI (checked); every row holds `nb` blocks
+        // (asserted above) and `out` holds `nb` packed blocks.
+        if unsafe { x86::pack_panel(dtype == DType::Q4_0, rows, nb, out) } {
+            return;
+        }
+    }
+    pack_panel_portable(dtype, rows, nb, out);
+}
+
+/// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
+fn pack_panel_portable(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
+    let bytes = out;
+    for b in 0..nb {
+        let blk = &mut bytes[b * BLOCK_LINES..(b + 1) * BLOCK_LINES];
+        for (r, row) in rows.iter().enumerate() {
+            let Some(row) = row else {
+                continue;
+            };
+            let mut w = [0i8; QK];
+            let d = match dtype {
+                DType::Q4_0 => {
+                    let x = &row[b * Q4_0_BYTES..(b + 1) * Q4_0_BYTES];
+                    for j in 0..QK / 2 {
+                        w[j] = (x[2 + j] & 0x0f) as i8 - 8;
+                        w[j + QK / 2] = (x[2 + j] >> 4) as i8 - 8;
+                    }
+                    u16::from_ne_bytes([x[0], x[1]])
+                }
+                _ => {
+                    let x = &row[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
+                    for (q, &v) in w.iter_mut().zip(&x[2..]) {
+                        *q = v as i8;
+                    }
+                    u16::from_ne_bytes([x[0], x[1]])
+                }
+            };
+            let (v, lane) = (r / 16, r % 16);
+            for s in 0..STEPS {
+                let line = &mut blk[s * 2 + v].0;
+                for t in 0..4 {
+                    line[lane * 4 + t] = w[4 * s + t] as u8;
+                }
+            }
+            let sum: i32 = w.iter().map(|&x| i32::from(x)).sum();
+            let scale = f16_bits_to_f32(d).to_ne_bytes();
+            let comp = (-128 * sum).to_ne_bytes();
+            blk[STEPS * 2 + v].0[lane * 4..lane * 4 + 4].copy_from_slice(&scale);
+            blk[STEPS * 2 + 2 + v].0[lane * 4..lane * 4 + 4].copy_from_slice(&comp);
+        }
+    }
+}
+
+/// The portable micro-kernel: `out[c][r]` for panel row `r` and activation row `acts[c]`.
+#[inline(always)]
+fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; COLS]) {
+    let nb = k / QK;
+    for (c, act) in acts.iter().enumerate() {
+        let mut acc = [0f32; PANEL];
+        for b in 0..nb {
+            let blk = &panel[b * BLOCK_LINES..(b + 1) * BLOCK_LINES];
+            let mut isum = [0i32; PANEL];
+            for (r, s) in isum.iter_mut().enumerate() {
+                let (v, lane) = (r / 16, r % 16);
+                *s = i32::from_ne_bytes(
+                    blk[STEPS * 2 + 2 + v].0[lane * 4..lane * 4 + 4]
+                        .try_into()
+                        .expect("4 bytes"),
+                );
+            }
+            let aq = &act[b * QK..(b + 1) * QK];
+            for s in 0..STEPS {
+                for (v, half) in isum.chunks_exact_mut(16).enumerate() {
+                    let line = &blk[s * 2 + v].0;
+                    for (lane, sum) in half.iter_mut().enumerate() {
+                        for t in 0..4 {
+                            *sum += i32::from(aq[4 * s + t]) * i32::from(line[lane * 4 + t] as i8);
+                        }
+                    }
+                }
+            }
+            let da = f32::from_ne_bytes(act[k + 4 * b..k + 4 * b + 4].try_into().expect("4"));
+            for (r, (a, &s)) in acc.iter_mut().zip(&isum).enumerate() {
+                let (v, lane) = (r / 16, r % 16);
+                let dw = f32::from_ne_bytes(
+                    blk[STEPS * 2 + v].0[lane * 4..lane * 4 + 4]
+                        .try_into()
+                        .expect("4 bytes"),
+                );
+                *a = (s as f32).mul_add(dw * da, *a);
+            }
+        }
+        out[c] = acc;
+    }
+}
+
+/// [`tile_portable`] compiled with AVX2 + FMA (same arithmetic, vectorized by the compiler).
+///
+/// # Safety
+/// The CPU must support AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_avx2(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; COLS]) {
+    tile_portable(panel, acts, k, out);
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::{Line, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
+    use half::f16;
+    use std::arch::x86_64::*;
+
+    /// [`super::pack_panel`] with gathers: each 4-byte group of 16 rows is one gather (q4_0:
+    /// one gather gives two groups, low and high nibbles); the sums for the offset
+    /// corrections come from `vpdpbusd` with ones. Returns false (nothing written) when the
+    /// rows are too far apart for 32-bit gather offsets.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI; `rows[0]` is present, every present row holds
+    /// `nb` blocks and `out` holds `nb` packed blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn pack_panel(
+        q4: bool,
+        rows: &[Option<&[u8]>; PANEL],
+        nb: usize,
+        out: &mut [Line],
+    ) -> bool {
+        let Some(first) = rows[0] else {
+            return false;
+        };
+        let block = if q4 {
+            super::Q4_0_BYTES
+        } else {
+            super::Q8_0_BYTES
+        };
+        let base = first.as_ptr();
+        let mut offsets = [[0i32; 16]; 2];
+        let mut masks = [0u16; 2];
+        for (r, row) in rows.iter().enumerate() {
+            if let Some(row) = row {
+                let Ok(off) = i32::try_from(row.as_ptr() as isize - base as isize) else {
+                    return false;
+                };
+                if i32::try_from(off as i64 + (nb * block) as i64).is_err() {
+                    return false;
+                }
+                offsets[r / 16][r % 16] = off;
+                masks[r / 16] |= 1 << (r % 16);
+            }
+        }
+        let zero = _mm512_setzero_si512();
+        let ones = _mm512_set1_epi8(1);
+        let low = _mm512_set1_epi8(0x0f);
+        let eight = _mm512_set1_epi8(8);
+        for b in 0..nb {
+            // SAFETY: packed block `b` exists in `out` (caller).
+            let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();
+            for v in 0..2 {
+                let mask = masks[v];
+                // SAFETY: `offsets[v]` holds 16 i32.
+                let rows_at = unsafe { _mm512_loadu_si512(offsets[v].as_ptr().cast()) };
+                let at = _mm512_add_epi32(rows_at, _mm512_set1_epi32((b * block) as i32));
+                // Four bytes at byte `o` of block `b` of the 16 rows (masked rows: zero).
+                // SAFETY: for present rows the bytes lie inside their block (o + 4 ≤ block
+                // size); masked lanes are not read.
+                let gather = |o: i32| unsafe {
+                    _mm512_mask_i32gather_epi32::<1>(
+                        zero,
+                        mask,
+                        _mm512_add_epi32(at, _mm512_set1_epi32(o)),
+                        base.cast(),
+                    )
+                };
+                let mut sum = zero;
+                // SAFETY: every store writes one 64-byte line of packed block `b`.
+                unsafe {
+                    if q4 {
+                        for s in 0..STEPS / 2 {
+                            let g = gather(2 + 4 * s as i32);
+                            let lo = _mm512_sub_epi8(_mm512_and_si512(g, low), eight);
+                            let hi = _mm512_sub_epi8(
+                                _mm512_and_si512(_mm512_srli_epi16::<4>(g), low),
+                                eight,
+                            );
+                            let lo = _mm512_maskz_mov_epi32(mask, lo);
+                            let hi = _mm512_maskz_mov_epi32(mask, hi);
+                            _mm512_store_si512(blk.add((s * 2 + v) * 64).cast(), lo);
+                            _mm512_store_si512(blk.add(((s + STEPS / 2) * 2 + v) * 64).cast(), hi);
+                            sum = _mm512_dpbusd_epi32(sum, ones, lo);
+                            sum = _mm512_dpbusd_epi32(sum, ones, hi);
+                        }
+                    } else {
+                        for s in 0..STEPS {
+                            let g = gather(2 + 4 * s as i32);
+                            _mm512_store_si512(blk.add((s * 2 + v) * 64).cast(), g);
+                            sum = _mm512_dpbusd_epi32(sum, ones, g);
+                        }
+                    }
+                    let d = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(gather(0)));
+                    _mm512_store_ps(blk.add(SCALES_AT + v * 64).cast(), d);
+                    let comp = _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(sum));
+                    _mm512_store_si512(blk.add(COMP_AT + v * 64).cast(), comp);
+                }
+            }
+        }
+        true
+    }
+
+    /// [`super::prepare_row`] with AVX-512: the same operations as `quantize_row_q8_0`
+    /// (maximum magnitude, `d = amax / 127`, `id = 1 / d`, round half away from zero,
+    /// saturate to i8), each exact or rounded the same way. Blocks holding a NaN or an
+    /// infinity, or so tiny that `1 / d` overflows, go through the portable code.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW; `x.len()` is a multiple of 32 and `out` holds
+    /// `act_row_bytes(x.len())` bytes.
+    #[target_feature(enable = "avx512f,avx512bw")]
+    pub unsafe fn prepare_row(x: &[f32], out: &mut [u8]) {
+        let k = x.len();
+        let abs_mask = _mm512_set1_epi32(0x7fff_ffff);
+        let half = _mm512_set1_ps(0.5);
+        let one = _mm512_set1_ps(1.0);
+        let sign = _mm512_set1_epi32(i32::MIN);
+        let bias = _mm_set1_epi8(-128);
+        for b in 0..k / QK {
+            let xs = &x[b * QK..(b + 1) * QK];
+            // SAFETY: `xs` holds 32 f32.
+            let (v0, v1) = unsafe {
+                (
+                    _mm512_loadu_ps(xs.as_ptr()),
+                    _mm512_loadu_ps(xs.as_ptr().add(16)),
+                )
+            };
+            let a0 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v0), abs_mask));
+            let a1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v1), abs_mask));
+            let amax = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+            let d = amax / 127.0;
+            let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+            let has_nan = _mm512_cmp_ps_mask::<_CMP_UNORD_Q>(v0, v1) != 0;
+            let d = if !has_nan && amax.is_finite() && id.is_finite() {
+                let id = _mm512_set1_ps(id);
+                for (h, v) in [v0, v1].into_iter().enumerate() {
+                    let y = _mm512_mul_ps(v, id);
+                    // round(y) half away from zero: t = trunc(y); y − t is exact; add ±1
+                    // where |y − t| ≥ 0.5.
+                    let t = _mm512_roundscale_ps::<{ _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC }>(y);
+                    let frac = _mm512_castsi512_ps(_mm512_and_si512(
+                        _mm512_castps_si512(_mm512_sub_ps(y, t)),
+                        abs_mask,
+                    ));
+                    let up = _mm512_cmp_ps_mask::<_CMP_GE_OQ>(frac, half);
+                    let step = _mm512_castsi512_ps(_mm512_or_si512(
+                        _mm512_castps_si512(one),
+                        _mm512_and_si512(_mm512_castps_si512(y), sign),
+                    ));
+                    let r = _mm512_mask_add_ps(t, up, t, step);
+                    let q = _mm512_cvtsepi32_epi8(_mm512_cvttps_epi32(r));
+                    // SAFETY: 16 quants of block `b` (out holds k of them).
+                    unsafe {
+                        _mm_storeu_si128(
+                            out.as_mut_ptr().add(b * QK + 16 * h).cast(),
+                            _mm_xor_si128(q, bias),
+                        )
+                    };
+                }
+                f16::from_f32(d).to_f32()
+            } else {
+                super::prepare_block(xs, &mut out[b * QK..(b + 1) * QK])
+            };
+            out[k + 4 * b..k + 4 * b + 4].copy_from_slice(&d.to_ne_bytes());
+        }
+    }
+
+    /// The VNNI micro-kernel for `C` activation rows: 32 weight rows × `C` columns held in
+    /// 2·`C` integer and 2·`C` f32 accumulators.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI; `panel` holds `k / 32` packed blocks and every
+    /// `acts[c]` a prepared activation row of `k` elements.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn tile<const C: usize>(
+        panel: &[Line],
+        acts: &[&[u8]],
+        k: usize,
+        out: &mut [[f32; PANEL]; COLS],
+    ) {
+        let nb = k / QK;
+        debug_assert!(panel.len() >= nb * BLOCK_LINES && acts.len() >= C);
+        let ap: [*const u8; C] = std::array::from_fn(|c| acts[c].as_ptr());
+        let mut accf = [[_mm512_setzero_ps(); 2]; C];
+        for b in 0..nb {
+            // SAFETY: block `b` of the panel (BLOCK_LINES aligned lines) and bytes
+            // `32 b .. 32 b + 32` and `k + 4 b .. k + 4 b + 4` of every activation row exist
+            // (caller); the panel lines are 64-byte aligned.
+            unsafe {
+                let blk = panel.as_ptr().add(b * BLOCK_LINES).cast::<u8>();
+                let comp0 = _mm512_load_si512(blk.add(COMP_AT).cast());
+                let comp1 = _mm512_load_si512(blk.add(COMP_AT + 64).cast());
+                let mut acci = [[comp0, comp1]; C];
+                for s in 0..STEPS {
+                    let w0 = _mm512_load_si512(blk.add(s * 128).cast());
+                    let w1 = _mm512_load_si512(blk.add(s * 128 + 64).cast());
+                    for c in 0..C {
+                        let x = ap[c].add(b * QK + 4 * s).cast::<i32>().read_unaligned();
+                        let a = _mm512_set1_epi32(x);
+                        acci[c][0] = _mm512_dpbusd_epi32(acci[c][0], a, w0);
+                        acci[c][1] = _mm512_dpbusd_epi32(acci[c][1], a, w1);
+                    }
+                }
+                let dw0 = _mm512_load_ps(blk.add(SCALES_AT).cast());
+                let dw1 = _mm512_load_ps(blk.add(SCALES_AT + 64).cast());
+                for c in 0..C {
+                    let da = _mm512_set1_ps(ap[c].add(k + 4 * b).cast::<f32>().read_unaligned());
+                    accf[c][0] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(acci[c][0]),
+                        _mm512_mul_ps(dw0, da),
+                        accf[c][0],
+                    );
+                    accf[c][1] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(acci[c][1]),
+                        _mm512_mul_ps(dw1, da),
+                        accf[c][1],
+                    );
+                }
+            }
+        }
+        for c in 0..C {
+            // SAFETY: `out[c]` holds 32 f32 (two unaligned 16-lane stores).
+            unsafe {
+                _mm512_storeu_ps(out[c].as_mut_ptr(), accf[c][0]);
+                _mm512_storeu_ps(out[c].as_mut_ptr().add(16), accf[c][1]);
+            }
+        }
+    }
+
+    /// Dispatches on the column count (1..=COLS).
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub unsafe fn tile_vnni512(
+        panel: &[Line],
+        acts: &[&[u8]],
+        k: usize,
+        out: &mut [[f32; PANEL]; COLS],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match acts.len() {
+                1 => tile::<1>(panel, acts, k, out),
+                2 => tile::<2>(panel, acts, k, out),
+                3 => tile::<3>(panel, acts, k, out),
+                4 => tile::<4>(panel, acts, k, out),
+                5 => tile::<5>(panel, acts, k, out),
+                _ => tile::<6>(panel, acts, k, out),
+            }
+        }
+    }
+}
+
+/// One micro-tile with the kernels of `isa` (`acts.len()` in 1..=COLS).
+fn run_tile(isa: Isa, panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; COLS]) {
+    assert!(!acts.is_empty() && acts.len() <= COLS);
+    assert!(panel.len() >= (k / QK) * BLOCK_LINES);
+    assert!(acts.iter().all(|a| a.len() >= act_row_bytes(k)));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Vnni512` is only chosen when the CPU has its features (`Isa::available`);
+        // the sizes were checked above.
+        Isa::Vnni512 => unsafe { x86::tile_vnni512(panel, acts, k, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2` is only chosen when the CPU has AVX2 and FMA.
+        Isa::Avx2 => unsafe { tile_avx2(panel, acts, k, out) },
+        #[allow(unreachable_patterns)]
+        _ => tile_portable(panel, acts, k, out),
+    }
+}
+
+thread_local! {
+    // The packed panel of the running task, kept between calls.
+    static PANEL_BUF: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Activation rows per task block (a multiple of COLS): large, so each weight panel is packed
+/// once for (nearly) all columns; the micro-tile's activation rows are streamed from L2/L3,
+/// which its many multiply-adds per byte easily hide.
+const COL_BLOCK: usize = 1020;
+
+/// MUL_MAT `dst[i, j, i12, i13] = Σ_k a[k, i, i12/r2, i13/r3] · b[k, j, i12, i13]` with q8_0 /
+/// q4_0 weights `a` (see the module documentation), on the kernels of `isa`. `scratch` holds
+/// the prepared activations.
+pub fn mul_mat(
+    isa: Isa,
+    dst: &RawTensor,
+    a: &RawTensor,
+    b: &RawTensor,
+    (r2, r3): (usize, usize),
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    if !applies(a, dst) || b.ne[0] != a.ne[0] {
+        return Err(Error::Shape(
+            "quantized GEMM: operands do not fit this path".into(),
+        ));
+    }
+    let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
+    let (ne12, ne13) = (b.ne[2], b.ne[3]);
+    let nb = k / QK;
+    let row_bytes = act_row_bytes(k);
+    scratch.clear();
+    scratch.resize(b.nrows() * row_bytes, 0);
+    prepare_acts(b, scratch)?;
+    let acts: &[u8] = scratch;
+    let a_row_bytes = a.dtype.row_size(k)?;
+    let panels = m.div_ceil(PANEL);
+    let col_blocks = n.div_ceil(COL_BLOCK);
+    let cb = n.div_ceil(col_blocks.max(1)).next_multiple_of(COLS);
+    let col_blocks = n.div_ceil(cb);
+    let batches = ne12 * ne13;
+    let tasks = batches * panels * col_blocks;
+    let (r2, r3) = (r2.max(1), r3.max(1));
+    par_ranges(tasks, 1, |range| {
+        let mut buf = PANEL_BUF.with(RefCell::take);
+        let mut out = [[0f32; PANEL]; COLS];
+        for task in range {
+            // Panels vary fastest: a thread's consecutive tasks share an activation block.
+            let p = task % panels;
+            let jb = (task / panels) % col_blocks;
+            let batch = task / (col_blocks * panels);
+            let (i12, i13) = (batch % ne12, batch / ne12);
+            let (i02, i03) = (i12 / r2, i13 / r3);
+            let i0 = p * PANEL;
+            let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
+                (i0 + r < m).then(|| {
+                    // SAFETY: weight row (i0 + r, i02, i03) lies inside `a` (read-only) and
+                    // holds `a_row_bytes` bytes of adjacent blocks (`applies`).
+                    unsafe {
+                        std::slice::from_raw_parts(
+                            a.at(a.row_offset(i0 + r, i02, i03)).cast_const(),
+                            a_row_bytes,
+                        )
+                    }
+                })
+            });
+            pack_panel(a.dtype, &rows, nb, &mut buf);
+            let valid = (m - i0).min(PANEL);
+            let cols = jb * cb..((jb + 1) * cb).min(n);
+            for j0 in cols.clone().step_by(COLS) {
+                let j1 = (j0 + COLS).min(cols.end);
+                let act_rows: Vec<&[u8]> = (j0..j1)
+                    .map(|j| {
+                        let r = j + n * (i12 + ne12 * i13);
+                        &acts[r * row_bytes..(r + 1) * row_bytes]
+                    })
+                    .collect();
+                run_tile(isa, &buf, &act_rows, k, &mut out);
+                for (c, j) in (j0..j1).enumerate() {
+                    let base = dst.row_offset(j, i12, i13) + i0 * 4;
+                    // SAFETY: output elements (i0..i0 + valid, j) of batch (i12, i13) lie
+                    // inside `dst`, are contiguous f32 (`applies`) and belong to this task
+                    // alone.
+                    unsafe {
+                        std::ptr::copy_nonoverlapping(
+                            out[c].as_ptr(),
+                            dst.at(base).cast::<f32>(),
+                            valid,
+                        );
+                    }
+                }
+            }
+        }
+        PANEL_BUF.with(|cell| cell.replace(buf));
+        Ok(())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        let mut s = seed.max(1);
+        (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 17;
+                s ^= s << 5;
+                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
+            })
+            .collect()
+    }
+
+    /// The module's arithmetic written out directly from q8_0 blocks (no packing).
+    fn reference(wq: &[u8], dtype: DType, act: &[f32], k: usize) -> f32 {
+        let mut prepared = vec![0u8; act_row_bytes(k)];
+        prepare_row(act, &mut prepared);
+        let mut acc = 0f32;
+        for b in 0..k / QK {
+            let (w, d): (Vec<i32>, u16) = if dtype == DType::Q4_0 {
+                let x = &wq[b * Q4_0_BYTES..];
+                let mut w = vec![0; QK];
+                for j in 0..QK / 2 {
+                    w[j] = i32::from(x[2 + j] & 15) - 8;
+                    w[j + 16] = i32::from(x[2 + j] >> 4) - 8;
+                }
+                (w, u16::from_ne_bytes([x[0], x[1]]))
+            } else {
+                let x = &wq[b * Q8_0_BYTES..];
+                (
+                    x[2..2 + QK].iter().map(|&v| i32::from(v as i8)).collect(),
+                    u16::from_ne_bytes([x[0], x[1]]),
+                )
+            };
+            let isum: i32 = (0..QK)
+                .map(|j| w[j] * (i32::from(prepared[b * QK + j]) - 128))
+                .sum();
+            let da = f32::from_ne_bytes(prepared[k + 4 * b..k + 4 * b + 4].try_into().unwrap());
+            acc = (isum as f32).mul_add(f16_bits_to_f32(d) * da, acc);
+        }
+        acc
+    }
+
+    /// The SIMD quantizer gives the portable bits, including exact halves (rounded away from
+    /// zero), saturation, zeros, subnormals, infinities and NaN.
+    #[test]
+    fn prepare_row_matches_the_portable_quantizer() {
+        let mut x = values(32 * 40, 3);
+        for (i, v) in x.iter_mut().enumerate().take(32 * 8) {
+            *v *= 10f32.powi((i % 13) as i32 - 6);
+        }
+        // Block 8: amax 127 so d = 1 and the halves are exact ties.
+        for (j, v) in x[32 * 8..32 * 9].iter_mut().enumerate() {
+            *v = j as f32 - 15.5;
+        }
+        x[32 * 8] = 127.0;
+        x[32 * 9..32 * 10].iter_mut().for_each(|v| *v = 0.0);
+        x[32 * 10 + 3] = f32::NAN;
+        x[32 * 11 + 5] = f32::INFINITY;
+        x[32 * 12 + 7] = f32::NEG_INFINITY;
+        x[32 * 13..32 * 14].iter_mut().for_each(|v| *v *= 1e-39);
+        x[32 * 14..32 * 15].iter_mut().for_each(|v| *v *= 1e-44);
+        x[32 * 15..32 * 16].iter_mut().for_each(|v| *v *= 3e38);
+        let mut want = vec![0u8; act_row_bytes(x.len())];
+        let mut got = want.clone();
+        prepare_row_portable(&x, &mut want);
+        prepare_row(&x, &mut got);
+        let first_difference = got.iter().zip(&want).position(|(g, w)| g != w);
+        assert_eq!(first_difference, None, "prepared bytes differ");
+        // The portable layout is q8_0 offset by 128 with the f16 scale widened.
+        let mut q8 = vec![0u8; 40 * Q8_0_BYTES];
+        quantize_row_q8_0(&x, &mut q8);
+        for b in 0..40 {
+            let blk = &q8[b * Q8_0_BYTES..];
+            for j in 0..QK {
+                assert_eq!(want[b * QK + j], blk[2 + j] ^ 0x80);
+            }
+            let d = f16_bits_to_f32(u16::from_ne_bytes([blk[0], blk[1]]));
+            let got_d = f32::from_ne_bytes(want[x.len() + 4 * b..][..4].try_into().unwrap());
+            assert!(got_d.to_bits() == d.to_bits() || (got_d.is_nan() && d.is_nan()));
+        }
+    }
+
+    /// Every kernel family agrees bit for bit with the written-out arithmetic, for q8_0 rows
+    /// with extreme bytes (−128, 127) and q4_0 rows, every column count and a partial panel.
+    #[test]
+    fn every_isa_matches_the_block_arithmetic_bit_for_bit() {
+        let k = 96;
+        let nb = k / QK;
+        for dtype in [DType::Q8_0, DType::Q4_0] {
+            let block = if dtype == DType::Q8_0 {
+                Q8_0_BYTES
+            } else {
+                Q4_0_BYTES
+            };
+            let m = 29;
+            let mut raw = vec![0u8; m * nb * block];
+            let mut s = 7u32;
+            for byte in raw.iter_mut() {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                *byte = (s >> 24) as u8;
+            }
+            // Sane f16 scales (finite, small), extreme quants.
+            for (r, row) in raw.chunks_exact_mut(nb * block).enumerate() {
+                for (bi, blk) in row.chunks_exact_mut(block).enumerate() {
+                    let d = half::f16::from_f32(0.01 + 0.001 * (r * 3 + bi) as f32);
+                    blk[..2].copy_from_slice(&d.to_bits().to_ne_bytes());
+                    if dtype == DType::Q8_0 && r == 0 {
+                        blk[2] = 0x80;
+                        blk[3] = 0x7f;
+                    }
+                }
+            }
+            let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
+                (r < m).then(|| &raw[r * nb * block..(r + 1) * nb * block])
+            });
+            let mut panel = Vec::new();
+            pack_panel(dtype, &rows, nb, &mut panel);
+            let mut portable = vec![Line([0; 64]); nb * BLOCK_LINES];
+            pack_panel_portable(dtype, &rows, nb, &mut portable);
+            let same = panel.iter().zip(&portable).all(|(a, b)| a.0 == b.0);
+            assert!(
+                same,
+                "{dtype}: packed panels differ from the portable packer"
+            );
+            let xs: Vec<Vec<f32>> = (0..COLS).map(|c| values(k, 11 + c as u32)).collect();
+            let prepared: Vec<Vec<u8>> = xs
+                .iter()
+                .map(|x| {
+                    let mut p = vec![0u8; act_row_bytes(k)];
+                    prepare_row(x, &mut p);
+                    p
+                })
+                .collect();
+            for cols in 1..=COLS {
+                let acts: Vec<&[u8]> = prepared[..cols].iter().map(|p| p.as_slice()).collect();
+                for isa in Isa::available() {
+                    let mut out = [[0f32; PANEL]; COLS];
+                    run_tile(isa, &panel, &acts, k, &mut out);
+                    for c in 0..cols {
+                        for r in 0..m {
+                            let want = reference(rows[r].unwrap(), dtype, &xs[c], k);
+                            assert_eq!(
+                                out[c][r].to_bits(),
+                                want.to_bits(),
+                                "{dtype} {isa:?} cols {cols} c {c} r {r}: {} vs {want}",
+                                out[c][r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
