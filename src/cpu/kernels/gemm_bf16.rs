@@ -468,25 +468,21 @@ pub fn mul_mat(
     let mut acts = ACTS_BUF.with(RefCell::take);
     acts.clear();
     acts.resize(batches * n_pad * kp, 0);
-    {
-        use rayon::prelude::*;
-        acts.par_chunks_mut(kp)
-            .enumerate()
-            .with_min_len((super::MIN_TASK_ELEMENTS / kp).max(1))
-            .try_for_each_init(
-                || vec![0f32; k],
-                |buf, (r, out)| -> Result<()> {
-                    let (batch, j) = (r / n_pad, r % n_pad);
-                    if j < n {
-                        let (i2, i3) = (batch % ne12, batch / ne12);
-                        // SAFETY: row (j, i2, i3) lies inside `b` (read-only).
-                        unsafe { b.load_row(j, i2, i3, buf)? };
-                        round_row(buf, out);
-                    }
-                    Ok(())
-                },
-            )?;
-    }
+    super::par_rows_mut(
+        &mut acts,
+        kp,
+        || vec![0f32; k],
+        |r, out, buf| {
+            let (batch, j) = (r / n_pad, r % n_pad);
+            if j < n {
+                let (i2, i3) = (batch % ne12, batch / ne12);
+                // SAFETY: row (j, i2, i3) lies inside `b` (read-only).
+                unsafe { b.load_row(j, i2, i3, buf)? };
+                round_row(buf, out);
+            }
+            Ok(())
+        },
+    )?;
     let panels = m.div_ceil(PANEL);
     let tasks = batches * panels;
     let (r2, r3) = (r2.max(1), r3.max(1));

@@ -20,7 +20,6 @@
 
 use std::cell::RefCell;
 
-use rayon::prelude::*;
 
 use super::par_ranges;
 use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTES, QK};
@@ -180,19 +179,18 @@ pub fn prepare_row_portable(x: &[f32], out: &mut [u8]) {
 fn prepare_acts(b: &RawTensor, out: &mut [u8]) -> Result<()> {
     let k = b.ne[0];
     let row_bytes = act_row_bytes(k);
-    out.par_chunks_mut(row_bytes)
-        .enumerate()
-        .with_min_len((super::MIN_TASK_ELEMENTS / k.max(1)).max(1))
-        .try_for_each_init(
-            || vec![0f32; k],
-            |buf, (r, row)| -> Result<()> {
-                let (i1, i2, i3) = b.row_coords(r);
-                // SAFETY: row `r` lies inside `b` (read-only during the product).
-                unsafe { b.load_row(i1, i2, i3, buf)? };
-                prepare_row(buf, row);
-                Ok(())
-            },
-        )
+    super::par_rows_mut(
+        out,
+        row_bytes,
+        || vec![0f32; k],
+        |r, row, buf| {
+            let (i1, i2, i3) = b.row_coords(r);
+            // SAFETY: row `r` lies inside `b` (read-only during the product).
+            unsafe { b.load_row(i1, i2, i3, buf)? };
+            prepare_row(buf, row);
+            Ok(())
+        },
+    )
 }
 
 /// Packs weight rows (`rows[r]` is the raw q8_0/q4_0 row of panel row `r`, `None` past the

@@ -113,20 +113,18 @@ fn prepare<'s>(
         let row_bytes = q4_pairs_row_bytes(k);
         scratch.clear();
         scratch.resize(nrows * row_bytes, 0);
-        scratch
-            .par_chunks_mut(row_bytes)
-            .enumerate()
-            .with_min_len((super::MIN_TASK_ELEMENTS / k).max(1))
-            .try_for_each_init(
-                || vec![0f32; k],
-                |buf, (r, out)| -> Result<()> {
-                    let (i1, i2, i3) = b.row_coords(r);
-                    // SAFETY: row `r` lies inside `b` (read-only).
-                    unsafe { b.load_row(i1, i2, i3, buf)? };
-                    prepare_q4_pairs(buf, out);
-                    Ok(())
-                },
-            )?;
+        super::par_rows_mut(
+            scratch,
+            row_bytes,
+            || vec![0f32; k],
+            |r, out, buf| {
+                let (i1, i2, i3) = b.row_coords(r);
+                // SAFETY: row `r` lies inside `b` (read-only).
+                unsafe { b.load_row(i1, i2, i3, buf)? };
+                prepare_q4_pairs(buf, out);
+                Ok(())
+            },
+        )?;
         return Ok(Prepared::Q4Pairs(scratch.as_slice(), row_bytes, b.ne));
     }
     if weights.is_quantized() {

@@ -87,6 +87,36 @@ where
     crate::cpu::threadpool::run_chunks(n, chunk, &f)
 }
 
+/// Runs `f(r, row, buf)` for every `row_len`-element row `r` of `out` (its length a multiple of
+/// `row_len`), split over the pool as [`par_ranges`] splits rows; `buf` is a per-task scratch
+/// made by `init`. Each row is written by one task alone.
+pub(crate) fn par_rows_mut<T, B, I, F>(out: &mut [T], row_len: usize, init: I, f: F) -> Result<()>
+where
+    T: Send,
+    I: Fn() -> B + Sync,
+    F: Fn(usize, &mut [T], &mut B) -> Result<()> + Sync,
+{
+    if row_len == 0 {
+        return Ok(());
+    }
+    debug_assert!(out.len().is_multiple_of(row_len));
+    let n_rows = out.len() / row_len;
+    let base = view::SendPtr(out.as_mut_ptr().cast::<u8>());
+    par_ranges(n_rows, row_grain(row_len), |rows| {
+        let ptr = base; // the whole SendPtr, not its raw field
+        let mut buf = init();
+        for r in rows {
+            // SAFETY: `out` holds `n_rows` rows of `row_len` elements and stays mutably
+            // borrowed for this call; ranges are disjoint, so row `r` is this task's alone.
+            let row = unsafe {
+                std::slice::from_raw_parts_mut(ptr.0.cast::<T>().add(r * row_len), row_len)
+            };
+            f(r, row, &mut buf)?;
+        }
+        Ok(())
+    })
+}
+
 /// Test support shared by the kernel unit tests.
 #[cfg(test)]
 pub(crate) mod testing {
