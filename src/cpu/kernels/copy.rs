@@ -145,8 +145,13 @@ pub fn get_rows(dst: RawTensor, a: RawTensor, idx: RawTensor) -> Result<()> {
                     let size = a.dtype.type_size();
                     let sp = a.at(a.row_offset(row, i11, i12));
                     let dp = dst.at(dst.row_offset(i10, i11, i12));
-                    for i in 0..n0 {
-                        std::ptr::copy(sp.add(i * a.nb[0]), dp.add(i * dst.nb[0]), size);
+                    if a.dense_rows() && dst.dense_rows() && !a.dtype.is_quantized() {
+                        // One copy per row (`copy`: a view of dst could overlap a).
+                        std::ptr::copy(sp, dp, n0 * size);
+                    } else {
+                        for i in 0..n0 {
+                            std::ptr::copy(sp.add(i * a.nb[0]), dp.add(i * dst.nb[0]), size);
+                        }
                     }
                 } else {
                     a.load_row(row, i11, i12, &mut buf)?;
