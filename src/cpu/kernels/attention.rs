@@ -476,7 +476,7 @@ fn prepare_scores(
         }
         // SAFETY: the CPU has AVX-512F; the mask holds at least x.len() values (asserted).
         return unsafe {
-            avx512::scale_mask_max(
+            math::scale_mask_max_avx512(
                 x.as_mut_ptr(),
                 x.len(),
                 scale,
@@ -677,43 +677,6 @@ mod avx512 {
             }
             j0 += 16;
         }
-    }
-
-    /// `x = x·scale + slope·mask` over `n` floats; returns the largest result.
-    ///
-    /// # Safety
-    /// AVX-512F; `x` (and the mask, when given) hold `n` floats.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scale_mask_max(
-        x: *mut f32,
-        n: usize,
-        scale: f32,
-        mask: Option<(*const f32, f32)>,
-    ) -> f32 {
-        let sc = _mm512_set1_ps(scale);
-        let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
-        let mut i = 0;
-        while i < n {
-            let left = n - i;
-            let m: __mmask16 = if left >= 16 {
-                0xFFFF
-            } else {
-                ((1u32 << left) - 1) as __mmask16
-            };
-            // SAFETY: unmasked lanes are elements i..min(i + 16, n) (caller).
-            unsafe {
-                let p = x.add(i);
-                let mut v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), sc);
-                if let Some((mp, slope)) = mask {
-                    let mv = _mm512_maskz_loadu_ps(m, mp.add(i));
-                    v = _mm512_fmadd_ps(_mm512_set1_ps(slope), mv, v);
-                }
-                mx = _mm512_mask_max_ps(mx, m, mx, v);
-                _mm512_mask_storeu_ps(p, m, v);
-            }
-            i += 16;
-        }
-        _mm512_reduce_max_ps(mx)
     }
 
     /// Scores of `rows` queries against the transposed key block (see `scores_tile`).

@@ -197,6 +197,46 @@ pub(crate) unsafe fn exp_sub_sum_avx512(x: &mut [f32], shift: f32) -> f32 {
     _mm512_reduce_add_ps(sum)
 }
 
+/// `x = x·scale + slope·mask` over `n` floats (one fused multiply-add for the mask) in
+/// AVX-512F; returns the largest result (−∞ for an empty row).
+///
+/// # Safety
+/// AVX-512F; `x` (and the mask, when given) hold `n` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn scale_mask_max_avx512(
+    x: *mut f32,
+    n: usize,
+    scale: f32,
+    mask: Option<(*const f32, f32)>,
+) -> f32 {
+    use std::arch::x86_64::*;
+    let sc = _mm512_set1_ps(scale);
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < n {
+        let left = n - i;
+        let m: __mmask16 = if left >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << left) - 1) as __mmask16
+        };
+        // SAFETY: unmasked lanes are elements i..min(i + 16, n) (caller).
+        unsafe {
+            let p = x.add(i);
+            let mut v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), sc);
+            if let Some((mp, slope)) = mask {
+                let mv = _mm512_maskz_loadu_ps(m, mp.add(i));
+                v = _mm512_fmadd_ps(_mm512_set1_ps(slope), mv, v);
+            }
+            mx = _mm512_mask_max_ps(mx, m, mx, v);
+            _mm512_mask_storeu_ps(p, m, v);
+        }
+        i += 16;
+    }
+    _mm512_reduce_max_ps(mx)
+}
+
 /// σ(x) = 1 / (1 + e⁻ˣ).
 #[inline(always)]
 pub fn sigmoid(x: f32) -> f32 {
