@@ -47,50 +47,12 @@ pub fn soft_max(
             } else {
                 None
             };
-            soft_max_row_fast(&mut x, masked, scale);
+            soft_max_row(&mut x, masked, scale);
             // SAFETY: as above.
             unsafe { dst.store_row(i1, i2, i3, &x)? };
         }
         Ok(())
     })
-}
-
-/// [`soft_max_row`] in AVX-512F when the CPU has it (scale and mask in one fused
-/// multiply-add, 16-lane exp, f32 sum in 16 lanes; agrees with it to a few ulp), else
-/// [`soft_max_row`]. Rows whose every element is −∞ (or NaN) go to [`soft_max_row`], so both
-/// give the same result for them.
-pub(crate) fn soft_max_row_fast(x: &mut [f32], mask: Option<(&[f32], f32)>, scale: f32) {
-    #[cfg(target_arch = "x86_64")]
-    if super::attention::has_avx512f() && mask.is_none_or(|(m, _)| m.len() >= x.len()) {
-        let original = x.len();
-        // SAFETY: AVX-512F was detected; x (and the mask, checked above) hold x.len() floats.
-        let max = unsafe {
-            math::scale_mask_max_avx512(
-                x.as_mut_ptr(),
-                original,
-                scale,
-                mask.map(|(m, s)| (m.as_ptr(), s)),
-            )
-        };
-        if max > f32::NEG_INFINITY && max < f32::INFINITY {
-            // SAFETY: as above.
-            let sum = unsafe { math::exp_sub_sum_avx512(x, max) };
-            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-            scale_row(x, inv);
-            return;
-        }
-        // x was scaled and masked in place: finish with scale 1 and no mask.
-        soft_max_row(x, None, 1.0);
-        return;
-    }
-    soft_max_row(x, mask, scale)
-}
-
-simd_fn! {
-    /// `x *= s` (vectorised).
-    fn scale_row(x: &mut [f32], s: f32) {
-        x.iter_mut().for_each(|v| *v *= s);
-    }
 }
 
 simd_fn! {
@@ -128,70 +90,4 @@ pub fn diag_mask_inf(dst: RawTensor, a: RawTensor, n_past: usize) -> Result<()> 
         }
         Ok(())
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The fast row (AVX-512 when present) and the portable row against an f64 softmax:
-    /// relative error below 1e-6 per element, lengths leaving partial vectors, with and
-    /// without a mask holding −∞; an all −∞ row gives what [`soft_max_row`] gives.
-    #[test]
-    fn fast_row_matches_f64_softmax() {
-        let mut seed = 3u32;
-        let mut next = move || {
-            seed = seed.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
-            (seed >> 8) as f32 / (1u32 << 24) as f32 * 8.0 - 4.0
-        };
-        for n in [1usize, 7, 16, 33, 128, 300] {
-            let x: Vec<f32> = (0..n).map(|_| next()).collect();
-            let m: Vec<f32> = (0..n)
-                .map(|i| {
-                    if i % 3 == 1 && n > 1 {
-                        f32::NEG_INFINITY
-                    } else {
-                        next()
-                    }
-                })
-                .collect();
-            for masked in [false, true] {
-                let (scale, slope) = (0.7f32, 0.5f32);
-                let logits: Vec<f64> = (0..n)
-                    .map(|i| {
-                        let v = x[i] as f64 * scale as f64;
-                        if masked {
-                            v + slope as f64 * m[i] as f64
-                        } else {
-                            v
-                        }
-                    })
-                    .collect();
-                let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-                let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-                for fast in [true, false] {
-                    let mut row = x.clone();
-                    let mask = masked.then_some((m.as_slice(), slope));
-                    if fast {
-                        soft_max_row_fast(&mut row, mask, scale);
-                    } else {
-                        soft_max_row(&mut row, mask, scale);
-                    }
-                    for (i, (&g, l)) in row.iter().zip(&logits).enumerate() {
-                        let want = (l - max).exp() / sum;
-                        assert!(
-                            (g as f64 - want).abs() <= 1e-6 * want + 1e-30,
-                            "n={n} masked={masked} fast={fast} [{i}]: {g} vs {want}"
-                        );
-                    }
-                }
-            }
-        }
-        let inf = vec![f32::NEG_INFINITY; 20];
-        let (mut a, mut b) = (inf.clone(), inf);
-        soft_max_row_fast(&mut a, None, 1.0);
-        soft_max_row(&mut b, None, 1.0);
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&a), bits(&b));
-    }
 }
