@@ -1320,7 +1320,14 @@ fn cpy_into_transposed_and_strided_destinations() {
 /// 4 and 8 bytes: each has its own typed copy loop), at 1, 2 and 3 threads.
 #[test]
 fn cont_of_transposed_views_is_exact_for_every_element_size() {
-    for dtype in [DType::I8, DType::F16, DType::BF16, DType::F32, DType::I32, DType::I64] {
+    for dtype in [
+        DType::I8,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::I32,
+        DType::I64,
+    ] {
         let c = ctx();
         let size = dtype.type_size();
         let a = c.new_tensor(dtype, &[37, 9, 2]).unwrap();
@@ -1336,7 +1343,11 @@ fn cont_of_transposed_views_is_exact_for_every_element_size() {
                 for i0 in 0..9 {
                     let d = ((i2 * 37 + i1) * 9 + i0) * size;
                     let s = ((i2 * 9 + i0) * 37 + i1) * size;
-                    assert_eq!(got[d..d + size], bytes[s..s + size], "{dtype} ({i0},{i1},{i2})");
+                    assert_eq!(
+                        got[d..d + size],
+                        bytes[s..s + size],
+                        "{dtype} ({i0},{i1},{i2})"
+                    );
                 }
             }
         }
