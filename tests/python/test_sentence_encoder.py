@@ -721,10 +721,17 @@ def test_max_pooling_is_the_maximum_over_real_tokens(model_dirs: dict[str, Path]
 
 def test_attention_variants_and_dtypes(model_dirs: dict[str, Path]) -> None:
     path = model_dirs["v6-relu-max-norm"]  # hidden 64: q8_0 applies to every matrix
-    base = SentenceEncoder(path).encode(SENTENCES, batch_size=4)
-    flash = SentenceEncoder(path, attention="flash", fuse_qkv=True)
+    base = SentenceEncoder(path, attention="soft_max", fuse_qkv=False).encode(
+        SENTENCES, batch_size=4
+    )
+    flash = SentenceEncoder(path, attention="flash")  # the default: fused QKV
     assert "encoder.layer.0.attention.self.qkv.weight" in flash.weights
-    np.testing.assert_allclose(flash.encode(SENTENCES, batch_size=4), base, atol=2e-5)
+    fused = flash.encode(SENTENCES, batch_size=4)
+    np.testing.assert_allclose(fused, base, atol=2e-5)
+    # one product over the concatenated weights computes each element as the three did
+    separate = SentenceEncoder(path, attention="flash", fuse_qkv=False)
+    assert "encoder.layer.0.attention.self.query.weight" in separate.weights
+    np.testing.assert_array_equal(separate.encode(SENTENCES, batch_size=4), fused)
     for dtype, limit in (("f16", 0.999), ("bf16", 0.99), ("q8_0", 0.99)):
         model = SentenceEncoder(path, weights_dtype=dtype)
         assert model.weights["encoder.layer.0.intermediate.dense.weight"].dtype == fg.DType(dtype)

@@ -173,7 +173,7 @@ class MiniLM(SentenceEncoder):
         max_length: int | None = None,
         backend: fg.Backend | None = None,
         attention: str = "flash",
-        fuse_qkv: bool = False,
+        fuse_qkv: bool = True,
         blas: bool = False,
         bucket_lengths: bool = True,
         devices: Sequence[fg.Device | fg.Backend] | None = None,

@@ -158,7 +158,9 @@ class SentenceEncoder:
         ``"soft_max"``: ``mul_mat``, ``soft_max`` with mask and scale, ``mul_mat``.
     fuse_qkv
         Concatenate each layer's query, key and value projections at load time and compute
-        them as one ``mul_mat``.
+        them as one ``mul_mat`` and one bias ``add`` (default; the heads are strided views of
+        its result, which ``flash_attn_ext`` reads in place). Each output element is computed
+        exactly as by the three separate products, so the results are the same bits.
     bucket_lengths
         Pad each batch to its length bucket (:meth:`padded_length`; default) rather than to
         its exact longest sentence: fewer distinct shapes to build and plan, at most 1/8 more
@@ -185,7 +187,7 @@ class SentenceEncoder:
         backend: fg.Backend | None = None,
         blas: bool = False,
         attention: str = "flash",
-        fuse_qkv: bool = False,
+        fuse_qkv: bool = True,
         bucket_lengths: bool = True,
     ) -> None:
         dtype_name = weights_dtype_name(weights_dtype)

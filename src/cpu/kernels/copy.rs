@@ -57,10 +57,7 @@ pub fn copy(dst: RawTensor, src: RawTensor) -> Result<()> {
                     let sp = src.at(src.row_offset(s1, s2, s3));
                     let dp = dst.at(dst.row_offset(d1, d2, d3));
                     if byte_copy {
-                        let size = dst.dtype.type_size();
-                        for i in 0..n0 {
-                            std::ptr::copy(sp.add(i * src.nb[0]), dp.add(i * dst.nb[0]), size);
-                        }
+                        copy_strided(sp, src.nb[0], dp, dst.nb[0], n0, dst.dtype.type_size());
                     } else if same_type {
                         let bytes = dst.dtype.row_size(n0)?;
                         std::ptr::copy(sp, dp, bytes);
@@ -120,6 +117,52 @@ pub fn copy(dst: RawTensor, src: RawTensor) -> Result<()> {
     })
 }
 
+/// Copies `n` elements of `size` bytes from `src` (`src_stride` bytes apart) to `dst`
+/// (`dst_stride` apart): one typed load and store per element for the common sizes (a
+/// variable-size `copy` per element compiles to a `memmove` call), one `copy` for dense rows.
+///
+/// # Safety
+/// Both ranges must be valid for their `n` elements; a dense destination row must not
+/// partially overlap the source row.
+unsafe fn copy_strided(
+    src: *const u8,
+    src_stride: usize,
+    dst: *mut u8,
+    dst_stride: usize,
+    n: usize,
+    size: usize,
+) {
+    macro_rules! typed {
+        ($t:ty) => {
+            for i in 0..n {
+                // SAFETY: element i of each range is valid (caller); unaligned accesses
+                // because views may start at any byte.
+                unsafe {
+                    let v = src.add(i * src_stride).cast::<$t>().read_unaligned();
+                    dst.add(i * dst_stride).cast::<$t>().write_unaligned(v);
+                }
+            }
+        };
+    }
+    if src_stride == size && dst_stride == size {
+        // SAFETY: both rows are n·size contiguous bytes (caller); `copy` tolerates overlap.
+        unsafe { std::ptr::copy(src, dst, n * size) };
+        return;
+    }
+    match size {
+        1 => typed!(u8),
+        2 => typed!(u16),
+        4 => typed!(u32),
+        8 => typed!(u64),
+        _ => {
+            for i in 0..n {
+                // SAFETY: as above.
+                unsafe { std::ptr::copy(src.add(i * src_stride), dst.add(i * dst_stride), size) };
+            }
+        }
+    }
+}
+
 fn bad_index(what: &str, index: i64, limit: usize) -> Error {
     Error::OutOfBounds(format!("{what}: row index {index} is outside 0..{limit}"))
 }
@@ -145,9 +188,7 @@ pub fn get_rows(dst: RawTensor, a: RawTensor, idx: RawTensor) -> Result<()> {
                     let size = a.dtype.type_size();
                     let sp = a.at(a.row_offset(row, i11, i12));
                     let dp = dst.at(dst.row_offset(i10, i11, i12));
-                    for i in 0..n0 {
-                        std::ptr::copy(sp.add(i * a.nb[0]), dp.add(i * dst.nb[0]), size);
-                    }
+                    copy_strided(sp, a.nb[0], dp, dst.nb[0], n0, size);
                 } else {
                     a.load_row(row, i11, i12, &mut buf)?;
                     dst.store_row(i10, i11, i12, &buf)?;

@@ -126,6 +126,117 @@ unsafe fn exp_sub_row_avx2(x: &mut [f32], shift: f32) {
     }
 }
 
+/// e^x for 16 lanes in AVX-512F: the polynomial of [`exp`], with the power of two applied by
+/// `vscalefps` (which handles overflow to +∞ and underflow to 0 itself). Inputs are clamped to
+/// [−110, 89] first (NaN kept), so −∞ gives exactly 0 and +∞ gives +∞. Agrees with [`exp`] to
+/// about 1 ulp (fused vs separate rounding) wherever the result is a normal float.
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+pub(crate) unsafe fn exp_avx512(v: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
+    use exp_consts::*;
+    use std::arch::x86_64::*;
+    // max/min return their second operand when one is NaN: NaN lanes pass through.
+    let xc = _mm512_min_ps(
+        _mm512_set1_ps(89.0),
+        _mm512_max_ps(_mm512_set1_ps(-110.0), v),
+    );
+    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+        _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
+    );
+    let r = _mm512_fnmadd_ps(
+        n,
+        _mm512_set1_ps(LN2_LO),
+        _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc),
+    );
+    let mut p = _mm512_set1_ps(POLY[0]);
+    for &ck in &POLY[1..] {
+        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ck));
+    }
+    let y = _mm512_add_ps(
+        _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
+        _mm512_set1_ps(1.0),
+    );
+    _mm512_scalef_ps(y, n)
+}
+
+/// `x[i] = e^(x[i] − shift)` over a row with [`exp_avx512`]; returns Σx (f32, 16 lanes added
+/// in a fixed order).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn exp_sub_sum_avx512(x: &mut [f32], shift: f32) -> f32 {
+    use std::arch::x86_64::*;
+    let sh = _mm512_set1_ps(shift);
+    let mut sum = _mm512_setzero_ps();
+    let n = x.len();
+    let mut i = 0;
+    while i < n {
+        let left = n - i;
+        let m: __mmask16 = if left >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << left) - 1) as __mmask16
+        };
+        // SAFETY: lanes of `m` are elements i..min(i + 16, n) of the row; masked lanes are
+        // neither read nor written.
+        unsafe {
+            let p = x.as_mut_ptr().add(i);
+            let e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), sh));
+            let e = _mm512_maskz_mov_ps(m, e);
+            sum = _mm512_add_ps(sum, e);
+            _mm512_mask_storeu_ps(p, m, e);
+        }
+        i += 16;
+    }
+    _mm512_reduce_add_ps(sum)
+}
+
+/// `x = x·scale + slope·mask` over `n` floats (one fused multiply-add for the mask) in
+/// AVX-512F; returns the largest result (−∞ for an empty row).
+///
+/// # Safety
+/// AVX-512F; `x` (and the mask, when given) hold `n` floats.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn scale_mask_max_avx512(
+    x: *mut f32,
+    n: usize,
+    scale: f32,
+    mask: Option<(*const f32, f32)>,
+) -> f32 {
+    use std::arch::x86_64::*;
+    let sc = _mm512_set1_ps(scale);
+    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
+    let mut i = 0;
+    while i < n {
+        let left = n - i;
+        let m: __mmask16 = if left >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << left) - 1) as __mmask16
+        };
+        // SAFETY: unmasked lanes are elements i..min(i + 16, n) (caller).
+        unsafe {
+            let p = x.add(i);
+            let mut v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), sc);
+            if let Some((mp, slope)) = mask {
+                let mv = _mm512_maskz_loadu_ps(m, mp.add(i));
+                v = _mm512_fmadd_ps(_mm512_set1_ps(slope), mv, v);
+            }
+            mx = _mm512_mask_max_ps(mx, m, mx, v);
+            _mm512_mask_storeu_ps(p, m, v);
+        }
+        i += 16;
+    }
+    _mm512_reduce_max_ps(mx)
+}
+
 /// σ(x) = 1 / (1 + e⁻ˣ).
 #[inline(always)]
 pub fn sigmoid(x: f32) -> f32 {
@@ -249,6 +360,45 @@ mod tests {
         assert_eq!(exp(f32::INFINITY), f32::INFINITY);
         assert!(exp(f32::NAN).is_nan());
         assert_eq!(exp(0.0), 1.0);
+    }
+
+    #[test]
+    fn exp_avx512_matches_scalar_exp_everywhere() {
+        #[cfg(target_arch = "x86_64")]
+        if is_x86_feature_detected!("avx512f") {
+            let mut xs = vec![
+                0.0f32, -0.0, 1.0, -1.0, 88.0, 88.72, 88.8, 89.5, -87.0, -103.9,
+            ];
+            xs.extend([-104.1, -200.0, f32::INFINITY, f32::NEG_INFINITY]);
+            xs.extend((0..2000).map(|i| -110.0 + i as f32 * 0.1));
+            for shift in [0.0f32, 3.5, -2.0] {
+                let mut row = xs.clone();
+                // SAFETY: AVX-512F detected above.
+                let sum = unsafe { exp_sub_sum_avx512(&mut row, shift) };
+                let mut want_sum = 0f64;
+                for (&x, &got) in xs.iter().zip(&row) {
+                    let want = exp(x - shift);
+                    want_sum += want as f64;
+                    // Relative 2.5e-7 where normal; below that both are within 2 subnormal
+                    // steps of e^x.
+                    let tol = want.abs() * 2.5e-7 + 3.0 * 1.4e-45;
+                    assert!(
+                        got == want || (got - want).abs() <= tol,
+                        "exp({x} - {shift}) = {got}, scalar {want}"
+                    );
+                }
+                if want_sum.is_finite() {
+                    assert!(((sum as f64) - want_sum).abs() <= want_sum * 1e-6);
+                } else {
+                    assert_eq!(sum, f32::INFINITY);
+                }
+                let mut nan = [f32::NAN, 1.0, 2.0];
+                // SAFETY: as above.
+                let s = unsafe { exp_sub_sum_avx512(&mut nan, shift) };
+                assert!(nan[0].is_nan() && s.is_nan());
+                assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+            }
+        }
     }
 
     #[test]

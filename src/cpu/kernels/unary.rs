@@ -65,6 +65,85 @@ pub fn erf_f32(x_in: f32) -> f32 {
     }
 }
 
+/// GELU_ERF over a row in AVX-512F: [`erf_f32`]'s rational function with fused multiply-adds
+/// and `0.5·x + 0.5·x·erf` as one more, 16 lanes at a time (the auto-vectorised scalar form
+/// runs 8 lanes without fusing). Agrees with [`gelu_erf`] to a few ulp; error against the
+/// exact GELU below `3e-7·|x|` plus 2 ulp of the result (test).
+///
+/// # Safety
+/// The CPU must support AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn gelu_erf_row_avx512(row: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let p_coef = [
+        -2.726_142_3e-10f32,
+        2.770_681_4e-8,
+        -2.101_024e-6,
+        -5.692_506_4e-5,
+        -7.349_906_3e-4,
+        -2.954_600_1e-3,
+        -1.609_603_3e-2,
+    ];
+    let q_coef = [
+        -1.456_607_2e-5f32,
+        -2.133_740_6e-4,
+        -1.682_827e-3,
+        -7.373_329_3e-3,
+        -1.426_473_9e-2,
+    ];
+    let n = row.len();
+    let mut i = 0;
+    while i < n {
+        let left = n - i;
+        let m: __mmask16 = if left >= 16 {
+            0xFFFF
+        } else {
+            ((1u32 << left) - 1) as __mmask16
+        };
+        // SAFETY: unmasked lanes are elements i..min(i + 16, n) of the row.
+        unsafe {
+            let ptr = row.as_mut_ptr().add(i);
+            let v = _mm512_maskz_loadu_ps(m, ptr);
+            let z = _mm512_mul_ps(v, _mm512_set1_ps(std::f32::consts::FRAC_1_SQRT_2));
+            // max/min return their second operand when one is NaN: NaN lanes pass through.
+            let zc = _mm512_min_ps(_mm512_set1_ps(4.0), _mm512_max_ps(_mm512_set1_ps(-4.0), z));
+            let z2 = _mm512_mul_ps(zc, zc);
+            let mut p = _mm512_set1_ps(p_coef[0]);
+            for &c in &p_coef[1..] {
+                p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(c));
+            }
+            let mut q = _mm512_set1_ps(q_coef[0]);
+            for &c in &q_coef[1..] {
+                q = _mm512_fmadd_ps(q, z2, _mm512_set1_ps(c));
+            }
+            let r = _mm512_div_ps(_mm512_mul_ps(zc, p), q);
+            // ±1 beyond |z| > 3.7, with z's sign.
+            let sign = _mm512_and_epi32(_mm512_castps_si512(zc), _mm512_set1_epi32(i32::MIN));
+            let one = _mm512_castsi512_ps(_mm512_or_epi32(
+                sign,
+                _mm512_castps_si512(_mm512_set1_ps(1.0)),
+            ));
+            let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(zc), _mm512_set1_ps(3.7));
+            let erf = _mm512_mask_blend_ps(big, r, one);
+            let half = _mm512_mul_ps(v, _mm512_set1_ps(0.5));
+            _mm512_mask_storeu_ps(ptr, m, _mm512_fmadd_ps(half, erf, half));
+        }
+        i += 16;
+    }
+}
+
+/// Applies an element-wise op to a row in place with the fastest kernels this CPU has.
+fn apply_row_fast(op: &Op, row: &mut [f32]) -> Result<()> {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(op, Op::Unary(UnaryOp::GeluErf)) && super::attention::has_avx512f() {
+        // SAFETY: AVX-512F was detected at run time.
+        unsafe { gelu_erf_row_avx512(row) };
+        return Ok(());
+    }
+    apply_row(op, row)
+}
+
 /// GELU with the exact (erf) form, through [`erf_f32`].
 #[inline(always)]
 pub fn gelu_erf(x: f32) -> f32 {
@@ -192,7 +271,7 @@ pub fn elementwise(op: &Op, dst: RawTensor, a: RawTensor, reference: bool) -> Re
                 if reference {
                     apply_row_ref(op, &mut x)?;
                 } else {
-                    apply_row(op, &mut x)?;
+                    apply_row_fast(op, &mut x)?;
                 }
                 dst.store_row(i1, i2, i3, &x)?;
             }
@@ -321,6 +400,50 @@ mod tests {
         while x <= 6.0 {
             assert!((erf(x) as f64 - erf_f64(x as f64)).abs() < 2e-7, "erf({x})");
             x += 1.0 / 256.0;
+        }
+    }
+
+    /// The AVX-512 GELU_ERF row against the exact GELU (f64 erf series): error below
+    /// `3e-7·|x|` plus 2 ulp of the result over a dense range and spread bit patterns; NaN
+    /// and ±∞ as the scalar form; row lengths that leave partial vectors.
+    #[test]
+    fn gelu_erf_avx512_row_is_accurate() {
+        #[cfg(target_arch = "x86_64")]
+        if super::super::attention::has_avx512f() {
+            let mut xs: Vec<f32> = (0..20_000)
+                .map(|i| (i as f32 - 10_000.0) / 1000.0)
+                .collect();
+            let mut bits = 0u32;
+            while bits < f32::INFINITY.to_bits() {
+                xs.push(f32::from_bits(bits));
+                xs.push(-f32::from_bits(bits));
+                bits += 40_009;
+            }
+            xs.extend([f32::INFINITY, f32::NAN, 0.0, -0.0, 1e-30, -1e30]);
+            for len in [xs.len(), 17, 3] {
+                let x = &xs[..len];
+                let mut got = x.to_vec();
+                // SAFETY: AVX-512F detected above.
+                unsafe { gelu_erf_row_avx512(&mut got) };
+                for (&x, &g) in x.iter().zip(&got) {
+                    let scalar = gelu_erf(x);
+                    if scalar.is_nan() {
+                        assert!(g.is_nan(), "gelu({x}) = {g}, scalar NaN");
+                        continue;
+                    }
+                    if x.is_infinite() {
+                        assert_eq!(g, scalar, "gelu({x})");
+                        continue;
+                    }
+                    let xd = x as f64;
+                    let want = 0.5 * xd * (1.0 + erf_f64(xd * std::f64::consts::FRAC_1_SQRT_2));
+                    let tol = 3e-7 * xd.abs() + 2.0 * f32::EPSILON as f64 * want.abs() + 1e-38;
+                    assert!(
+                        (g as f64 - want).abs() <= tol,
+                        "gelu({x}) = {g}, exact {want}"
+                    );
+                }
+            }
         }
     }
 
