@@ -44,7 +44,14 @@ TARGETS_MS: dict[str, dict[str, float]] = {
 }
 FERROGRAPH_IMPLS = ("ferrograph-f32", "ferrograph-f16", "ferrograph-q8_0")
 PEER_IMPLS = ("sentence-transformers", "onnxruntime", "onnxruntime-int8")
-ALL_IMPLS = (*FERROGRAPH_IMPLS, "ferrograph-bf16", "ferrograph-f32-flash", *PEER_IMPLS)
+# ferrograph-<dtype> uses the library's default attention (flash); "-softmax" the unfused path.
+ALL_IMPLS = (
+    *FERROGRAPH_IMPLS,
+    "ferrograph-bf16",
+    "ferrograph-f32-softmax",
+    "ferrograph-q8_0-softmax",
+    *PEER_IMPLS,
+)
 # The module a peer needs in its interpreter.
 PEER_MODULES = {
     "sentence-transformers": "sentence_transformers",
@@ -151,7 +158,7 @@ def worker(impl: str, threads: int, repeat: int) -> dict[str, Any]:
 
         parts = impl.split("-")
         dtype = parts[1]
-        attention = "flash" if parts[-1] == "flash" else "soft_max"
+        attention = "soft_max" if parts[-1] == "softmax" else "flash"
         model = MiniLM(weights_dtype=dtype, n_threads=threads, attention=attention)
 
         def encode(sentences: Sequence[str]) -> object:

@@ -326,22 +326,6 @@ pub unsafe fn run(
     })
 }
 
-/// One product on the calling thread alone (for kernels that run their own tasks and call the
-/// GEMM inside one): the same blocks and results as [`run`].
-///
-/// # Safety
-/// As [`run`] for the one product `p`.
-#[allow(dead_code)] // FLASH_ATTN_EXT, its former caller, now runs its own register tiles
-pub unsafe fn run_serial(isa: Isa, (m, n, k): (usize, usize, usize), p: &Product) -> Result<()> {
-    with_scratch(|scratch| {
-        for j0 in (0..n).step_by(MC) {
-            // SAFETY: the block lies inside the product (caller), which is this thread's.
-            unsafe { block(isa, p, k, j0..(j0 + MC).min(n), 0..m, scratch)? };
-        }
-        Ok(())
-    })
-}
-
 /// One block: output rows `rows` (activations, at most MC) × columns `cols` (weight rows, at
 /// most NC) of `p`.
 ///

@@ -20,7 +20,6 @@
 
 use std::cell::RefCell;
 
-
 use super::par_ranges;
 use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTES, QK};
 use super::view::RawTensor;

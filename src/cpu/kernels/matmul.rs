@@ -372,6 +372,17 @@ pub fn mul_mat(
         ));
     }
     let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
+    // One weight matrix for every batch, batches laid out back to back: one product with all
+    // the batches' columns (every element's sum is the same; the weights are read once).
+    if a.ne[2] == 1 && a.ne[3] == 1 && ne12 * ne13 > 1 && batches_flat(&b) && batches_flat(&dst) {
+        return mul_mat(
+            flatten_batches(dst),
+            a,
+            flatten_batches(b),
+            reference,
+            scratch,
+        );
+    }
     // Quantized weights with more than a couple of columns: integer block products against
     // q8_0 activations (see `gemm_q8`).
     if !reference && n > DIRECT_DOT_MAX_COLS && gemm_q8::applies(&a, &dst) {
@@ -443,6 +454,23 @@ pub fn mul_mat(
         }
         Ok(())
     })
+}
+
+/// Whether `t`'s batches (dimensions 2 and 3) follow each other with the row stride, so its
+/// rows can be addressed as one matrix of `ne1 · ne2 · ne3` rows.
+fn batches_flat(t: &RawTensor) -> bool {
+    t.nb[2] == t.nb[1] * t.ne[1] && t.nb[3] == t.nb[2] * t.ne[2]
+}
+
+/// `t` (with [`batches_flat`] batches) as one matrix of all its rows.
+fn flatten_batches(t: RawTensor) -> RawTensor {
+    let rows = t.ne[1] * t.ne[2] * t.ne[3];
+    let bytes = t.nb[1] * rows;
+    RawTensor {
+        ne: [t.ne[0], rows, 1, 1],
+        nb: [t.nb[0], t.nb[1], bytes, bytes],
+        ..t
+    }
 }
 
 /// MUL_MAT through the packed GEMM path (see [`gemm`]): activations as f32 rows, then
