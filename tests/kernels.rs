@@ -1312,6 +1312,44 @@ fn cpy_between_float_and_int_types() {
     assert_eq!(bytes, src);
 }
 
+/// A row long enough that its f16/bf16 conversions are split over the computing pool (at least
+/// `convert::PARALLEL_MIN_ELEMS` elements, not a multiple of the chunk alignment; one row, so
+/// the computing thread converts it outside any chunk): ADD loads and stores whole rows, and
+/// every element must come out as the scalar conversions give it, at 1, 2 and 3 threads.
+#[test]
+fn add_of_a_row_long_enough_to_split_its_conversion() {
+    let n = ferrograph::convert::PARALLEL_MIN_ELEMS + 1000 + 7;
+    let mut rng = Rng::new(41);
+    let round = |dtype: DType, x: f32| match dtype {
+        DType::F16 => half::f16::from_f32(x).to_f32(),
+        _ => half::bf16::from_f32(x).to_f32(),
+    };
+    for dtype in [DType::F16, DType::BF16] {
+        let c = ctx();
+        let a = c.new_tensor(dtype, &[n]).unwrap();
+        let b = c.new_tensor(dtype, &[n]).unwrap();
+        fill(&a, &mut rng, -1000.0, 1000.0);
+        fill(&b, &mut rng, -1000.0, 1000.0);
+        let (av, bv) = (a.to_f32_vec().unwrap(), b.to_f32_vec().unwrap());
+        let out = ops::add(&c, &a, &b).unwrap();
+        let graph = Graph::build(std::slice::from_ref(&out));
+        for threads in THREAD_COUNTS {
+            // A stale result from the previous count must not pass for this one's.
+            out.write_bytes(0, &vec![0u8; out.nbytes()]).unwrap();
+            let status = compute_graph(&graph, &pool(threads), &ComputeOptions::default(), None);
+            assert_eq!(status.unwrap(), Status::Success);
+            let got = out.to_f32_vec().unwrap();
+            let wrong = (0..av.len())
+                .filter(|&i| got[i].to_bits() != round(dtype, av[i] + bv[i]).to_bits())
+                .count();
+            assert_eq!(
+                wrong, 0,
+                "{dtype} ADD, {n}-element row, {threads} threads: {wrong} differ"
+            );
+        }
+    }
+}
+
 #[test]
 fn cpy_into_transposed_and_strided_destinations() {
     let mut rng = Rng::new(19);

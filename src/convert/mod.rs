@@ -29,8 +29,8 @@
 //!
 //! The row functions choose a SIMD path once per process ([`simd_path`]): AVX2 + F16C on
 //! x86-64, NEON on AArch64, plain Rust otherwise. Rows of at least [`PARALLEL_MIN_ELEMS`]
-//! elements are split across the current rayon pool in chunks whose lengths are multiples of
-//! 64 elements. The `*_slice` functions are the single-threaded kernels, for callers that
+//! elements are split in chunks whose lengths are multiples of 64 elements, on the CPU
+//! computation's thread pool inside a kernel and on rayon's pool elsewhere. The `*_slice` functions are the single-threaded kernels, for callers that
 //! already run on their own chunk of a larger job.
 //!
 //! On x86-64, a call whose source and destination together span at least
@@ -39,11 +39,13 @@
 //! doubled the widening conversions' throughput and helped the narrowing ones. Smaller calls use
 //! ordinary stores, so their output is still cached for whatever reads it next.
 
+use std::ops::Range;
 use std::sync::OnceLock;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use crate::cpu::threadpool;
 use crate::error::Result;
 
 #[cfg(target_arch = "aarch64")]
@@ -356,10 +358,10 @@ pub fn fp32_to_bf16_slice(src: &[f32], dst: &mut [bf16]) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Rows: length check, then single-threaded or split across the rayon pool.
+// Rows: length check, then single-threaded or split across the current pool.
 // ---------------------------------------------------------------------------------------------
 
-/// Rows with at least this many elements are split across the current rayon pool; shorter
+/// Rows with at least this many elements are split across the current pool; shorter
 /// rows are converted on the calling thread.
 ///
 /// While a row fits in the caches the kernels convert 10 to 40 elements per nanosecond, so a
@@ -386,21 +388,54 @@ fn check_len(what: &str, src: usize, dst: usize) -> Result<()> {
 
 /// Runs `kernel` over the row, in parallel when the row is large and the pool has threads.
 /// Whether to stream the output is decided once, from the size of the whole row.
-fn run_row<S: Sync, D: Send>(src: &[S], dst: &mut [D], kernel: fn(&[S], &mut [D], bool)) {
+///
+/// Inside a CPU computation (a kernel loading or storing rows) the split runs on that
+/// computation's own thread pool, so a backend's thread count holds and a row converted inside
+/// another split stays on its thread; elsewhere (a caller's own conversion) on rayon's pool.
+fn run_row<S: Sync, D: Send>(
+    src: &[S],
+    dst: &mut [D],
+    kernel: fn(&[S], &mut [D], bool),
+) -> Result<()> {
     let n = dst.len();
     let nt = stream(src, dst);
-    let threads = rayon::current_num_threads();
+    let in_computation = threadpool::in_computation();
+    let threads = if in_computation {
+        threadpool::current_num_threads()
+    } else {
+        rayon::current_num_threads()
+    };
     if n < PARALLEL_MIN_ELEMS || threads < 2 {
         kernel(src, dst, nt);
-        return;
+        return Ok(());
     }
     // One chunk per thread: the work is uniform, and fewer, larger chunks keep each thread's
     // memory streams long.
     let chunk = n.div_ceil(threads).next_multiple_of(CHUNK_ALIGN);
-    dst.par_chunks_mut(chunk)
-        .zip(src.par_chunks(chunk))
-        .for_each(|(d, s)| kernel(s, d, nt));
+    if !in_computation {
+        dst.par_chunks_mut(chunk)
+            .zip(src.par_chunks(chunk))
+            .for_each(|(d, s)| kernel(s, d, nt));
+        return Ok(());
+    }
+    let out = SendMutPtr(dst.as_mut_ptr());
+    // The pool returns a chunk's panic as an error.
+    threadpool::run_chunks(n, chunk, &|range: Range<usize>| {
+        // The whole wrapper, not its raw field (closures capture fields on their own).
+        let out = &out;
+        // SAFETY: `dst` holds `n` elements and stays mutably borrowed for this call; the chunks'
+        // ranges are disjoint, so this one's elements are written by this task alone.
+        let d = unsafe { std::slice::from_raw_parts_mut(out.0.add(range.start), range.len()) };
+        kernel(&src[range], d, nt);
+        Ok(())
+    })
 }
+
+/// A row's destination shared by the chunks of one split (each writes its own range).
+struct SendMutPtr<D>(*mut D);
+// SAFETY: the pointer is only dereferenced for disjoint ranges of a `&mut [D]` with `D: Send`
+// (see `run_row`), which is what sending the sub-slices to other threads would allow.
+unsafe impl<D: Send> Sync for SendMutPtr<D> {}
 
 /// Converts a row of `f16` to `f32` (exact; see the module docs for NaNs).
 ///
@@ -408,8 +443,7 @@ fn run_row<S: Sync, D: Send>(src: &[S], dst: &mut [D], kernel: fn(&[S], &mut [D]
 /// [`Error::Shape`](crate::error::Error::Shape) if the lengths differ.
 pub fn fp16_to_fp32_row(src: &[f16], dst: &mut [f32]) -> Result<()> {
     check_len("fp16_to_fp32_row", src.len(), dst.len())?;
-    run_row(src, dst, f16_to_f32_with);
-    Ok(())
+    run_row(src, dst, f16_to_f32_with)
 }
 
 /// Converts a row of `f32` to `f16`, rounding to nearest even.
@@ -418,8 +452,7 @@ pub fn fp16_to_fp32_row(src: &[f16], dst: &mut [f32]) -> Result<()> {
 /// [`Error::Shape`](crate::error::Error::Shape) if the lengths differ.
 pub fn fp32_to_fp16_row(src: &[f32], dst: &mut [f16]) -> Result<()> {
     check_len("fp32_to_fp16_row", src.len(), dst.len())?;
-    run_row(src, dst, f32_to_f16_with);
-    Ok(())
+    run_row(src, dst, f32_to_f16_with)
 }
 
 /// Converts a row of `bf16` to `f32` (exact; see the module docs for NaNs).
@@ -428,8 +461,7 @@ pub fn fp32_to_fp16_row(src: &[f32], dst: &mut [f16]) -> Result<()> {
 /// [`Error::Shape`](crate::error::Error::Shape) if the lengths differ.
 pub fn bf16_to_fp32_row(src: &[bf16], dst: &mut [f32]) -> Result<()> {
     check_len("bf16_to_fp32_row", src.len(), dst.len())?;
-    run_row(src, dst, bf16_to_f32_with);
-    Ok(())
+    run_row(src, dst, bf16_to_f32_with)
 }
 
 /// Converts a row of `f32` to `bf16`, rounding to nearest even.
@@ -438,8 +470,7 @@ pub fn bf16_to_fp32_row(src: &[bf16], dst: &mut [f32]) -> Result<()> {
 /// [`Error::Shape`](crate::error::Error::Shape) if the lengths differ.
 pub fn fp32_to_bf16_row(src: &[f32], dst: &mut [bf16]) -> Result<()> {
     check_len("fp32_to_bf16_row", src.len(), dst.len())?;
-    run_row(src, dst, f32_to_bf16_with);
-    Ok(())
+    run_row(src, dst, f32_to_bf16_with)
 }
 
 /// The plain scalar reference for [`fp32_to_bf16_row`]: no SIMD, no threads, the same bits.

@@ -553,7 +553,6 @@ pub(crate) fn current_num_threads() -> usize {
 
 /// Whether this thread is computing on a pool or is a pool's worker (Python callbacks run
 /// from here must not wait for locks the computation's caller may hold).
-#[cfg_attr(not(feature = "python"), allow(dead_code))]
 pub(crate) fn in_computation() -> bool {
     CONTEXT.get().role != Role::None
 }
