@@ -1,4 +1,4 @@
-//! The CPU device, its backend (a persistent rayon pool per backend), and its registration.
+//! The CPU device, its backend (a persistent thread pool per backend), and its registration.
 
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, Ordering};

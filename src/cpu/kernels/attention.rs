@@ -660,11 +660,7 @@ mod avx512 {
         let mut j0 = 0;
         while j0 < kbp {
             let left = kbn.saturating_sub(j0);
-            let m: __mmask16 = if left >= 16 {
-                0xFFFF
-            } else {
-                ((1u32 << left) - 1) as __mmask16
-            };
+            let m = super::math::lanes16(left);
             // SAFETY: unmasked lanes read element i of keys j0 + l < kbn (caller's rows);
             // the store covers kt[i·kbp + j0..+16] with j0 + 16 ≤ kbp.
             unsafe {
@@ -854,14 +850,8 @@ mod avx512 {
         e: usize,
     ) {
         // Lanes of each vector that lie below dv.
-        let masks: [__mmask16; C] = std::array::from_fn(|c| {
-            let left = dv - (e + 16 * c);
-            if left >= 16 {
-                0xFFFF
-            } else {
-                ((1u32 << left) - 1) as __mmask16
-            }
-        });
+        let masks: [__mmask16; C] =
+            std::array::from_fn(|c| super::math::lanes16(dv - (e + 16 * c)));
         // SAFETY: masked lanes are neither read nor written; the others are acc[r·dv + e..]
         // (r < R) and v[j·v_stride + e..] (j < kbn), p[r·kbp + j]: inside the caller's buffers.
         unsafe {

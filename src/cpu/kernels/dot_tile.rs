@@ -74,11 +74,7 @@ unsafe fn dots_4xc_avx512<const C: usize>(
     // One loop (no closure: a closure would not get this function's target features).
     let mut i = 0;
     while i < k {
-        let mask: __mmask16 = if k - i >= 16 {
-            0xffff
-        } else {
-            (1u16 << (k - i)) - 1
-        };
+        let mask = super::math::lanes16(k - i);
         // SAFETY: lanes of `mask` are below `k - i`, inside every slice (caller); masked-off
         // lanes are not accessed.
         unsafe {

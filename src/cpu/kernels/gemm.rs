@@ -258,8 +258,7 @@ thread_local! {
 }
 
 /// Runs `f` with this thread's scratch, taken out of the thread-local for the call: if the
-/// thread runs another product meanwhile (rayon work stealing inside a nested parallel call),
-/// that one starts from empty buffers instead of finding them borrowed.
+/// thread runs another product meanwhile (a nested call), that one starts from empty buffers instead of finding them borrowed.
 fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     let mut scratch = SCRATCH.with(RefCell::take);
     let out = f(&mut scratch);
@@ -1074,10 +1073,8 @@ mod wide {
         accumulate: bool,
     ) {
         use std::arch::x86_64::*;
-        let masks: [__mmask16; NV] = std::array::from_fn(|v| {
-            let lanes = width.saturating_sub(16 * v).min(16);
-            ((1u32 << lanes) - 1) as u16
-        });
+        let masks: [__mmask16; NV] =
+            std::array::from_fn(|v| super::super::math::lanes16(width.saturating_sub(16 * v)));
         // SAFETY: every access stays inside the panel, the activation rows or the output
         // elements (caller); masked lanes are not touched.
         unsafe {

@@ -163,6 +163,17 @@ pub(crate) unsafe fn exp_avx512(v: std::arch::x86_64::__m512) -> std::arch::x86_
     _mm512_scalef_ps(y, n)
 }
 
+/// The mask of the first `min(n, 16)` lanes of a 16-lane vector (an AVX-512 `__mmask16`): the
+/// lanes a loop over `n` remaining elements may touch.
+#[inline(always)]
+pub(crate) fn lanes16(n: usize) -> u16 {
+    if n >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
 /// `x[i] = e^(x[i] − shift)` over a row with [`exp_avx512`]; returns Σx (f32, 16 lanes added
 /// in a fixed order).
 ///
@@ -178,11 +189,7 @@ pub(crate) unsafe fn exp_sub_sum_avx512(x: &mut [f32], shift: f32) -> f32 {
     let mut i = 0;
     while i < n {
         let left = n - i;
-        let m: __mmask16 = if left >= 16 {
-            0xFFFF
-        } else {
-            ((1u32 << left) - 1) as __mmask16
-        };
+        let m = lanes16(left);
         // SAFETY: lanes of `m` are elements i..min(i + 16, n) of the row; masked lanes are
         // neither read nor written.
         unsafe {
@@ -216,11 +223,7 @@ pub(crate) unsafe fn scale_mask_max_avx512(
     let mut i = 0;
     while i < n {
         let left = n - i;
-        let m: __mmask16 = if left >= 16 {
-            0xFFFF
-        } else {
-            ((1u32 << left) - 1) as __mmask16
-        };
+        let m = lanes16(left);
         // SAFETY: unmasked lanes are elements i..min(i + 16, n) (caller).
         unsafe {
             let p = x.add(i);

@@ -96,11 +96,7 @@ unsafe fn gelu_erf_row_avx512(row: &mut [f32]) {
     let mut i = 0;
     while i < n {
         let left = n - i;
-        let m: __mmask16 = if left >= 16 {
-            0xFFFF
-        } else {
-            ((1u32 << left) - 1) as __mmask16
-        };
+        let m = super::math::lanes16(left);
         // SAFETY: unmasked lanes are elements i..min(i + 16, n) of the row.
         unsafe {
             let ptr = row.as_mut_ptr().add(i);
