@@ -13,6 +13,8 @@ use crate::error::{Error, Result};
 use crate::{convert, quant};
 
 /// The element type of a tensor.
+// Variants keep ggml's spelling of its types (q2_K, iq4_nl), which users search for.
+#[allow(non_camel_case_types)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
     /// 32-bit IEEE float.
@@ -33,11 +35,39 @@ pub enum DType {
     Q8_0,
     /// Blocks of 32 values: an f16 scale and 16 bytes of 4-bit values offset by 8.
     Q4_0,
+    /// Blocks of 32 values: an f16 scale, an f16 minimum and 16 bytes of 4-bit values.
+    Q4_1,
+    /// Blocks of 32 values: an f16 scale, 32 high bits and 16 bytes of low nibbles (5-bit
+    /// values offset by 16).
+    Q5_0,
+    /// Blocks of 32 values: an f16 scale, an f16 minimum, 32 high bits and 16 bytes of low
+    /// nibbles.
+    Q5_1,
+    /// Blocks of 32 values: an f16 scale, an f16 `scale × Σq` and 32 signed bytes (the
+    /// activation partner of q4_1 and q5_1).
+    Q8_1,
+    /// Super-blocks of 256 values: 2-bit values in 16 groups with 4-bit scales and minimums.
+    Q2_K,
+    /// Super-blocks of 256 values: 3-bit values in 16 groups with 6-bit scales.
+    Q3_K,
+    /// Super-blocks of 256 values: 4-bit values in 8 groups with 6-bit scales and minimums.
+    Q4_K,
+    /// Super-blocks of 256 values: 5-bit values in 8 groups with 6-bit scales and minimums.
+    Q5_K,
+    /// Super-blocks of 256 values: 6-bit values in 16 groups with 8-bit scales.
+    Q6_K,
+    /// Super-blocks of 256 values: an f32 scale, 256 signed bytes and 16 group sums (the
+    /// activation partner of the K-quants).
+    Q8_K,
+    /// Blocks of 32 values: an f16 scale and 4-bit indices into a fixed non-linear table.
+    IQ4_NL,
+    /// Super-blocks of 256 values: 4-bit indices into the IQ4_NL table with 6-bit group scales.
+    IQ4_XS,
 }
 
 impl DType {
     /// Every type, in declaration order.
-    pub const ALL: [DType; 9] = [
+    pub const ALL: [DType; 21] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -47,6 +77,18 @@ impl DType {
         DType::I64,
         DType::Q8_0,
         DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::Q8_1,
+        DType::Q2_K,
+        DType::Q3_K,
+        DType::Q4_K,
+        DType::Q5_K,
+        DType::Q6_K,
+        DType::Q8_K,
+        DType::IQ4_NL,
+        DType::IQ4_XS,
     ];
 
     /// The short name, as ggml spells it (`"f32"`, `"q8_0"`, ...).
@@ -61,6 +103,18 @@ impl DType {
             DType::I64 => "i64",
             DType::Q8_0 => "q8_0",
             DType::Q4_0 => "q4_0",
+            DType::Q4_1 => "q4_1",
+            DType::Q5_0 => "q5_0",
+            DType::Q5_1 => "q5_1",
+            DType::Q8_1 => "q8_1",
+            DType::Q2_K => "q2_K",
+            DType::Q3_K => "q3_K",
+            DType::Q4_K => "q4_K",
+            DType::Q5_K => "q5_K",
+            DType::Q6_K => "q6_K",
+            DType::Q8_K => "q8_K",
+            DType::IQ4_NL => "iq4_nl",
+            DType::IQ4_XS => "iq4_xs",
         }
     }
 
@@ -74,7 +128,7 @@ impl DType {
             DType::I16 => Some("int16"),
             DType::I32 => Some("int32"),
             DType::I64 => Some("int64"),
-            DType::Q8_0 | DType::Q4_0 => None,
+            _ => None,
         }
     }
 
@@ -87,6 +141,18 @@ impl DType {
             DType::I64 => 8,
             DType::Q8_0 => std::mem::size_of::<quant::BlockQ8_0>(),
             DType::Q4_0 => std::mem::size_of::<quant::BlockQ4_0>(),
+            DType::Q4_1 => 20,
+            DType::Q5_0 => 22,
+            DType::Q5_1 => 24,
+            DType::Q8_1 => 36,
+            DType::Q2_K => 84,
+            DType::Q3_K => 110,
+            DType::Q4_K => 144,
+            DType::Q5_K => 176,
+            DType::Q6_K => 210,
+            DType::Q8_K => 292,
+            DType::IQ4_NL => 18,
+            DType::IQ4_XS => 136,
         }
     }
 
@@ -95,6 +161,14 @@ impl DType {
         match self {
             DType::Q8_0 => quant::QK8_0,
             DType::Q4_0 => quant::QK4_0,
+            DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_1 | DType::IQ4_NL => 32,
+            DType::Q2_K
+            | DType::Q3_K
+            | DType::Q4_K
+            | DType::Q5_K
+            | DType::Q6_K
+            | DType::Q8_K
+            | DType::IQ4_XS => quant::QK_K,
             _ => 1,
         }
     }
@@ -142,6 +216,18 @@ impl DType {
             "i64" | "int64" | "<i8" => DType::I64,
             "q8_0" => DType::Q8_0,
             "q4_0" => DType::Q4_0,
+            "q4_1" => DType::Q4_1,
+            "q5_0" => DType::Q5_0,
+            "q5_1" => DType::Q5_1,
+            "q8_1" => DType::Q8_1,
+            "q2_k" => DType::Q2_K,
+            "q3_k" => DType::Q3_K,
+            "q4_k" => DType::Q4_K,
+            "q5_k" => DType::Q5_K,
+            "q6_k" => DType::Q6_K,
+            "q8_k" => DType::Q8_K,
+            "iq4_nl" => DType::IQ4_NL,
+            "iq4_xs" => DType::IQ4_XS,
             _ => {
                 return Err(Error::DType(format!(
                     "unknown dtype {name:?}; expected one of {}",
@@ -216,6 +302,10 @@ impl DType {
                 let blocks = quant::blocks_q4_0(src)?;
                 quant::dequantize_row_q4_0(blocks, dst)?;
             }
+            block => {
+                let codec = quant::codec(block).ok_or_else(|| no_codec(block))?;
+                (codec.to_f32)(src, dst);
+            }
         }
         Ok(())
     }
@@ -280,8 +370,83 @@ impl DType {
                 let blocks = quant::blocks_q4_0_mut(dst)?;
                 quant::quantize_row_q4_0_ref(src, blocks)?;
             }
+            block => {
+                let codec = quant::codec(block).ok_or_else(|| no_codec(block))?;
+                (codec.from_f32)(src, dst);
+            }
         }
         Ok(())
+    }
+}
+
+/// The error for a block type without a byte codec (every type has one; kept as an error
+/// rather than a panic so a future type cannot crash a caller).
+fn no_codec(dtype: DType) -> Error {
+    Error::UnsupportedOp(format!("no row conversion for {}", dtype.name()))
+}
+
+/// ggml's numbering of its types (`enum ggml_type`), as GGUF files store them.
+const GGML_TYPE_IDS: [(DType, u32); 21] = [
+    (DType::F32, 0),
+    (DType::F16, 1),
+    (DType::Q4_0, 2),
+    (DType::Q4_1, 3),
+    (DType::Q5_0, 6),
+    (DType::Q5_1, 7),
+    (DType::Q8_0, 8),
+    (DType::Q8_1, 9),
+    (DType::Q2_K, 10),
+    (DType::Q3_K, 11),
+    (DType::Q4_K, 12),
+    (DType::Q5_K, 13),
+    (DType::Q6_K, 14),
+    (DType::Q8_K, 15),
+    (DType::IQ4_NL, 20),
+    (DType::IQ4_XS, 23),
+    (DType::I8, 24),
+    (DType::I16, 25),
+    (DType::I32, 26),
+    (DType::I64, 27),
+    (DType::BF16, 30),
+];
+
+/// Names of ggml type ids ferrograph does not implement, for error messages.
+const GGML_OTHER_TYPES: [(u32, &str); 11] = [
+    (16, "iq2_xxs"),
+    (17, "iq2_xs"),
+    (18, "iq3_xxs"),
+    (19, "iq1_s"),
+    (21, "iq3_s"),
+    (22, "iq2_s"),
+    (28, "f64"),
+    (29, "iq1_m"),
+    (34, "tq1_0"),
+    (35, "tq2_0"),
+    (39, "mxfp4"),
+];
+
+impl DType {
+    /// ggml's id of this type (`enum ggml_type`), as GGUF files and ggml's API number it.
+    pub fn ggml_type_id(self) -> u32 {
+        GGML_TYPE_IDS
+            .iter()
+            .find(|(d, _)| *d == self)
+            .map(|&(_, id)| id)
+            .expect("every DType has a ggml id")
+    }
+
+    /// The type with ggml's id `id`; an error naming the id (and ggml's name for it, when it
+    /// is a type ferrograph does not implement).
+    pub fn from_ggml_type_id(id: u32) -> Result<DType> {
+        if let Some(&(dtype, _)) = GGML_TYPE_IDS.iter().find(|(_, i)| *i == id) {
+            return Ok(dtype);
+        }
+        match GGML_OTHER_TYPES.iter().find(|(i, _)| *i == id) {
+            Some((_, name)) => Err(Error::DType(format!(
+                "ggml type {id} ({name}) is not supported by ferrograph"
+            ))),
+            None => Err(Error::DType(format!("unknown ggml type id {id}"))),
+        }
     }
 }
 

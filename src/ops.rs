@@ -1264,12 +1264,22 @@ pub fn l2_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
 
 // ----- matrix products -----
 
-const MATMUL_WEIGHT_TYPES: [DType; 5] = [
+const MATMUL_WEIGHT_TYPES: [DType; 15] = [
     DType::F32,
     DType::F16,
     DType::BF16,
     DType::Q8_0,
     DType::Q4_0,
+    DType::Q4_1,
+    DType::Q5_0,
+    DType::Q5_1,
+    DType::Q2_K,
+    DType::Q3_K,
+    DType::Q4_K,
+    DType::Q5_K,
+    DType::Q6_K,
+    DType::IQ4_NL,
+    DType::IQ4_XS,
 ];
 
 /// Matrix product with ggml's meaning: `a` is `[K, M, ..]`, `b` is `[K, N, ..]`, the f32 result

@@ -27,10 +27,7 @@ fn is_float(dtype: DType) -> bool {
 }
 
 fn is_matmul_weight(dtype: DType) -> bool {
-    matches!(
-        dtype,
-        DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0
-    )
+    super::kernels::gemm::is_weight_type(dtype)
 }
 
 /// Whether the CPU kernels implement this node's op with its operand and result dtypes.

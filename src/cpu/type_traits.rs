@@ -6,7 +6,7 @@
 
 use half::{bf16, f16};
 
-use super::kernels::quant_dot;
+use super::kernels::{block_dot, quant_dot};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
@@ -141,6 +141,34 @@ fn dot_q4_0(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
     Ok(quant_dot::dot_q4_0_q8_0(x, y))
 }
 
+/// f32 → a block type other than q8_0/q4_0 (ggml id `ID`), with its reference quantizer.
+fn from_block<const ID: u32>(x: &[f32], out: &mut [u8]) -> Result<()> {
+    let dtype = DType::from_ggml_type_id(ID)?;
+    check("from_float", dtype, x.len(), out.len())?;
+    dtype.row_from_f32(x, out)
+}
+
+/// A block type (ggml id `ID`) · its partner type, with the fastest kernel of this CPU.
+fn dot_block<const ID: u32>(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
+    let dtype = DType::from_ggml_type_id(ID)?;
+    let partner = block_dot::vec_dot_type(dtype)
+        .ok_or_else(|| Error::UnsupportedOp(format!("vec_dot {}", dtype.name())))?;
+    check("vec_dot", dtype, n, x.len())?;
+    check("vec_dot (partner)", partner, n, y.len())?;
+    let dot = block_dot::dot_fn(dtype)
+        .ok_or_else(|| Error::UnsupportedOp(format!("vec_dot {}", dtype.name())))?;
+    Ok(dot(x, y))
+}
+
+/// The traits of the block types other than q8_0/q4_0, by ggml id (`ID` must be `dtype`'s).
+fn block_traits<const ID: u32>(dtype: DType) -> (Option<FromFloat>, Option<VecDot>, DType) {
+    match block_dot::vec_dot_type(dtype) {
+        Some(partner) => (Some(from_block::<ID>), Some(dot_block::<ID>), partner),
+        // Activation-only types (q8_1, q8_K): produced from f32, no product of their own.
+        None => (Some(from_block::<ID>), None, dtype),
+    }
+}
+
 /// The CPU traits of `dtype`.
 pub fn type_traits(dtype: DType) -> CpuTypeTraits {
     let (from_float, vec_dot, vec_dot_type): (Option<FromFloat>, Option<VecDot>, DType) =
@@ -150,6 +178,18 @@ pub fn type_traits(dtype: DType) -> CpuTypeTraits {
             DType::BF16 => (Some(from_bf16), Some(dot_bf16), DType::BF16),
             DType::Q8_0 => (Some(from_q8_0), Some(dot_q8_0), DType::Q8_0),
             DType::Q4_0 => (Some(from_q4_0), Some(dot_q4_0), DType::Q8_0),
+            DType::Q4_1 => block_traits::<3>(dtype),
+            DType::Q5_0 => block_traits::<6>(dtype),
+            DType::Q5_1 => block_traits::<7>(dtype),
+            DType::Q8_1 => block_traits::<9>(dtype),
+            DType::Q2_K => block_traits::<10>(dtype),
+            DType::Q3_K => block_traits::<11>(dtype),
+            DType::Q4_K => block_traits::<12>(dtype),
+            DType::Q5_K => block_traits::<13>(dtype),
+            DType::Q6_K => block_traits::<14>(dtype),
+            DType::Q8_K => block_traits::<15>(dtype),
+            DType::IQ4_NL => block_traits::<20>(dtype),
+            DType::IQ4_XS => block_traits::<23>(dtype),
             other => (None, None, other),
         };
     CpuTypeTraits {

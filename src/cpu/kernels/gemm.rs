@@ -147,6 +147,14 @@ unsafe impl Send for WeightRows {}
 unsafe impl Sync for WeightRows {}
 
 impl WeightRows {
+    /// Elements per block of the stored type (1 for in-place f32 rows).
+    pub fn block_size(&self) -> usize {
+        match self {
+            WeightRows::F32 { .. } => 1,
+            WeightRows::Convert { dtype, .. } => dtype.block_size(),
+        }
+    }
+
     /// The weights of batch `(i02, i03)` of `a`.
     pub fn of(a: &RawTensor, (i02, i03): (usize, usize)) -> WeightRows {
         // SAFETY: row 0 of the batch lies inside `a` (the caller's batch indices are in range).
@@ -220,10 +228,14 @@ pub fn applies(a: &RawTensor, dst: &RawTensor, n_cols: usize) -> bool {
         && dst.nb[0] == 4
         && (dst.ptr.0 as usize).is_multiple_of(4)
         && dst.nb[1..].iter().all(|s| s % 4 == 0)
-        && matches!(
-            a.dtype,
-            DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0
-        )
+        && is_weight_type(a.dtype)
+        && KC.is_multiple_of(a.dtype.block_size())
+}
+
+/// Whether `dtype` can be the weights of a product (every float and block type but the
+/// activation-only q8_1 and q8_K).
+pub fn is_weight_type(dtype: DType) -> bool {
+    dtype.is_float() || (dtype.is_quantized() && !matches!(dtype, DType::Q8_1 | DType::Q8_K))
 }
 
 /// One product of a batched GEMM.
@@ -285,7 +297,12 @@ pub unsafe fn run(
     }
     let threads = super::current_num_threads().max(1);
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Avx512 && n >= WIDE_MIN_COLS {
+    // The wide path's `k` blocks (wide::KC) must start on block boundaries of the weights:
+    // K-quant super-blocks (256) take the main path.
+    if isa == Isa::Avx512
+        && n >= WIDE_MIN_COLS
+        && wide::KC.is_multiple_of(product(0).weights.block_size())
+    {
         // SAFETY: as stated (caller).
         return unsafe { wide::run(threads, (m, n, k), n_products, product) };
     }

@@ -11,6 +11,7 @@
 
 use std::ops::Range;
 
+use super::block_dot;
 use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
 use super::gemm_bf16;
@@ -30,9 +31,13 @@ pub fn scratch_bytes(weights: DType, b_ne: &[usize; MAX_DIMS], b_contiguous: boo
     let rows = b_ne[1] * b_ne[2] * b_ne[3];
     if weights.is_quantized() {
         let k = b_ne[0];
+        let partner = block_dot::vec_dot_type(weights)
+            .and_then(|p| p.row_size(k).ok())
+            .unwrap_or(0);
         rows * ((k / QK) * Q8_0_BYTES)
             .max(gemm_q8::act_row_bytes(k))
             .max(q4_pairs_row_bytes(k))
+            .max(partner)
     } else if b_contiguous {
         0
     } else {
@@ -126,6 +131,24 @@ fn prepare<'s>(
             },
         )?;
         return Ok(Prepared::Q4Pairs(scratch.as_slice(), row_bytes, b.ne));
+    }
+    if let Some(partner) = block_dot::vec_dot_type(weights).filter(|&p| p != DType::Q8_0) {
+        // q8_1 / q8_K activations, quantized by the partner type's reference rules.
+        let row_bytes = partner.row_size(k)?;
+        scratch.clear();
+        scratch.resize(nrows * row_bytes, 0);
+        super::par_rows_mut(
+            scratch,
+            row_bytes,
+            || vec![0f32; k],
+            |r, out, buf| {
+                let (i1, i2, i3) = b.row_coords(r);
+                // SAFETY: row `r` lies inside `b` (read-only).
+                unsafe { b.load_row(i1, i2, i3, buf)? };
+                partner.row_from_f32(buf, out)
+            },
+        )?;
+        return Ok(Prepared::Q8(scratch.as_slice(), row_bytes, b.ne));
     }
     if weights.is_quantized() {
         let row_bytes = DType::Q8_0.row_size(k)?;
@@ -225,6 +248,28 @@ fn run_tile(
                 (_, false) => super::quant_dot::dot_q4_0_q8_0,
                 (_, true) => dot_q4_0_q8_0_ref,
             };
+            for col in cols {
+                let brow = b.q8_row(col.b);
+                for i in rows.clone() {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+                    // `row_bytes` bytes of adjacent blocks.
+                    let arow = unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
+                    };
+                    write(col, i, dot(arow, brow));
+                }
+            }
+        }
+        block if matches!(b, Prepared::Q8(..)) && block_dot::vec_dot_type(block).is_some() => {
+            let row_bytes = a.dtype.row_size(k)?;
+            let isa = if reference {
+                block_dot::Isa::Portable
+            } else {
+                block_dot::Isa::best()
+            };
+            let dot = block_dot::dot_fn_with(block, isa).ok_or_else(|| {
+                Error::UnsupportedOp(format!("MUL_MAT with {} weights", block.name()))
+            })?;
             for col in cols {
                 let brow = b.q8_row(col.b);
                 for i in rows.clone() {

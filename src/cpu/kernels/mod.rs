@@ -7,8 +7,11 @@
 
 pub mod attention;
 pub mod binary;
+pub mod block_dot;
 pub mod copy;
 pub mod custom;
+pub mod dot_k;
+pub mod dot_legacy;
 pub mod dot_tile;
 pub mod gemm;
 pub mod gemm_bf16;

@@ -175,14 +175,14 @@ pub unsafe fn load_f32(dtype: DType, ptr: *const u8, stride: usize, out: &mut [f
             let src = unsafe { std::slice::from_raw_parts(ptr.cast::<bf16>(), n) };
             convert::bf16_to_fp32_row(src, out)?;
         }
-        DType::Q8_0 | DType::Q4_0 => {
+        block if block.is_quantized() => {
             let bytes = dtype.row_size(n)?;
             // SAFETY: a row of `n` quantized elements spans `bytes` readable bytes (caller).
             let src = unsafe { std::slice::from_raw_parts(ptr, bytes) };
-            if dtype == DType::Q8_0 {
-                quant_dot::dequantize_row_q8_0(src, out);
-            } else {
-                quant_dot::dequantize_row_q4_0(src, out);
+            match block {
+                DType::Q8_0 => quant_dot::dequantize_row_q8_0(src, out),
+                DType::Q4_0 => quant_dot::dequantize_row_q4_0(src, out),
+                _ => block.row_to_f32(src, out)?,
             }
         }
         _ => {
@@ -200,7 +200,7 @@ pub unsafe fn load_f32(dtype: DType, ptr: *const u8, stride: usize, out: &mut [f
                         DType::I16 => p.cast::<i16>().read_unaligned() as f32,
                         DType::I32 => p.cast::<i32>().read_unaligned() as f32,
                         DType::I64 => p.cast::<i64>().read_unaligned() as f32,
-                        DType::Q8_0 | DType::Q4_0 => {
+                        _ => {
                             return Err(Error::UnsupportedOp(format!(
                                 "strided {} rows",
                                 dtype.name()
@@ -244,14 +244,14 @@ pub unsafe fn store_f32(dtype: DType, ptr: *mut u8, stride: usize, src: &[f32]) 
             let dst = unsafe { std::slice::from_raw_parts_mut(ptr.cast::<bf16>(), n) };
             convert::fp32_to_bf16_row(src, dst)?;
         }
-        DType::Q8_0 | DType::Q4_0 => {
+        block if block.is_quantized() => {
             let bytes = dtype.row_size(n)?;
             // SAFETY: the quantized row spans `bytes` exclusively writable bytes (caller).
             let dst = unsafe { std::slice::from_raw_parts_mut(ptr, bytes) };
-            if dtype == DType::Q8_0 {
-                quant_dot::quantize_row_q8_0(src, dst);
-            } else {
-                quant_dot::quantize_row_q4_0(src, dst);
+            match block {
+                DType::Q8_0 => quant_dot::quantize_row_q8_0(src, dst),
+                DType::Q4_0 => quant_dot::quantize_row_q4_0(src, dst),
+                _ => block.row_from_f32(src, dst)?,
             }
         }
         _ => {
@@ -272,7 +272,7 @@ pub unsafe fn store_f32(dtype: DType, ptr: *mut u8, stride: usize, src: &[f32]) 
                         DType::I16 => p.cast::<i16>().write_unaligned(value as i16),
                         DType::I32 => p.cast::<i32>().write_unaligned(value as i32),
                         DType::I64 => p.cast::<i64>().write_unaligned(value as i64),
-                        DType::Q8_0 | DType::Q4_0 => {
+                        _ => {
                             return Err(Error::UnsupportedOp(format!(
                                 "strided {} rows",
                                 dtype.name()

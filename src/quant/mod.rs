@@ -1,4 +1,6 @@
-//! Block-quantized storage formats: Q8_0 and Q4_0 (scalar reference implementations).
+//! Block-quantized storage formats: Q8_0 and Q4_0 here (scalar reference implementations);
+//! ggml's other block types in [`legacy`] (q4_1, q5_0, q5_1, q8_1, iq4_nl) and [`kquants`]
+//! (the K-quants with super-blocks of 256, q8_K and iq4_xs), reached through [`codec`].
 //!
 //! Both formats cut a row of `f32` values into blocks of 32 and store, per block, one `f16`
 //! scale `d` plus 32 small integers `q`, so that each value is approximated by `q·d`.
@@ -40,7 +42,30 @@
 use bytemuck::{Pod, Zeroable};
 use half::f16;
 
+use crate::dtype::DType;
 use crate::error::{Error, Result};
+
+pub mod kquants;
+pub mod legacy;
+
+/// Values per super-block of the K-quants (q2_K..q8_K, iq4_xs).
+pub const QK_K: usize = 256;
+
+/// Byte-level conversions of one block type. Rows are whole blocks laid out as ggml lays them
+/// out, at any alignment; callers check lengths (`src.len() == dtype.row_size(dst.len())`).
+#[derive(Clone, Copy, Debug)]
+pub struct BlockCodec {
+    /// Decodes whole blocks to f32.
+    pub to_f32: fn(&[u8], &mut [f32]),
+    /// Encodes f32 values into whole blocks with ggml's reference quantizer's rules.
+    pub from_f32: fn(&[f32], &mut [u8]),
+}
+
+/// The byte codec of a block type other than q8_0/q4_0 (those have typed block structs here),
+/// or `None` for a non-block type.
+pub fn codec(dtype: DType) -> Option<BlockCodec> {
+    legacy::codec(dtype).or_else(|| kquants::codec(dtype))
+}
 
 /// Number of values in one [`BlockQ8_0`].
 pub const QK8_0: usize = 32;

@@ -1,0 +1,77 @@
+//! Dot products of ggml's block types beyond q8_0/q4_0 against their activation partner types
+//! (ggml's `vec_dot_type`): q8_0 for q5_0 and iq4_nl, q8_1 for q4_1 and q5_1, q8_K for the
+//! K-quants and iq4_xs.
+//!
+//! Each product exists in a portable version, which *defines* its arithmetic (exact integer
+//! sums per block, then a fixed sequence of f32 operations), and SIMD versions that compute
+//! the same bits. [`dot_fn`] picks the fastest version this CPU runs; [`dot_fn_with`] a given
+//! one, for tests.
+
+use super::{dot_k, dot_legacy};
+use crate::dtype::DType;
+
+/// A dot product of one weight row (whole blocks of its type) and one activation row of the
+/// partner type with the same number of values.
+pub type DotFn = fn(&[u8], &[u8]) -> f32;
+
+/// The kernel families of the block dot products.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// Portable Rust: the definition of every product.
+    Portable,
+    /// AVX2 + FMA (+ F16C) intrinsics.
+    Avx2,
+}
+
+impl Isa {
+    /// Every family this CPU runs, slowest first.
+    pub fn available() -> Vec<Isa> {
+        let mut out = vec![Isa::Portable];
+        if super::quant_dot::has_avx2_fma() && has_f16c() {
+            out.push(Isa::Avx2);
+        }
+        out
+    }
+
+    /// The fastest family this CPU runs.
+    pub fn best() -> Isa {
+        use std::sync::OnceLock;
+        static BEST: OnceLock<Isa> = OnceLock::new();
+        *BEST.get_or_init(|| *Isa::available().last().unwrap_or(&Isa::Portable))
+    }
+}
+
+fn has_f16c() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        is_x86_feature_detected!("f16c")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// The activation type ggml pairs with weights of `dtype` in products, for the types of this
+/// module.
+pub fn vec_dot_type(dtype: DType) -> Option<DType> {
+    match dtype {
+        DType::Q5_0 | DType::IQ4_NL => Some(DType::Q8_0),
+        DType::Q4_1 | DType::Q5_1 => Some(DType::Q8_1),
+        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
+            Some(DType::Q8_K)
+        }
+        _ => None,
+    }
+}
+
+/// The product of `dtype` rows with their partner rows in family `isa` (one of
+/// [`Isa::available`]), or `None` when the type has no such product.
+pub fn dot_fn_with(dtype: DType, isa: Isa) -> Option<DotFn> {
+    dot_legacy::dot_fn(dtype, isa).or_else(|| dot_k::dot_fn(dtype, isa))
+}
+
+/// The fastest product of `dtype` rows with their partner rows on this CPU.
+pub fn dot_fn(dtype: DType) -> Option<DotFn> {
+    dot_fn_with(dtype, Isa::best())
+}
