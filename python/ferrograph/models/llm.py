@@ -475,7 +475,8 @@ class LLM:
             every: npt.NDArray[np.float32] = np.concatenate(rows, axis=0)
             return every
         assert last is not None
-        return last[-1]
+        final: npt.NDArray[np.float32] = last[-1]
+        return final
 
     # ----- public API -----
 

