@@ -10,7 +10,7 @@ import pytest
 import ferrograph as fg
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="pip install gguf (the reference)")
-from gguf import GGMLQuantizationType as GT  # noqa: E402
+from gguf import GGMLQuantizationType  # noqa: E402
 
 # every block type gguf can dequantize, with its gguf id
 DEQUANT_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K"]
@@ -22,8 +22,8 @@ ERROR_LIMIT = {"q2_K": 0.0075, "q3_K": 0.0040}
 DOT_LIMIT = {"q2_K": 0.04, "q3_K": 0.04, "iq4_nl": 0.04, "iq4_xs": 0.04}
 
 
-def gguf_type(name: str) -> GT:
-    return GT[name.upper()]
+def gguf_type(name: str) -> GGMLQuantizationType:
+    return GGMLQuantizationType[name.upper()]
 
 
 def reference_dequantize(raw: np.ndarray, name: str, n: int) -> np.ndarray:
@@ -137,7 +137,7 @@ def test_q8_1_and_q8_k_layouts() -> None:
     )
 
 
-@pytest.mark.parametrize("name", DEQUANT_TYPES + ["q8_1", "q8_K"])
+@pytest.mark.parametrize("name", [*DEQUANT_TYPES, "q8_1", "q8_K"])
 def test_codecs_refuse_bad_lengths(name: str) -> None:
     dt = fg.DType(name)
     with pytest.raises(fg.ShapeError):
