@@ -1,0 +1,249 @@
+//! AVX2 + FMA + F16C versions of the products of [`super`], bit-identical to the portable
+//! definition.
+//!
+//! Per iteration 8 blocks: each block's 32 products are summed to 8 `i32` partial sums
+//! (`maddubs` to pairs in `i16`, `madd` with ones to fours in `i32`), a `hadd` tree turns the 8
+//! blocks' vectors into one vector of their 8 exact sums (lane `k` = block `8g + k`), and two
+//! gathers fetch the 8 blocks' f16 scales of both rows, widened by `cvtph`.
+//!
+//! # No saturation
+//!
+//! `_mm256_maddubs_epi16(u, s)` multiplies unsigned bytes `u` by signed bytes `s` and adds
+//! adjacent pairs with *signed saturation* to `i16`; it is exact as long as
+//! `|u₀s₀ + u₁s₁| ≤ 32767`. The activation bytes `s` are arbitrary (`−128..=127`).
+//!
+//! * q4_1, q5_1: `u` is the unsigned weight (`0..=15`, `0..=31`), `s` the activation:
+//!   `|pair| ≤ 2·31·128 = 7936`.
+//! * q5_0, iq4_nl: the weight `w` is signed (`−16..=15`, `−127..=113`). The sign goes to the
+//!   weight, not to the activation: `u = |y|` (`_mm256_sign_epi8(y, y)` gives `−128` for
+//!   `y = −128`, whose byte 0x80 read unsigned is exactly 128) and `s = w·sgn(y)`
+//!   (`_mm256_sign_epi8(w, y)`, which cannot overflow since `w ≥ −127`). Then
+//!   `u·s = |y|·sgn(y)·w = y·w` exactly, and `|pair| ≤ 2·128·127 = 32512 ≤ 32767`. (The usual
+//!   order, `|w|` times `y·sgn(w)`, would negate `y = −128` back to `−128` and get the sign
+//!   of the product wrong.)
+//!
+//! `_mm256_madd_epi16` with ones then adds pairs of exact `i16` values into `i32`, and the
+//! `hadd` tree adds `i32` values bounded by `32·127·128`: nothing wraps.
+
+use std::arch::x86_64::*;
+
+use super::{block_count, blocks_into, kind, partner_bytes, reduce8, weight_bytes, LANES};
+use crate::quant::legacy::KVALUES_IQ4NL;
+
+/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
+pub fn available() -> bool {
+    is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c")
+}
+
+/// 32 nibbles in value order (low nibbles of the 16 bytes at `p`, then their high nibbles),
+/// one per byte.
+///
+/// # Safety
+/// `p` must be valid for reading 16 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nibbles(p: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees 16 readable bytes at `p`; the load is unaligned.
+    let packed = unsafe { _mm_loadu_si128(p.cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
+    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+}
+
+/// Byte `j` is 0xFF where bit `j` of `qh` is set, else 0.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn bit_mask(qh: u32) -> __m256i {
+    // Byte j takes byte j/8 of qh (each 128-bit half holds all four bytes) and tests its
+    // bit j % 8.
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(qh as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
+            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
+        ),
+    );
+    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits)
+}
+
+/// The sum of `w_j · y_j` for unsigned weights `w` (`0..=31`) and activations `y` as 8 `i32`
+/// partial sums (exact, see the module docs).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_unsigned(w: __m256i, y: __m256i) -> __m256i {
+    _mm256_madd_epi16(_mm256_maddubs_epi16(w, y), _mm256_set1_epi16(1))
+}
+
+/// The sum of `w_j · y_j` for signed weights `w` (`−127..=127`) as 8 `i32` partial sums,
+/// exact for every activation byte (see the module docs).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn dot_signed(w: __m256i, y: __m256i) -> __m256i {
+    let pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(y, y), _mm256_sign_epi8(w, y));
+    _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))
+}
+
+/// 8 `i32` partial sums of the products of the weight block at `x` (kind `K`) and the
+/// partner block at `y`.
+///
+/// # Safety
+/// `x` must be valid for reading one weight block of kind `K`, `y` one partner block.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn block_sums<const K: u8>(x: *const u8, y: *const u8) -> __m256i {
+    // SAFETY: the caller guarantees whole blocks at `x` and `y`; every offset below lies
+    // inside them (the quants are the last 16 or 32 bytes of each block, `qh` sits at 2..6
+    // or 4..8), and all loads are unaligned.
+    unsafe {
+        let yq = _mm256_loadu_si256(y.add(partner_bytes(K) - 32).cast());
+        match K {
+            kind::Q4_1 => dot_unsigned(nibbles(x.add(4)), yq),
+            kind::Q5_1 => {
+                let qh = x.add(4).cast::<u32>().read_unaligned();
+                let fifth = _mm256_and_si256(bit_mask(u32::from_le(qh)), _mm256_set1_epi8(0x10));
+                dot_unsigned(_mm256_or_si256(nibbles(x.add(8)), fifth), yq)
+            }
+            kind::Q5_0 => {
+                // q − 16 as a signed byte: the nibble where the fifth bit is set, else the
+                // nibble with the top four bits set (nibble − 16).
+                let qh = x.add(2).cast::<u32>().read_unaligned();
+                let off = _mm256_andnot_si256(bit_mask(u32::from_le(qh)), _mm256_set1_epi8(-16));
+                dot_signed(_mm256_or_si256(nibbles(x.add(6)), off), yq)
+            }
+            _ => {
+                // The table in both 128-bit halves; nibbles (< 16) index within their half.
+                let t = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
+                let table = _mm256_set_m128i(t, t);
+                dot_signed(_mm256_shuffle_epi8(table, nibbles(x.add(2))), yq)
+            }
+        }
+    }
+}
+
+/// One vector of the 8 blocks' exact sums (lane `k` = `Σ p[k]`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sum_blocks(p: &[__m256i; 8]) -> __m256i {
+    // hadd adds neighbours within each 128-bit half: after two levels, half h of `q0123`
+    // holds [Σ half h of p0, … of p3]; adding the halves completes each block's sum.
+    let q01 = _mm256_hadd_epi32(p[0], p[1]);
+    let q23 = _mm256_hadd_epi32(p[2], p[3]);
+    let q45 = _mm256_hadd_epi32(p[4], p[5]);
+    let q67 = _mm256_hadd_epi32(p[6], p[7]);
+    let q0123 = _mm256_hadd_epi32(q01, q23);
+    let q4567 = _mm256_hadd_epi32(q45, q67);
+    let lo = _mm256_permute2x128_si256::<0x20>(q0123, q4567);
+    let hi = _mm256_permute2x128_si256::<0x31>(q0123, q4567);
+    _mm256_add_epi32(lo, hi)
+}
+
+/// The 32-bit words at the starts of 8 blocks `stride` bytes apart from `p`.
+///
+/// # Safety
+/// `p` must be valid for reading 8 blocks of `stride ≥ 4` bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn gather_heads(p: *const u8, stride: usize) -> __m256i {
+    let s = stride as i32;
+    let idx = _mm256_setr_epi32(0, s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s, 7 * s);
+    // SAFETY: lane k reads bytes k·stride .. k·stride + 4, inside block k.
+    unsafe { _mm256_i32gather_epi32::<1>(p.cast(), idx) }
+}
+
+/// Widens the low 16 bits (`lo`) and the high 16 bits (`hi`) of 8 gathered words
+/// (`lo_words`, `hi_words`), as f16, to two vectors of 8 f32.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn widen_halves(lo_words: __m256i, hi_words: __m256i, hi_shift: bool) -> (__m256, __m256) {
+    let mask = _mm256_set1_epi32(0xFFFF);
+    let lo = _mm256_and_si256(lo_words, mask);
+    let hi = if hi_shift {
+        _mm256_srli_epi32::<16>(hi_words)
+    } else {
+        _mm256_and_si256(hi_words, mask)
+    };
+    // packus per 128-bit half: [lo0..3, hi0..3 | lo4..7, hi4..7] (values fit in u16, no
+    // saturation); the permute puts the four 64-bit groups in order lo0..7, hi0..7.
+    let packed = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(lo, hi));
+    (
+        _mm256_cvtph_ps(_mm256_castsi256_si128(packed)),
+        _mm256_cvtph_ps(_mm256_extracti128_si256::<1>(packed)),
+    )
+}
+
+/// The product of kind `K` (see [`super`]'s module docs for the arithmetic).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
+    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
+    let groups = block_count::<K>(a, b) / LANES;
+    let mut acc = _mm256_setzero_ps();
+    for g in 0..groups {
+        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8), so every
+        // block pointer below points to a whole block.
+        unsafe {
+            let x = a.as_ptr().add(g * LANES * wb);
+            let y = b.as_ptr().add(g * LANES * pb);
+            let mut p = [_mm256_setzero_si256(); LANES];
+            for (k, slot) in p.iter_mut().enumerate() {
+                *slot = block_sums::<K>(x.add(k * wb), y.add(k * pb));
+            }
+            let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
+            let (xh, yh) = (gather_heads(x, wb), gather_heads(y, pb));
+            if super::has_min(K) {
+                let (dx, mx) = widen_halves(xh, xh, true);
+                let (dy, sy) = widen_halves(yh, yh, true);
+                acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
+                acc = _mm256_fmadd_ps(mx, sy, acc);
+            } else {
+                let (dx, dy) = widen_halves(xh, yh, false);
+                acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
+            }
+        }
+    }
+    let mut lanes = [0.0f32; LANES];
+    // SAFETY: `lanes` holds 8 f32; the store is unaligned.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    blocks_into::<K>(a, b, groups * LANES, &mut lanes);
+    reduce8(&lanes)
+}
+
+/// q4_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q4_1_q8_1_portable`]).
+pub fn dot_q4_1_q8_1(a: &[u8], b: &[u8]) -> f32 {
+    if !available() {
+        return super::dot_q4_1_q8_1_portable(a, b);
+    }
+    // SAFETY: AVX2, FMA and F16C were detected.
+    unsafe { dot::<{ kind::Q4_1 }>(a, b) }
+}
+
+/// q5_0 row · q8_0 row with AVX2 (same bits as [`super::dot_q5_0_q8_0_portable`]).
+pub fn dot_q5_0_q8_0(a: &[u8], b: &[u8]) -> f32 {
+    if !available() {
+        return super::dot_q5_0_q8_0_portable(a, b);
+    }
+    // SAFETY: AVX2, FMA and F16C were detected.
+    unsafe { dot::<{ kind::Q5_0 }>(a, b) }
+}
+
+/// q5_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q5_1_q8_1_portable`]).
+pub fn dot_q5_1_q8_1(a: &[u8], b: &[u8]) -> f32 {
+    if !available() {
+        return super::dot_q5_1_q8_1_portable(a, b);
+    }
+    // SAFETY: AVX2, FMA and F16C were detected.
+    unsafe { dot::<{ kind::Q5_1 }>(a, b) }
+}
+
+/// iq4_nl row · q8_0 row with AVX2 (same bits as [`super::dot_iq4_nl_q8_0_portable`]).
+pub fn dot_iq4_nl_q8_0(a: &[u8], b: &[u8]) -> f32 {
+    if !available() {
+        return super::dot_iq4_nl_q8_0_portable(a, b);
+    }
+    // SAFETY: AVX2, FMA and F16C were detected.
+    unsafe { dot::<{ kind::IQ4_NL }>(a, b) }
+}
