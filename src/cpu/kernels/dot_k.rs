@@ -1,11 +1,273 @@
 //! Dot products of the K-quants (q2_K..q6_K) and iq4_xs with q8_K activations (see
-//! [`super::block_dot`]).
+//! [`super::block_dot`]; layouts in [`crate::quant::kquants`]).
+//!
+//! # Definition
+//!
+//! The portable functions here *define* every product; the AVX2 versions (`dot_k/x86.rs`)
+//! return identical bits for every input whose result is not NaN (a NaN result is NaN in
+//! both, with an unspecified payload).
+//!
+//! A weight row and a q8_K row of `n` values hold `n / 256` super-blocks each; super-block
+//! `b` of the weights meets super-block `b` of the activations (if the byte lengths disagree,
+//! the shorter row's count of whole super-blocks is used). Per super-block, with `q_v` the
+//! weight quant of value `v`, `y_v` the q8_K quant (`−128..=127`, any byte is accepted),
+//! `bsum_k` the q8_K group sums as stored (never recomputed, never assumed consistent),
+//! `dy` the q8_K f32 scale, and `dot_g = Σ_{v∈g} q_v·y_v`:
+//!
+//! | type   | integer sums (exact `i32`)                                           |
+//! |--------|----------------------------------------------------------------------|
+//! | q2_K   | `isum = Σ_g sc_g·dot_g` (16 groups), `msum = Σ_g m_g·bsum_g`           |
+//! | q3_K   | `isum = Σ_g sc_g·dot_g`, `q` in `−4..=3`, `sc` in `−32..=31`            |
+//! | q4_K   | `isum = Σ_g sc_g·dot_g` (8 groups), `msum = Σ_g m_g·(bsum_2g + bsum_2g+1)` |
+//! | q5_K   | as q4_K with `q` in `0..=31`                                          |
+//! | q6_K   | `isum = Σ_g sc_g·dot_g`, `q` in `−32..=31`, `sc` the stored `i8`        |
+//! | iq4_xs | `isum = Σ_g sc_g·dot_g`, `q` the table value (`−127..=113`), `sc` in `−32..=31` |
+//!
+//! Then, in f32 with `dx` (and `dmin`) the weight super-block's f16 scales converted exactly,
+//! the accumulator `acc` (starting at `+0.0`, super-blocks in row order, one accumulator) is
+//! updated by
+//!
+//! * q3_K, q6_K, iq4_xs: `acc = fma(dx·dy, f32(isum), acc)`;
+//! * q2_K, q4_K, q5_K: `acc = fma(dx·dy, f32(isum), acc)`, then
+//!   `acc = fma(−(dmin·dy), f32(msum), acc)`;
+//!
+//! where `·` is one rounded f32 multiplication, `f32(i)` rounds to nearest even and `fma`
+//! rounds once. The result is `acc`.
+//!
+//! The sums cannot overflow `i32` for any bytes: the largest magnitudes are
+//! `|isum| ≤ 256·128·32·128 = 2²⁷` (q6_K: `|sc| ≤ 128`, `|q| ≤ 32`, `|y| ≤ 128`) and
+//! `|msum| ≤ 8·63·2·32768 < 2²⁵` (q4_K/q5_K).
+//!
+//! With consistent bsums (`bsum_k = Σ` of its 16 quants, as the q8_K quantizer writes them)
+//! the product equals the f64 dot product of the two dequantized rows up to f32 rounding:
+//! each super-block step rounds `dx·dy`, `f32(isum)` and the sum, so the error is at most
+//! about `(2·nb + 4)·2⁻²³·S` where `nb` is the super-block count and `S = Σ_v (|d·sc_v·q_v| +
+//! |dmin·m_v|)·|dy·y_v|` (the unit tests check `(4·nb + 16)·2⁻²⁴·S`).
 
 use super::block_dot::{DotFn, Isa};
+use super::quant_dot::f16_bits_to_f32;
 use crate::dtype::DType;
+use crate::quant::kquants::{
+    iq4_xs_quants, iq4_xs_scales, k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants,
+    q6_k_quants, unpack_2bit, unpack_4bit, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES,
+    Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES,
+};
+use crate::quant::QK_K;
 
-/// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types.
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
+/// (and, for [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    let _ = (dtype, isa);
+    match isa {
+        Isa::Portable => portable(dtype),
+        Isa::Avx2 => avx2(dtype),
+    }
+}
+
+fn portable(dtype: DType) -> Option<DotFn> {
+    Some(match dtype {
+        DType::Q2_K => dot_q2_k,
+        DType::Q3_K => dot_q3_k,
+        DType::Q4_K => dot_q4_k,
+        DType::Q5_K => dot_q5_k,
+        DType::Q6_K => dot_q6_k,
+        DType::IQ4_XS => dot_iq4_xs,
+        _ => return None,
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(dtype: DType) -> Option<DotFn> {
+    if !x86::supported() {
+        return None;
+    }
+    Some(match dtype {
+        DType::Q2_K => avx2_entry::q2_k,
+        DType::Q3_K => avx2_entry::q3_k,
+        DType::Q4_K => avx2_entry::q4_k,
+        DType::Q5_K => avx2_entry::q5_k,
+        DType::Q6_K => avx2_entry::q6_k,
+        DType::IQ4_XS => avx2_entry::iq4_xs,
+        _ => return None,
+    })
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2(_dtype: DType) -> Option<DotFn> {
     None
+}
+
+/// Safe entry points to the AVX2 kernels. They are reachable only through [`avx2`], which
+/// hands them out after checking the CPU's features.
+#[cfg(target_arch = "x86_64")]
+mod avx2_entry {
+    macro_rules! entry {
+        ($name:ident) => {
+            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
+                // SAFETY: this function is only handed out by `avx2`, after
+                // `x86::supported()` confirmed AVX2, FMA and F16C.
+                unsafe { super::x86::$name(x, y) }
+            }
+        };
+    }
+    entry!(q2_k);
+    entry!(q3_k);
+    entry!(q4_k);
+    entry!(q5_k);
+    entry!(q6_k);
+    entry!(iq4_xs);
+}
+
+/// One super-block's update of the accumulator for the types without minimums:
+/// `fma(dx·dy, f32(isum), acc)`. Shared by every version so the f32 sequence is one.
+#[inline(always)]
+fn step(acc: f32, dx: f32, dy: f32, isum: i32) -> f32 {
+    (dx * dy).mul_add(isum as f32, acc)
+}
+
+/// One super-block's update for the types with minimums: the scale term, then the
+/// minimum term `fma(−(dmin·dy), f32(msum), ·)`.
+#[inline(always)]
+fn step_min(acc: f32, dx: f32, dmin: f32, dy: f32, isum: i32, msum: i32) -> f32 {
+    let acc = (dx * dy).mul_add(isum as f32, acc);
+    (-(dmin * dy)).mul_add(msum as f32, acc)
+}
+
+/// The f16 at byte `at` of `b`, as f32 (exact).
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// A q8_K super-block's scale, quants and stored group sums.
+#[inline(always)]
+fn q8_k_parts(b: &[u8; Q8_K_BYTES]) -> (f32, [i8; QK_K], [i16; 16]) {
+    let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    let qs = std::array::from_fn(|v| b[4 + v] as i8);
+    let bsums = std::array::from_fn(|k| i16::from_le_bytes([b[260 + 2 * k], b[261 + 2 * k]]));
+    (d, qs, bsums)
+}
+
+/// `Σ q_v·y_v` over one group.
+#[inline(always)]
+fn group_dot<T: Copy + Into<i32>>(q: &[T], y: &[i8]) -> i32 {
+    q.iter()
+        .zip(y)
+        .map(|(&a, &b)| a.into() * i32::from(b))
+        .sum()
+}
+
+/// `isum = Σ_g sc_g·dot_g` over groups of `len` values.
+#[inline(always)]
+fn scaled_sum<T: Copy + Into<i32>, S: Copy + Into<i32>>(
+    q: &[T; QK_K],
+    y: &[i8; QK_K],
+    scales: &[S],
+    len: usize,
+) -> i32 {
+    scales
+        .iter()
+        .enumerate()
+        .map(|(g, &s)| s.into() * group_dot(&q[len * g..len * (g + 1)], &y[len * g..]))
+        .sum()
+}
+
+/// q2_K · q8_K, portable (the definition).
+pub fn dot_q2_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q2_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let (dy, yq, bsums) = q8_k_parts(by);
+        let q = unpack_2bit(&bx[16..80]);
+        let sc: [u8; 16] = std::array::from_fn(|g| bx[g] & 15);
+        let isum = scaled_sum(&q, &yq, &sc, 16);
+        let msum: i32 = (0..16)
+            .map(|g| i32::from(bx[g] >> 4) * i32::from(bsums[g]))
+            .sum();
+        acc = step_min(acc, f16_at(bx, 80), f16_at(bx, 82), dy, isum, msum);
+    }
+    acc
+}
+
+/// q3_K · q8_K, portable (the definition).
+pub fn dot_q3_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q3_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let (dy, yq, _) = q8_k_parts(by);
+        let q = q3_k_quants(&bx[0..32], &bx[32..96]);
+        let isum = scaled_sum(&q, &yq, &q3_k_scales(&bx[96..108]), 16);
+        acc = step(acc, f16_at(bx, 108), dy, isum);
+    }
+    acc
+}
+
+/// The q4_K / q5_K step given the super-block's quants.
+#[inline(always)]
+fn k4_step(acc: f32, bx: &[u8], q: &[u8; QK_K], by: &[u8; Q8_K_BYTES]) -> f32 {
+    let (dy, yq, bsums) = q8_k_parts(by);
+    let (sc, m) = k4_scales_mins(&bx[4..16]);
+    let isum = scaled_sum(q, &yq, &sc, 32);
+    let msum: i32 = (0..8)
+        .map(|g| i32::from(m[g]) * (i32::from(bsums[2 * g]) + i32::from(bsums[2 * g + 1])))
+        .sum();
+    step_min(acc, f16_at(bx, 0), f16_at(bx, 2), dy, isum, msum)
+}
+
+/// q4_K · q8_K, portable (the definition).
+pub fn dot_q4_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q4_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        acc = k4_step(acc, bx, &unpack_4bit(&bx[16..144]), by);
+    }
+    acc
+}
+
+/// q5_K · q8_K, portable (the definition).
+pub fn dot_q5_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q5_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        acc = k4_step(acc, bx, &q5_k_quants(&bx[16..48], &bx[48..176]), by);
+    }
+    acc
+}
+
+/// q6_K · q8_K, portable (the definition).
+pub fn dot_q6_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q6_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let (dy, yq, _) = q8_k_parts(by);
+        let q = q6_k_quants(&bx[0..128], &bx[128..192]);
+        let sc: [i8; 16] = std::array::from_fn(|g| bx[192 + g] as i8);
+        let isum = scaled_sum(&q, &yq, &sc, 16);
+        acc = step(acc, f16_at(bx, 208), dy, isum);
+    }
+    acc
+}
+
+/// iq4_xs · q8_K, portable (the definition).
+pub fn dot_iq4_xs(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<IQ4_XS_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let (dy, yq, _) = q8_k_parts(by);
+        let q = iq4_xs_quants(&bx[8..136]);
+        let sc = iq4_xs_scales(u16::from_le_bytes([bx[2], bx[3]]), &bx[4..8]);
+        let isum = scaled_sum(&q, &yq, &sc, 32);
+        acc = step(acc, f16_at(bx, 0), dy, isum);
+    }
+    acc
 }

@@ -1,0 +1,119 @@
+#!/usr/bin/env python3
+"""Writes tests/data/kquant_blocks.bin, the reference data of the K-quant codec tests
+(src/quant/kquants/tests.rs).
+
+Needs numpy and the `gguf` package (gguf-py). Run from the repository root:
+
+    python scripts/make_kquant_fixtures.py
+
+For q2_K, q3_K, q4_K, q5_K, q6_K and iq4_xs: random super-blocks (every byte random, then
+the f16 scale fields overwritten with finite values: normal, subnormal, zero, negative
+zero, large) and their values as decoded by `gguf.quants.dequantize`. For q8_K: random f32
+rows (including an all-zero super-block and single outliers) and their q8_K bytes by a
+numpy restatement of ggml's `quantize_row_q8_K_ref` (f32 arithmetic throughout).
+
+File layout (little-endian): magic b"KQF1", u32 section count, then per section: u32 ggml
+type id, u32 super-block count n, u32 bytes per super-block, and then
+* for the decoded types: n super-blocks of bytes, then n*256 f32 values;
+* for q8_K (type 15): n*256 f32 input values, then n super-blocks of bytes.
+"""
+
+import struct
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+QK_K = 256
+SEED = 20240611
+BLOCKS = 6
+
+# type, bytes per super-block, byte offsets of its f16 fields
+DECODED = [
+    (T.Q2_K, 84, [80, 82]),
+    (T.Q3_K, 110, [108]),
+    (T.Q4_K, 144, [0, 2]),
+    (T.Q5_K, 176, [0, 2]),
+    (T.Q6_K, 210, [208]),
+    (T.IQ4_XS, 136, [0]),
+]
+
+
+def finite_f16_bits(rng: np.random.Generator) -> int:
+    """A finite f16 bit pattern: mostly normal values of moderate size, sometimes subnormal,
+    zero, negative zero or large."""
+    kind = rng.integers(0, 10)
+    sign = int(rng.integers(0, 2)) << 15
+    if kind == 0:
+        return sign | int(rng.integers(1, 0x400))  # subnormal
+    if kind == 1:
+        return sign  # +0 / -0
+    if kind == 2:
+        return sign | (int(rng.integers(24, 31)) << 10) | int(rng.integers(0, 0x400))  # large
+    return sign | (int(rng.integers(5, 18)) << 10) | int(rng.integers(0, 0x400))  # ~1e-3..4
+
+
+def q8_k_ref(x: np.ndarray) -> bytes:
+    """ggml's quantize_row_q8_K_ref for one super-block, in float32."""
+    x = x.astype(np.float32)
+    ax = np.abs(x)
+    amax = ax.max()
+    if amax == 0:
+        return bytes(4 + QK_K + 32)
+    mx = x[int(np.argmax(ax))]  # the first of the largest magnitudes
+    iscale = np.float32(-127.0) / mx
+    v = (iscale * x).astype(np.float32) + np.float32(12582912.0)
+    q = (v.view(np.int32) & 0x007FFFFF) - 0x00400000
+    q = np.minimum(127, q).astype(np.int8)
+    bsums = q.astype(np.int32).reshape(16, 16).sum(axis=1).astype(np.int16)
+    d = np.float32(1.0) / iscale
+    return d.astype("<f4").tobytes() + q.tobytes() + bsums.astype("<i2").tobytes()
+
+
+def main() -> None:
+    rng = np.random.default_rng(SEED)
+    out = bytearray(b"KQF1")
+    sections = []
+    for qtype, size, f16_fields in DECODED:
+        raw = rng.integers(0, 256, size=(BLOCKS, size), dtype=np.uint8)
+        for b in range(BLOCKS):
+            for at in f16_fields:
+                bits = finite_f16_bits(rng)
+                raw[b, at] = bits & 0xFF
+                raw[b, at + 1] = bits >> 8
+        # A few whole-block extremes: all quant/scale bits set, all clear.
+        raw[0, :] = 0xFF
+        raw[1, :] = 0x00
+        for b in (0, 1):
+            for at in f16_fields:
+                raw[b, at] = 0x00
+                raw[b, at + 1] = 0x3C  # 1.0
+        values = dequantize(raw, qtype).astype(np.float32).reshape(-1)
+        assert values.shape == (BLOCKS * QK_K,)
+        assert np.all(np.isfinite(values))
+        sec = struct.pack("<III", int(qtype), BLOCKS, size)
+        sec += raw.tobytes() + values.astype("<f4").tobytes()
+        sections.append(sec)
+
+    # q8_K: random rows of a few magnitudes, one all-zero super-block, single outliers.
+    n = 5
+    x = (rng.standard_normal(n * QK_K) * rng.choice([1e-3, 1.0, 40.0], size=n * QK_K)).astype(np.float32)
+    x[QK_K : 2 * QK_K] = 0.0
+    x[2 * QK_K : 3 * QK_K] = 0.0
+    x[2 * QK_K + 17] = -3.5
+    x[3 * QK_K + 200] = 1e4
+    q8 = b"".join(q8_k_ref(x[i * QK_K : (i + 1) * QK_K]) for i in range(n))
+    sections.append(struct.pack("<III", int(T.Q8_K), n, 292) + x.astype("<f4").tobytes() + q8)
+
+    out += struct.pack("<I", len(sections))
+    for sec in sections:
+        out += sec
+    path = Path(__file__).resolve().parent.parent / "tests" / "data" / "kquant_blocks.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(out))
+    print(f"wrote {path} ({len(out)} bytes)")
+
+
+if __name__ == "__main__":
+    main()
