@@ -131,7 +131,7 @@ def test_q8_1_and_q8_k_layouts() -> None:
     qk = k[:, 4:260].view(np.int8).astype(np.int64)
     bsums = k[:, 260:292].copy().view(np.int16)
     assert np.array_equal(bsums, qk.reshape(-1, 16, 16).sum(axis=2))
-    assert np.abs(qk * dk[:, None] - x.reshape(-1, 256)).max() <= dk.max() * 0.5 + 1e-6
+    assert np.abs(qk * dk[:, None] - x.reshape(-1, 256)).max() <= np.abs(dk).max() * 0.5 + 1e-6
     assert np.array_equal(
         fg.dequantize(k.reshape(-1), "q8_K", 512), (qk * dk[:, None]).reshape(-1).astype(np.float32)
     )
