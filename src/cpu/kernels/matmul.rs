@@ -430,7 +430,13 @@ pub fn mul_mat(
     }
     // Quantized weights with more than a couple of columns: integer block products against
     // q8_0 activations (see `gemm_q8`).
-    if !reference && n > DIRECT_DOT_MAX_COLS && gemm_q8::applies(&a, &dst) {
+    // Only with VNNI: the portable/AVX2 build of its kernel measured 3-4x slower than
+    // dequantized tiles through the f32 GEMM on an AVX2-only CPU (Zen 3).
+    if !reference
+        && n > DIRECT_DOT_MAX_COLS
+        && gemm_q8::Isa::best() == gemm_q8::Isa::Vnni512
+        && gemm_q8::applies(&a, &dst)
+    {
         return gemm_q8::mul_mat(gemm_q8::Isa::best(), &dst, &a, &b, (r2, r3), scratch);
     }
     // bf16 weights: bf16 × bf16 products on AMX tiles where the CPU has them (see `gemm_bf16`).
