@@ -666,7 +666,9 @@ impl<'a> Reader<'a> {
             GgufType::U64 => numbers!(U64, u64),
             GgufType::I64 => numbers!(I64, i64),
             GgufType::F64 => numbers!(F64, f64),
-            GgufType::Bool => GgufArray::Bool(self.take(n, field)?.iter().map(|&b| b != 0).collect()),
+            GgufType::Bool => {
+                GgufArray::Bool(self.take(n, field)?.iter().map(|&b| b != 0).collect())
+            }
             GgufType::String => {
                 let mut items = Vec::with_capacity(n);
                 for i in 0..n {
@@ -718,7 +720,11 @@ struct Parsed {
 
 /// Parses and checks the header, metadata and tensor infos of `bytes` (a whole file).
 fn parse(bytes: &[u8], path: &str) -> Result<Parsed> {
-    let mut r = Reader { bytes, pos: 0, path };
+    let mut r = Reader {
+        bytes,
+        pos: 0,
+        path,
+    };
     if bytes.len() < 4 || bytes[..4] != GGUF_MAGIC {
         let found = &bytes[..bytes.len().min(4)];
         let problem = if bytes.len() < 4 {
@@ -1274,7 +1280,10 @@ impl GgufFile {
         let mut map = unsafe { memmap2::MmapOptions::new().map_copy(file) }
             .map_err(|e| io_error(&self.path, "map it copy-on-write", e))?;
         let parsed = self.source.bytes();
-        if map.len() != parsed.len() || map[..self.data_offset.min(map.len())] != parsed[..self.data_offset.min(parsed.len())] {
+        if map.len() != parsed.len()
+            || map[..self.data_offset.min(map.len())]
+                != parsed[..self.data_offset.min(parsed.len())]
+        {
             return Err(Error::gguf(
                 &self.path,
                 "file",
@@ -1580,8 +1589,8 @@ pub fn write_gguf(
             .and_then(|o| align_up(o, alignment))
             .ok_or_else(|| fail("tensors".into(), "the data section overflows".into()))?;
     }
-    let padded = align_up(head.len(), alignment)
-        .ok_or_else(|| fail("header".into(), "overflows".into()))?;
+    let padded =
+        align_up(head.len(), alignment).ok_or_else(|| fail("header".into(), "overflows".into()))?;
     head.resize(padded, 0);
 
     write_atomically(path, &shown, |w| {
@@ -1696,7 +1705,10 @@ mod tests {
         bytes.extend_from_slice(&[0; 16]);
         let err = GgufFile::from_bytes("be.gguf", bytes).unwrap_err();
         let text = err.to_string();
-        assert!(text.contains("be.gguf") && text.contains("big-endian"), "{text}");
+        assert!(
+            text.contains("be.gguf") && text.contains("big-endian"),
+            "{text}"
+        );
         assert!(text.contains("header.version at byte 4"), "{text}");
         let err = GgufFile::from_bytes("x.bin", b"GGML0000".to_vec()).unwrap_err();
         assert!(err.to_string().contains("header.magic at byte 0"), "{err}");

@@ -55,28 +55,64 @@ fn every_value() -> Vec<(String, GgufValue)> {
         (s("bool.false"), GgufValue::Bool(false)),
         (s("str"), GgufValue::String(s("hello"))),
         (s("str.empty"), GgufValue::String(String::new())),
-        (s("str.unicode"), GgufValue::String(s("Grüße, 世界 🦀\u{0}"))),
+        (
+            s("str.unicode"),
+            GgufValue::String(s("Grüße, 世界 🦀\u{0}")),
+        ),
         (s("u64"), GgufValue::U64(u64::MAX)),
         (s("i64"), GgufValue::I64(i64::MIN)),
         (s("f64"), GgufValue::F64(std::f64::consts::PI)),
-        (s("arr.u8"), GgufValue::Array(GgufArray::U8(vec![0, 1, 255]))),
+        (
+            s("arr.u8"),
+            GgufValue::Array(GgufArray::U8(vec![0, 1, 255])),
+        ),
         (s("arr.i8"), GgufValue::Array(GgufArray::I8(vec![-1, 2]))),
-        (s("arr.u16"), GgufValue::Array(GgufArray::U16(vec![1, 65535]))),
+        (
+            s("arr.u16"),
+            GgufValue::Array(GgufArray::U16(vec![1, 65535])),
+        ),
         (s("arr.i16"), GgufValue::Array(GgufArray::I16(vec![-7]))),
-        (s("arr.u32"), GgufValue::Array(GgufArray::U32(vec![1, 2, 3]))),
-        (s("arr.i32"), GgufValue::Array(GgufArray::I32(vec![-1, 0, 1]))),
-        (s("arr.f32"), GgufValue::Array(GgufArray::F32(vec![0.5, -0.0, 1e30]))),
-        (s("arr.bool"), GgufValue::Array(GgufArray::Bool(vec![true, false, true]))),
+        (
+            s("arr.u32"),
+            GgufValue::Array(GgufArray::U32(vec![1, 2, 3])),
+        ),
+        (
+            s("arr.i32"),
+            GgufValue::Array(GgufArray::I32(vec![-1, 0, 1])),
+        ),
+        (
+            s("arr.f32"),
+            GgufValue::Array(GgufArray::F32(vec![0.5, -0.0, 1e30])),
+        ),
+        (
+            s("arr.bool"),
+            GgufValue::Array(GgufArray::Bool(vec![true, false, true])),
+        ),
         (
             s("arr.str"),
             GgufValue::Array(GgufArray::String(vec![s("a"), String::new(), s("ü")])),
         ),
-        (s("arr.u64"), GgufValue::Array(GgufArray::U64(vec![u64::MAX]))),
-        (s("arr.i64"), GgufValue::Array(GgufArray::I64(vec![i64::MIN, 5]))),
-        (s("arr.f64"), GgufValue::Array(GgufArray::F64(vec![1e300, -2.0]))),
+        (
+            s("arr.u64"),
+            GgufValue::Array(GgufArray::U64(vec![u64::MAX])),
+        ),
+        (
+            s("arr.i64"),
+            GgufValue::Array(GgufArray::I64(vec![i64::MIN, 5])),
+        ),
+        (
+            s("arr.f64"),
+            GgufValue::Array(GgufArray::F64(vec![1e300, -2.0])),
+        ),
         (s("arr.empty.u8"), GgufValue::Array(GgufArray::U8(vec![]))),
-        (s("arr.empty.str"), GgufValue::Array(GgufArray::String(vec![]))),
-        (s("arr.empty.arr"), GgufValue::Array(GgufArray::Array(vec![]))),
+        (
+            s("arr.empty.str"),
+            GgufValue::Array(GgufArray::String(vec![])),
+        ),
+        (
+            s("arr.empty.arr"),
+            GgufValue::Array(GgufArray::Array(vec![])),
+        ),
         (
             s("arr.nested"),
             GgufValue::Array(GgufArray::Array(vec![
@@ -99,16 +135,16 @@ fn every_value_type_round_trips() {
         let file = GgufFile::open(&path).unwrap();
         let mut expected = metadata.clone();
         if alignment != 32 {
-            expected.push((
-                "general.alignment".into(),
-                GgufValue::U32(alignment as u32),
-            ));
+            expected.push(("general.alignment".into(), GgufValue::U32(alignment as u32)));
         }
         assert_eq!(file.metadata(), expected.as_slice());
         assert_eq!(file.alignment(), alignment);
         assert_eq!(file.version(), 3);
         assert_eq!(file.get_u32("u32").unwrap(), Some(u32::MAX));
-        assert_eq!(file.get_str("str.unicode").unwrap(), Some("Grüße, 世界 🦀\u{0}"));
+        assert_eq!(
+            file.get_str("str.unicode").unwrap(),
+            Some("Grüße, 世界 🦀\u{0}")
+        );
         assert_eq!(file.get_f32("f32").unwrap(), Some(-1.5e-30));
         assert_eq!(file.get_bool("bool.true").unwrap(), Some(true));
         assert_eq!(file.get_u32("missing").unwrap(), None);
@@ -134,7 +170,12 @@ fn every_tensor() -> Vec<(String, DType, Vec<usize>, Vec<u8>)> {
             (format!("t.{}", dt.name()), dt, ne, pattern(bytes, i as u64))
         })
         .chain([
-            ("scalar".to_owned(), DType::F32, vec![], 7f32.to_le_bytes().to_vec()),
+            (
+                "scalar".to_owned(),
+                DType::F32,
+                vec![],
+                7f32.to_le_bytes().to_vec(),
+            ),
             ("empty".to_owned(), DType::F16, vec![0, 4], vec![]),
             (
                 "four_d".to_owned(),
@@ -187,8 +228,8 @@ fn every_tensor_type_round_trips() {
                 let row_bytes = dtype.row_size(info.ne[0]).unwrap();
                 for r in 0..rows {
                     let (a, b) = (r * info.ne[0], (r + 1) * info.ne[0]);
-                    if let Err(e) =
-                        dtype.row_to_f32(&data[r * row_bytes..(r + 1) * row_bytes], &mut values[a..b])
+                    if let Err(e) = dtype
+                        .row_to_f32(&data[r * row_bytes..(r + 1) * row_bytes], &mut values[a..b])
                     {
                         direct = Err(e);
                         break;
@@ -222,12 +263,20 @@ fn writer_refuses_bad_inputs() {
         ne,
         data,
     };
-    let cases: Vec<(Vec<(String, GgufValue)>, Vec<GgufTensorToWrite<'_>>, usize, &str)> = vec![
+    let cases: Vec<(
+        Vec<(String, GgufValue)>,
+        Vec<GgufTensorToWrite<'_>>,
+        usize,
+        &str,
+    )> = vec![
         (vec![], vec![], 3, "alignment"),
         (vec![], vec![], 0, "alignment"),
         (vec![], vec![], 1 << 21, "alignment"),
         (
-            vec![("k".into(), GgufValue::U8(1)), ("k".into(), GgufValue::U8(2))],
+            vec![
+                ("k".into(), GgufValue::U8(1)),
+                ("k".into(), GgufValue::U8(2)),
+            ],
             vec![],
             32,
             "metadata[1].key",
@@ -246,13 +295,31 @@ fn writer_refuses_bad_inputs() {
         ),
         (
             vec![],
-            vec![t("a", DType::F32, vec![2], &[0; 8]), t("a", DType::F32, vec![2], &[0; 8])],
+            vec![
+                t("a", DType::F32, vec![2], &[0; 8]),
+                t("a", DType::F32, vec![2], &[0; 8]),
+            ],
             32,
             "name",
         ),
-        (vec![], vec![t("a", DType::F32, vec![3], &[0; 8])], 32, "data"),
-        (vec![], vec![t("a", DType::Q8_0, vec![2], &[0; 8])], 32, "ne"),
-        (vec![], vec![t("a", DType::F32, vec![1, 1, 1, 1, 2], &[0; 8])], 32, "ne"),
+        (
+            vec![],
+            vec![t("a", DType::F32, vec![3], &[0; 8])],
+            32,
+            "data",
+        ),
+        (
+            vec![],
+            vec![t("a", DType::Q8_0, vec![2], &[0; 8])],
+            32,
+            "ne",
+        ),
+        (
+            vec![],
+            vec![t("a", DType::F32, vec![1, 1, 1, 1, 2], &[0; 8])],
+            32,
+            "ne",
+        ),
         (
             vec![],
             vec![t("a", DType::F32, vec![usize::MAX / 2, 4], &[0; 8])],
@@ -263,7 +330,10 @@ fn writer_refuses_bad_inputs() {
     let _ = data;
     for (meta, tensors, alignment, field) in cases {
         let err = write_gguf(&path, &meta, &tensors, alignment).unwrap_err();
-        let Error::Gguf { field: f, path: p, .. } = &err else {
+        let Error::Gguf {
+            field: f, path: p, ..
+        } = &err
+        else {
             panic!("{err:?}");
         };
         assert!(f.contains(field), "{field}: {err}");
@@ -391,7 +461,11 @@ fn in_place_tensors_are_copy_on_write_and_outlive_the_file() {
     let t = weights.get("t.f32").unwrap();
     t.fill_bytes(0, t.nbytes(), 0xAB).unwrap();
     assert!(read_all(t).iter().all(|&b| b == 0xAB));
-    assert_eq!(std::fs::read(&path).unwrap(), before, "the file is never written");
+    assert_eq!(
+        std::fs::read(&path).unwrap(),
+        before,
+        "the file is never written"
+    );
     // A second load sees the file's bytes, not the first one's private copy.
     let again = GgufFile::open(&path).unwrap();
     let fresh = again.load(CpuDevice::shared().as_ref()).unwrap();
@@ -565,7 +639,10 @@ fn bad_magic_and_versions() {
         .bytes(&0u64.to_be_bytes())
         .bytes(&0u64.to_be_bytes());
     let msg = refused(&big_endian.0, "header.version", 4);
-    assert!(msg.contains("big-endian") && msg.contains("50331648"), "{msg}");
+    assert!(
+        msg.contains("big-endian") && msg.contains("50331648"),
+        "{msg}"
+    );
     // Version 2 and 3 files read the same.
     for v in [2, 3] {
         let f = GgufFile::from_bytes("v.gguf", Raw::header(v, 0, 0).0).unwrap();
@@ -609,7 +686,11 @@ fn truncated_everywhere() {
 fn huge_counts_and_lengths() {
     let msg = refused(&Raw::header(3, u64::MAX, 0).0, "header.tensor_count", 8);
     assert!(msg.contains("only 8 bytes follow"), "{msg}");
-    refused(&Raw::header(3, 0, 1 << 40).0, "header.metadata_kv_count", 16);
+    refused(
+        &Raw::header(3, 0, 1 << 40).0,
+        "header.metadata_kv_count",
+        16,
+    );
     // A tensor count that fits the header's remainder but not what the metadata leaves.
     let r = Raw::header(3, 1, 1).kv_u32("k", 1).bytes(&[0; 10]);
     refused(&r.0, "header.tensor_count", 8);
@@ -619,14 +700,41 @@ fn huge_counts_and_lengths() {
     // A string value, an array, and an array whose byte size overflows.
     let r = Raw::header(3, 0, 1).str("s").u32(8).u64(1 << 50);
     refused(&r.0, "metadata \"s\" (string length)", 24 + 9 + 4);
-    let r = Raw::header(3, 0, 1).str("a").u32(9).u32(4).u64(1 << 40).bytes(&[0; 16]);
+    let r = Raw::header(3, 0, 1)
+        .str("a")
+        .u32(9)
+        .u32(4)
+        .u64(1 << 40)
+        .bytes(&[0; 16]);
     refused(&r.0, "metadata \"a\" (array length)", 24 + 9 + 8);
-    let r = Raw::header(3, 0, 1).str("a").u32(9).u32(10).u64((1 << 61) + 1).bytes(&[0; 16]);
+    let r = Raw::header(3, 0, 1)
+        .str("a")
+        .u32(9)
+        .u32(10)
+        .u64((1 << 61) + 1)
+        .bytes(&[0; 16]);
     refused(&r.0, "(array length)", 24 + 9 + 8);
     // Strings inside an array: each needs 8 bytes.
-    let r = Raw::header(3, 0, 1).str("a").u32(9).u32(8).u64(3).u64(0).u64(0).u64(100);
-    refused(&r.0, "metadata \"a\"[2] (string length)", 24 + 9 + 4 + 4 + 8 + 16);
-    let r = Raw::header(3, 0, 1).str("a").u32(9).u32(8).u64(3).u64(0).u64(0);
+    let r = Raw::header(3, 0, 1)
+        .str("a")
+        .u32(9)
+        .u32(8)
+        .u64(3)
+        .u64(0)
+        .u64(0)
+        .u64(100);
+    refused(
+        &r.0,
+        "metadata \"a\"[2] (string length)",
+        24 + 9 + 4 + 4 + 8 + 16,
+    );
+    let r = Raw::header(3, 0, 1)
+        .str("a")
+        .u32(9)
+        .u32(8)
+        .u64(3)
+        .u64(0)
+        .u64(0);
     refused(&r.0, "metadata \"a\" (array length)", 24 + 9 + 4 + 4);
     // Arrays nested too deep (and an array inside an array with an unknown type).
     let mut r = Raw::header(3, 0, 1).str("deep").u32(9);
@@ -648,11 +756,21 @@ fn bad_keys_names_and_strings() {
     let r = Raw::header(3, 0, 2).kv_u32("k", 1).kv_u32("k", 2);
     let msg = refused(&r.0, "metadata[1].key", 24 + 17);
     assert!(msg.contains("duplicate key \"k\""), "{msg}");
-    let r = Raw::header(3, 0, 1).u64(3).bytes(&[b'a', 0xC3, 0x28]).u32(4).u32(1);
+    let r = Raw::header(3, 0, 1)
+        .u64(3)
+        .bytes(&[b'a', 0xC3, 0x28])
+        .u32(4)
+        .u32(1);
     refused(&r.0, "metadata[0].key", 32 + 1);
     let r = Raw::header(3, 0, 1).str("s").u32(8).u64(3).bytes(b"a\xffb");
     refused(&r.0, "metadata \"s\"", 24 + 9 + 4 + 8 + 1);
-    let r = Raw::header(3, 1, 0).u64(1).bytes(&[0x80]).u32(1).u64(4).u32(0).u64(0);
+    let r = Raw::header(3, 1, 0)
+        .u64(1)
+        .bytes(&[0x80])
+        .u32(1)
+        .u64(4)
+        .u32(0)
+        .u64(0);
     refused(&r.0, "tensor_infos[0].name", 32);
     let r = Raw::header(3, 2, 0)
         .info("w", &[8], 0, 0)
@@ -713,7 +831,10 @@ fn bad_tensor_infos() {
     assert!(msg.contains("iq2_xxs"), "{msg}");
     let (f, dims_at) = one_tensor(&[4], 0, 16, 64);
     let msg = refused(&f, "tensor \"w\".offset", dims_at + 12);
-    assert!(msg.contains("not a multiple of the file's alignment 32"), "{msg}");
+    assert!(
+        msg.contains("not a multiple of the file's alignment 32"),
+        "{msg}"
+    );
     let (f, dims_at) = one_tensor(&[4], 0, 32, 40);
     let msg = refused(&f, "tensor \"w\".offset", dims_at + 12);
     assert!(msg.contains("past the end of the file"), "{msg}");
@@ -724,7 +845,10 @@ fn bad_tensor_infos() {
     let file = GgufFile::from_bytes("ok", f).unwrap();
     assert_eq!(file.tensors()[0].shape(), Vec::<usize>::new());
     let (f, _) = one_tensor(&[0, 5], 1, 0, 0);
-    assert_eq!(GgufFile::from_bytes("ok", f).unwrap().tensors()[0].nbytes, 0);
+    assert_eq!(
+        GgufFile::from_bytes("ok", f).unwrap().tensors()[0].nbytes,
+        0
+    );
     // The data section itself past the end of the file.
     let r = Raw::header(3, 1, 0).info("w", &[4], 0, 0);
     let at = r.len();
@@ -738,7 +862,11 @@ fn overlapping_tensors_are_refused_but_any_order_is_fine() {
         .info("a", &[16], 0, 0)
         .info("b", &[16], 0, 32);
     let b_offset_at = r.len() - 8;
-    let msg = refused(&r.pad(32).bytes(&[0; 128]).0, "tensor \"b\".offset", b_offset_at);
+    let msg = refused(
+        &r.pad(32).bytes(&[0; 128]).0,
+        "tensor \"b\".offset",
+        b_offset_at,
+    );
     assert!(msg.contains("overlaps tensor \"a\""), "{msg}");
     let r = Raw::header(3, 2, 0)
         .info("a", &[8], 0, 64)

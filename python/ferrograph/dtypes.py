@@ -33,8 +33,20 @@ __all__ = [
     "int16",
     "int32",
     "int64",
+    "iq4_nl",
+    "iq4_xs",
+    "q2_K",
+    "q3_K",
     "q4_0",
+    "q4_1",
+    "q4_K",
+    "q5_0",
+    "q5_1",
+    "q5_K",
+    "q6_K",
     "q8_0",
+    "q8_1",
+    "q8_K",
 ]
 
 
@@ -142,6 +154,18 @@ int32: Final = DType("i32")
 int64: Final = DType("i64")
 q8_0: Final = DType("q8_0")
 q4_0: Final = DType("q4_0")
+q4_1: Final = DType("q4_1")
+q5_0: Final = DType("q5_0")
+q5_1: Final = DType("q5_1")
+q8_1: Final = DType("q8_1")
+q2_K: Final = DType("q2_K")  # noqa: N816  (ggml's spelling)
+q3_K: Final = DType("q3_K")  # noqa: N816
+q4_K: Final = DType("q4_K")  # noqa: N816
+q5_K: Final = DType("q5_K")  # noqa: N816
+q6_K: Final = DType("q6_K")  # noqa: N816
+q8_K: Final = DType("q8_K")  # noqa: N816
+iq4_nl: Final = DType("iq4_nl")
+iq4_xs: Final = DType("iq4_xs")
 
 # ggml-style aliases.
 f32: Final = float32
