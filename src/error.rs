@@ -106,6 +106,21 @@ pub enum Error {
         /// Their shapes (numpy order), in the same order.
         shapes: Vec<Vec<usize>>,
     },
+    /// A GGUF file that cannot be read (malformed, truncated, hostile, an unsupported version)
+    /// or a writer's input that would not make a valid file ([`ErrorKind::Gguf`]). Build it
+    /// with [`Error::gguf`]: the message names the file, the field and the byte offset.
+    #[error("GGUF error: {message}")]
+    Gguf {
+        /// What failed, in words, with the file, field and offset.
+        message: String,
+        /// The file (as given to the reader or writer).
+        path: String,
+        /// The field of the format that is wrong (`"header.version"`,
+        /// `"tensor 'w'.dims[1]"`, ...).
+        field: String,
+        /// The byte offset of that field in the file, where there is one.
+        offset: Option<u64>,
+    },
 }
 
 /// The kind of an [`Error`]: one per Python exception class. A failure with facts has the
@@ -139,12 +154,14 @@ pub enum ErrorKind {
     Busy,
     /// [`Error::DeviceLost`].
     DeviceLost,
+    /// [`Error::Gguf`].
+    Gguf,
 }
 
 impl ErrorKind {
     /// Every kind in declaration order. A kind's position here is its stable number, which the
     /// Python exception table and the remote wire format share.
-    pub const ALL: [ErrorKind; 13] = [
+    pub const ALL: [ErrorKind; 14] = [
         ErrorKind::Shape,
         ErrorKind::DType,
         ErrorKind::Alloc,
@@ -158,6 +175,7 @@ impl ErrorKind {
         ErrorKind::ArgumentType,
         ErrorKind::Busy,
         ErrorKind::DeviceLost,
+        ErrorKind::Gguf,
     ];
 
     /// This kind's position in [`ErrorKind::ALL`].
@@ -188,6 +206,12 @@ impl Error {
             ErrorKind::ArgumentType => Error::ArgumentType(message),
             ErrorKind::Busy => Error::Busy(message),
             ErrorKind::DeviceLost => Error::DeviceLost(message),
+            ErrorKind::Gguf => Error::Gguf {
+                message,
+                path: String::new(),
+                field: String::new(),
+                offset: None,
+            },
         }
     }
 
@@ -216,6 +240,7 @@ impl Error {
             Error::ArgumentType(_) => ErrorKind::ArgumentType,
             Error::Busy(_) => ErrorKind::Busy,
             Error::DeviceLost(_) => ErrorKind::DeviceLost,
+            Error::Gguf { .. } => ErrorKind::Gguf,
         }
     }
 
@@ -263,6 +288,28 @@ impl Error {
             offset,
             size,
             limit,
+        }
+    }
+
+    /// A GGUF failure in `path` at `field` (at byte `offset` of the file, where there is
+    /// one): `problem` says what is wrong; the message reads `"{path}: {field} at byte
+    /// {offset}: {problem}"`.
+    pub fn gguf(
+        path: impl Into<String>,
+        field: impl Into<String>,
+        offset: Option<u64>,
+        problem: impl fmt::Display,
+    ) -> Error {
+        let (path, field) = (path.into(), field.into());
+        let message = match offset {
+            Some(at) => format!("{path}: {field} at byte {at}: {problem}"),
+            None => format!("{path}: {field}: {problem}"),
+        };
+        Error::Gguf {
+            message,
+            path,
+            field,
+            offset,
         }
     }
 

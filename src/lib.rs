@@ -39,6 +39,7 @@ pub mod dtype;
 pub mod dynload;
 pub mod error;
 pub mod event;
+pub mod gguf;
 pub mod graph;
 pub mod graph_copy;
 pub mod ops;

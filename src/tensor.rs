@@ -395,6 +395,41 @@ impl Tensor {
 
     /// Binds a non-view tensor to `offset` in `buffer` (checked: bounds and alignment).
     pub fn bind(&self, buffer: &Buffer, offset: usize) -> Result<()> {
+        self.bind_aligned(buffer, offset, buffer.alignment())
+    }
+
+    /// Binds a non-view tensor to `offset` in `buffer` where memory laid out by someone else
+    /// fixes the offsets (ggml's `tensor_alloc`, which checks bounds only): `offset` must be a
+    /// multiple of `alignment` instead of the buffer type's alignment. Used for a GGUF file's
+    /// tensors wrapped in place, whose offsets follow the file's alignment (32 by default)
+    /// rather than the CPU buffer type's 64. `alignment` must be a power of two and at least
+    /// the dtype's element alignment (8 covers every type), so kernels can read the elements.
+    /// For host memory the address `base + offset` must be a multiple of `alignment` too.
+    pub fn bind_with_alignment(
+        &self,
+        buffer: &Buffer,
+        offset: usize,
+        alignment: usize,
+    ) -> Result<()> {
+        if !alignment.is_power_of_two() || alignment < 8 {
+            return Err(Error::InvalidArgument(format!(
+                "binding {} needs a power-of-two alignment of at least 8 bytes, got {alignment}",
+                self.label()
+            )));
+        }
+        if let Some(base) = buffer.host_ptr() {
+            let address = (base.as_ptr() as usize).wrapping_add(offset);
+            if !address.is_multiple_of(alignment) {
+                return Err(Error::Alloc(format!(
+                    "{} would start at address {address:#x}, not a multiple of {alignment}",
+                    self.label()
+                )));
+            }
+        }
+        self.bind_aligned(buffer, offset, alignment)
+    }
+
+    fn bind_aligned(&self, buffer: &Buffer, offset: usize, alignment: usize) -> Result<()> {
         if self.is_view() {
             return Err(Error::InvalidArgument(format!(
                 "{} is a view; it uses its source's memory and cannot be bound",
@@ -429,10 +464,10 @@ impl Tensor {
                 buffer.size()
             )));
         }
-        let align = buffer.alignment().max(1);
+        let align = alignment.max(1);
         if !offset.is_multiple_of(align) {
             return Err(Error::Alloc(format!(
-                "offset {offset} of {} is not a multiple of the buffer's alignment {align}",
+                "offset {offset} of {} is not a multiple of the alignment {align}",
                 self.label()
             )));
         }

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from . import cpu, distributed, ops, plugins, remote
+from . import cpu, distributed, gguf, ops, plugins, remote
 from ._core import (
     Backend,
     Buffer,
@@ -153,6 +153,7 @@ from .errors import (
     DeviceLostError,
     DTypeError,
     Error,
+    GGUFError,
     InvalidArgumentError,
     NotAllocatedError,
     OutOfBoundsError,
@@ -234,6 +235,7 @@ __all__ = [
     "DeviceType",
     "Error",
     "Event",
+    "GGUFError",
     "Graph",
     "GraphAllocator",
     "GraphCopy",
@@ -291,6 +293,7 @@ __all__ = [
     "fp32_to_bf16_ref",
     "fp32_to_fp16",
     "fp32_to_i32",
+    "gguf",
     "graph_compute_with_ctx",
     "graph_copy",
     "guid_matches",

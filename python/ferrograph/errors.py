@@ -9,7 +9,8 @@ The main failures carry their facts as attributes (``None`` where the failure di
 them): :class:`AllocationError` has ``requested``, ``limit`` and ``buffer_type``;
 :class:`UnsupportedOpError` has ``op``, ``dtypes`` (result first) and ``backend``;
 :class:`OutOfBoundsError` has ``offset``, ``size`` and ``limit`` (bytes); :class:`ShapeError`
-has ``names`` and ``shapes`` (the operands', numpy order)::
+has ``names`` and ``shapes`` (the operands', numpy order); :class:`GGUFError` has ``path``,
+``field`` and ``offset`` (the byte in the file)::
 
     try:
         buffer.read(0, 2**40)
@@ -28,6 +29,7 @@ __all__ = [
     "DTypeError",
     "DeviceLostError",
     "Error",
+    "GGUFError",
     "InvalidArgumentError",
     "NotAllocatedError",
     "OutOfBoundsError",
@@ -128,3 +130,18 @@ class DeviceLostError(Error, ConnectionError):
 
     Its buffers and queued work are gone; build a new scheduler from the remaining devices.
     """
+
+
+class GGUFError(Error, ValueError):
+    """A GGUF file that cannot be read (malformed, truncated, hostile, an unsupported version)
+    or arguments of :func:`ferrograph.gguf.write` that would not make a valid file.
+
+    The message names the file, the field and its byte offset. ``path`` (the file as given),
+    ``field`` (the part of the format that is wrong, such as ``"header.version"`` or
+    ``"tensor 'w'.dims[1]"``) and ``offset`` (the byte in the file, or None where the failure
+    has no place in it), where recorded, else None.
+    """
+
+    path: str | None = None
+    field: str | None = None
+    offset: int | None = None

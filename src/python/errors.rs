@@ -16,7 +16,7 @@ use pyo3::types::PyType;
 use crate::error::{Error, ErrorKind};
 
 /// The exception classes, in the order of [`class_index`].
-const CLASS_NAMES: [&str; 14] = [
+const CLASS_NAMES: [&str; 15] = [
     "Error",
     "ShapeError",
     "DTypeError",
@@ -31,6 +31,7 @@ const CLASS_NAMES: [&str; 14] = [
     "ArgumentTypeError",
     "BusyError",
     "DeviceLostError",
+    "GGUFError",
 ];
 
 static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
@@ -42,7 +43,8 @@ fn class_index(err: &Error) -> usize {
 
 /// Sets the facts of `err` (if it has any) as attributes of the exception `value`: `requested`,
 /// `limit`, `buffer_type`; `op`, `dtypes`, `backend`; `offset`, `size`, `limit`; `names`,
-/// `shapes`. The classes in errors.py declare them all as None by default.
+/// `shapes`; `path`, `field`, `offset` (GGUF). The classes in errors.py declare them all as None
+/// by default.
 fn set_facts(value: &Bound<'_, PyAny>, err: &Error) -> PyResult<()> {
     match err {
         Error::AllocFailed {
@@ -83,6 +85,16 @@ fn set_facts(value: &Bound<'_, PyAny>, err: &Error) -> PyResult<()> {
                 .collect::<PyResult<Vec<_>>>()?;
             value.setattr("shapes", pyo3::types::PyTuple::new(value.py(), shapes)?)?;
         }
+        Error::Gguf {
+            path,
+            field,
+            offset,
+            ..
+        } => {
+            value.setattr("path", path)?;
+            value.setattr("field", field)?;
+            value.setattr("offset", offset)?;
+        }
         _ => {}
     }
     Ok(())
@@ -117,7 +129,9 @@ fn to_pyerr_attached(py: Python<'_>, err: &Error) -> PyErr {
             }
         }
         Err(_) => match err.kind() {
-            ErrorKind::Shape | ErrorKind::InvalidArgument => PyValueError::new_err(message),
+            ErrorKind::Shape | ErrorKind::InvalidArgument | ErrorKind::Gguf => {
+                PyValueError::new_err(message)
+            }
             ErrorKind::DType | ErrorKind::ArgumentType => PyTypeError::new_err(message),
             ErrorKind::Alloc => PyMemoryError::new_err(message),
             ErrorKind::UnsupportedOp => PyNotImplementedError::new_err(message),
@@ -181,7 +195,7 @@ pub(crate) fn error_class_names() -> Vec<&'static str> {
 
 /// Raises the exception class mapped from the Rust variant named `variant` (for tests of the
 /// mapping: "Shape", "DType", "Alloc", "UnsupportedOp", "Backend", "OutOfBounds", "Stale",
-/// "NotAllocated", "Aborted", "InvalidArgument", "ArgumentType", "Busy", "DeviceLost").
+/// "NotAllocated", "Aborted", "InvalidArgument", "ArgumentType", "Busy", "DeviceLost", "Gguf").
 #[pyfunction]
 pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
     let m = message.to_owned();
@@ -199,6 +213,7 @@ pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
         "ArgumentType" => Error::ArgumentType(m),
         "Busy" => Error::Busy(m),
         "DeviceLost" => Error::DeviceLost(m),
+        "Gguf" => Error::gguf("test.gguf", "header.magic", Some(0), m),
         other => return Err(invalid(format!("unknown error variant {other:?}"))),
     };
     Err(err.into())

@@ -16,6 +16,7 @@ mod convert;
 mod dtype;
 mod dynload;
 mod errors;
+mod gguf;
 mod graph;
 mod lock;
 mod log;
@@ -52,6 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     profile::register(m)?;
     remote::register(m)?;
     split::register(m)?;
+    gguf::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;

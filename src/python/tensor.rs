@@ -37,7 +37,7 @@ impl PyTensor {
 }
 
 /// The numpy dtype a tensor of `dtype` reads as (f32 for quantized types, which dequantize).
-fn numpy_dtype<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyAny>> {
+pub(crate) fn numpy_dtype<'py>(py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, PyAny>> {
     let np = numpy(py)?;
     match dtype {
         DType::BF16 => match bfloat16_type(py) {

@@ -22,6 +22,7 @@ VARIANTS = {
     "Aborted": (fg.AbortedError, RuntimeError),
     "InvalidArgument": (fg.InvalidArgumentError, ValueError),
     "DeviceLost": (fg.DeviceLostError, ConnectionError),
+    "Gguf": (fg.GGUFError, ValueError),
 }
 
 
