@@ -486,21 +486,37 @@ mod tests {
 
     #[test]
     fn rows_round_trip_through_bytes() {
-        let src: Vec<f32> = (0..64).map(|i| i as f32 * 0.25 - 8.0).collect();
+        // 256 values (one K-quant super-block, eight 32-blocks) spread over [-8, 8)
+        let src: Vec<f32> = (0..256).map(|i| i as f32 / 16.0 - 8.0).collect();
         for dt in DType::ALL {
             let mut bytes = vec![0u8; dt.row_size(src.len()).unwrap()];
             dt.row_from_f32(&src, &mut bytes).unwrap();
             let mut back = vec![0f32; src.len()];
             dt.row_to_f32(&bytes, &mut back).unwrap();
+            // about one quantization step of each type at this range
             let tolerance = match dt {
                 DType::I8 | DType::I16 | DType::I32 | DType::I64 => 1.0,
-                DType::Q4_0 => 1.0,
-                DType::Q8_0 => 0.04,
-                _ => 0.0,
+                DType::Q8_0 | DType::Q8_1 | DType::Q8_K => 0.04,
+                DType::Q6_K => 0.2,
+                DType::Q5_0 | DType::Q5_1 | DType::Q5_K => 0.5,
+                DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::IQ4_NL | DType::IQ4_XS => 1.0,
+                DType::Q3_K => 2.0,
+                DType::Q2_K => 3.0,
+                DType::F32 | DType::F16 | DType::BF16 => 0.0,
             };
             for (a, b) in src.iter().zip(&back) {
                 assert!((a - b).abs() <= tolerance, "{dt}: {a} vs {b}");
             }
         }
+    }
+
+    #[test]
+    fn ggml_type_ids_round_trip() {
+        for dt in DType::ALL {
+            assert_eq!(DType::from_ggml_type_id(dt.ggml_type_id()).unwrap(), dt);
+        }
+        let err = DType::from_ggml_type_id(16).unwrap_err().to_string();
+        assert!(err.contains("iq2_xxs"), "{err}");
+        assert!(DType::from_ggml_type_id(9999).is_err());
     }
 }
