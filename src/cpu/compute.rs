@@ -99,8 +99,8 @@ pub fn supports_op(node: &Tensor) -> bool {
         }
         Op::FlashAttnExt { .. } => {
             f32_only(0)
-                && matches!(src(1), Some(DType::F32 | DType::F16))
-                && matches!(src(2), Some(DType::F32 | DType::F16))
+                && matches!(src(1), Some(DType::F32 | DType::F16 | DType::Q8_0))
+                && matches!(src(2), Some(DType::F32 | DType::F16 | DType::Q8_0))
                 && (srcs.len() < 4 || matches!(src(3), Some(DType::F32 | DType::F16)))
                 && dst == DType::F32
         }

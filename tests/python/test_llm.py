@@ -48,7 +48,7 @@ def write_tiny_model(
     """Writes a random model; returns its weights as float32 numpy arrays (numpy order)."""
     rng = np.random.default_rng(seed)
     tokens, types, merges = _byte_vocab()
-    n_vocab, d, n_ff, heads, heads_kv = len(tokens), 64, 96, 4, 2
+    n_vocab, d, n_ff, heads, heads_kv = len(tokens), 128, 96, 4, 2
     hd = d // heads
     w: dict[str, np.ndarray] = {}
 

@@ -267,8 +267,11 @@ class LLM:
             raise fg.InvalidArgumentError(
                 f"kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype.name}"
             )
-        if self.kv_dtype.is_quantized and (cfg.n_head_kv * cfg.head_dim) % 32:
-            raise fg.InvalidArgumentError("a q8_0 cache needs rows that are multiples of 32")
+        if cfg.head_dim % self.kv_dtype.block_size:
+            raise fg.InvalidArgumentError(
+                f"a {self.kv_dtype.name} cache needs a head size that is a multiple of "
+                f"{self.kv_dtype.block_size}; this model's is {cfg.head_dim}"
+            )
         self.backend: fg.Backend = fg.init_backend("CPU", n_threads=n_threads)
         self.weights_buffer, self.weights = self.file.load(self.backend)
         self._check_weights()
@@ -342,8 +345,11 @@ class LLM:
             out_ids = ctx.new_tensor(fg.int32, (n_out,), name="out_ids").set_input()
             x = ops.get_rows(self._w("token_embd.weight"), tokens)
             scale = 1.0 / math.sqrt(hd)
-            elem = self.kv_dtype.type_size / self.kv_dtype.block_size
-            row_bytes = int(row * elem)
+            # byte sizes in the cache (block types: whole blocks per head)
+            kv = self.kv_dtype
+            unit = kv.type_size  # bytes of one element, or of one block
+            head_bytes = hd // kv.block_size * kv.type_size
+            row_bytes = nkv * head_bytes
 
             def rope(t: fg.Tensor) -> fg.Tensor:
                 return ops.rope(
@@ -366,7 +372,7 @@ class LLM:
                 return ops.view(
                     written,
                     (1, nkv, window, hd),
-                    (self.n_ctx * row_bytes, int(hd * elem), row_bytes, int(elem)),
+                    (self.n_ctx * row_bytes, head_bytes, row_bytes, unit),
                     0,
                 )
 
@@ -632,11 +638,12 @@ class _Generation(Iterator[str]):
         self.result: GenerationResult | None = None
 
     def _finish(self, reason: str) -> str:
-        tail = self._text + self._decoder.flush()
         if reason == "stop_string":
+            # the text was cut at the stop string: bytes held back after it are dropped
             reason = "stop"
+            tail = self._text
         else:
-            tail = self._cut_stop(tail, final=True)
+            tail = self._cut_stop(self._text + self._decoder.flush())
         self._text = ""
         self._out.append(tail)
         self.result = GenerationResult(
@@ -645,7 +652,7 @@ class _Generation(Iterator[str]):
         self._done = True
         return tail
 
-    def _cut_stop(self, text: str, final: bool) -> str:
+    def _cut_stop(self, text: str) -> str:
         for s in self._stops:
             at = text.find(s)
             if at >= 0:
