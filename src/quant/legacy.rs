@@ -8,7 +8,7 @@
 //! |--------|-------|-----------------------------------------------------|----------------------|
 //! | q4_1   | 20    | `d` f16 @0, `m` f16 @2, nibbles @4..20              | `q·d + m`, q 0..=15  |
 //! | q5_0   | 22    | `d` f16 @0, `qh` u32 @2..6, nibbles @6..22          | `(q − 16)·d`, q 0..=31 |
-//! | q5_1   | 24    | `d` @0, `m` @2, `qh` u32 @4..8, nibbles @8..24       | `q·d + m`, q 0..=31  |
+//! | q5_1   | 24    | `d` f16 @0, `m` f16 @2, `qh` u32 @4..8, nibbles @8..24 | `q·d + m`, q 0..=31 |
 //! | q8_1   | 36    | `d` f16 @0, `s` f16 @2, 32 × i8 @4..36               | `q·d`, q −128..=127  |
 //! | iq4_nl | 18    | `d` f16 @0, nibbles @2..18                          | `d·T[q]`, q 0..=15   |
 //!
@@ -54,10 +54,10 @@
 //! These rules produce the same bytes as ggml's C quantizers (`quantize_row_{q4_1,q5_0,q5_1,
 //! q8_1}_ref`, `quantize_iq4_nl` without weights) and as gguf-py's `quantize` for q4_1, q5_0
 //! and q5_1 (gguf-py has no q8_1 and no iq4_nl quantizer): the tests compare against fixtures
-//! made with both (`tests/data/legacy_blocks.bin`, `scripts/make_block_fixtures.py`). The one known divergence from gguf-py: a q5_0 block of
-//! zeros whose first value is `−0.0` (gguf-py stores `+0.0` as its scale, ggml `−0.0`; both
-//! decode to zeros). Non-finite input is accepted without panicking, but the bytes it produces
-//! are unspecified.
+//! made with both (`tests/data/legacy_blocks.bin`, `scripts/make_block_fixtures.py`). The one
+//! known divergence from gguf-py: a q5_0 block of zeros whose first value is `−0.0` (gguf-py
+//! stores `+0.0` as its scale, ggml `−0.0`; both decode to zeros). Non-finite input is
+//! accepted without panicking, but the bytes it produces are unspecified.
 //!
 //! # Error bounds
 //!
@@ -73,10 +73,9 @@
 //! * iq4_nl: `|x − x̂| ≤ max(12·|d|, |x| − 113·|d|) + 127·|d − d̃|`. Inside the table's range
 //!   (`x/d` between `−127` and `113`) the nearest level is at most half the widest gap away
 //!   (89 to 113: 12 steps of `|d|`); beyond it `x` clips to an end level, at least 113 steps
-//!   from zero. Clipping happens to values of the sign opposite to the block's extreme, which
-//!   gets the 127 side: with `|x| ≤ |mx| ≈ 127·|d|` that error stays below about 14·|d|. In
-//!   practice most errors are far smaller, since the scale search minimises the squared
-//!   error weighted by `x²`.
+//!   from zero (the table is asymmetric, so values of one sign can clip while the extreme of
+//!   the other sign fits). Most errors are far smaller, since the scale search minimises the
+//!   squared error weighted by `x²`.
 //!
 //! For a normal `f16` scale `|d − d̃| ≤ 2⁻¹¹·|d|`.
 

@@ -3,8 +3,9 @@
 //!
 //! Per iteration 8 blocks: each block's 32 products are summed to 8 `i32` partial sums
 //! (`maddubs` to pairs in `i16`, `madd` with ones to fours in `i32`), a `hadd` tree turns the 8
-//! blocks' vectors into one vector of their 8 exact sums (lane `k` = block `8g + k`), and two
-//! gathers fetch the 8 blocks' f16 scales of both rows, widened by `cvtph`.
+//! blocks' vectors into one vector of their 8 exact sums (lane `k` = block `8g + k`), and the
+//! 8 blocks' f16 scales of both rows are fetched (broadcast loads and blends) and widened by
+//! `cvtph`.
 //!
 //! # No saturation
 //!
@@ -46,9 +47,11 @@ pub fn available() -> bool {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn nibbles(p: *const u8) -> __m256i {
     // SAFETY: the caller guarantees 16 readable bytes at `p`; the load is unaligned.
-    let packed = unsafe { _mm_loadu_si128(p.cast()) };
-    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(packed), packed);
-    _mm256_and_si256(both, _mm256_set1_epi8(0x0F))
+    let both = unsafe { _mm256_broadcastsi128_si256(_mm_loadu_si128(p.cast())) };
+    // The upper copy shifted right by 4 (a broadcast load plus one variable shift instead of
+    // a shift and an insert).
+    let shifted = _mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4));
+    _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
 }
 
 /// Byte `j` is 0xFF where bit `j` of `qh` is set, else 0.
@@ -139,21 +142,42 @@ fn sum_blocks(p: &[__m256i; 8]) -> __m256i {
     _mm256_add_epi32(lo, hi)
 }
 
-/// The 32-bit words at the starts of 8 blocks `stride` bytes apart from `p`.
+/// The 32-bit word at the start of block `k` (blocks `stride` bytes apart from `p`), in all
+/// lanes.
+///
+/// # Safety
+/// `p + k·stride` must be valid for reading 4 bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn head(p: *const u8, k: usize, stride: usize) -> __m256i {
+    // SAFETY: guaranteed by the caller; the read is unaligned.
+    _mm256_set1_epi32(unsafe { p.add(k * stride).cast::<i32>().read_unaligned() })
+}
+
+/// The 32-bit words at the starts of 8 blocks `stride` bytes apart from `p` (lane `k` from
+/// block `k`): eight broadcast loads merged by blends, which measured about twice as fast as
+/// one `vpgatherdd` on Zen 3.
 ///
 /// # Safety
 /// `p` must be valid for reading 8 blocks of `stride ≥ 4` bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn gather_heads(p: *const u8, stride: usize) -> __m256i {
-    let s = stride as i32;
-    let idx = _mm256_setr_epi32(0, s, 2 * s, 3 * s, 4 * s, 5 * s, 6 * s, 7 * s);
-    // SAFETY: lane k reads bytes k·stride .. k·stride + 4, inside block k.
-    unsafe { _mm256_i32gather_epi32::<1>(p.cast(), idx) }
+unsafe fn block_heads(p: *const u8, stride: usize) -> __m256i {
+    // SAFETY: word k lies at the start of block k, inside the 8 blocks.
+    unsafe {
+        let w01 = _mm256_blend_epi32::<0b0000_0010>(head(p, 0, stride), head(p, 1, stride));
+        let w23 = _mm256_blend_epi32::<0b0000_1000>(head(p, 2, stride), head(p, 3, stride));
+        let w45 = _mm256_blend_epi32::<0b0010_0000>(head(p, 4, stride), head(p, 5, stride));
+        let w67 = _mm256_blend_epi32::<0b1000_0000>(head(p, 6, stride), head(p, 7, stride));
+        _mm256_blend_epi32::<0b1111_0000>(
+            _mm256_blend_epi32::<0b0000_1100>(w01, w23),
+            _mm256_blend_epi32::<0b1100_0000>(w45, w67),
+        )
+    }
 }
 
-/// Widens the low 16 bits (`lo`) and the high 16 bits (`hi`) of 8 gathered words
-/// (`lo_words`, `hi_words`), as f16, to two vectors of 8 f32.
+/// Two vectors of 8 f32, widened exactly from f16: the low halves of the 8 words of
+/// `lo_words`, and the high (`hi_shift`) or low halves of the 8 words of `hi_words`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn widen_halves(lo_words: __m256i, hi_words: __m256i, hi_shift: bool) -> (__m256, __m256) {
@@ -193,7 +217,7 @@ unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
                 *slot = block_sums::<K>(x.add(k * wb), y.add(k * pb));
             }
             let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
-            let (xh, yh) = (gather_heads(x, wb), gather_heads(y, pb));
+            let (xh, yh) = (block_heads(x, wb), block_heads(y, pb));
             if super::has_min(K) {
                 let (dx, mx) = widen_halves(xh, xh, true);
                 let (dy, sy) = widen_halves(yh, yh, true);
