@@ -256,19 +256,20 @@ fn every_tensor_type_round_trips() {
 #[test]
 fn writer_refuses_bad_inputs() {
     let path = tmp("refused.gguf");
-    let data = [0u8; 8];
     let t = |name: &str, dtype: DType, ne: Vec<usize>, data: &'static [u8]| GgufTensorToWrite {
         name: name.into(),
         dtype,
         ne,
         data,
     };
-    let cases: Vec<(
+    // (metadata, tensors, alignment, the field the error names)
+    type Case<'a> = (
         Vec<(String, GgufValue)>,
-        Vec<GgufTensorToWrite<'_>>,
+        Vec<GgufTensorToWrite<'a>>,
         usize,
-        &str,
-    )> = vec![
+        &'static str,
+    );
+    let cases: Vec<Case<'_>> = vec![
         (vec![], vec![], 3, "alignment"),
         (vec![], vec![], 0, "alignment"),
         (vec![], vec![], 1 << 21, "alignment"),
@@ -327,7 +328,6 @@ fn writer_refuses_bad_inputs() {
             "ne",
         ),
     ];
-    let _ = data;
     for (meta, tensors, alignment, field) in cases {
         let err = write_gguf(&path, &meta, &tensors, alignment).unwrap_err();
         let Error::Gguf {
@@ -1003,7 +1003,7 @@ fn apply(bytes: &mut Vec<u8>, m: &Mutation, header_len: usize) {
     let pos = |i: usize, len: usize| {
         if len == 0 {
             0
-        } else if i % 4 != 0 {
+        } else if !i.is_multiple_of(4) {
             i % header_len.min(len)
         } else {
             i % len

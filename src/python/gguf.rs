@@ -70,6 +70,9 @@ impl PyGgufTensorInfo {
     }
 
     /// The byte offset of the tensor's data in the file.
+    // Python's `offset` is the absolute one (what a reader seeks to), not the offset inside
+    // the data section that the core's `GgufTensorInfo::offset` holds.
+    #[allow(clippy::misnamed_getters)]
     #[getter]
     fn offset(&self) -> usize {
         self.info.file_offset
