@@ -78,7 +78,12 @@
 //!   `x²`-weighted least-squares scale; group scales quantized to 6 bits signed against the
 //!   largest (`d = −max_scale/32`), values remapped with the quantized group scale.
 //!
-//! Scales are computed in f32 and only stored as f16 (round to nearest even).
+//! Scales are computed in f32 and only stored as f16 (round to nearest even). Every f32
+//! operation is rounded on its own, in ggml's C evaluation order (no fused multiply-add), so
+//! the bytes equal those of a ggml build without FMA contraction: the unit tests compare all
+//! seven encoders byte for byte with ggml's compiled `quantize_row_*_ref` on a checked-in
+//! fixture (`tests/data/kquant_ggml_quantized.bin`). A ggml build that contracts
+//! multiply-adds into FMAs may round a scale search differently now and then.
 //!
 //! # Error bounds
 //!
