@@ -448,3 +448,47 @@ fn stream_read(w: &[u8]) -> f32 {
     let x = acc.iter().fold(0u64, |s, &v| s ^ v) ^ chunks.remainder().len() as u64;
     (x & 0xFFFF) as f32
 }
+
+/// End to end: MUL_MAT of K-quant weights with one or two f32 activation columns on the CPU
+/// backend (which then quantizes the activations to q8_K and calls these products; more
+/// columns go through f32 paths) gives, for every output, the bits of this module's product of
+/// the weight row with the q8_K-quantized activation column.
+#[test]
+fn mul_mat_uses_these_products() {
+    use crate::{ops, registry, Context, CpuBufferType, Graph, GraphAllocator};
+    let mut rng = Rng(2024);
+    let (k, m, n) = (512usize, 5usize, 2usize);
+    for (dtype, size, f16s) in TYPES {
+        let w_bytes = random_weights(&mut rng, size, f16s, m * k / QK_K);
+        let x: Vec<f32> = (0..k * n).map(|_| rng.unit()).collect();
+        let ctx = Context::new(true);
+        let w = ctx.new_tensor(dtype, &[k, m]).unwrap();
+        let xt = ctx.new_tensor(DType::F32, &[k, n]).unwrap();
+        let y = ops::mul_mat(&ctx, &w, &xt).unwrap();
+        let graph = Graph::build(std::slice::from_ref(&y));
+        GraphAllocator::new(CpuBufferType::shared())
+            .alloc_graph(&graph)
+            .unwrap();
+        w.write_bytes(0, &w_bytes).unwrap();
+        xt.set_f32(&x).unwrap();
+        registry::init_by_name("CPU", "n_threads=2")
+            .unwrap()
+            .graph_compute(&graph)
+            .unwrap();
+        let out = y.to_f32_vec().unwrap();
+        let dot = dot_fn(dtype, Isa::best()).unwrap();
+        for j in 0..n {
+            let mut q8 = vec![0u8; k / QK_K * Q8_K_BYTES];
+            (codec(DType::Q8_K).unwrap().from_f32)(&x[j * k..(j + 1) * k], &mut q8);
+            for i in 0..m {
+                let row = &w_bytes[i * (k / QK_K) * size..(i + 1) * (k / QK_K) * size];
+                let want = dot(row, &q8);
+                assert_eq!(
+                    out[j * m + i].to_bits(),
+                    want.to_bits(),
+                    "{dtype} ({i}, {j})"
+                );
+            }
+        }
+    }
+}
