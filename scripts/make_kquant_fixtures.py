@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
 """Writes tests/data/kquant_blocks.bin, the reference data of the K-quant codec tests
-(src/quant/kquants/tests.rs).
+(src/quant/kquants/tests.rs), and, given ggml's shared library, also
+tests/data/kquant_ggml_quantized.bin.
 
 Needs numpy and the `gguf` package (gguf-py). Run from the repository root:
 
-    python scripts/make_kquant_fixtures.py
+    python scripts/make_kquant_fixtures.py [--ggml-lib path/to/libggml-base.so]
+
+With --ggml-lib (any build of ggml's base library, e.g. the one llama-cpp-python builds;
+one compiled without FMA contraction, as its generic x86-64 build is), the second file holds
+f32 rows and the bytes ggml's reference quantizers (`quantize_row_*_ref`) make of them, for
+q2_K, q3_K, q4_K, q5_K, q6_K, q8_K and iq4_xs: u32 value count n, n f32 values, then per type
+(in that order) n/256 super-blocks.
 
 For q2_K, q3_K, q4_K, q5_K, q6_K and iq4_xs: random super-blocks (every byte random, then
 the f16 scale fields overwritten with finite values: normal, subnormal, zero, negative
@@ -18,6 +25,8 @@ type id, u32 super-block count n, u32 bytes per super-block, and then
 * for q8_K (type 15): n*256 f32 input values, then n super-blocks of bytes.
 """
 
+import argparse
+import ctypes
 import struct
 from pathlib import Path
 
@@ -71,7 +80,42 @@ def q8_k_ref(x: np.ndarray) -> bytes:
     return d.astype("<f4").tobytes() + q.tobytes() + bsums.astype("<i2").tobytes()
 
 
+QUANTIZED = [("q2_K", 84), ("q3_K", 110), ("q4_K", 144), ("q5_K", 176), ("q6_K", 210),
+             ("q8_K", 292), ("iq4_xs", 136)]
+
+
+def ggml_quantized(lib_path: str) -> bytes:
+    """Rows of several kinds and ggml's reference quantizations of them."""
+    lib = ctypes.CDLL(lib_path)
+    rng = np.random.default_rng(SEED + 1)
+    rows = [
+        0.1 + 2 * np.cos(np.arange(1024) + 0.5),  # ggml's synthetic row
+        rng.standard_normal(1024),
+        rng.uniform(-1, 1, 1024) * 50,
+    ]
+    spiky = rng.standard_normal(512) * 1e-3
+    spiky[::97] *= 3000
+    rows.append(spiky)
+    mixed = np.zeros(512)
+    mixed[300] = 5.0  # a single outlier in an otherwise empty super-block
+    mixed[256 + 3] = -7.25
+    mixed[256 + 100 : 256 + 140] = rng.standard_normal(40) * 1e-3
+    rows.append(mixed)
+    x = np.concatenate(rows).astype(np.float32)
+    out = bytearray(struct.pack("<I", x.size)) + x.astype("<f4").tobytes()
+    for name, size in QUANTIZED:
+        buf = ctypes.create_string_buffer(x.size // QK_K * size)
+        f = getattr(lib, f"quantize_row_{name}_ref")
+        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        f(x.ctypes.data, buf, x.size)
+        out += buf.raw
+    return bytes(out)
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ggml-lib", help="ggml's base shared library (libggml-base.so)")
+    args = parser.parse_args()
     rng = np.random.default_rng(SEED)
     out = bytearray(b"KQF1")
     sections = []
@@ -113,6 +157,11 @@ def main() -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_bytes(bytes(out))
     print(f"wrote {path} ({len(out)} bytes)")
+    if args.ggml_lib:
+        data = ggml_quantized(args.ggml_lib)
+        path = path.parent / "kquant_ggml_quantized.bin"
+        path.write_bytes(data)
+        print(f"wrote {path} ({len(data)} bytes)")
 
 
 if __name__ == "__main__":

@@ -78,7 +78,12 @@
 //!   `x²`-weighted least-squares scale; group scales quantized to 6 bits signed against the
 //!   largest (`d = −max_scale/32`), values remapped with the quantized group scale.
 //!
-//! Scales are computed in f32 and only stored as f16 (round to nearest even).
+//! Scales are computed in f32 and only stored as f16 (round to nearest even). Every f32
+//! operation is rounded on its own, in ggml's C evaluation order (no fused multiply-add), so
+//! the bytes equal those of a ggml build without FMA contraction: the unit tests compare all
+//! seven encoders byte for byte with ggml's compiled `quantize_row_*_ref` on a checked-in
+//! fixture (`tests/data/kquant_ggml_quantized.bin`). A ggml build that contracts
+//! multiply-adds into FMAs may round a scale search differently now and then.
 //!
 //! # Error bounds
 //!
@@ -304,11 +309,15 @@ fn decode_q2_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q2_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let q = unpack_2bit(&b[16..80]);
         let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-        for g in 0..16 {
-            let dl = d * f32::from(b[g] & 15);
-            let ml = dmin * f32::from(b[g] >> 4);
-            for j in 16 * g..16 * g + 16 {
-                y[j] = dl * f32::from(q[j]) - ml;
+        for ((&s, ys), qs) in b[..16]
+            .iter()
+            .zip(y.chunks_exact_mut(16))
+            .zip(q.chunks_exact(16))
+        {
+            let dl = d * f32::from(s & 15);
+            let ml = dmin * f32::from(s >> 4);
+            for (out, &qv) in ys.iter_mut().zip(qs) {
+                *out = dl * f32::from(qv) - ml;
             }
         }
     }
@@ -319,10 +328,14 @@ fn decode_q3_k(src: &[u8], dst: &mut [f32]) {
         let q = q3_k_quants(&b[0..32], &b[32..96]);
         let sc = q3_k_scales(&b[96..108]);
         let d = f16_at(b, 108);
-        for g in 0..16 {
-            let dl = d * f32::from(sc[g]);
-            for j in 16 * g..16 * g + 16 {
-                y[j] = dl * f32::from(q[j]);
+        for ((&s, ys), qs) in sc
+            .iter()
+            .zip(y.chunks_exact_mut(16))
+            .zip(q.chunks_exact(16))
+        {
+            let dl = d * f32::from(s);
+            for (out, &qv) in ys.iter_mut().zip(qs) {
+                *out = dl * f32::from(qv);
             }
         }
     }
@@ -383,10 +396,14 @@ fn decode_iq4_xs(src: &[u8], dst: &mut [f32]) {
         let d = f16_at(b, 0);
         let sc = iq4_xs_scales(u16::from_le_bytes([b[2], b[3]]), &b[4..8]);
         let q = iq4_xs_quants(&b[8..136]);
-        for g in 0..8 {
-            let dl = d * f32::from(sc[g]);
-            for j in 32 * g..32 * g + 32 {
-                y[j] = dl * f32::from(q[j]);
+        for ((&s, ys), qs) in sc
+            .iter()
+            .zip(y.chunks_exact_mut(32))
+            .zip(q.chunks_exact(32))
+        {
+            let dl = d * f32::from(s);
+            for (out, &qv) in ys.iter_mut().zip(qs) {
+                *out = dl * f32::from(qv);
             }
         }
     }
@@ -468,14 +485,18 @@ fn quantize_q2_k(x: &[f32], b: &mut [u8]) {
     } else {
         put_f16(ds, 2, 0.0)
     };
-    for g in 0..16 {
-        let dl = d * f32::from(sc[g] & 15);
+    for ((&s, ls), xs) in sc
+        .iter()
+        .zip(l.chunks_exact_mut(16))
+        .zip(x.chunks_exact(16))
+    {
+        let dl = d * f32::from(s & 15);
         if dl == 0.0 {
             continue;
         }
-        let ml = dmin * f32::from(sc[g] >> 4);
-        for j in 16 * g..16 * g + 16 {
-            l[j] = nearest_int((x[j] + ml) / dl).clamp(0, 3) as u8;
+        let ml = dmin * f32::from(s >> 4);
+        for (li, &v) in ls.iter_mut().zip(xs) {
+            *li = nearest_int((v + ml) / dl).clamp(0, 3) as u8;
         }
     }
     pack_2bit(&l, qs);
@@ -521,13 +542,17 @@ fn quantize_q3_k(x: &[f32], b: &mut [u8]) {
         put_f16(ds, 0, 0.0)
     };
     let stored = q3_k_scales(sc);
-    for g in 0..16 {
-        let dl = d * f32::from(stored[g]);
+    for ((&s, ls), xs) in stored
+        .iter()
+        .zip(l.chunks_exact_mut(16))
+        .zip(x.chunks_exact(16))
+    {
+        let dl = d * f32::from(s);
         if dl == 0.0 {
             continue;
         }
-        for j in 16 * g..16 * g + 16 {
-            l[j] = (nearest_int(x[j] / dl).clamp(-4, 3) + 4) as i8;
+        for (li, &v) in ls.iter_mut().zip(xs) {
+            *li = (nearest_int(v / dl).clamp(-4, 3) + 4) as i8;
         }
     }
     // l is now 0..=7: bit 2 goes to hmask (bit v / 32 of byte v % 32), the rest to qs.
@@ -685,13 +710,17 @@ fn quantize_q6_k(x: &[f32], b: &mut [u8]) {
     for (s, &v) in sc.iter_mut().zip(&scales) {
         *s = nearest_int(iscale * v).min(127) as i8 as u8;
     }
-    for g in 0..16 {
-        let dl = d * f32::from(sc[g] as i8);
+    for ((&s, ls), xs) in sc
+        .iter()
+        .zip(l.chunks_exact_mut(16))
+        .zip(x.chunks_exact(16))
+    {
+        let dl = d * f32::from(s as i8);
         if dl == 0.0 {
             continue;
         }
-        for j in 16 * g..16 * g + 16 {
-            l[j] = (nearest_int(x[j] / dl).clamp(-32, 31) + 32) as i8;
+        for (li, &v) in ls.iter_mut().zip(xs) {
+            *li = (nearest_int(v / dl).clamp(-32, 31) + 32) as i8;
         }
     }
     // l is 0..=63 here.

@@ -146,6 +146,31 @@ fn q8_k_matches_reference_bytes() {
     }
 }
 
+/// Every encoder produces exactly the bytes of ggml's compiled reference quantizers
+/// (`quantize_row_*_ref`, fixture `tests/data/kquant_ggml_quantized.bin` made by
+/// `scripts/make_kquant_fixtures.py --ggml-lib`): the synthetic row, normal, uniform and
+/// spiky rows, an empty super-block with one outlier.
+#[test]
+fn encoders_match_ggml_reference_bytes() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/data/kquant_ggml_quantized.bin"
+    );
+    let data = std::fs::read(path).expect("fixture file");
+    let n = u32::from_le_bytes(data[..4].try_into().unwrap()) as usize;
+    let x = f32s(&data[4..4 + 4 * n]);
+    let mut at = 4 + 4 * n;
+    for (dtype, size) in TYPES {
+        let want = &data[at..at + n / QK_K * size];
+        at += want.len();
+        let got = encode(dtype, &x);
+        for (b, (g, w)) in got.chunks(size).zip(want.chunks(size)).enumerate() {
+            assert_eq!(g, w, "{dtype} super-block {b}");
+        }
+    }
+    assert_eq!(at, data.len());
+}
+
 /// The synthetic row of ggml's `test-quantize-fns`.
 fn synthetic(n: usize, offset: f32) -> Vec<f32> {
     (0..n)

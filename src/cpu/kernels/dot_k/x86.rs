@@ -68,6 +68,26 @@ fn ld128<const N: usize>(b: &[u8; N], at: usize) -> __m128i {
     unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) }
 }
 
+/// How far ahead of the super-block being computed the weight row is prefetched, in bytes.
+/// The hardware prefetchers alone left the kernels well below a plain streaming read when
+/// the weights come from memory: with compute between the loads, too few lines were in
+/// flight.
+const PREFETCH_BYTES: usize = 1024;
+
+/// Asks for the cache lines `PREFETCH_BYTES` past the start of `bx` (a prefetch never
+/// faults, so addresses past the end of the row are harmless).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_ahead<const N: usize>(bx: &[u8; N]) {
+    let p = bx.as_ptr().wrapping_add(PREFETCH_BYTES);
+    let mut off = 0;
+    while off < N {
+        // A hint only: the pointer is computed with wrapping arithmetic and never read through.
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
+        off += 64;
+    }
+}
+
 /// The little-endian u32 at byte `at` of `b`.
 #[inline(always)]
 fn u32_at(b: &[u8], at: usize) -> u32 {
@@ -128,13 +148,6 @@ fn pair_patterns() -> [__m256i; 4] {
     })
 }
 
-/// `vpshufb` patterns that broadcast i16 word `k` of a 128-bit lane to both lanes.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn word_patterns() -> [__m256i; 8] {
-    std::array::from_fn(|k| _mm256_set1_epi16(((2 * k) | ((2 * k + 1) << 8)) as i16))
-}
-
 /// 16 i16 group scales (groups `0..16`) split into the two halves of a super-block, each
 /// broadcast to both 128-bit lanes.
 #[inline]
@@ -159,6 +172,7 @@ pub(super) unsafe fn q2_k(x: &[u8], y: &[u8]) -> f32 {
     let pairs = pair_patterns();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
         let s = ld128(bx, 0);
         let sc = halves(_mm256_cvtepu8_epi16(_mm_and_si128(s, low)));
         let m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(s), low));
@@ -198,6 +212,7 @@ pub(super) unsafe fn q3_k(x: &[u8], y: &[u8]) -> f32 {
     let pairs = pair_patterns();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
         // The 16 six-bit scales: bytes g of s0..s3 are groups g, 4 + g, 8 + g, 12 + g.
         let (a0, a1, t) = (u32_at(bx, 96), u32_at(bx, 100), u32_at(bx, 104));
         let s0 = (a0 & K2) | ((t & K1) << 4);
@@ -235,7 +250,7 @@ pub(super) unsafe fn q3_k(x: &[u8], y: &[u8]) -> f32 {
 }
 
 /// The 8 scales and 8 minimums of a q4_K / q5_K super-block (scale bytes at 4..16) as
-/// `(scales broadcast to both lanes as i16, minimums as i16 each repeated twice)`.
+/// `(the 8 scale bytes in both 128-bit lanes, minimums as i16 each repeated twice)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn k4_scales(bx: &[u8]) -> (__m256i, __m256i) {
@@ -244,10 +259,19 @@ fn k4_scales(bx: &[u8]) -> (__m256i, __m256i) {
     let m_lo = b & 0x3f3f_3f3f;
     let sc_hi = (c & 0x0f0f_0f0f) | ((a >> 2) & 0x3030_3030);
     let m_hi = ((c >> 4) & 0x0f0f_0f0f) | ((b >> 2) & 0x3030_3030);
-    let sc16 = _mm_cvtepu8_epi16(_mm_setr_epi32(sc_lo as i32, sc_hi as i32, 0, 0));
+    let sc8 = _mm256_set1_epi64x((u64::from(sc_hi) << 32 | u64::from(sc_lo)) as i64);
     let m16 = _mm_cvtepu8_epi16(_mm_setr_epi32(m_lo as i32, m_hi as i32, 0, 0));
     let mdup = _mm256_setr_m128i(_mm_unpacklo_epi16(m16, m16), _mm_unpackhi_epi16(m16, m16));
-    (_mm256_broadcastsi128_si256(sc16), mdup)
+    (sc8, mdup)
+}
+
+/// `vpshufb` patterns that turn 8 bytes (in both 128-bit lanes) into 16 copies of byte `k`
+/// zero-extended to i16 (one shuffle per group scale, where a broadcast of an i16 word would
+/// cost two).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn byte_word_patterns() -> [__m256i; 8] {
+    std::array::from_fn(|k| _mm256_set1_epi16((k as i16) | (0x80 << 8)))
 }
 
 /// q4_K · q8_K ([`super::dot_q4_k`]).
@@ -259,9 +283,10 @@ pub(super) unsafe fn q4_k(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<Q4_K_BYTES>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let low = _mm256_set1_epi8(0x0F);
-    let words = word_patterns();
+    let words = byte_word_patterns();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
         let (scales, mdup) = k4_scales(bx);
         // m_g · (bsum_2g + bsum_2g+1), widened to i32 by the multiply-add.
         let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
@@ -296,9 +321,10 @@ pub(super) unsafe fn q5_k(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let low = _mm256_set1_epi8(0x0F);
     let bit4 = _mm256_set1_epi8(0x10);
-    let words = word_patterns();
+    let words = byte_word_patterns();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
         let (scales, mdup) = k4_scales(bx);
         let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
         // After j right shifts by 2, bits 0 and 1 of each byte are the high bits of chunk j.
@@ -345,6 +371,7 @@ pub(super) unsafe fn q6_k(x: &[u8], y: &[u8]) -> f32 {
     let pairs = pair_patterns();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
         let sc = halves(_mm256_cvtepi8_epi16(ld128(bx, 192)));
         let mut sumi = _mm256_setzero_si256();
         for (h, sc_h) in sc.iter().enumerate() {
@@ -384,6 +411,13 @@ pub(super) unsafe fn q6_k(x: &[u8], y: &[u8]) -> f32 {
     acc
 }
 
+/// Eight unsigned 6-bit scale bytes (in `v`) minus 32, as i16 words.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_scale_words(v: u64) -> __m128i {
+    _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128(v as i64), _mm_set1_epi8(32)))
+}
+
 /// iq4_xs · q8_K ([`super::dot_iq4_xs`]).
 ///
 /// # Safety
@@ -411,9 +445,16 @@ pub(super) unsafe fn iq4_xs(x: &[u8], y: &[u8]) -> f32 {
         KVALUES_IQ4NL[14],
         KVALUES_IQ4NL[15],
     ));
-    let words = word_patterns();
+    let pairs: [__m256i; 4] = std::array::from_fn(|j| {
+        let word = |k: usize| ((2 * k) | ((2 * k + 1) << 8)) as i16;
+        _mm256_setr_m128i(
+            _mm_set1_epi16(word(2 * j)),
+            _mm_set1_epi16(word((2 * j + 7) % 8)),
+        )
+    });
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
         // Spread the 8 low nibbles and the 8 two-bit high parts of the scales into bytes.
         let mut lo = u64::from(u32_at(bx, 4));
         lo = (lo | (lo << 16)) & 0x0000_FFFF_0000_FFFF;
@@ -423,29 +464,29 @@ pub(super) unsafe fn iq4_xs(x: &[u8], y: &[u8]) -> f32 {
         hi = (hi | (hi << 24)) & 0x0000_00FF_0000_00FF;
         hi = (hi | (hi << 12)) & 0x000F_000F_000F_000F;
         hi = (hi | (hi << 6)) & 0x0303_0303_0303_0303;
-        let ls = _mm_sub_epi8(
-            _mm_cvtsi64_si128((lo | (hi << 4)) as i64),
-            _mm_set1_epi8(32),
-        );
-        let scales = _mm256_broadcastsi128_si256(_mm_cvtepi8_epi16(ls));
+        // The 8 scales minus 32 as i16 words: the low lane in order, the high lane rotated
+        // by two words (word w is scale (w + 2) % 8), so that one `vpshufb` per pair of groups
+        // picks scale 2j in the low lane and 2j + 1 in the high lane (with the same order in
+        // both lanes, the compiler turns the byte shuffle into two slower word shuffles).
+        let u = lo | (hi << 4);
+        let scales = _mm256_setr_m128i(iq4_scale_words(u), iq4_scale_words(u.rotate_right(16)));
         let mut sumi = _mm256_setzero_si256();
-        for j in 0..4 {
-            // Groups 2j and 2j + 1: each 16 bytes, low nibbles first, then high nibbles.
-            let qa = ld128(bx, 8 + 32 * j);
-            let qb = ld128(bx, 24 + 32 * j);
-            let na = _mm256_and_si256(_mm256_setr_m128i(qa, _mm_srli_epi16::<4>(qa)), low);
-            let nb = _mm256_and_si256(_mm256_setr_m128i(qb, _mm_srli_epi16::<4>(qb)), low);
-            let ka = _mm256_shuffle_epi8(table, na);
-            let kb = _mm256_shuffle_epi8(table, nb);
-            let ya = ld256(by, 4 + 64 * j);
-            let yb = ld256(by, 36 + 64 * j);
-            let pa = _mm256_maddubs_epi16(_mm256_abs_epi8(ya), _mm256_sign_epi8(ka, ya));
-            let pb = _mm256_maddubs_epi16(_mm256_abs_epi8(yb), _mm256_sign_epi8(kb, yb));
-            let s0 = _mm256_shuffle_epi8(scales, words[2 * j]);
-            let s1 = _mm256_shuffle_epi8(scales, words[2 * j + 1]);
+        for (j, pattern) in pairs.iter().enumerate() {
+            // Groups 2j and 2j + 1, 16 bytes each: low nibbles are their values 0..16, high
+            // nibbles their values 16..32. The activations are regrouped to match, so each
+            // product vector holds group 2j in its low lane and group 2j + 1 in its high lane.
+            let q = ld256(bx, 8 + 32 * j);
+            let klo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, low));
+            let khi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(q), low));
+            let (ya, yb) = (ld256(by, 4 + 64 * j), ld256(by, 36 + 64 * j));
+            let ylo = _mm256_permute2x128_si256::<0x20>(ya, yb);
+            let yhi = _mm256_permute2x128_si256::<0x31>(ya, yb);
+            let plo = _mm256_maddubs_epi16(_mm256_abs_epi8(ylo), _mm256_sign_epi8(klo, ylo));
+            let phi = _mm256_maddubs_epi16(_mm256_abs_epi8(yhi), _mm256_sign_epi8(khi, yhi));
+            let s = _mm256_shuffle_epi8(scales, *pattern);
             sumi = _mm256_add_epi32(
                 sumi,
-                _mm256_add_epi32(_mm256_madd_epi16(pa, s0), _mm256_madd_epi16(pb, s1)),
+                _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)),
             );
         }
         let d = f16_one(u16::from_le_bytes([bx[0], bx[1]]));
