@@ -4,7 +4,8 @@
 as sentence-transformers reads them: :mod:`ferrograph.models.settings`), embedded with
 ferrograph; :class:`MiniLM` -- its short form for the packaged all-MiniLM-L6-v2. Weights are read
 with ``safetensors`` and text split with ``tokenizers``; neither is imported until a model is
-loaded.
+loaded. :class:`LLM` -- a GGUF language model (llama, mistral, qwen2) with a KV cache, sampling
+and chat (:mod:`ferrograph.models.llm`).
 
 Errors: :class:`ModelNotFoundError` (a missing directory or file), :class:`UnsupportedModelError`
 (a module or setting that cannot be computed exactly as sentence-transformers does),
@@ -14,6 +15,7 @@ Errors: :class:`ModelNotFoundError` (a missing directory or file), :class:`Unsup
 
 from __future__ import annotations
 
+from .llm import LLM, GenerationResult, LLMConfig
 from .minilm import MODEL_PACKAGE, MiniLM, MiniLMConfig, find_model_dir
 from .sentence_encoder import GRAPH_CACHE_SIZE, SentenceEncoder
 from .settings import (
@@ -29,10 +31,13 @@ from .weights import WEIGHT_DTYPES, MissingDependencyError
 
 __all__ = [
     "GRAPH_CACHE_SIZE",
+    "LLM",
     "MODEL_PACKAGE",
     "POOLING_MODES",
     "WEIGHT_DTYPES",
     "BertConfig",
+    "GenerationResult",
+    "LLMConfig",
     "MiniLM",
     "MiniLMConfig",
     "MissingDependencyError",
