@@ -37,7 +37,8 @@
 //!   32; the 6-bit scale of group `g` is `(scales_l[g / 2] >> 4·(g % 2)) & 15` plus
 //!   `((scales_h >> 2g) & 3) << 4`, minus 32. Group `g` uses bytes `qs[16g..16g + 16]`: low
 //!   nibbles for its first 16 values, high nibbles for the last 16; a nibble indexes ggml's
-//!   16-entry non-linear table [`KVALUES_IQ4NL`]. Value: `(d·sc)·kvalue`.
+//!   16-entry non-linear table `kvalues_iq4nl` (`−127, −104, −83, −65, −49, −35, −22, −10, 1,
+//!   13, 25, 38, 53, 69, 89, 113`). Value: `(d·sc)·kvalue`.
 //!
 //! # Decoding
 //!
@@ -129,7 +130,7 @@ pub const IQ4_XS_BYTES: usize = 136;
 
 /// ggml's 16 non-linear 4-bit levels (`kvalues_iq4nl`), sorted ascending; iq4_xs nibbles
 /// index this table.
-pub const KVALUES_IQ4NL: [i8; 16] = [
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
