@@ -1534,8 +1534,16 @@ pub fn flash_attn_ext(
 ) -> Result<Tensor> {
     require_dtype("FLASH_ATTN_EXT q", q, &[DType::F32])?;
     // q8_0 keys and values: a quantized KV cache (rows of whole blocks, dequantized per row)
-    require_dtype("FLASH_ATTN_EXT k", k, &[DType::F32, DType::F16, DType::Q8_0])?;
-    require_dtype("FLASH_ATTN_EXT v", v, &[DType::F32, DType::F16, DType::Q8_0])?;
+    require_dtype(
+        "FLASH_ATTN_EXT k",
+        k,
+        &[DType::F32, DType::F16, DType::Q8_0],
+    )?;
+    require_dtype(
+        "FLASH_ATTN_EXT v",
+        v,
+        &[DType::F32, DType::F16, DType::Q8_0],
+    )?;
     let (nq, nk, nv) = (q.ne(), k.ne(), v.ne());
     let ok = nq[0] == nk[0]
         && nk[1] == nv[1]

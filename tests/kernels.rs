@@ -1999,7 +1999,12 @@ fn cpy_and_get_rows_of_gguf_block_types() {
         let out = ops::cpy(&c, &q, &back).unwrap();
         compute(&out);
         let want: Vec<f64> = deq.iter().map(|&x| x as f64).collect();
-        check(&format!("CPY {dtype} -> f32"), &back.to_f32_vec().unwrap(), &want, 0.0);
+        check(
+            &format!("CPY {dtype} -> f32"),
+            &back.to_f32_vec().unwrap(),
+            &want,
+            0.0,
+        );
         let ids = c.new_tensor(DType::I32, &[4]).unwrap();
         fill_i32(&ids, &[2, 0, 2, 1]);
         let rows = ops::get_rows(&c, &q, &ids).unwrap();
@@ -2008,7 +2013,12 @@ fn cpy_and_get_rows_of_gguf_block_types() {
         for r in [2usize, 0, 2, 1] {
             want.extend(deq[r * k..(r + 1) * k].iter().map(|&x| x as f64));
         }
-        check(&format!("GET_ROWS {dtype}"), &rows.to_f32_vec().unwrap(), &want, 0.0);
+        check(
+            &format!("GET_ROWS {dtype}"),
+            &rows.to_f32_vec().unwrap(),
+            &want,
+            0.0,
+        );
     }
 }
 
@@ -2032,7 +2042,13 @@ fn flash_attn_ext_with_q8_0_keys_and_values() {
     vf.set_f32(&vv).unwrap();
     let mask = c.new_tensor(DType::F32, &[n_kv, n_q]).unwrap();
     let mv: Vec<f32> = (0..n_kv * n_q)
-        .map(|i| if i % n_kv > 30 + i / n_kv { f32::NEG_INFINITY } else { 0.0 })
+        .map(|i| {
+            if i % n_kv > 30 + i / n_kv {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
         .collect();
     mask.set_f32(&mv).unwrap();
     let quant = ops::flash_attn_ext(&c, &q, &kq, &vq, Some(&mask), 0.125, 0.0, 0.0).unwrap();

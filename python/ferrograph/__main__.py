@@ -373,14 +373,16 @@ def _add_llm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file (default: the packaged SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (2)")
     p.add_argument("--ctx-size", type=int, default=None, help="KV cache positions")
-    p.add_argument("--kv-dtype", default="f16", choices=["f16", "q8_0", "f32"])
-    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument(
+        "--kv-dtype", default="f16", choices=["f16", "q8_0", "f32"], help="KV cache type (f16)"
+    )
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
-    p.add_argument("--top-k", type=int, default=40)
-    p.add_argument("--top-p", type=float, default=0.95)
-    p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-k", type=int, default=40, help="sample among the k best (0: all)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus probability mass")
+    p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x best")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="1: off")
+    p.add_argument("--seed", type=int, default=None, help="random seed of the sampler")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,130 @@
+"""ferrograph's GGUF language model beside llama.cpp (llama-cpp-python), same file, one run.
+
+Each measurement runs in its own process (so peak RSS and load time are its own), the two
+implementations alternating round by round; the table shows medians over ``--rounds``. Cases:
+``load`` (model ready, ms), ``pp128``/``pp512`` (prompt processing, tokens/s, from an empty
+cache), ``tg128`` (128 tokens decoded one at a time after a one-token prompt, tokens/s), and the
+peak RSS of the process (MiB). Both use ``--threads`` threads, an f16 KV cache, ``n_batch`` 512;
+llama.cpp with flash attention on, as its CPU default for this model resolves.
+
+Run after ``bash scripts/dev.sh test`` with llama-cpp-python installed (it builds llama.cpp from
+source: ``CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install --no-binary
+llama-cpp-python llama-cpp-python``): ``python benches/llm.py [--model FILE.gguf]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+
+
+def _prompt(n: int) -> list[int]:
+    # a fixed pseudo-random prompt of ordinary tokens (ids 100..30000)
+    return [100 + (i * 7919) % 29900 for i in range(n)]
+
+
+def worker_ferrograph(model: str | None, threads: int) -> dict[str, float]:
+    from ferrograph.models import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(model, n_threads=threads, n_ctx=1024, n_batch=512)
+    out = {"load": (time.perf_counter() - t0) * 1e3}
+    for n in (128, 512):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm._prefill(_prompt(n), all_logits=False)
+        out[f"pp{n}"] = n / (time.perf_counter() - t0)
+    llm.reset()
+    llm._prefill([100], all_logits=False)
+    t0 = time.perf_counter()
+    for i in range(128):
+        llm._eval([200 + i], 1 + i, False)
+        llm._cached_tokens.append(200 + i)
+    out["tg128"] = 128 / (time.perf_counter() - t0)
+    return out
+
+
+def worker_llamacpp(model: str | None, threads: int) -> dict[str, float]:
+    import llama_cpp
+
+    path = model or str(_packaged())
+    t0 = time.perf_counter()
+    llm = llama_cpp.Llama(
+        path,
+        n_ctx=1024,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        verbose=False,
+    )
+    out = {"load": (time.perf_counter() - t0) * 1e3}
+    for n in (128, 512):
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(_prompt(n))
+        out[f"pp{n}"] = n / (time.perf_counter() - t0)
+    llm.reset()
+    llm.eval([100])
+    t0 = time.perf_counter()
+    for i in range(128):
+        llm.eval([200 + i])
+    out["tg128"] = 128 / (time.perf_counter() - t0)
+    return out
+
+
+def _packaged() -> object:
+    from ferrograph.models.llm import find_packaged_model
+
+    return find_packaged_model()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: packaged SmolLM2)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--worker", choices=["ferrograph", "llama.cpp"], help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        fn = worker_ferrograph if args.worker == "ferrograph" else worker_llamacpp
+        result = fn(args.model, args.threads)
+        result["rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        print(json.dumps(result))
+        return
+    names = ["ferrograph", "llama.cpp"]
+    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names if r % 2 == 0 else names[::-1]:
+            cmd = [sys.executable, __file__, "--worker", name, "--threads", str(args.threads)]
+            if args.model:
+                cmd += ["--model", args.model]
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+            if proc.returncode != 0:
+                print(f"{name} failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+                continue
+            runs[name].append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    print(f"# {args.threads} threads, median of {args.rounds} interleaved rounds")
+    print(f"{'case':14} {'ferrograph':>12} {'llama.cpp':>12} {'ratio':>7}")
+    for key, label, higher in [
+        ("pp128", "pp128 tok/s", True),
+        ("pp512", "pp512 tok/s", True),
+        ("tg128", "tg128 tok/s", True),
+        ("load", "load ms", False),
+        ("rss", "peak RSS MiB", False),
+    ]:
+        vals = [
+            statistics.median(x[key] for x in runs[n]) if runs[n] else float("nan") for n in names
+        ]
+        ratio = vals[0] / vals[1] if higher else vals[1] / vals[0]
+        print(f"{label:14} {vals[0]:12.1f} {vals[1]:12.1f} {ratio:6.2f}x")
+
+
+if __name__ == "__main__":
+    main()
