@@ -66,7 +66,8 @@ pub enum DType {
 }
 
 impl DType {
-    /// Every type, in declaration order.
+    /// Every type, in declaration order. New types are appended: a type's position here is its
+    /// number on the remote devices' wire.
     pub const ALL: [DType; 21] = [
         DType::F32,
         DType::F16,

@@ -21,30 +21,8 @@ use crate::graph::Graph;
 use crate::ops::{self, GluOp, Op, RopeMode, RopeParams, UnaryOp};
 use crate::tensor::{flags, Tensor, TensorSpec, MAX_DIMS};
 
-/// Element types by wire number (new types are appended: the numbers are the wire format).
-const DTYPES: [DType; 21] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::I8,
-    DType::I16,
-    DType::I32,
-    DType::I64,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q8_1,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::Q8_K,
-    DType::IQ4_NL,
-    DType::IQ4_XS,
-];
+/// Element types by wire number: `DType::ALL`, whose order is append-only for this reason.
+const DTYPES: [DType; DType::ALL.len()] = DType::ALL;
 
 const GLU_OPS: [GluOp; 3] = [GluOp::Reglu, GluOp::Geglu, GluOp::Swiglu];
 

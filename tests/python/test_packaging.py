@@ -33,7 +33,7 @@ def test_project_metadata() -> None:
     assert project["license"] == {"text": "MIT"}
     assert project["requires-python"] == ">=3.10"
     models = {re.split(r"[<>=!~ ]", req)[0] for req in project["optional-dependencies"]["models"]}
-    assert models == {"safetensors", "tokenizers"}
+    assert models == {"safetensors", "tokenizers", "jinja2"}
     for name, url in project.get("urls", {}).items():
         assert url.startswith("https://") and not PLACEHOLDER.search(url), (name, url)
     assert not PLACEHOLDER.search(str(project))

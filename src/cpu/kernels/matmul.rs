@@ -116,38 +116,18 @@ fn prepare<'s>(
     let nrows = b.nrows();
     if weights == DType::Q4_0 && q4_pairs && k.is_multiple_of(QK) && k > 0 {
         let row_bytes = q4_pairs_row_bytes(k);
-        scratch.clear();
-        scratch.resize(nrows * row_bytes, 0);
-        super::par_rows_mut(
-            scratch,
-            row_bytes,
-            || vec![0f32; k],
-            |r, out, buf| {
-                let (i1, i2, i3) = b.row_coords(r);
-                // SAFETY: row `r` lies inside `b` (read-only).
-                unsafe { b.load_row(i1, i2, i3, buf)? };
-                prepare_q4_pairs(buf, out);
-                Ok(())
-            },
-        )?;
+        encode_rows(&b, scratch, row_bytes, |x, out| {
+            prepare_q4_pairs(x, out);
+            Ok(())
+        })?;
         return Ok(Prepared::Q4Pairs(scratch.as_slice(), row_bytes, b.ne));
     }
     if let Some(partner) = block_dot::vec_dot_type(weights).filter(|&p| p != DType::Q8_0) {
         // q8_1 / q8_K activations, quantized by the partner type's reference rules.
         let row_bytes = partner.row_size(k)?;
-        scratch.clear();
-        scratch.resize(nrows * row_bytes, 0);
-        super::par_rows_mut(
-            scratch,
-            row_bytes,
-            || vec![0f32; k],
-            |r, out, buf| {
-                let (i1, i2, i3) = b.row_coords(r);
-                // SAFETY: row `r` lies inside `b` (read-only).
-                unsafe { b.load_row(i1, i2, i3, buf)? };
-                partner.row_from_f32(buf, out)
-            },
-        )?;
+        encode_rows(&b, scratch, row_bytes, |x, out| {
+            partner.row_from_f32(x, out)
+        })?;
         return Ok(Prepared::Q8(scratch.as_slice(), row_bytes, b.ne));
     }
     if weights.is_quantized() {
@@ -193,6 +173,30 @@ fn prepare<'s>(
         })?;
     }
     Ok(Prepared::Packed(data, b.ne))
+}
+
+/// Fills `scratch` with every row of `b` (read as f32) encoded by `encode` into `row_bytes`
+/// bytes, rows split over the pool's threads.
+fn encode_rows(
+    b: &RawTensor,
+    scratch: &mut Vec<u8>,
+    row_bytes: usize,
+    encode: impl Fn(&[f32], &mut [u8]) -> Result<()> + Sync,
+) -> Result<()> {
+    let k = b.ne[0];
+    scratch.clear();
+    scratch.resize(b.nrows() * row_bytes, 0);
+    super::par_rows_mut(
+        scratch,
+        row_bytes,
+        || vec![0f32; k],
+        |r, out, buf| {
+            let (i1, i2, i3) = b.row_coords(r);
+            // SAFETY: row `r` lies inside `b` (read-only).
+            unsafe { b.load_row(i1, i2, i3, buf)? };
+            encode(buf, out)
+        },
+    )
 }
 
 /// One output column: the activation row and the dst offset of element 0 of the column.

@@ -28,7 +28,7 @@
 
 use std::arch::x86_64::*;
 
-use super::{block_count, blocks_into, kind, partner_bytes, reduce8, weight_bytes, LANES};
+use super::{block_count, kind, partner_bytes, reduce8, weight_bytes, LANES};
 use crate::quant::legacy::KVALUES_IQ4NL;
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
@@ -204,36 +204,69 @@ fn widen_halves(lo_words: __m256i, hi_words: __m256i, hi_shift: bool) -> (__m256
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
     let (wb, pb) = (weight_bytes(K), partner_bytes(K));
-    let groups = block_count::<K>(a, b) / LANES;
+    let nb = block_count::<K>(a, b);
+    let groups = nb / LANES;
     let mut acc = _mm256_setzero_ps();
     for g in 0..groups {
-        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8), so every
-        // block pointer below points to a whole block.
-        unsafe {
-            let x = a.as_ptr().add(g * LANES * wb);
-            let y = b.as_ptr().add(g * LANES * pb);
-            let mut p = [_mm256_setzero_si256(); LANES];
-            for (k, slot) in p.iter_mut().enumerate() {
-                *slot = block_sums::<K>(x.add(k * wb), y.add(k * pb));
-            }
-            let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
-            let (xh, yh) = (block_heads(x, wb), block_heads(y, pb));
-            if super::has_min(K) {
-                let (dx, mx) = widen_halves(xh, xh, true);
-                let (dy, sy) = widen_halves(yh, yh, true);
-                acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
-                acc = _mm256_fmadd_ps(mx, sy, acc);
-            } else {
-                let (dx, dy) = widen_halves(xh, yh, false);
-                acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
-            }
-        }
+        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
+        acc = unsafe {
+            group::<K>(
+                a.as_ptr().add(g * LANES * wb),
+                b.as_ptr().add(g * LANES * pb),
+                acc,
+            )
+        };
+    }
+    let rest = nb - groups * LANES;
+    if rest > 0 {
+        // The last rest < 8 blocks: the same group step on copies padded with zero blocks,
+        // kept only in lanes 0..rest (the other lanes keep their values, as the portable
+        // definition leaves them), so a row whose length is not a multiple of 8 blocks pays
+        // no scalar tail.
+        let mut x = [0u8; LANES * 24];
+        let mut y = [0u8; LANES * 36];
+        x[..rest * wb].copy_from_slice(&a[groups * LANES * wb..nb * wb]);
+        y[..rest * pb].copy_from_slice(&b[groups * LANES * pb..nb * pb]);
+        // SAFETY: `x` and `y` hold 8 whole blocks of each kind (24 and 36 bytes are the
+        // largest weight and partner blocks).
+        let stepped = unsafe { group::<K>(x.as_ptr(), y.as_ptr(), acc) };
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        let keep_new = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest as i32), lanes);
+        acc = _mm256_blendv_ps(acc, stepped, _mm256_castsi256_ps(keep_new));
     }
     let mut lanes = [0.0f32; LANES];
     // SAFETY: `lanes` holds 8 f32; the store is unaligned.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    blocks_into::<K>(a, b, groups * LANES, &mut lanes);
     reduce8(&lanes)
+}
+
+/// Step 2 of the definition for 8 consecutive blocks at `x` (weights) and `y` (partner), block
+/// `j` into lane `j`.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `x` and `y` must point to 8 whole blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn group<const K: u8>(x: *const u8, y: *const u8, acc: __m256) -> __m256 {
+    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
+    // SAFETY: 8 whole blocks at `x` and `y` (caller).
+    unsafe {
+        let mut p = [_mm256_setzero_si256(); LANES];
+        for (k, slot) in p.iter_mut().enumerate() {
+            *slot = block_sums::<K>(x.add(k * wb), y.add(k * pb));
+        }
+        let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
+        let (xh, yh) = (block_heads(x, wb), block_heads(y, pb));
+        if super::has_min(K) {
+            let (dx, mx) = widen_halves(xh, xh, true);
+            let (dy, sy) = widen_halves(yh, yh, true);
+            let acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
+            _mm256_fmadd_ps(mx, sy, acc)
+        } else {
+            let (dx, dy) = widen_halves(xh, yh, false);
+            _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc)
+        }
+    }
 }
 
 /// q4_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q4_1_q8_1_portable`]).
