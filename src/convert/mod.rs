@@ -399,13 +399,19 @@ fn run_row<S: Sync, D: Send>(
 ) -> Result<()> {
     let n = dst.len();
     let nt = stream(src, dst);
+    // Short rows (a kernel's K/V rows, GET_ROWS) go straight to the kernel, before any look at
+    // the pools: those lookups cost more than converting a few hundred values.
+    if n < PARALLEL_MIN_ELEMS {
+        kernel(src, dst, nt);
+        return Ok(());
+    }
     let in_computation = threadpool::in_computation();
     let threads = if in_computation {
         threadpool::current_num_threads()
     } else {
         rayon::current_num_threads()
     };
-    if n < PARALLEL_MIN_ELEMS || threads < 2 {
+    if threads < 2 {
         kernel(src, dst, nt);
         return Ok(());
     }

@@ -147,9 +147,6 @@ fn aligned<T>(ptr: *const u8) -> bool {
     (ptr as usize).is_multiple_of(std::mem::align_of::<T>())
 }
 
-/// Rows shorter than this convert on the calling thread (splitting them would cost more).
-const SMALL_ROW: usize = 4096;
-
 /// Reads `out.len()` elements of `dtype` starting at `ptr`, `stride` bytes apart (ignored for
 /// quantized types, whose blocks are adjacent), as f32.
 ///
@@ -171,13 +168,7 @@ pub unsafe fn load_f32(dtype: DType, ptr: *const u8, stride: usize, out: &mut [f
         DType::F16 if dense && aligned::<f16>(ptr) => {
             // SAFETY: `n` aligned f16 values are readable at `ptr` (caller, alignment checked).
             let src = unsafe { std::slice::from_raw_parts(ptr.cast::<f16>(), n) };
-            if n < SMALL_ROW {
-                // short rows (attention's K/V rows, GET_ROWS): the calling thread's SIMD
-                // conversion without the row splitter's pool checks, same bits
-                convert::fp16_to_fp32_slice(src, out);
-            } else {
-                convert::fp16_to_fp32_row(src, out)?;
-            }
+            convert::fp16_to_fp32_row(src, out)?;
         }
         DType::BF16 if dense && aligned::<bf16>(ptr) => {
             // SAFETY: `n` aligned bf16 values are readable at `ptr` (caller, alignment checked).
