@@ -1518,6 +1518,13 @@ pub fn rope(
     new_result(ctx, a.dtype(), ne, a.ndim(), Op::Rope(params), srcs)
 }
 
+/// Whether FLASH_ATTN_EXT reads keys and values of `dtype`: the float types and ggml's
+/// 32-value block types (quantized KV caches, dequantized a row at a time).
+pub fn is_attention_kv_type(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+        || (dtype.is_quantized() && dtype.block_size() == 32 && dtype != DType::Q8_1)
+}
+
 /// Fused attention. `q` `[D, n_q, n_head, n_seq]` (f32); `k` `[D, n_kv, n_head_kv, n_seq]`,
 /// `v` `[Dv, n_kv, n_head_kv, n_seq]` (f32 or f16); optional mask `[n_kv, ≥n_q, ..]`
 /// (f16/f32). The result is f32 `[Dv, n_head, n_q, n_seq]` (heads and queries swapped, as ggml).
@@ -1533,17 +1540,16 @@ pub fn flash_attn_ext(
     logit_softcap: f32,
 ) -> Result<Tensor> {
     require_dtype("FLASH_ATTN_EXT q", q, &[DType::F32])?;
-    // q8_0 keys and values: a quantized KV cache (rows of whole blocks, dequantized per row)
-    require_dtype(
-        "FLASH_ATTN_EXT k",
-        k,
-        &[DType::F32, DType::F16, DType::Q8_0],
-    )?;
-    require_dtype(
-        "FLASH_ATTN_EXT v",
-        v,
-        &[DType::F32, DType::F16, DType::Q8_0],
-    )?;
+    for (what, t) in [("FLASH_ATTN_EXT k", k), ("FLASH_ATTN_EXT v", v)] {
+        if !is_attention_kv_type(t.dtype()) {
+            return Err(Error::DType(format!(
+                "{what}: {} is {}; keys and values are f32, f16, bf16 or a block type of 32 \
+                 (a quantized KV cache)",
+                describe(t),
+                t.dtype().name()
+            )));
+        }
+    }
     let (nq, nk, nv) = (q.ne(), k.ne(), v.ne());
     let ok = nq[0] == nk[0]
         && nk[1] == nv[1]

@@ -2022,39 +2022,62 @@ fn cpy_and_get_rows_of_gguf_block_types() {
     }
 }
 
-/// FLASH_ATTN_EXT with q8_0 keys and values (a quantized KV cache) equals the same attention
-/// over the dequantized f32 keys and values, bit for bit (rows are dequantized, then the f32
-/// kernels run), with grouped heads and a mask.
+/// FLASH_ATTN_EXT with keys and values of every KV-cache type (bf16 and the 32-value block
+/// types) equals the same attention over the decoded f32 keys and values, bit for bit (rows are
+/// decoded, then the f32 kernels run), with grouped heads and a mask.
 #[test]
-fn flash_attn_ext_with_q8_0_keys_and_values() {
+fn flash_attn_ext_with_low_precision_keys_and_values() {
     let mut rng = Rng::new(43);
     let (d, n_q, n_kv, heads, heads_kv) = (64usize, 3usize, 40usize, 4usize, 2usize);
+    let cache_types = [
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+        DType::Q5_0,
+        DType::Q5_1,
+        DType::IQ4_NL,
+    ];
+    for dtype in cache_types {
+        assert!(ops::is_attention_kv_type(dtype), "{dtype}");
+        let c = ctx();
+        let q = c.new_tensor(DType::F32, &[d, n_q, heads]).unwrap();
+        fill(&q, &mut rng, -1.0, 1.0);
+        let kq = c.new_tensor(dtype, &[d, n_kv, heads_kv]).unwrap();
+        let vq = c.new_tensor(dtype, &[d, n_kv, heads_kv]).unwrap();
+        let kv = fill_block(&kq, &mut rng);
+        let vv = fill_block(&vq, &mut rng);
+        let kf = c.new_tensor(DType::F32, &[d, n_kv, heads_kv]).unwrap();
+        let vf = c.new_tensor(DType::F32, &[d, n_kv, heads_kv]).unwrap();
+        kf.set_f32(&kv).unwrap();
+        vf.set_f32(&vv).unwrap();
+        let mask = c.new_tensor(DType::F32, &[n_kv, n_q]).unwrap();
+        let mv: Vec<f32> = (0..n_kv * n_q)
+            .map(|i| {
+                if i % n_kv > 30 + i / n_kv {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+            .collect();
+        mask.set_f32(&mv).unwrap();
+        let low = ops::flash_attn_ext(&c, &q, &kq, &vq, Some(&mask), 0.125, 0.0, 0.0).unwrap();
+        let float = ops::flash_attn_ext(&c, &q, &kf, &vf, Some(&mask), 0.125, 0.0, 0.0).unwrap();
+        compute(&low);
+        compute(&float);
+        let (a, b) = (low.to_f32_vec().unwrap(), float.to_f32_vec().unwrap());
+        assert!(
+            a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{dtype}"
+        );
+    }
+    // activation-only and K-quant types are refused with a dtype error
     let c = ctx();
-    let q = c.new_tensor(DType::F32, &[d, n_q, heads]).unwrap();
-    fill(&q, &mut rng, -1.0, 1.0);
-    let kq = c.new_tensor(DType::Q8_0, &[d, n_kv, heads_kv]).unwrap();
-    let vq = c.new_tensor(DType::Q8_0, &[d, n_kv, heads_kv]).unwrap();
-    let kv = fill_block(&kq, &mut rng);
-    let vv = fill_block(&vq, &mut rng);
-    let kf = c.new_tensor(DType::F32, &[d, n_kv, heads_kv]).unwrap();
-    let vf = c.new_tensor(DType::F32, &[d, n_kv, heads_kv]).unwrap();
-    kf.set_f32(&kv).unwrap();
-    vf.set_f32(&vv).unwrap();
-    let mask = c.new_tensor(DType::F32, &[n_kv, n_q]).unwrap();
-    let mv: Vec<f32> = (0..n_kv * n_q)
-        .map(|i| {
-            if i % n_kv > 30 + i / n_kv {
-                f32::NEG_INFINITY
-            } else {
-                0.0
-            }
-        })
-        .collect();
-    mask.set_f32(&mv).unwrap();
-    let quant = ops::flash_attn_ext(&c, &q, &kq, &vq, Some(&mask), 0.125, 0.0, 0.0).unwrap();
-    let float = ops::flash_attn_ext(&c, &q, &kf, &vf, Some(&mask), 0.125, 0.0, 0.0).unwrap();
-    compute(&quant);
-    compute(&float);
-    let (a, b) = (quant.to_f32_vec().unwrap(), float.to_f32_vec().unwrap());
-    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    let q = c.new_tensor(DType::F32, &[256, 1, 1]).unwrap();
+    for dtype in [DType::Q8_K, DType::Q4_K, DType::I32] {
+        let k = c.new_tensor(dtype, &[256, 4, 1]).unwrap();
+        let err = ops::flash_attn_ext(&c, &q, &k, &k, None, 1.0, 0.0, 0.0).unwrap_err();
+        assert!(matches!(err, Error::DType(_)), "{dtype}: {err}");
+    }
 }

@@ -370,11 +370,16 @@ def chat(args: argparse.Namespace) -> int:
 
 
 def _add_llm_options(p: argparse.ArgumentParser) -> None:
+    from .models.llm import KV_DTYPES
+
     p.add_argument("--model", default=None, help="GGUF file (default: the packaged SmolLM2)")
     p.add_argument("--threads", type=int, default=2, help="CPU threads (2)")
     p.add_argument("--ctx-size", type=int, default=None, help="KV cache positions")
     p.add_argument(
-        "--kv-dtype", default="f16", choices=["f16", "q8_0", "f32"], help="KV cache type (f16)"
+        "--kv-dtype",
+        default="f16",
+        choices=KV_DTYPES,
+        help="KV cache type (f16)",
     )
     p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")

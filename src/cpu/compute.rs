@@ -99,8 +99,8 @@ pub fn supports_op(node: &Tensor) -> bool {
         }
         Op::FlashAttnExt { .. } => {
             f32_only(0)
-                && matches!(src(1), Some(DType::F32 | DType::F16 | DType::Q8_0))
-                && matches!(src(2), Some(DType::F32 | DType::F16 | DType::Q8_0))
+                && src(1).is_some_and(crate::ops::is_attention_kv_type)
+                && src(2).is_some_and(crate::ops::is_attention_kv_type)
                 && (srcs.len() < 4 || matches!(src(3), Some(DType::F32 | DType::F16)))
                 && dst == DType::F32
         }

@@ -59,6 +59,8 @@ logger = logging.getLogger("ferrograph.models.llm")
 
 #: The cache window of a graph is the positions in use rounded up to a multiple of this.
 KV_BUCKET = 256
+#: The KV cache types (llama.cpp's ``--cache-type-k/v`` choices that the attention reads).
+KV_DTYPES = ("f16", "f32", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl")
 #: Graphs kept per model (least recently used dropped).
 GRAPH_CACHE_SIZE = 16
 #: The packaged model of ``LLM(model=None)``.
@@ -236,7 +238,7 @@ class LLM:
     n_batch:
         Prompt tokens evaluated per graph (micro-batch).
     kv_dtype:
-        The cache's element type: ``"f16"`` (default) or ``"q8_0"``.
+        The cache's element type: ``"f16"`` (default), or one of :data:`KV_DTYPES`.
     """
 
     def __init__(
@@ -263,9 +265,9 @@ class LLM:
             raise fg.InvalidArgumentError(f"n_ctx must be >= 1, got {n_ctx}")
         self.n_batch: int = int(n_batch)
         self.kv_dtype: fg.DType = fg.DType(kv_dtype)
-        if self.kv_dtype not in (fg.float16, fg.q8_0, fg.float32):
+        if self.kv_dtype.name not in KV_DTYPES:
             raise fg.InvalidArgumentError(
-                f"kv_dtype must be f16, q8_0 or f32, got {self.kv_dtype.name}"
+                f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {self.kv_dtype.name}"
             )
         if cfg.head_dim % self.kv_dtype.block_size:
             raise fg.InvalidArgumentError(
