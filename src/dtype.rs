@@ -10,6 +10,7 @@ use std::str::FromStr;
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
+use crate::quant::{kquants, legacy};
 use crate::{convert, quant};
 
 /// The element type of a tensor.
@@ -142,18 +143,18 @@ impl DType {
             DType::I64 => 8,
             DType::Q8_0 => std::mem::size_of::<quant::BlockQ8_0>(),
             DType::Q4_0 => std::mem::size_of::<quant::BlockQ4_0>(),
-            DType::Q4_1 => 20,
-            DType::Q5_0 => 22,
-            DType::Q5_1 => 24,
-            DType::Q8_1 => 36,
-            DType::Q2_K => 84,
-            DType::Q3_K => 110,
-            DType::Q4_K => 144,
-            DType::Q5_K => 176,
-            DType::Q6_K => 210,
-            DType::Q8_K => 292,
-            DType::IQ4_NL => 18,
-            DType::IQ4_XS => 136,
+            DType::Q4_1 => legacy::Q4_1_BYTES,
+            DType::Q5_0 => legacy::Q5_0_BYTES,
+            DType::Q5_1 => legacy::Q5_1_BYTES,
+            DType::Q8_1 => legacy::Q8_1_BYTES,
+            DType::IQ4_NL => legacy::IQ4_NL_BYTES,
+            DType::Q2_K => kquants::Q2_K_BYTES,
+            DType::Q3_K => kquants::Q3_K_BYTES,
+            DType::Q4_K => kquants::Q4_K_BYTES,
+            DType::Q5_K => kquants::Q5_K_BYTES,
+            DType::Q6_K => kquants::Q6_K_BYTES,
+            DType::Q8_K => kquants::Q8_K_BYTES,
+            DType::IQ4_XS => kquants::IQ4_XS_BYTES,
         }
     }
 

@@ -109,6 +109,7 @@ mod tests;
 
 use half::f16;
 
+pub(crate) use super::f16_at;
 use super::{BlockCodec, QK_K};
 use crate::dtype::DType;
 use search::{best_index_iq4, make_q3_quants, make_qkx2_quants, make_qx_quants, nearest_int};
@@ -156,12 +157,6 @@ pub fn codec(dtype: DType) -> Option<BlockCodec> {
 // ---------------------------------------------------------------------------------------------
 // Field access and unpacking, shared by the decoders and the portable dot products.
 // ---------------------------------------------------------------------------------------------
-
-/// The f16 at byte `at` of `b`, as f32 (exact).
-#[inline]
-pub(crate) fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([b[at], b[at + 1]])).to_f32()
-}
 
 /// The f32 at byte `at` of `b`.
 #[inline]

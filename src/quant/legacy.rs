@@ -81,6 +81,7 @@
 
 use half::f16;
 
+pub(crate) use super::f16_at;
 use super::BlockCodec;
 use crate::dtype::DType;
 
@@ -115,12 +116,6 @@ pub fn codec(dtype: DType) -> Option<BlockCodec> {
         DType::IQ4_NL => pair(dequantize_row_iq4_nl, quantize_row_iq4_nl),
         _ => None,
     }
-}
-
-/// The `f16` at byte `at` of `block`, widened exactly to `f32`.
-#[inline(always)]
-pub(crate) fn f16_at(block: &[u8], at: usize) -> f32 {
-    f16::from_bits(u16::from_le_bytes([block[at], block[at + 1]])).to_f32()
 }
 
 /// Stores `v` rounded to the nearest `f16` (ties to even) at byte `at` of `block`.

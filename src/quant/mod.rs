@@ -48,6 +48,13 @@ use crate::error::{Error, Result};
 pub mod kquants;
 pub mod legacy;
 
+/// The little-endian `f16` at byte `at` of a block, widened exactly to `f32` (blocks may sit
+/// at any alignment, so the scale is read byte by byte).
+#[inline(always)]
+pub(crate) fn f16_at(block: &[u8], at: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([block[at], block[at + 1]])).to_f32()
+}
+
 /// Values per super-block of the K-quants (q2_K..q8_K, iq4_xs).
 pub const QK_K: usize = 256;
 

@@ -45,8 +45,8 @@
 //! |dmin·m_v|)·|dy·y_v|` (the unit tests check `(4·nb + 16)·2⁻²⁴·S`).
 
 use super::block_dot::{DotFn, Isa};
-use super::quant_dot::f16_bits_to_f32;
 use crate::dtype::DType;
+use crate::quant::f16_at;
 use crate::quant::kquants::{
     iq4_xs_quants, iq4_xs_scales, k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants,
     q6_k_quants, unpack_2bit, unpack_4bit, IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES,
@@ -135,12 +135,6 @@ fn step(acc: f32, dx: f32, dy: f32, isum: i32) -> f32 {
 fn step_min(acc: f32, dx: f32, dmin: f32, dy: f32, isum: i32, msum: i32) -> f32 {
     let acc = (dx * dy).mul_add(isum as f32, acc);
     (-(dmin * dy)).mul_add(msum as f32, acc)
-}
-
-/// The f16 at byte `at` of `b`, as f32 (exact).
-#[inline(always)]
-fn f16_at(b: &[u8], at: usize) -> f32 {
-    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
 }
 
 /// A q8_K super-block's scale, quants and stored group sums.

@@ -48,7 +48,7 @@ use crate::quant::legacy::{
 mod x86;
 
 /// Bytes of one q8_0 block.
-const Q8_0_BYTES: usize = 34;
+use super::quant_dot::Q8_0_BYTES;
 /// Accumulator lanes of the arithmetic (block `i` feeds lane `i % LANES`).
 pub const LANES: usize = 8;
 

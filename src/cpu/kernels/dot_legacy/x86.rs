@@ -29,7 +29,7 @@
 use std::arch::x86_64::*;
 
 use super::{block_count, kind, partner_bytes, reduce8, weight_bytes, LANES};
-use crate::quant::legacy::KVALUES_IQ4NL;
+use crate::quant::legacy::{KVALUES_IQ4NL, Q5_1_BYTES, Q8_1_BYTES};
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
 pub fn available() -> bool {
@@ -223,11 +223,11 @@ unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
         // kept only in lanes 0..rest (the other lanes keep their values, as the portable
         // definition leaves them), so a row whose length is not a multiple of 8 blocks pays
         // no scalar tail.
-        let mut x = [0u8; LANES * 24];
-        let mut y = [0u8; LANES * 36];
+        let mut x = [0u8; LANES * Q5_1_BYTES];
+        let mut y = [0u8; LANES * Q8_1_BYTES];
         x[..rest * wb].copy_from_slice(&a[groups * LANES * wb..nb * wb]);
         y[..rest * pb].copy_from_slice(&b[groups * LANES * pb..nb * pb]);
-        // SAFETY: `x` and `y` hold 8 whole blocks of each kind (24 and 36 bytes are the
+        // SAFETY: `x` and `y` hold 8 whole blocks of each kind (q5_1 and q8_1 are the
         // largest weight and partner blocks).
         let stepped = unsafe { group::<K>(x.as_ptr(), y.as_ptr(), acc) };
         let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
