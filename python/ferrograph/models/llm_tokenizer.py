@@ -154,13 +154,14 @@ class GGUFTokenizer:
     # ----- construction -----
 
     def _special_tokens(self) -> list[Any]:
+        """Control and user-defined tokens, matched whole in text with ``parse_special``."""
         from tokenizers import AddedToken
 
-        special = []
-        for i, (tok, kind) in enumerate(zip(self.tokens, self.token_types, strict=True)):
-            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and tok:
-                special.append((i, AddedToken(tok, special=True, normalized=False)))
-        return [t for _, t in special]
+        return [
+            AddedToken(tok, special=True, normalized=False)
+            for tok, kind in zip(self.tokens, self.token_types, strict=True)
+            if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and tok
+        ]
 
     def _build_gpt2(self, merges: list[str]) -> tuple[Any, Any]:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
