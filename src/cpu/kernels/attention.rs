@@ -35,6 +35,11 @@ use crate::error::Result;
 /// all its rows.
 const Q_CHUNK: usize = 128;
 
+/// Largest row count of a task that takes scores as dot products with the key rows as stored
+/// (a decoding step: the few query heads of one group) instead of transposing each key block
+/// for a register tile: the transpose costs more than it saves for so few rows.
+const DIRECT_ROWS: usize = 8;
+
 /// Queries per register tile (scores: 6 queries × 64 keys in 24 zmm accumulators; output:
 /// 6 queries × 64 values).
 const ROWS: usize = 6;
@@ -87,6 +92,8 @@ struct Scratch {
     keys_t: Vec<f32>,
     /// One key row converted to f32.
     key_row: Vec<f32>,
+    /// The block's keys converted to f32 (`kb × d`, row-major) for the direct path.
+    keys: Vec<f32>,
     /// The block's values converted to f32 (`kb × dv`) when they cannot be read in place.
     values: Vec<f32>,
     /// The task's queries converted to f32 (`Q_CHUNK × d`) when they cannot be read in place.
@@ -294,8 +301,23 @@ impl Attention {
                 kb0 += kbn;
                 continue;
             }
-            // SAFETY: keys kb0..kb0 + kbn of head (ik2, ik3) lie inside k.
-            unsafe { self.transpose_keys(s, kb0, kbn, kbp, ik2, ik3)? };
+            let direct = nr <= DIRECT_ROWS;
+            let (k_ptr, k_stride) = if !direct {
+                // SAFETY: keys kb0..kb0 + kbn of head (ik2, ik3) lie inside k.
+                unsafe { self.transpose_keys(s, kb0, kbn, kbp, ik2, ik3)? };
+                (std::ptr::null(), 0)
+            } else if self.k_direct {
+                // SAFETY: key row (kb0, ik2, ik3) lies inside k.
+                let p = unsafe { k.at(k.row_offset(kb0, ik2, ik3)) }.cast_const();
+                (p.cast::<f32>(), k.nb[1] / 4)
+            } else {
+                s.keys.resize(kbn * d, 0.0);
+                for (j, out) in s.keys.chunks_exact_mut(d.max(1)).enumerate().take(kbn) {
+                    // SAFETY: key row (kb0 + j, ik2, ik3) lies inside k (read-only).
+                    unsafe { k.load_row(kb0 + j, ik2, ik3, out)? };
+                }
+                (s.keys.as_ptr(), d)
+            };
             let (v_ptr, v_stride) = if self.v_direct {
                 // SAFETY: value row (kb0, ik2, ik3) lies inside v.
                 let p = unsafe { v.at(v.row_offset(kb0, ik2, ik3)) }.cast_const();
@@ -317,23 +339,37 @@ impl Attention {
             let mut r0 = 0;
             while r0 < nr {
                 let tile_rows = ROWS.min(nr - r0);
-                scores_tile(
-                    self.kernels,
-                    tile_rows,
-                    &s.queries[r0 * d..],
-                    d,
-                    d,
-                    &s.keys_t,
-                    kbp,
-                    &mut s.scores,
-                );
+                if direct {
+                    // SAFETY: kbn key rows of d elements, k_stride apart, are readable (in k
+                    // or in the scratch buffer, not written while this slice lives).
+                    let keys =
+                        unsafe { std::slice::from_raw_parts(k_ptr, strided_len(kbn, k_stride, d)) };
+                    scores_direct(
+                        &s.queries[r0 * d..(r0 + tile_rows) * d],
+                        d,
+                        keys,
+                        (k_stride, kbn),
+                        kbp,
+                        &mut s.scores,
+                    );
+                } else {
+                    scores_tile(
+                        self.kernels,
+                        tile_rows,
+                        &s.queries[r0 * d..],
+                        d,
+                        d,
+                        &s.keys_t,
+                        kbp,
+                        &mut s.scores,
+                    );
+                }
                 for r in 0..tile_rows {
                     let row_index = r0 + r;
                     let (h, iq) = rows.at(row_index);
                     let row = &mut s.scores[r * kbp..r * kbp + kbn];
                     // SAFETY: the mask row segment (kb0.., iq) lies inside the mask.
-                    let mask_row =
-                        unsafe { self.mask_segment(&mut s.mask, iq, h, iq3, kb0, kbn)? };
+                    let mask_row = unsafe { self.mask_segment(&mut s.mask, iq, h, iq3, kb0, kbn)? };
                     let slope = alibi_slope(self.max_bias, n_head, h);
                     let block_max = prepare_scores(
                         self.kernels,
@@ -636,6 +672,41 @@ super::simd_fn! {
             for (i, &qv) in qr.iter().enumerate() {
                 let krow = &kt[i * kbp..(i + 1) * kbp];
                 out.iter_mut().zip(krow).for_each(|(o, &kv)| *o += qv * kv);
+            }
+        }
+    }
+}
+
+super::simd_fn! {
+    /// `s[r][j] = q[r] · k[j]` for the query rows `q` (`d` apart) and `kbn` key rows `k`
+    /// (`k_stride` apart) as stored: each product in 8 lanes of partial sums (element `i`
+    /// into lane `i % 8`), added in a fixed order. `s` rows are `kbp` apart.
+    fn scores_direct(
+        q: &[f32],
+        d: usize,
+        k: &[f32],
+        k_stride_kbn: (usize, usize),
+        kbp: usize,
+        s: &mut [f32],
+    ) {
+        let (k_stride, kbn) = k_stride_kbn;
+        for (r, qr) in q.chunks_exact(d.max(1)).enumerate() {
+            let out = &mut s[r * kbp..r * kbp + kbn];
+            for (j, o) in out.iter_mut().enumerate() {
+                let kr = &k[j * k_stride..j * k_stride + d];
+                let mut lanes = [0f32; 8];
+                let (qc, kc) = (qr.chunks_exact(8), kr.chunks_exact(8));
+                let (qt, kt) = (qc.remainder(), kc.remainder());
+                for (a, b) in qc.zip(kc) {
+                    for l in 0..8 {
+                        lanes[l] += a[l] * b[l];
+                    }
+                }
+                for (l, (a, b)) in qt.iter().zip(kt).enumerate() {
+                    lanes[l] += a * b;
+                }
+                *o = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
+                    + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
             }
         }
     }

@@ -648,6 +648,8 @@ mod tests {
             (14336, 4096, 8, 4),
             (4096, 14336, 8, 1),
             (256, 4096, 200, 4),
+            // a small model's FFN (SmolLM2-135M): 18 blocks per row, two groups and a tail
+            (1536, 576, 400, 1),
         ] {
             for &(dtype, kd, partner) in &TYPES[..n_types] {
                 let row_bytes = dtype.row_size(k).unwrap();
@@ -658,7 +660,7 @@ mod tests {
                 }
                 let act = quantize(partner, &random_values(&mut rng, k));
                 let dot = dot_fn(dtype, Isa::Avx2).unwrap();
-                let chunk = (256 * 4096 / k).max(1) * row_bytes;
+                let chunk = (256 * 4096 / k).clamp(1, rows) * row_bytes;
                 let timed = |f: &dyn Fn(&[u8]) -> f32| -> f64 {
                     let mut best = vec![f64::INFINITY; w.len() / chunk];
                     for _ in 0..passes {

@@ -29,7 +29,7 @@
 use std::arch::x86_64::*;
 
 use super::{block_count, kind, partner_bytes, reduce8, weight_bytes, LANES};
-use crate::quant::legacy::{KVALUES_IQ4NL, Q5_1_BYTES, Q8_1_BYTES};
+use crate::quant::legacy::KVALUES_IQ4NL;
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
 pub fn available() -> bool {
@@ -219,17 +219,19 @@ unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
     }
     let rest = nb - groups * LANES;
     if rest > 0 {
-        // The last rest < 8 blocks: the same group step on copies padded with zero blocks,
-        // kept only in lanes 0..rest (the other lanes keep their values, as the portable
-        // definition leaves them), so a row whose length is not a multiple of 8 blocks pays
-        // no scalar tail.
-        let mut x = [0u8; LANES * Q5_1_BYTES];
-        let mut y = [0u8; LANES * Q8_1_BYTES];
-        x[..rest * wb].copy_from_slice(&a[groups * LANES * wb..nb * wb]);
-        y[..rest * pb].copy_from_slice(&b[groups * LANES * pb..nb * pb]);
-        // SAFETY: `x` and `y` hold 8 whole blocks of each kind (q5_1 and q8_1 are the
-        // largest weight and partner blocks).
-        let stepped = unsafe { group::<K>(x.as_ptr(), y.as_ptr(), acc) };
+        // The last rest < 8 blocks: the group step over those blocks alone (lanes rest..8 see
+        // zero sums and scales), kept only in lanes 0..rest (the other lanes keep their
+        // values, as the portable definition leaves them), so a row whose length is not a
+        // multiple of 8 blocks pays neither a scalar tail nor a padded copy.
+        // SAFETY: blocks 8·groups .. nb lie inside both rows.
+        let stepped = unsafe {
+            partial_group::<K>(
+                a.as_ptr().add(groups * LANES * wb),
+                b.as_ptr().add(groups * LANES * pb),
+                rest,
+                acc,
+            )
+        };
         let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
         let keep_new = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest as i32), lanes);
         acc = _mm256_blendv_ps(acc, stepped, _mm256_castsi256_ps(keep_new));
@@ -256,17 +258,60 @@ unsafe fn group<const K: u8>(x: *const u8, y: *const u8, acc: __m256) -> __m256 
             *slot = block_sums::<K>(x.add(k * wb), y.add(k * pb));
         }
         let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
-        let (xh, yh) = (block_heads(x, wb), block_heads(y, pb));
-        if super::has_min(K) {
-            let (dx, mx) = widen_halves(xh, xh, true);
-            let (dy, sy) = widen_halves(yh, yh, true);
-            let acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
-            _mm256_fmadd_ps(mx, sy, acc)
-        } else {
-            let (dx, dy) = widen_halves(xh, yh, false);
-            _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc)
+        scale_sums::<K>(isum, block_heads(x, wb), block_heads(y, pb), acc)
+    }
+}
+
+/// `acc` plus the 8 blocks' exact sums `isum` times their scales: `xh`/`yh` hold each block's
+/// first word (the f16 scale, and for q4_1/q5_1 and q8_1 the min or scaled sum above it).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_sums<const K: u8>(isum: __m256, xh: __m256i, yh: __m256i, acc: __m256) -> __m256 {
+    if super::has_min(K) {
+        let (dx, mx) = widen_halves(xh, xh, true);
+        let (dy, sy) = widen_halves(yh, yh, true);
+        let acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
+        _mm256_fmadd_ps(mx, sy, acc)
+    } else {
+        let (dx, dy) = widen_halves(xh, yh, false);
+        _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc)
+    }
+}
+
+/// [`group`] over the `rest` (< 8) blocks at `x` and `y`: lanes `0..rest` as [`group`] gives
+/// them; lanes `rest..8` are meaningless (their sums and scales are zero) and must be dropped.
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C; `x` and `y` must point to `rest` whole blocks.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn partial_group<const K: u8>(
+    x: *const u8,
+    y: *const u8,
+    rest: usize,
+    acc: __m256,
+) -> __m256 {
+    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
+    let mut p = [_mm256_setzero_si256(); LANES];
+    let (mut xw, mut yw) = ([0i32; LANES], [0i32; LANES]);
+    for k in 0..rest.min(LANES) {
+        // SAFETY: block k lies inside the `rest` blocks at `x` and `y` (caller); the head
+        // words are the blocks' first 4 bytes, read unaligned.
+        unsafe {
+            p[k] = block_sums::<K>(x.add(k * wb), y.add(k * pb));
+            xw[k] = x.add(k * wb).cast::<i32>().read_unaligned();
+            yw[k] = y.add(k * pb).cast::<i32>().read_unaligned();
         }
     }
+    let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
+    // SAFETY: the arrays hold 8 i32 each; the loads are unaligned.
+    let (xh, yh) = unsafe {
+        (
+            _mm256_loadu_si256(xw.as_ptr().cast()),
+            _mm256_loadu_si256(yw.as_ptr().cast()),
+        )
+    };
+    scale_sums::<K>(isum, xh, yh, acc)
 }
 
 /// q4_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q4_1_q8_1_portable`]).
