@@ -7,8 +7,8 @@ Starts ``python -m ferrograph api`` (both packaged models) on a free port and me
   encoder calls); latency p50/p99 and aggregate sentences/s of each, and their ratio;
 - chat: ``--streams`` concurrent streams of ``--tokens`` tokens each (``ignore_eos``), beside
   one stream alone; aggregate generated tokens/s and time to first token;
-- the server's resident memory (VmRSS) after a warm-up, after the first load round and after a
-  second identical round: a server that keeps nothing per request stays flat.
+- the server's resident memory (VmRSS) after a warm-up and after each of ``--rounds``
+  identical load rounds: a server that keeps nothing per request stays flat.
 
 With ``llama-cpp-python[server]`` installed, the chat part also runs against
 ``python -m llama_cpp.server`` on the same GGUF file (same threads, ``--n_parallel``-free
@@ -197,7 +197,7 @@ def bench_ferrograph(args: argparse.Namespace) -> dict[str, Any]:
         chat_bench(client, chat, args.streams, 8)
         rss = [rss_mib(proc.pid)]
         result = {"embeddings": [], "chat": []}
-        for _ in range(2):
+        for _ in range(args.rounds):
             result["embeddings"].append(
                 embedding_bench(client, embedding, args.clients, args.requests)
             )
@@ -244,6 +244,9 @@ def main() -> int:
     parser.add_argument("--streams", type=int, default=4, help="concurrent chat streams")
     parser.add_argument("--tokens", type=int, default=64, help="tokens per chat stream")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of each model")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="load rounds (the server's RSS after each)"
+    )
     parser.add_argument("--json", default=None, help="also write the results to this file")
     args = parser.parse_args()
 
@@ -274,10 +277,8 @@ def main() -> int:
     else:
         print("  (llama-cpp-python[server] is not installed: no llama_cpp.server comparison)")
     rss = ours["rss_mib"]
-    print(
-        f"server RSS: {rss[0]:.0f} MiB after warm-up, {rss[1]:.0f} MiB after round 1, "
-        f"{rss[2]:.0f} MiB after round 2"
-    )
+    rounds = ", ".join(f"{r:.0f}" for r in rss[1:])
+    print(f"server RSS: {rss[0]:.0f} MiB after warm-up; after each round: {rounds} MiB")
     failures = [r["failures"] for e in ours["embeddings"] for r in e.values() if r["failed"]]
     if failures:
         print(f"failures: {failures}")

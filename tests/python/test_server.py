@@ -461,3 +461,52 @@ def test_a_full_queue_answers_429(llm: Any) -> None:
         engine.close()
     assert status == 429
     assert a == b == llm.generate("Hello", 8).text
+
+
+class _Recording:
+    """A model wrapper that records the thread of every compute call."""
+
+    def __init__(self, model: Any, method: str) -> None:
+        self._model = model
+        self._method = method
+        self.threads: set[str] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._model, name)
+        if name != self._method:
+            return attr
+
+        def recorded(*args: Any, **kwargs: Any) -> Any:
+            self.threads.add(threading.current_thread().name)
+            return attr(*args, **kwargs)
+
+        return recorded
+
+
+def test_in_process_app_profile_and_compute_threads(encoder: Any, llm: Any) -> None:
+    from starlette.testclient import TestClient
+
+    from ferrograph.server import create_app
+
+    recorded_encoder = _Recording(encoder, "encode")
+    recorded_llm = _Recording(llm, "evaluate")
+    app = create_app(recorded_encoder, recorded_llm, profile=True, embedding_id="minilm")
+    with TestClient(app) as http:
+        r = http.post("/v1/embeddings", json={"model": "minilm", "input": ["a", "b c"]})
+        assert r.status_code == 200, r.text
+        r = http.post(
+            "/v1/completions",
+            json={"model": llm.path.stem, "prompt": "Hi", "max_tokens": 3, "temperature": 0},
+        )
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == llm.generate("Hi", 3).text
+        profile = http.get("/profile").text
+        assert "embeddings:" in profile and "generation:" in profile
+        assert "MUL_MAT" in profile and "FLASH_ATTN_EXT" in profile
+        metrics = http.get("/metrics").text
+        assert "ferrograph_sentences_embedded_total 2" in metrics
+        assert "ferrograph_generated_tokens_total 3" in metrics
+        assert "ferrograph_decode_steps_total 2" in metrics  # the last token is not evaluated
+    # the models ran on their worker threads, never on the event loop's
+    assert recorded_encoder.threads == {"ferrograph-embed"}
+    assert recorded_llm.threads == {"ferrograph-generate"}

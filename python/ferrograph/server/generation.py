@@ -307,7 +307,7 @@ class GenerationEngine:
                 1,
             )
         seq.logits = logits[-1]
-        self.metrics.count_step(n, 0, 1, time.perf_counter() - start_time)
+        self.metrics.count_step(n, 1, time.perf_counter() - start_time)
 
     def _decode(self, batch: list[Sequence]) -> None:
         """One step: the last token of every sequence of ``batch`` in one graph."""
@@ -326,7 +326,7 @@ class GenerationEngine:
         logits = self._evaluate(tokens, positions, slots, visible, len(batch))
         for i, seq in enumerate(batch):
             seq.logits = logits[i]
-        self.metrics.count_step(0, len(batch), len(batch), time.perf_counter() - start_time)
+        self.metrics.count_step(0, len(batch), time.perf_counter() - start_time)
 
     def _next_work(self) -> tuple[list[Sequence], list[Sequence]] | None:
         """Waits for work; returns the sequences to start and those to decode (``None``:
@@ -356,6 +356,13 @@ class GenerationEngine:
                 self._active.remove(seq)
             self._release(seq)
 
+    def _advance(self, seq: Sequence) -> None:
+        before = len(seq.tokens)
+        goes_on = seq.advance(self._eog)
+        self.metrics.count_generated(len(seq.tokens) - before)
+        if not goes_on:
+            self._retire(seq)
+
     def _run(self) -> None:
         while True:
             work = self._next_work()
@@ -365,13 +372,11 @@ class GenerationEngine:
             try:
                 for seq in starting:
                     self._prefill(seq)
-                    if not seq.advance(self._eog):
-                        self._retire(seq)
+                    self._advance(seq)
                 if decoding:
                     self._decode(decoding)
                     for seq in decoding:
-                        if not seq.advance(self._eog):
-                            self._retire(seq)
+                        self._advance(seq)
             except Exception as error:  # the requests get the error, the worker goes on
                 logger.exception("generation step failed")
                 failure = APIError(500, f"generation failed: {error}", "server_error")

@@ -36,16 +36,20 @@ class Metrics:
             self.sentences_embedded += sentences
             self.embedding_batches += 1
 
-    def count_step(self, prompt_tokens: int, generated: int, rows: int, seconds: float) -> None:
-        """One graph of the generation loop: prompt tokens read, tokens generated, its rows
-        (sequences decoded at once) and its wall time."""
+    def count_step(self, prompt_tokens: int, rows: int, seconds: float) -> None:
+        """Graphs of the generation loop: a prompt's tokens (``prompt_tokens`` > 0) or one
+        decoding step of ``rows`` sequences, and their wall time."""
         with self._lock:
             self.prompt_tokens += prompt_tokens
-            self.generated_tokens += generated
-            if generated:
+            if not prompt_tokens:
                 self.decode_steps += 1
                 self.decode_rows += rows
             self.generation_seconds += seconds
+
+    def count_generated(self, tokens: int) -> None:
+        """Tokens sampled and handed to their sequences."""
+        with self._lock:
+            self.generated_tokens += tokens
 
     def render(self, gauges: dict[str, float]) -> str:
         """The metrics text; ``gauges`` are current values (queue depths, active sequences)."""
