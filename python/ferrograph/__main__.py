@@ -468,7 +468,13 @@ def api(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if family == socket.AF_INET6 else host
     print(f"http://{shown}:{port}", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level, access_log=False, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=False,  # the app logs one line per request itself
+        lifespan="on",
+        timeout_graceful_shutdown=5,  # open streams do not hold a shutdown for long
+    )
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
         server.run(sockets=[sock])

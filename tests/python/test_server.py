@@ -376,6 +376,9 @@ def test_bad_requests_get_openai_errors(client: Any, server: str, ids: dict[str,
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
     r = httpx.post(f"{server}/v1/completions", content=b"{not json", headers=headers, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    deep = b"[" * 100_000  # nesting deeper than the JSON parser recurses
+    r = httpx.post(f"{server}/v1/completions", content=deep, headers=headers, timeout=30)
+    assert r.status_code == 400
     big = json.dumps({"model": ids["embedding"], "input": "x" * (2 << 20)})
     r = httpx.post(f"{server}/v1/embeddings", content=big, headers=headers, timeout=30)
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
@@ -510,3 +513,28 @@ def test_in_process_app_profile_and_compute_threads(encoder: Any, llm: Any) -> N
     # the models ran on their worker threads, never on the event loop's
     assert recorded_encoder.threads == {"ferrograph-embed"}
     assert recorded_llm.threads == {"ferrograph-generate"}
+
+
+def test_evaluate_rejects_bad_rows(llm: Any) -> None:
+    import ferrograph as fg
+
+    vis = np.ones((2, 4), dtype=bool)
+    with pytest.raises(fg.InvalidArgumentError, match="same length"):
+        llm.evaluate([1, 2], [0], [0, 1], vis)
+    with pytest.raises(fg.InvalidArgumentError, match="slots"):
+        llm.evaluate([1, 2], [0, 1], [0, llm.n_ctx], vis)
+    with pytest.raises(fg.InvalidArgumentError, match="same cache slot"):
+        llm.evaluate([1, 2], [0, 1], [3, 3], vis)
+    with pytest.raises(fg.InvalidArgumentError, match="visible"):
+        llm.evaluate([1, 2], [0, 1], [0, 1], np.ones((3, 4), dtype=bool))
+    with pytest.raises(fg.InvalidArgumentError, match="out_rows"):
+        llm.evaluate([1, 2], [0, 1], [0, 1], vis, out_rows=3)
+    with pytest.raises(fg.Error):
+        llm.evaluate([1, 10**9], [0, 1], [0, 1], vis)
+    # one row alone equals the single-sequence path
+    ids = llm.tokenize("Hello there")
+    n = len(ids)
+    rows = np.tril(np.ones((n, n), dtype=bool))
+    np.testing.assert_array_equal(
+        llm.evaluate(ids, list(range(n)), list(range(n)), rows), llm.logits(ids)
+    )

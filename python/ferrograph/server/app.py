@@ -183,8 +183,8 @@ async def _read_json(request: Any, limit: int) -> Any:
         chunks.append(chunk)
     try:
         return json.loads(b"".join(chunks))
-    except (ValueError, UnicodeDecodeError) as e:
-        raise bad_request(f"the request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise bad_request(f"the request body is not valid JSON: {type(e).__name__}") from None
 
 
 def _usage(prompt: int, completion: int) -> dict[str, int]:
@@ -405,7 +405,8 @@ def create_app(
         body = await _read_json(request, state.max_body)
         req = parse_chat(body) if chat else parse_completion(body)
         state.check_model(req.model, state.llm_id, "chat completions" if chat else "completions")
-        prompt, param = prompt_ids(req)
+        # tokenizing a long prompt takes a while: not on the event loop
+        prompt, param = await asyncio.to_thread(prompt_ids, req)
         seq = start(req, prompt, param)
         ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created = int(time.time())
