@@ -538,3 +538,62 @@ def test_evaluate_rejects_bad_rows(llm: Any) -> None:
     np.testing.assert_array_equal(
         llm.evaluate(ids, list(range(n)), list(range(n)), rows), llm.logits(ids)
     )
+
+
+class _GatedEncoder:
+    """An encoder whose calls wait for a gate and are recorded (their sentence counts)."""
+
+    def __init__(self, encoder: Any) -> None:
+        self.encoder = encoder
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+        self.calls: list[int] = []
+        self.last_profile = None
+
+    def encode(self, texts: list[str], **kwargs: Any) -> Any:
+        self.entered.set()
+        self.gate.wait(60)
+        self.calls.append(len(texts))
+        return self.encoder.encode(texts)
+
+    def tokenize(self, texts: list[str]) -> Any:
+        return self.encoder.tokenize(texts)
+
+
+def test_embedding_requests_are_batched_and_bounded(encoder: Any) -> None:
+    from ferrograph.server import APIError, EmbeddingBatcher
+    from ferrograph.server.metrics import Metrics
+
+    gated = _GatedEncoder(encoder)
+    batcher = EmbeddingBatcher(gated, Metrics(), max_batch=64, max_wait=0.0, max_queue=8)
+
+    async def scenario() -> tuple[list[Any], int]:
+        first = asyncio.ensure_future(batcher.embed(["the first one"]))
+        for _ in range(3000):  # until the worker took it and waits at the gate
+            if gated.entered.is_set():
+                break
+            await asyncio.sleep(0.01)
+        waiting = [asyncio.ensure_future(batcher.embed([s])) for s in SENTENCES]
+        for _ in range(3000):
+            if batcher.queue_depth == len(SENTENCES):
+                break
+            await asyncio.sleep(0.01)
+        with pytest.raises(APIError) as full:
+            await batcher.embed(["one too many"] * 5)
+        gated.gate.set()
+        results = await asyncio.wait_for(asyncio.gather(first, *waiting), 120)
+        return results, full.value.status
+
+    try:
+        results, status = asyncio.run(scenario())
+    finally:
+        gated.gate.set()
+        batcher.close()
+    assert status == 429
+    assert gated.calls == [1, len(SENTENCES)]  # the four waiting requests: one encoder call
+    expected = encoder.encode(["the first one", *SENTENCES])
+    got = np.concatenate([rows for rows, _ in results])
+    np.testing.assert_allclose(cosines(got, expected), 1.0, atol=1e-6)
+    assert [int(counts.sum()) for _, counts in results[1:]] == [
+        int(n) for n in encoder.tokenize(SENTENCES).lengths
+    ]
