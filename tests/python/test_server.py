@@ -597,3 +597,53 @@ def test_embedding_requests_are_batched_and_bounded(encoder: Any) -> None:
     assert [int(counts.sum()) for _, counts in results[1:]] == [
         int(n) for n in encoder.tokenize(SENTENCES).lengths
     ]
+
+
+def test_prompt_chunks_share_graphs_with_decoding_rows() -> None:
+    """With a small n_batch, long prompts are evaluated chunk by chunk in the same graphs as
+    other sequences' decoding rows; every sequence still follows its own greedy path (up to
+    where the one- and multi-row kernels round a near-tie differently)."""
+    from ferrograph.models import LLM
+    from ferrograph.models.sampling import SamplingParams
+    from ferrograph.server import GenerationEngine
+    from ferrograph.server.metrics import Metrics
+
+    small = LLM(n_ctx=3 * 128, n_batch=8)
+    prompts = [
+        "Hi",
+        "The history of the printing press begins in the fifteenth century, when",
+        "Volcanoes form where tectonic plates meet, and their eruptions",
+    ]
+    metrics = Metrics()
+    engine = GenerationEngine(small, metrics, parallel=3, max_queue=0)
+
+    async def scenario() -> list[list[int]]:
+        with engine._cond:
+            seqs = [
+                engine.submit(small.tokenize(p), 10, SamplingParams(), [], "prompt", True)
+                for p in prompts
+            ]
+        for seq in seqs:
+            while True:
+                event = await asyncio.wait_for(seq.events.get(), 120)
+                assert event.error is None
+                if event.finish_reason is not None:
+                    break
+        return [seq.tokens for seq in seqs]
+
+    try:
+        generated = asyncio.run(scenario())
+    finally:
+        engine.close()
+    prompt_tokens = sum(len(small.tokenize(p)) for p in prompts)
+    assert metrics.prompt_tokens == prompt_tokens > 3 * 8  # several chunks
+    for prompt, tokens in zip(prompts, generated, strict=True):
+        assert len(tokens) == 10
+        ids = small.tokenize(prompt)
+        logits = small.logits(ids + tokens[:-1])[len(ids) - 1 :]
+        for step, row in enumerate(logits):
+            best = int(np.argmax(row))
+            if best != tokens[step]:
+                margin = float(row[best] - row[tokens[step]])
+                assert margin < 0.5, (prompt, step, margin)
+                break

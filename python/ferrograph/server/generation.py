@@ -5,8 +5,10 @@ cache rows, handed out page by page (:data:`PAGE` rows, lowest free page first, 
 use stay packed at the start of the cache and the attention window stays short). A step
 evaluates the next token of every active sequence in one graph
 (:meth:`ferrograph.models.LLM.evaluate`): row ``i`` writes its key and value to its own
-sequence's next cache row and sees only that sequence's rows. A new sequence's prompt is
-evaluated alone before it joins the steps.
+sequence's next cache row and sees only that sequence's rows. New sequences' prompts join the
+same graphs chunk by chunk (as many rows as ``n_batch`` leaves beside the decoding ones), so a
+long prompt does not stall the streams already running; a request alone has its prompt
+evaluated in chunks of ``n_batch``, as :meth:`ferrograph.models.LLM.generate` does.
 
 At most ``parallel`` sequences decode at once (their rows never run out: the cache has
 ``parallel`` times the per-sequence context); up to ``max_queue`` more wait, and past that
@@ -160,8 +162,8 @@ class GenerationEngine:
         max_queue: int = 64,
         profile: bool = False,
     ) -> None:
-        if parallel < 1:
-            raise ValueError(f"parallel must be >= 1, got {parallel}")
+        if not 1 <= parallel < llm.n_batch:
+            raise ValueError(f"parallel must be in [1, n_batch), got {parallel}")
         self.llm = llm
         self.metrics = metrics
         self.parallel = int(parallel)
@@ -284,57 +286,54 @@ class GenerationEngine:
             self.profile = last if self.profile is None else self.profile + last
         return logits
 
-    def _prefill(self, seq: Sequence) -> None:
-        """Evaluates the prompt of ``seq`` (alone, in chunks of the model's ``n_batch``) and
-        leaves the logits of its last position."""
+    def _step(self, prefilling: list[Sequence], decoding: list[Sequence]) -> None:
+        """One graph: the last token of every sequence of ``decoding`` and the next prompt
+        chunks of ``prefilling`` (in order, as many rows as ``n_batch`` leaves). Leaves the
+        logits in every sequence that has a new token to sample."""
         start_time = time.perf_counter()
-        n = len(seq.prompt)
-        seq.rows = [self._row(seq, p) for p in range(n)]
-        rows = np.asarray(seq.rows, dtype=np.int64)
-        step = self.llm.n_batch
-        for start in range(0, n, step):
-            end = min(n, start + step)
-            width = int(rows[:end].max()) + 1
-            order = np.full(width, np.iinfo(np.int64).max, dtype=np.int64)
-            order[rows[:end]] = np.arange(end)
-            positions = np.arange(start, end)
-            visible = order[None, :] <= positions[:, None]
-            logits = self._evaluate(
-                seq.prompt[start:end],
-                positions.tolist(),
-                seq.rows[start:end],
-                visible,
-                1,
-            )
-        seq.logits = logits[-1]
-        self.metrics.count_step(n, 1, time.perf_counter() - start_time)
-
-    def _decode(self, batch: list[Sequence]) -> None:
-        """One step: the last token of every sequence of ``batch`` in one graph."""
-        start_time = time.perf_counter()
-        tokens, positions, slots = [], [], []
-        for seq in batch:
+        body: list[tuple[Sequence, int]] = []  # (sequence, position) of rows without logits
+        tail: list[tuple[Sequence, int]] = []  # rows whose logits are wanted, last in the graph
+        room = self.llm.n_batch - len(decoding)
+        n_prompt = 0
+        for seq in prefilling:
+            if room <= 0:
+                break
+            begin = len(seq.rows)
+            end = min(len(seq.prompt), begin + room)
+            room -= end - begin
+            n_prompt += end - begin
+            seq.rows.extend(self._row(seq, p) for p in range(begin, end))
+            final = end == len(seq.prompt)
+            body.extend((seq, p) for p in range(begin, end - 1 if final else end))
+            if final:
+                tail.append((seq, end - 1))
+        for seq in decoding:
             position = len(seq.prompt) + len(seq.tokens) - 1
             seq.rows.append(self._row(seq, position))
-            tokens.append(seq.tokens[-1])
-            positions.append(position)
-            slots.append(seq.rows[-1])
-        width = max(slots) + 1
-        visible = np.zeros((len(batch), width), dtype=bool)
-        for i, seq in enumerate(batch):
-            visible[i, seq.rows] = True
-        logits = self._evaluate(tokens, positions, slots, visible, len(batch))
-        for i, seq in enumerate(batch):
-            seq.logits = logits[i]
-        self.metrics.count_step(0, len(batch), time.perf_counter() - start_time)
+            tail.append((seq, position))
+        # the order of the rows is free (each has its own position, slot and visible rows);
+        # the rows whose logits are wanted go last, where `out_rows` takes them
+        rows = body + tail
+        tokens = [
+            seq.prompt[p] if p < len(seq.prompt) else seq.tokens[p - len(seq.prompt)]
+            for seq, p in rows
+        ]
+        slots = [seq.rows[p] for seq, p in rows]
+        visible = np.zeros((len(rows), max(slots) + 1), dtype=bool)
+        for r, (seq, p) in enumerate(rows):
+            visible[r, seq.rows[: p + 1]] = True  # its own sequence, up to its own position
+        logits = self._evaluate(tokens, [p for _, p in rows], slots, visible, max(1, len(tail)))
+        for i, (seq, _) in enumerate(tail):
+            seq.logits = logits[len(logits) - len(tail) + i]
+        self.metrics.count_step(n_prompt, len(decoding), time.perf_counter() - start_time)
 
-    def _next_work(self) -> tuple[list[Sequence], list[Sequence]] | None:
-        """Waits for work; returns the sequences to start and those to decode (``None``:
-        stop). Drops cancelled sequences, freeing their pages."""
+    def _next_work(self) -> bool:
+        """Waits for work (``False``: stop). Drops cancelled sequences, freeing their pages,
+        and admits waiting ones while fewer than ``parallel`` are active."""
         with self._cond:
             while True:
                 if self._stopping:
-                    return None
+                    return False
                 for seq in [s for s in self._active if s.cancelled]:
                     self._active.remove(seq)
                     self._release(seq)
@@ -342,12 +341,10 @@ class GenerationEngine:
                         "generation cancelled by its client after %d tokens", len(seq.tokens)
                     )
                 self._waiting = deque(s for s in self._waiting if not s.cancelled)
-                starting: list[Sequence] = []
-                while self._waiting and len(self._active) + len(starting) < self.parallel:
-                    starting.append(self._waiting.popleft())
-                if starting or self._active:
-                    self._active.extend(starting)
-                    return starting, [s for s in self._active if s not in starting]
+                while self._waiting and len(self._active) < self.parallel:
+                    self._active.append(self._waiting.popleft())
+                if self._active:
+                    return True
                 self._cond.wait()
 
     def _retire(self, seq: Sequence) -> None:
@@ -364,23 +361,22 @@ class GenerationEngine:
             self._retire(seq)
 
     def _run(self) -> None:
-        while True:
-            work = self._next_work()
-            if work is None:
-                break
-            starting, decoding = work
+        while self._next_work():
+            with self._cond:
+                active = list(self._active)
+            # sequences whose prompt is in the cache decode; the others add their next prompt
+            # chunks to the same graph (admission order, as many rows as n_batch leaves)
+            decoding = [s for s in active if len(s.rows) >= len(s.prompt)]
+            prefilling = [s for s in active if len(s.rows) < len(s.prompt)]
             try:
-                for seq in starting:
-                    self._prefill(seq)
-                    self._advance(seq)
-                if decoding:
-                    self._decode(decoding)
-                    for seq in decoding:
+                self._step(prefilling, decoding)
+                for seq in [*prefilling, *decoding]:
+                    if seq.logits is not None:
                         self._advance(seq)
             except Exception as error:  # the requests get the error, the worker goes on
                 logger.exception("generation step failed")
                 failure = APIError(500, f"generation failed: {error}", "server_error")
-                for seq in [*starting, *decoding]:
+                for seq in [*prefilling, *decoding]:
                     if not seq.finished:
                         seq.fail(failure)
                     self._retire(seq)

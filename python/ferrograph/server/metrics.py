@@ -37,11 +37,11 @@ class Metrics:
             self.embedding_batches += 1
 
     def count_step(self, prompt_tokens: int, rows: int, seconds: float) -> None:
-        """Graphs of the generation loop: a prompt's tokens (``prompt_tokens`` > 0) or one
-        decoding step of ``rows`` sequences, and their wall time."""
+        """One graph of the generation loop: the prompt tokens it read, the sequences it
+        decoded (``rows``) and its wall time."""
         with self._lock:
             self.prompt_tokens += prompt_tokens
-            if not prompt_tokens:
+            if rows:
                 self.decode_steps += 1
                 self.decode_rows += rows
             self.generation_seconds += seconds
