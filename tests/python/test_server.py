@@ -364,6 +364,9 @@ def test_bad_requests_get_openai_errors(client: Any, server: str, ids: dict[str,
         client.completions.create(model=ids["chat"], prompt="x", n=2)
     assert error_of(e)["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=ids["chat"], prompt="x", logit_bias={"5": 10})
+    assert error_of(e)["param"] == "logit_bias"
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=ids["chat"], messages=[], max_tokens=4)
     assert error_of(e)["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as e:

@@ -174,6 +174,8 @@ def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> dict[s
         raise bad_request("'logprobs' is not supported", "logprobs")
     if body.get("echo") not in (None, False):
         raise bad_request("'echo' is not supported", "echo")
+    if body.get("logit_bias"):
+        raise bad_request("'logit_bias' is not supported", "logit_bias")
     if body.get("best_of") not in (None, 1):
         raise bad_request("only 'best_of' = 1 is supported", "best_of")
     max_tokens = None
