@@ -252,22 +252,36 @@ def main() -> int:
 
     ours = bench_ferrograph(args)
     theirs = bench_llamacpp(args)
-    last = ours["embeddings"][-1]
-    seq, conc = last["sequential"], last["concurrent"]
-    print(f"embeddings ({args.clients} clients x {args.requests} one-sentence requests):")
-    for name, r in (("one at a time", seq), (f"{args.clients} concurrent", conc)):
+
+    def summary(results: list[dict[str, Any]]) -> str:
+        rates = [r["per_s"] for r in results]
+        return f"best {max(rates):7.1f}  median {statistics.median(rates):7.1f}"
+
+    # the machine may be shared: each figure is the best and the median over the rounds
+    print(
+        f"embeddings ({args.clients} clients x {args.requests} one-sentence requests, "
+        f"{args.rounds} rounds; sentences/s):"
+    )
+    ratios = []
+    for e in ours["embeddings"]:
+        ratios.append(e["concurrent"]["per_s"] / e["sequential"]["per_s"])
+    for key, name in (("sequential", "one at a time"), ("concurrent", f"{args.clients} clients")):
+        runs = [e[key] for e in ours["embeddings"]]
+        last = runs[-1]
         print(
-            f"  {name:<14} answered {r['answered']:>4} failed {r['failed']:>2}  "
-            f"p50 {r['p50_ms']:7.1f} ms  p99 {r['p99_ms']:7.1f} ms  {r['per_s']:7.1f} sentences/s"
+            f"  {name:<14} {summary(runs)}  last round: p50 {last['p50_ms']:7.1f} ms  "
+            f"p99 {last['p99_ms']:7.1f} ms  answered {sum(r['answered'] for r in runs)} "
+            f"failed {sum(r['failed'] for r in runs)}"
         )
-    print(f"  batched / sequential: {conc['per_s'] / seq['per_s']:.2f}x")
-    print(f"chat ({args.tokens} tokens per stream, aggregate generated tokens/s):")
-    for key, r in ours["chat"][-1].items():
-        line = (
-            f"  ferrograph {key:<10} {r['per_s']:7.1f} tokens/s  first token "
-            f"{r['first_token_ms']:7.1f} ms  answered {r['answered']} failed {r['failed']}"
+    print(f"  batched / sequential per round: {', '.join(f'{x:.2f}x' for x in ratios)}")
+    print(f"chat ({args.tokens} tokens per stream; aggregate generated tokens/s):")
+    for key in ours["chat"][-1]:
+        runs = [c[key] for c in ours["chat"]]
+        first = statistics.median(r["first_token_ms"] for r in runs)
+        print(
+            f"  ferrograph {key:<10} {summary(runs)}  first token (median) {first:7.1f} ms  "
+            f"failed {sum(r['failed'] for r in runs)}"
         )
-        print(line)
     if theirs is not None:
         for key, r in theirs.items():
             print(
@@ -279,7 +293,13 @@ def main() -> int:
     rss = ours["rss_mib"]
     rounds = ", ".join(f"{r:.0f}" for r in rss[1:])
     print(f"server RSS: {rss[0]:.0f} MiB after warm-up; after each round: {rounds} MiB")
-    failures = [r["failures"] for e in ours["embeddings"] for r in e.values() if r["failed"]]
+    failures = [
+        r["failures"]
+        for part in ("embeddings", "chat")
+        for e in ours[part]
+        for r in e.values()
+        if r["failed"]
+    ]
     if failures:
         print(f"failures: {failures}")
     if args.json:
