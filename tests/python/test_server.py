@@ -435,6 +435,39 @@ def test_a_dropped_stream_frees_its_sequence(client: Any, server: str, ids: dict
     assert active_sequences(server) == 0
 
 
+def generated_tokens(server: str) -> int:
+    import httpx
+
+    text = httpx.get(
+        f"{server}/metrics", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30
+    ).text
+    line = next(x for x in text.splitlines() if x.startswith("ferrograph_generated_tokens_total"))
+    return int(float(line.split()[1]))
+
+
+def test_a_client_that_leaves_a_plain_request_frees_its_sequence(
+    server: str, ids: dict[str, str]
+) -> None:
+    import httpx
+
+    before = generated_tokens(server)
+    body = {
+        "model": ids["chat"],
+        "prompt": "Write a very long story about a dragon.",
+        "temperature": 0,
+        "ignore_eos": True,  # no max_tokens: the whole context (about 500 tokens)
+    }
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server}/v1/completions", json=body, headers=headers, timeout=1.0)
+    deadline = time.monotonic() + 60
+    while active_sequences(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active_sequences(server) == 0
+    # it stopped long before its ~500 tokens: the server saw the client leave
+    assert generated_tokens(server) - before < CTX - 50
+
+
 def test_a_full_queue_answers_429(llm: Any) -> None:
     from ferrograph.models.sampling import SamplingParams
     from ferrograph.server import APIError, GenerationEngine

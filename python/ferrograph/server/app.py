@@ -42,6 +42,8 @@ logger = logging.getLogger("ferrograph.server")
 
 #: Largest request body accepted (bytes); larger ones get a 413.
 DEFAULT_MAX_BODY = 8 << 20
+#: The status logged for a request whose client left before the answer (nginx's convention).
+CLIENT_CLOSED = 499
 #: Seconds between checks that a waiting (non-streaming) client is still connected.
 _DISCONNECT_POLL = 0.25
 
@@ -356,16 +358,22 @@ def create_app(
         except Exception as e:
             raise bad_request(str(e), "prompt") from None
 
-    async def collect(request: Request, seq: Sequence) -> tuple[str, str, int]:
-        """Waits for the whole text; a client that leaves cancels the sequence."""
+    async def collect(request: Request, seq: Sequence) -> tuple[str, str, int] | None:
+        """Waits for the whole text; a client that leaves cancels the sequence (``None``)."""
         pieces = []
+        checked = time.monotonic()
         try:
             while True:
                 try:
                     event = await asyncio.wait_for(seq.events.get(), _DISCONNECT_POLL)
                 except asyncio.TimeoutError:
+                    event = None
+                # tokens may come faster than the poll: check by the clock, not on timeouts
+                if time.monotonic() - checked >= _DISCONNECT_POLL:
                     if await request.is_disconnected():
-                        raise asyncio.CancelledError from None
+                        return None
+                    checked = time.monotonic()
+                if event is None:
                     continue
                 if event.error is not None:
                     raise event.error
@@ -412,7 +420,10 @@ def create_app(
         created = int(time.time())
         head = {"id": ident, "created": created, "model": req.model}
         if not req.stream:
-            text, reason, n_generated = await collect(request, seq)
+            collected = await collect(request, seq)
+            if collected is None:  # nobody reads the answer: nginx's "client closed request"
+                return Response(status_code=CLIENT_CLOSED)
+            text, reason, n_generated = collected
             usage = _usage(len(prompt), n_generated)
             if chat:
                 choice: dict[str, Any] = {
