@@ -44,6 +44,9 @@ logger = logging.getLogger("ferrograph.server")
 DEFAULT_MAX_BODY = 8 << 20
 #: The status logged for a request whose client left before the answer (nginx's convention).
 CLIENT_CLOSED = 499
+#: Bodies (and embedding answers) up to this many bytes / values are handled on the event loop;
+#: larger ones on a worker thread.
+_PARSE_INLINE = 64 << 10
 #: Seconds between checks that a waiting (non-streaming) client is still connected.
 _DISCONNECT_POLL = 0.25
 
@@ -183,8 +186,12 @@ async def _read_json(request: Any, limit: int) -> Any:
         if size > limit:
             raise too_large(f"the request body is larger than {limit} bytes")
         chunks.append(chunk)
+    raw = b"".join(chunks)
     try:
-        return json.loads(b"".join(chunks))
+        # a large body takes a while to parse: not on the event loop
+        if len(raw) > _PARSE_INLINE:
+            return await asyncio.to_thread(json.loads, raw)
+        return json.loads(raw)
     except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
         raise bad_request(f"the request body is not valid JSON: {type(e).__name__}") from None
 
@@ -301,28 +308,34 @@ def create_app(
                 "dimensions",
             )
         rows, counts = await state.embedder.embed(req.inputs)
-        if req.dimensions is not None and req.dimensions < dim:
-            rows = rows[:, : req.dimensions]
-            if embedding_model.normalize:
-                norms = np.maximum(np.linalg.norm(rows, axis=1, keepdims=True), 1e-12)
-                rows = (rows / norms).astype(np.float32)
-        data = []
-        for i, row in enumerate(np.asarray(rows, dtype=np.float32)):
-            vector: Any
-            if req.encoding_format == "base64":
-                vector = base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
-            else:
-                vector = row.tolist()
-            data.append({"object": "embedding", "index": i, "embedding": vector})
-        tokens = int(np.sum(counts))
-        return JSONResponse(
-            {
+
+        def answer() -> bytes:
+            vectors = np.asarray(rows, dtype=np.float32)
+            if req.dimensions is not None and req.dimensions < dim:
+                vectors = vectors[:, : req.dimensions]
+                if embedding_model.normalize:
+                    norms = np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+                    vectors = (vectors / norms).astype(np.float32)
+            data = []
+            for i, row in enumerate(vectors):
+                vector: Any
+                if req.encoding_format == "base64":
+                    vector = base64.b64encode(row.astype("<f4").tobytes()).decode("ascii")
+                else:
+                    vector = row.tolist()
+                data.append({"object": "embedding", "index": i, "embedding": vector})
+            tokens = int(np.sum(counts))
+            body = {
                 "object": "list",
                 "data": data,
                 "model": req.model,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
             }
-        )
+            return json.dumps(body, separators=(",", ":")).encode()
+
+        # many vectors take a while to write out: not on the event loop
+        content = await asyncio.to_thread(answer) if rows.size > _PARSE_INLINE else answer()
+        return Response(content, media_type="application/json")
 
     def start(req: GenerationRequest, prompt: list[int], param: str) -> Sequence:
         assert state.engine is not None
