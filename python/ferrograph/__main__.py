@@ -446,20 +446,24 @@ def api(args: argparse.Namespace) -> int:
     if isinstance(loaded, int):
         return loaded
     encoder, language_model = loaded
-    app = create_app(
-        encoder,
-        language_model,
-        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-        max_body=args.max_body_bytes,
-        parallel=args.parallel,
-        max_queue=args.max_queue,
-        embedding_max_batch=args.embedding_max_batch,
-        embedding_max_wait=args.embedding_max_wait_ms / 1e3,
-        profile=args.profile,
-        embedding_id=args.embedding_model_name
-        or (MODEL_PACKAGE_ID if args.embedding_model in (None, "packaged") else None),
-        llm_id=args.model_name,
-    )
+    try:
+        app = create_app(
+            encoder,
+            language_model,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            max_body=args.max_body_bytes,
+            parallel=args.parallel,
+            max_queue=args.max_queue,
+            embedding_max_batch=args.embedding_max_batch,
+            embedding_max_wait=args.embedding_max_wait_ms / 1e3,
+            profile=args.profile,
+            embedding_id=args.embedding_model_name
+            or (MODEL_PACKAGE_ID if args.embedding_model in (None, "packaged") else None),
+            llm_id=args.model_name,
+        )
+    except ValueError as error:  # a setting the models cannot serve
+        print(f"error: {error}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
