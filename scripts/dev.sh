@@ -28,9 +28,11 @@ install_blas() {
 
 # What only the test suite needs: the notebook test executes examples/*.ipynb (a kernel, a
 # client and matplotlib for figures); Ray runs tests/python/test_distributed.py (the
-# 'distributed' extra).
+# 'distributed' extra); Starlette and uvicorn (the 'server' extra) and the official openai
+# client run tests/python/test_server.py.
 install_test_deps() {
-  python -m pip install -q nbclient nbformat ipykernel matplotlib "ray>=2.9"
+  python -m pip install -q nbclient nbformat ipykernel matplotlib "ray>=2.9" \
+    "starlette>=0.40" "uvicorn>=0.30" "openai>=1.40" "httpx>=0.27"
 }
 
 setup() {
@@ -105,6 +107,9 @@ case "${1:-}" in
     python benches/compare_kernels.py
     python benches/minilm.py
     python benches/remote.py
+    # the OpenAI-compatible server under load (the 'server' extra and the openai client)
+    python -m pip install -q "starlette>=0.40" "uvicorn>=0.30" "openai>=1.40"
+    python benches/server.py
     # Ray for the cluster bench (the 'distributed' extra)
     python -m pip install -q "ray>=2.9"
     python benches/cluster.py

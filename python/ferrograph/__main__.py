@@ -1,4 +1,5 @@
-"""Command line: ``python -m ferrograph demo``, ``embed`` and ``serve``.
+"""Command line: ``python -m ferrograph demo``, ``embed``, ``serve``, ``generate``, ``chat`` and
+``api`` (an OpenAI-compatible HTTP server, :mod:`ferrograph.server`).
 
 ``demo`` prints the version and the CPU's detected SIMD features, builds a small graph (a
 two-layer MLP block with a residual, layer norm and a softmax head), computes it on the CPU
@@ -418,6 +419,121 @@ def chat(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
     return 0
 
 
+MODEL_PACKAGE_ID = "all-MiniLM-L6-v2"
+"""The id ``api`` gives the packaged embedding model (its directory is named ``model``)."""
+API_KEY_ENV = "FERROGRAPH_API_KEY"
+"""Environment variable read for ``api --api-key`` when the option is not given."""
+
+
+def _load_api_models(args: argparse.Namespace) -> tuple[Any, Any] | int:
+    """The embedding model and the language model of ``api`` (either may be ``None``), or an
+    exit code when one cannot load. Without either option both packaged models are served."""
+    from . import models
+    from .models import llm as llm_module
+    from .models import minilm
+
+    embedding_choice, llm_choice = args.embedding_model, args.model
+    if embedding_choice is None and llm_choice is None:
+        embedding_choice = llm_choice = "packaged"
+    encoder = language_model = None
+    try:
+        if embedding_choice is not None:
+            directory = (
+                minilm.find_model_dir() if embedding_choice == "packaged" else embedding_choice
+            )
+            encoder = models.SentenceEncoder(
+                directory, weights_dtype=args.embedding_dtype, n_threads=args.threads
+            )
+        if llm_choice is not None:
+            language_model = llm_module.LLM(
+                None if llm_choice == "packaged" else llm_choice,
+                n_threads=args.threads,
+                n_ctx=args.ctx_size * args.parallel,
+                kv_dtype=args.kv_dtype,
+            )
+    except (
+        minilm.ModelNotFoundError,
+        minilm.MissingDependencyError,
+        models.UnsupportedModelError,
+        fg.InvalidArgumentError,
+    ) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    return encoder, language_model
+
+
+def api(args: argparse.Namespace) -> int:
+    """Runs ``api``: the OpenAI-compatible server until Ctrl-C or SIGTERM. Its first line on
+    stdout is the URL it listens on (``--port 0``: a free port)."""
+    import logging
+    import socket
+
+    try:
+        import uvicorn
+
+        from .server import create_app
+    except ImportError:
+        print(
+            "error: the server needs Starlette and uvicorn: pip install 'ferrograph[server]'",
+            file=sys.stderr,
+        )
+        return EMBED_EXIT_MISSING
+    for name, value, low in (
+        ("--parallel", args.parallel, 1),
+        ("--ctx-size", args.ctx_size, 16),
+        ("--max-queue", args.max_queue, 0),
+        ("--embedding-max-batch", args.embedding_max_batch, 1),
+        ("--max-body-bytes", args.max_body_bytes, 1024),
+    ):
+        if value < low:
+            print(f"error: {name} must be >= {low}, got {value}", file=sys.stderr)
+            return EMBED_EXIT_MISSING
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    loaded = _load_api_models(args)
+    if isinstance(loaded, int):
+        return loaded
+    encoder, language_model = loaded
+    try:
+        app = create_app(
+            encoder,
+            language_model,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+            max_body=args.max_body_bytes,
+            parallel=args.parallel,
+            max_queue=args.max_queue,
+            embedding_max_batch=args.embedding_max_batch,
+            embedding_max_wait=args.embedding_max_wait_ms / 1e3,
+            profile=args.profile,
+            embedding_id=args.embedding_model_name
+            or (MODEL_PACKAGE_ID if args.embedding_model in (None, "packaged") else None),
+            llm_id=args.model_name,
+        )
+    except ValueError as error:  # a setting the models cannot serve
+        print(f"error: {error}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    sock.listen(1024)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if family == socket.AF_INET6 else host
+    print(f"http://{shown}:{port}", flush=True)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=False,  # the app logs one line per request itself
+        lifespan="on",
+        timeout_graceful_shutdown=5,  # open streams do not hold a shutdown for long
+    )
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run(sockets=[sock])
+    return 0
+
+
 def _add_llm_options(p: argparse.ArgumentParser) -> None:
     from .models.llm import KV_DTYPES
 
@@ -612,7 +728,105 @@ def build_parser() -> argparse.ArgumentParser:
     )
     chat_parser.add_argument("--system", default=None, help="a system prompt")
     _add_llm_options(chat_parser)
+    _add_api_parser(commands)
     return parser
+
+
+def _add_api_parser(commands: Any) -> None:
+    from .models.llm import KV_DTYPES
+
+    p = commands.add_parser(
+        "api",
+        help="an OpenAI-compatible HTTP server (embeddings, completions, chat)",
+        description="Serves /v1/models, /v1/embeddings, /v1/completions and "
+        "/v1/chat/completions with OpenAI's request and response shapes, plus /health and "
+        "/metrics. The first line printed is the URL it listens on. Without --embedding-model "
+        "and --model it serves both packaged models. Needs pip install 'ferrograph[server]'.",
+    )
+    p.add_argument(
+        "--embedding-model",
+        default=None,
+        metavar="DIR|packaged",
+        help="a sentence-transformers model directory, or 'packaged' (all-MiniLM-L6-v2)",
+    )
+    p.add_argument(
+        "--model",
+        default=None,
+        metavar="GGUF|packaged",
+        help="a GGUF language model file, or 'packaged' (SmolLM2-135M-Instruct)",
+    )
+    p.add_argument(
+        "--embedding-model-name",
+        default=None,
+        help="the embedding model's id in requests (default: its directory's name; "
+        f"{MODEL_PACKAGE_ID} for the packaged one)",
+    )
+    p.add_argument(
+        "--model-name",
+        default=None,
+        help="the language model's id in requests (default: the GGUF file's name without .gguf)",
+    )
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (127.0.0.1)")
+    p.add_argument("--port", type=int, default=8080, help="port (8080; 0: a free one)")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help=f"require 'Authorization: Bearer KEY' on every request but /health "
+        f"(default: ${API_KEY_ENV} when set)",
+    )
+    p.add_argument("--threads", type=int, default=2, help="CPU threads of each model (2)")
+    p.add_argument(
+        "--parallel", type=int, default=4, help="generations decoded together in one graph (4)"
+    )
+    p.add_argument(
+        "--ctx-size",
+        type=int,
+        default=2048,
+        help="context of one generation, prompt and completion (2048); the KV cache holds "
+        "--parallel times this",
+    )
+    p.add_argument("--kv-dtype", default="f16", choices=KV_DTYPES, help="KV cache type (f16)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=64,
+        help="generations waiting for a free slot at most; more get 429 (64)",
+    )
+    p.add_argument(
+        "--embedding-dtype",
+        default="f32",
+        choices=["f32", "f16", "bf16", "q8_0"],
+        help="element type of the embedding model's matrix weights (f32)",
+    )
+    p.add_argument(
+        "--embedding-max-batch",
+        type=int,
+        default=64,
+        help="sentences of several requests gathered into one encoder call at most (64)",
+    )
+    p.add_argument(
+        "--embedding-max-wait-ms",
+        type=float,
+        default=5.0,
+        help="milliseconds a batch waits for more requests (5)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=8 << 20,
+        help="largest request body; larger ones get 413 (8 MiB)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="time every graph node; GET /profile prints the per-op sums (slows the server)",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="logging level; 'info' logs one line per request (info)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -633,6 +847,8 @@ def main(argv: list[str] | None = None) -> int:
             return embed(args)
         if args.command in ("generate", "chat"):
             return run_llm_command(args)
+        if args.command == "api":
+            return api(args)
     except fg.Error as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

@@ -34,6 +34,8 @@ def test_project_metadata() -> None:
     assert project["requires-python"] == ">=3.10"
     models = {re.split(r"[<>=!~ ]", req)[0] for req in project["optional-dependencies"]["models"]}
     assert models == {"safetensors", "tokenizers", "jinja2"}
+    server = {re.split(r"[<>=!~ ]", req)[0] for req in project["optional-dependencies"]["server"]}
+    assert server == {"starlette", "uvicorn"}
     for name, url in project.get("urls", {}).items():
         assert url.startswith("https://") and not PLACEHOLDER.search(url), (name, url)
     assert not PLACEHOLDER.search(str(project))

@@ -319,6 +319,8 @@ class LLM:
         self._reserved: tuple[int, int, int] = (0, 0, 0)
         self._cached_tokens: list[int] = []
         self._lock = threading.RLock()
+        self.last_profile: fg.Profile | None = None
+        """The per-op profile of the last ``evaluate(..., profile=True)``."""
         self.load_seconds = time.perf_counter() - start
         logger.info(
             "loaded %s (%s, %d layers, width %d, vocabulary %d) in %.0f ms",
@@ -634,6 +636,68 @@ class LLM:
             pass
         assert it.result is not None
         return it.result
+
+    def evaluate(
+        self,
+        tokens: Sequence[int],
+        positions: Sequence[int],
+        slots: Sequence[int],
+        visible: npt.NDArray[np.bool_],
+        out_rows: int | None = None,
+        profile: bool = False,
+    ) -> npt.NDArray[np.float32]:
+        """One graph over tokens of any number of sequences sharing the KV cache.
+
+        Row ``i`` is token ``tokens[i]`` at position ``positions[i]`` (its RoPE angle); its key
+        and value are written to cache row ``slots[i]``, and it attends to the cache rows where
+        ``visible[i]`` is true (``visible`` is ``(len(tokens), W)``, ``W`` at most ``n_ctx``;
+        rows past ``W`` are hidden). A caller that keeps each sequence in its own cache rows
+        and shows each row only its own sequence's earlier rows decodes several sequences in
+        one step. Returns the logits of the last ``out_rows`` rows (default: every row),
+        ``(out_rows, n_vocab)``. The single-sequence cache of :meth:`generate` is forgotten.
+        With ``profile`` every node is timed and the per-op profile left in
+        :attr:`last_profile`.
+        """
+        n = len(tokens)
+        if n < 1 or len(positions) != n or len(slots) != n:
+            raise fg.InvalidArgumentError(
+                f"evaluate: tokens, positions and slots need the same length >= 1, got "
+                f"{n}, {len(positions)}, {len(slots)}"
+            )
+        if n > self.n_batch:
+            raise fg.InvalidArgumentError(f"evaluate: {n} rows, n_batch is {self.n_batch}")
+        shown = np.asarray(visible, dtype=bool)
+        if shown.ndim != 2 or shown.shape[0] != n or not 1 <= shown.shape[1] <= self.n_ctx:
+            raise fg.InvalidArgumentError(
+                f"evaluate: visible must be ({n}, W) with 1 <= W <= {self.n_ctx}, got {shown.shape}"
+            )
+        slot_arr = np.asarray(slots, dtype=np.int64)
+        if slot_arr.min() < 0 or slot_arr.max() >= self.n_ctx:
+            raise fg.InvalidArgumentError(f"evaluate: cache slots must be in [0, {self.n_ctx})")
+        if len(set(slot_arr.tolist())) != n:
+            raise fg.InvalidArgumentError("evaluate: two rows write the same cache slot")
+        n_out = n if out_rows is None else int(out_rows)
+        if not 1 <= n_out <= n:
+            raise fg.InvalidArgumentError(f"evaluate: out_rows must be in [1, {n}]")
+        ids = self.tokenizer.check_ids(tokens)
+        window = self._window(max(int(slot_arr.max()) + 1, shown.shape[1]))
+        mask = np.full((n, window), -np.inf, dtype=np.float32)
+        mask[:, : shown.shape[1]][shown] = 0.0
+        with self._lock:
+            self._cached_tokens = []
+            g = self._graph(n, window, n_out)
+            self.scheduler.alloc_graph(g.graph)
+            g.tokens.set(np.asarray(ids, dtype=np.int32))
+            g.positions.set(np.asarray(positions, dtype=np.int32))
+            g.slots.set(slot_arr)
+            g.mask.set(mask)
+            if n_out != n:
+                g.out_ids.set(np.arange(n - n_out, n, dtype=np.int32))
+            timings = self.scheduler.graph_compute(g.graph, profile=profile)
+            if profile:
+                self.last_profile = timings
+            out: npt.NDArray[np.float32] = np.array(g.logits.numpy(), dtype=np.float32, copy=True)
+        return out
 
     def apply_chat_template(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
