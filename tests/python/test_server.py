@@ -325,7 +325,8 @@ def test_sequences_decoded_together_equal_the_prompt_path(llm: Any) -> None:
         generated = asyncio.run(scenario())
     finally:
         engine.close()
-    assert metrics.decode_steps == n_tokens - 1 and metrics.decode_rows == 4 * (n_tokens - 1)
+    # the first step decodes the prompts' last tokens (the sampled ones follow)
+    assert metrics.decode_steps == n_tokens and metrics.decode_rows == 4 * n_tokens
     for prompt, tokens in zip(prompts, generated, strict=True):
         assert len(tokens) == n_tokens
         ids = llm.tokenize(prompt)
@@ -545,7 +546,8 @@ def test_in_process_app_profile_and_compute_threads(encoder: Any, llm: Any) -> N
         metrics = http.get("/metrics").text
         assert "ferrograph_sentences_embedded_total 2" in metrics
         assert "ferrograph_generated_tokens_total 3" in metrics
-        assert "ferrograph_decode_steps_total 2" in metrics  # the last token is not evaluated
+        # the prompt's last token, then each sampled token but the last
+        assert "ferrograph_decode_steps_total 3" in metrics
     # the models ran on their worker threads, never on the event loop's
     assert recorded_encoder.threads == {"ferrograph-embed"}
     assert recorded_llm.threads == {"ferrograph-generate"}

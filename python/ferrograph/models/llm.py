@@ -521,7 +521,13 @@ class LLM:
 
     def _prefill(self, tokens: list[int], all_logits: bool) -> npt.NDArray[np.float32]:
         """Brings the cache to ``tokens`` (reusing the common prefix) and returns the logits of
-        the last token (or of every new token with ``all_logits``)."""
+        the last token (or of every new token with ``all_logits``).
+
+        Without ``all_logits`` the last token is evaluated on its own, by the one-token graph
+        that decoding uses: products of one column take a different kernel (integer block dots
+        against quantized activations) than those of many, so a last token evaluated inside a
+        micro-batch would get slightly different logits than after a cached prefix, and a greedy
+        generation could change with the state of the cache."""
         common = 0
         if not all_logits:
             limit = min(len(self._cached_tokens), len(tokens) - 1)
@@ -529,22 +535,20 @@ class LLM:
                 common += 1
         self._cached_tokens = self._cached_tokens[:common]
         rows = []
-        last: npt.NDArray[np.float32] | None = None
-        for start in range(common, len(tokens), self.n_batch):
-            chunk = tokens[start : start + self.n_batch]
-            is_last = start + len(chunk) == len(tokens)
+        end = len(tokens) if all_logits else len(tokens) - 1
+        for start in range(common, end, self.n_batch):
+            chunk = tokens[start : min(start + self.n_batch, end)]
             logits = self._eval(chunk, start, all_logits)
             self._cached_tokens.extend(chunk)
             if all_logits:
                 rows.append(logits)
-            elif is_last:
-                last = logits
-        if all_logits:
-            every: npt.NDArray[np.float32] = np.concatenate(rows, axis=0)
-            return every
-        assert last is not None
-        final: npt.NDArray[np.float32] = last[-1]
-        return final
+        if not all_logits:
+            last = self._eval(tokens[-1:], len(tokens) - 1, False)
+            self._cached_tokens.append(tokens[-1])
+            final: npt.NDArray[np.float32] = last[-1]
+            return final
+        every: npt.NDArray[np.float32] = np.concatenate(rows, axis=0)
+        return every
 
     # ----- public API -----
 

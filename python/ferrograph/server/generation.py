@@ -7,8 +7,10 @@ evaluates the next token of every active sequence in one graph
 (:meth:`ferrograph.models.LLM.evaluate`): row ``i`` writes its key and value to its own
 sequence's next cache row and sees only that sequence's rows. New sequences' prompts join the
 same graphs chunk by chunk (as many rows as ``n_batch`` leaves beside the decoding ones), so a
-long prompt does not stall the streams already running; a request alone has its prompt
-evaluated in chunks of ``n_batch``, as :meth:`ferrograph.models.LLM.generate` does.
+long prompt does not stall the streams already running. A prompt's last token joins the
+decoding rows of the next step, so a request alone has its prompt evaluated in chunks of
+``n_batch`` and its last token by the one-token graph, as :meth:`ferrograph.models.LLM.generate`
+does (and gets the same tokens).
 
 At most ``parallel`` sequences decode at once (their rows never run out: the cache has
 ``parallel`` times the per-sequence context); up to ``max_queue`` more wait, and past that
@@ -287,8 +289,8 @@ class GenerationEngine:
         return logits
 
     def _step(self, prefilling: list[Sequence], decoding: list[Sequence]) -> None:
-        """One graph: the last token of every sequence of ``decoding`` and the next prompt
-        chunks of ``prefilling`` (in order, as many rows as ``n_batch`` leaves). Leaves the
+        """One graph: the next token of every sequence of ``decoding`` (its last prompt token
+        or its last sampled one) and the next prompt chunks of ``prefilling`` (in order, as many rows as ``n_batch`` leaves). Leaves the
         logits in every sequence that has a new token to sample."""
         start_time = time.perf_counter()
         body: list[tuple[Sequence, int]] = []  # (sequence, position) of rows without logits
@@ -298,17 +300,16 @@ class GenerationEngine:
         for seq in prefilling:
             if room <= 0:
                 break
+            # every prompt token but the last (which decodes with the sequence's first step)
             begin = len(seq.rows)
-            end = min(len(seq.prompt), begin + room)
+            end = min(len(seq.prompt) - 1, begin + room)
             room -= end - begin
             n_prompt += end - begin
             seq.rows.extend(self._row(seq, p) for p in range(begin, end))
-            final = end == len(seq.prompt)
-            body.extend((seq, p) for p in range(begin, end - 1 if final else end))
-            if final:
-                tail.append((seq, end - 1))
+            body.extend((seq, p) for p in range(begin, end))
         for seq in decoding:
             position = len(seq.prompt) + len(seq.tokens) - 1
+            n_prompt += position < len(seq.prompt)  # a prompt's last token counts as prompt
             seq.rows.append(self._row(seq, position))
             tail.append((seq, position))
         # the order of the rows is free (each has its own position, slot and visible rows);
@@ -366,8 +367,8 @@ class GenerationEngine:
                 active = list(self._active)
             # sequences whose prompt is in the cache decode; the others add their next prompt
             # chunks to the same graph (admission order, as many rows as n_batch leaves)
-            decoding = [s for s in active if len(s.rows) >= len(s.prompt)]
-            prefilling = [s for s in active if len(s.rows) < len(s.prompt)]
+            decoding = [s for s in active if len(s.rows) >= len(s.prompt) - 1]
+            prefilling = [s for s in active if len(s.rows) < len(s.prompt) - 1]
             try:
                 self._step(prefilling, decoding)
                 for seq in [*prefilling, *decoding]:
