@@ -290,8 +290,9 @@ class GenerationEngine:
 
     def _step(self, prefilling: list[Sequence], decoding: list[Sequence]) -> None:
         """One graph: the next token of every sequence of ``decoding`` (its last prompt token
-        or its last sampled one) and the next prompt chunks of ``prefilling`` (in order, as many rows as ``n_batch`` leaves). Leaves the
-        logits in every sequence that has a new token to sample."""
+        or its last sampled one) and the next prompt chunks of ``prefilling`` (in order, as
+        many rows as ``n_batch`` leaves). Leaves the logits in every sequence that has a new
+        token to sample."""
         start_time = time.perf_counter()
         body: list[tuple[Sequence, int]] = []  # (sequence, position) of rows without logits
         tail: list[tuple[Sequence, int]] = []  # rows whose logits are wanted, last in the graph
