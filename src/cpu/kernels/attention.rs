@@ -121,6 +121,24 @@ fn f32_rows(t: &RawTensor) -> bool {
         && t.nb[1..].iter().all(|s| s % 4 == 0)
 }
 
+/// Whether `t`'s rows are dense, aligned f16 values with 2-byte-multiple strides, and the CPU
+/// has AVX2, FMA and F16C (the direct path then reads them in place).
+fn f16_rows(t: &RawTensor) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        t.dtype == DType::F16
+            && (t.ne[0] <= 1 || t.nb[0] == 2)
+            && (t.ptr.0 as usize).is_multiple_of(2)
+            && t.nb[1..].iter().all(|s| s % 2 == 0)
+            && f16c::available()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = t;
+        false
+    }
+}
+
 /// The operands and settings of one FLASH_ATTN_EXT call.
 struct Attention {
     q: RawTensor,
@@ -138,6 +156,9 @@ struct Attention {
     v_direct: bool,
     dst_direct: bool,
     mask_direct: bool,
+    /// Keys / values are dense f16 rows read in place by the F16C direct path (few rows).
+    k_f16: bool,
+    v_f16: bool,
 }
 
 /// FLASH_ATTN_EXT over q `[D, n_q, n_head, n_seq]`, k `[D, n_kv, n_head_kv, n_seq_kv]`,
@@ -203,6 +224,8 @@ pub(crate) fn flash_attn_ext_with(
         v_direct: f32_rows(&v),
         dst_direct: f32_rows(&dst),
         mask_direct: mask.as_ref().is_some_and(f32_rows),
+        k_f16: f16_rows(&k),
+        v_f16: f16_rows(&v),
     };
     // The query heads that share one key/value head are one task's rows, so each key block
     // is converted and transposed once for the whole group.
@@ -306,10 +329,10 @@ impl Attention {
                 // SAFETY: keys kb0..kb0 + kbn of head (ik2, ik3) lie inside k.
                 unsafe { self.transpose_keys(s, kb0, kbn, kbp, ik2, ik3)? };
                 (std::ptr::null(), 0)
-            } else if self.k_direct {
+            } else if self.k_direct || self.k_f16 {
                 // SAFETY: key row (kb0, ik2, ik3) lies inside k.
                 let p = unsafe { k.at(k.row_offset(kb0, ik2, ik3)) }.cast_const();
-                (p.cast::<f32>(), k.nb[1] / 4)
+                (p.cast::<f32>(), k.nb[1] / k.dtype.type_size())
             } else {
                 s.keys.resize(kbn * d, 0.0);
                 for (j, out) in s.keys.chunks_exact_mut(d.max(1)).enumerate().take(kbn) {
@@ -318,10 +341,11 @@ impl Attention {
                 }
                 (s.keys.as_ptr(), d)
             };
-            let (v_ptr, v_stride) = if self.v_direct {
+            let v_f16 = direct && self.v_f16;
+            let (v_ptr, v_stride) = if self.v_direct || v_f16 {
                 // SAFETY: value row (kb0, ik2, ik3) lies inside v.
                 let p = unsafe { v.at(v.row_offset(kb0, ik2, ik3)) }.cast_const();
-                (p.cast::<f32>(), v.nb[1] / 4)
+                (p.cast::<f32>(), v.nb[1] / v.dtype.type_size())
             } else {
                 s.values.resize(kbn * dv, 0.0);
                 for (j, out) in s.values.chunks_exact_mut(dv.max(1)).enumerate().take(kbn) {
@@ -330,16 +354,38 @@ impl Attention {
                 }
                 (s.values.as_ptr(), dv)
             };
-            // SAFETY: kbn value rows of dv elements, v_stride apart, are readable (in v or in
-            // the scratch buffer, not written while this slice lives).
-            let values =
-                unsafe { std::slice::from_raw_parts(v_ptr, strided_len(kbn, v_stride, dv)) };
+            // f16 rows are read through `v_ptr` alone, never through this f32 slice.
+            let values = if v_f16 {
+                &[][..]
+            } else {
+                // SAFETY: kbn value rows of dv f32 elements, v_stride apart, are readable (in
+                // v or in the scratch buffer, not written while this slice lives).
+                unsafe { std::slice::from_raw_parts(v_ptr, strided_len(kbn, v_stride, dv)) }
+            };
 
             s.scores.resize(ROWS * kbp, 0.0);
             let mut r0 = 0;
             while r0 < nr {
                 let tile_rows = ROWS.min(nr - r0);
-                if direct {
+                #[cfg(target_arch = "x86_64")]
+                let f16_keys = direct && self.k_f16;
+                #[cfg(not(target_arch = "x86_64"))]
+                let f16_keys = false;
+                if f16_keys {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: f16_rows checked the CPU and the layout; kbn key rows of d f16
+                    // values, k_stride elements apart, start at k_ptr inside k.
+                    unsafe {
+                        f16c::scores(
+                            &s.queries[r0 * d..(r0 + tile_rows) * d],
+                            d,
+                            k_ptr.cast::<u16>(),
+                            (k_stride, kbn),
+                            kbp,
+                            &mut s.scores,
+                        )
+                    };
+                } else if direct {
                     // SAFETY: kbn key rows of d elements, k_stride apart, are readable (in k
                     // or in the scratch buffer, not written while this slice lives).
                     let keys =
@@ -399,6 +445,23 @@ impl Attention {
                     s.max[row_index] = new_max;
                 }
                 let acc = &mut s.acc[r0 * dv..(r0 + tile_rows) * dv];
+                #[cfg(target_arch = "x86_64")]
+                if v_f16 {
+                    // SAFETY: f16_rows checked the CPU and the layout; kbn value rows of dv f16
+                    // values, v_stride elements apart, start at v_ptr inside v.
+                    unsafe {
+                        f16c::values(
+                            &s.scores,
+                            kbp,
+                            v_ptr.cast::<u16>(),
+                            (v_stride, kbn),
+                            dv,
+                            acc,
+                        )
+                    };
+                    r0 += tile_rows;
+                    continue;
+                }
                 values_tile(
                     self.kernels,
                     tile_rows,
@@ -771,6 +834,146 @@ super::simd_fn! {
     }
 }
 
+/// The direct path (few rows) over f16 keys and values read in place, widened by F16C.
+#[cfg(target_arch = "x86_64")]
+mod f16c {
+    use std::arch::x86_64::*;
+
+    /// Whether the CPU has AVX2, FMA and F16C (detected once).
+    pub(super) fn available() -> bool {
+        use std::sync::OnceLock;
+        static HAS: OnceLock<bool> = OnceLock::new();
+        *HAS.get_or_init(|| {
+            is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c")
+        })
+    }
+
+    /// The sum of the 8 lanes of `v`, in a fixed order.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+        _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
+    }
+
+    /// 8 f16 values at `p` widened to f32.
+    ///
+    /// # Safety
+    /// 16 bytes must be readable at `p`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8(p: *const u16) -> __m256 {
+        // SAFETY: the caller guarantees 8 readable values; the load is unaligned.
+        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+    }
+
+    /// One f16 value at `p` widened to f32.
+    ///
+    /// # Safety
+    /// 2 bytes must be readable at `p`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load1(p: *const u16) -> f32 {
+        // SAFETY: the caller guarantees the value; the read is unaligned.
+        let bits = unsafe { p.read_unaligned() };
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    }
+
+    /// `s[r][j] = q[r] · k[j]` for the query rows `q` (`d` apart, at most 8) and `kbn` f16
+    /// key rows at `k` (`k_stride` values apart); `s` rows are `kbp` apart.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; the `kbn` key rows of `d` values are readable; `s` holds the
+    /// rows' `kbp`-wide segments.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn scores(
+        q: &[f32],
+        d: usize,
+        k: *const u16,
+        (k_stride, kbn): (usize, usize),
+        kbp: usize,
+        s: &mut [f32],
+    ) {
+        let rows = q.len() / d.max(1);
+        assert!(rows <= super::DIRECT_ROWS && s.len() >= rows * kbp && kbn <= kbp);
+        let whole = d / 8 * 8;
+        for j in 0..kbn {
+            // SAFETY: key row j lies inside the rows the caller vouches for.
+            let kr = unsafe { k.add(j * k_stride) };
+            let mut acc = [_mm256_setzero_ps(); super::DIRECT_ROWS];
+            for i in (0..whole).step_by(8) {
+                // SAFETY: elements i..i + 8 of the key row and of each query row exist.
+                let kv = unsafe { load8(kr.add(i)) };
+                for (r, a) in acc.iter_mut().enumerate().take(rows) {
+                    // SAFETY: query row r holds elements i..i + 8; the load is unaligned.
+                    let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(r * d + i)) };
+                    *a = _mm256_fmadd_ps(qv, kv, *a);
+                }
+            }
+            for (r, a) in acc.iter().enumerate().take(rows) {
+                let mut dot = hsum(*a);
+                for i in whole..d {
+                    // SAFETY: element i of the key row exists.
+                    dot += q[r * d + i] * unsafe { load1(kr.add(i)) };
+                }
+                s[r * kbp + j] = dot;
+            }
+        }
+    }
+
+    /// `acc[r][e] += Σ_{j<kbn} p[r][j] · v[j][e]` for the probability rows of `p` (`kbp`
+    /// apart; as many as `acc` holds rows of `dv`) and `kbn` f16 value rows at `v`
+    /// (`v_stride` values apart).
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; the `kbn` value rows of `dv` values are readable.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn values(
+        p: &[f32],
+        kbp: usize,
+        v: *const u16,
+        (v_stride, kbn): (usize, usize),
+        dv: usize,
+        acc: &mut [f32],
+    ) {
+        let rows = acc.len() / dv.max(1);
+        assert!(rows <= super::DIRECT_ROWS && p.len() >= rows * kbp && kbn <= kbp);
+        let whole = dv / 8 * 8;
+        // Output chunks of 8 outside, keys inside: each row's chunk stays in a register for
+        // the whole block.
+        for e in (0..whole).step_by(8) {
+            let mut sums = [_mm256_setzero_ps(); super::DIRECT_ROWS];
+            for (r, sum) in sums.iter_mut().enumerate().take(rows) {
+                // SAFETY: acc row r holds elements e..e + 8; the load is unaligned.
+                *sum = unsafe { _mm256_loadu_ps(acc.as_ptr().add(r * dv + e)) };
+            }
+            for j in 0..kbn {
+                // SAFETY: elements e..e + 8 of value row j exist (caller).
+                let vv = unsafe { load8(v.add(j * v_stride + e)) };
+                for (r, sum) in sums.iter_mut().enumerate().take(rows) {
+                    *sum = _mm256_fmadd_ps(_mm256_set1_ps(p[r * kbp + j]), vv, *sum);
+                }
+            }
+            for (r, sum) in sums.iter().enumerate().take(rows) {
+                // SAFETY: acc row r holds elements e..e + 8; the store is unaligned.
+                unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add(r * dv + e), *sum) };
+            }
+        }
+        for e in whole..dv {
+            for j in 0..kbn {
+                // SAFETY: element e of value row j exists (caller).
+                let x = unsafe { load1(v.add(j * v_stride + e)) };
+                for r in 0..rows {
+                    acc[r * dv + e] += p[r * kbp + j] * x;
+                }
+            }
+        }
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     //! The AVX-512F register tiles.
@@ -1083,6 +1286,9 @@ mod tests {
             case(40, 40, 130, 300, 2, 1, 1, true),
             case(7, 19, 5, 3, 2, 2, 1, true),
             case(16, 72, 9, 33, 4, 2, 2, false),
+            // decoding steps: the few rows of one group per task (the direct path)
+            case(64, 64, 1, 300, 9, 3, 1, true),
+            case(13, 21, 2, 70, 4, 1, 2, true),
             Case {
                 max_bias: 8.0,
                 ..case(24, 24, 20, 40, 4, 4, 1, true)
@@ -1199,6 +1405,92 @@ mod tests {
                         c.dv,
                         c.n_q,
                         c.n_kv
+                    );
+                }
+            }
+        }
+    }
+
+    /// A KV cache of f16 rows (every head of a position in one row, as the language model
+    /// keeps it), read by few-row tasks: the F16C direct path where the CPU has it, the
+    /// converted rows otherwise. Against an f64 reference on the f16 values, 1e-5 absolute;
+    /// identical bits at 1, 2 and 3 threads; key blocks hidden by the mask skipped.
+    #[test]
+    fn f16_cache_rows_on_the_direct_path_match_f64_reference() {
+        use half::f16;
+        // (d = dv, n_q, n_kv, n_head, n_head_kv): head sizes with and without 8-wide tails
+        for (d, n_q, n_kv, n_head, n_head_kv) in
+            [(64, 1, 300, 9, 3), (24, 2, 130, 4, 2), (13, 1, 40, 3, 1)]
+        {
+            let mut seed = 11u64;
+            let row = n_head_kv * d;
+            let mut k16: Vec<f16> = (0..n_kv * row)
+                .map(|_| f16::from_f32(lcg(&mut seed)))
+                .collect();
+            let mut v16: Vec<f16> = (0..n_kv * row)
+                .map(|_| f16::from_f32(lcg(&mut seed)))
+                .collect();
+            let mut q: Vec<f32> = (0..d * n_q * n_head).map(|_| lcg(&mut seed)).collect();
+            // causal over the first positions, the tail of the window hidden
+            let used = n_kv * 2 / 3;
+            let mut mask: Vec<f32> = (0..n_kv * n_q)
+                .map(|i| {
+                    if i % n_kv < used - n_q + i / n_kv {
+                        0.0
+                    } else {
+                        f32::NEG_INFINITY
+                    }
+                })
+                .collect();
+            let cache = |data: &mut Vec<f16>| RawTensor {
+                ptr: crate::cpu::kernels::view::SendPtr(data.as_mut_ptr().cast()),
+                dtype: DType::F16,
+                ne: [d, n_kv, n_head_kv, 1],
+                nb: [2, 2 * row, 2 * d, 2 * row * n_kv],
+            };
+            let (k, v) = (cache(&mut k16), cache(&mut v16));
+            let q_t = view(&mut q, [d, n_q, n_head, 1]);
+            let mask_t = view(&mut mask, [n_kv, n_q, 1, 1]);
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut want = vec![0f64; d * n_head * n_q];
+            for h in 0..n_head {
+                let hk = h / (n_head / n_head_kv);
+                for i in 0..n_q {
+                    let logits: Vec<f64> = (0..n_kv)
+                        .map(|j| {
+                            let dot: f64 = (0..d)
+                                .map(|e| {
+                                    q[e + d * (i + n_q * h)] as f64
+                                        * k16[j * row + hk * d + e].to_f64()
+                                })
+                                .sum();
+                            dot * scale as f64 + mask[j + n_kv * i] as f64
+                        })
+                        .collect();
+                    let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let w: Vec<f64> = logits.iter().map(|x| (x - max).exp()).collect();
+                    let sum: f64 = w.iter().sum();
+                    for e in 0..d {
+                        let o: f64 = (0..n_kv)
+                            .map(|j| w[j] * v16[j * row + hk * d + e].to_f64())
+                            .sum();
+                        want[e + d * (h + n_head * i)] = o / sum;
+                    }
+                }
+            }
+            for kernels in Kernels::available() {
+                let got = at_thread_counts(|| {
+                    let mut out = vec![f32::NAN; want.len()];
+                    let dst = view(&mut out, [d, n_head, n_q, 1]);
+                    flash_attn_ext_with(kernels, dst, q_t, k, v, Some(mask_t), scale, 0.0, 0.0)
+                        .unwrap();
+                    out.iter().map(|x| x.to_bits()).collect::<Vec<u32>>()
+                });
+                for (n, (&g, &w)) in got.iter().zip(&want).enumerate() {
+                    let g = f32::from_bits(g) as f64;
+                    assert!(
+                        (g - w).abs() <= 1e-5,
+                        "{kernels:?} d={d}: element {n}: {g} vs {w}"
                     );
                 }
             }

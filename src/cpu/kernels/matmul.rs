@@ -397,12 +397,10 @@ const MIN_TASKS: usize = 16;
 /// [`run_tile`]), never by a tile's, so the path does not depend on how the output is split.
 const DIRECT_DOT_MAX_COLS: usize = 2;
 
-fn row_tile(m: usize, n: usize) -> usize {
-    if n == 1 {
-        64.min(m.max(1))
-    } else {
-        16.min(m.max(1))
-    }
+/// Weight rows per task: 16, so even a small mat-vec (a 192-row projection) splits into
+/// enough tasks for every thread.
+fn row_tile(m: usize) -> usize {
+    16.min(m.max(1))
 }
 
 /// MUL_MAT: `dst [M, N, ne12, ne13] = b · aᵀ` per batch, with `a`'s batches broadcast.
@@ -468,7 +466,7 @@ pub fn mul_mat(
         && a.nb[0] == a.dtype.type_size()
         && super::quant_dot::PairsIsa::available().contains(&super::quant_dot::PairsIsa::Vnni512);
     let prepared = prepare(activations, b, scratch, q4_pairs)?;
-    let ti = row_tile(m, n);
+    let ti = row_tile(m);
     let i_tiles = m.div_ceil(ti);
     let batches = ne12 * ne13;
     // Column tiles are chosen from the shape alone, never from the thread count: the f16 path
@@ -482,9 +480,12 @@ pub fn mul_mat(
     let tj = n.div_ceil(j_tiles.max(1)).max(1);
     let j_tiles = n.div_ceil(tj);
     let tasks = batches * i_tiles * j_tiles;
-    // Small products run on one thread: a task costs about ti·tj·K multiply-adds.
+    // Small products run on one thread: a task costs about ti·tj·K multiply-adds. A
+    // mat-vec's chunks are claimed by the threads as they go, and its rows take a few
+    // microseconds each: smaller chunks there keep the threads' shares even.
     let work_per_task = ti * tj * a.ne[0];
-    let grain = (1usize << 16).div_ceil(work_per_task.max(1)).max(1);
+    let min_chunk_work = if n == 1 { 1usize << 14 } else { 1usize << 16 };
+    let grain = min_chunk_work.div_ceil(work_per_task.max(1)).max(1);
     par_ranges(tasks, grain, |range| {
         let mut abuf = Vec::new();
         let mut cols = Vec::with_capacity(tj);
