@@ -20,7 +20,7 @@ incomplete UTF-8 sequence until its last byte arrives.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import ferrograph as fg
@@ -131,7 +131,7 @@ class GGUFTokenizer:
         )
         if self.model == "gpt2":
             merges = list(_require(metadata, "tokenizer.ggml.merges"))
-            self._plain, self._special = self._build_gpt2([str(m) for m in merges])
+            self._build_plain, self._special = self._build_gpt2([str(m) for m in merges])
         elif self.model == "llama":
             scores = metadata.get("tokenizer.ggml.scores")
             if scores is None or len(scores) != n:
@@ -139,7 +139,7 @@ class GGUFTokenizer:
                     "a 'llama' (SentencePiece) vocabulary needs tokenizer.ggml.scores, one per "
                     "token"
                 )
-            self._plain, self._special = self._build_spm([float(s) for s in scores])
+            self._build_plain, self._special = self._build_spm([float(s) for s in scores])
         else:
             raise UnsupportedModelError(
                 f"tokenizer.ggml.model {self.model!r} is not supported (supported: 'gpt2' "
@@ -149,7 +149,18 @@ class GGUFTokenizer:
         self.eog_ids: frozenset[int] = frozenset(
             i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None
         )
-        self._token_bytes: list[bytes] = [self._bytes_of(i) for i in range(n)]
+        # built when first asked for (a model's load does not pay for 50k tokens' bytes, nor
+        # for the tokenizer that reads control-token text as plain text, which prompts of
+        # generate and chat never use)
+        self._token_bytes: list[bytes | None] = [None] * n
+        self._plain_tokenizer: Any = None
+
+    @property
+    def _plain(self) -> Any:
+        """The tokenizer that reads control-token text as plain text (built on first use)."""
+        if self._plain_tokenizer is None:
+            self._plain_tokenizer = self._build_plain()
+        return self._plain_tokenizer
 
     # ----- construction -----
 
@@ -163,7 +174,7 @@ class GGUFTokenizer:
             if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED) and tok
         ]
 
-    def _build_gpt2(self, merges: list[str]) -> tuple[Any, Any]:
+    def _build_gpt2(self, merges: list[str]) -> tuple[Callable[[], Any], Any]:
         from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
         patterns = PRE_TOKENIZERS.get(self.pre)
@@ -192,12 +203,11 @@ class GGUFTokenizer:
             tok.decoder = decoders.ByteLevel()
             return tok
 
-        plain = build()
         special = build()
         special.add_special_tokens(self._special_tokens())
-        return plain, special
+        return build, special
 
-    def _build_spm(self, scores: list[float]) -> tuple[Any, Any]:
+    def _build_spm(self, scores: list[float]) -> tuple[Callable[[], Any], Any]:
         from tokenizers import Tokenizer, models, normalizers
 
         vocab = {tok: i for i, tok in enumerate(self.tokens)}
@@ -226,10 +236,9 @@ class GGUFTokenizer:
             tok.normalizer = normalizers.Sequence(steps)
             return tok
 
-        plain = build()
         special = build()
         special.add_special_tokens(self._special_tokens())
-        return plain, special
+        return build, special
 
     def _bytes_of(self, i: int) -> bytes:
         tok, kind = self.tokens[i], self.token_types[i]
@@ -288,12 +297,15 @@ class GGUFTokenizer:
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes token ``token_id`` stands for (empty for control tokens)."""
-        return self._token_bytes[token_id]
+        cached = self._token_bytes[token_id]
+        if cached is None:
+            cached = self._token_bytes[token_id] = self._bytes_of(token_id)
+        return cached
 
     def detokenize(self, ids: Sequence[int], remove_space_prefix: bool = True) -> str:
         """The text of ``ids``; invalid UTF-8 becomes U+FFFD. For SentencePiece vocabularies
         the space added before the first word is removed (``remove_space_prefix``)."""
-        data = b"".join(self._token_bytes[i] for i in self.check_ids(ids))
+        data = b"".join(self.token_bytes(i) for i in self.check_ids(ids))
         if (
             remove_space_prefix
             and self.model == "llama"
