@@ -714,6 +714,13 @@ fn scores_tile(
         return;
     }
     let _ = kernels;
+    #[cfg(target_arch = "x86_64")]
+    if f16c::available() {
+        // SAFETY: the CPU has AVX2 and FMA; the slices hold what the tile reads and writes
+        // (asserted above).
+        unsafe { avx2::scores(rows, q, q_stride, d, kt, kbp, s) };
+        return;
+    }
     scores_generic(rows, q, q_stride, d, kt, kbp, s);
 }
 
@@ -809,6 +816,12 @@ fn values_tile(
         return;
     }
     let _ = kernels;
+    #[cfg(target_arch = "x86_64")]
+    if f16c::available() {
+        // SAFETY: the CPU has AVX2 and FMA; the slices hold what the tile touches (asserted).
+        unsafe { avx2::values(rows, p, kbp, v, v_stride, (kbn, dv), acc) };
+        return;
+    }
     values_generic(rows, p, kbp, v, v_stride, (kbn, dv), acc);
 }
 
@@ -830,6 +843,125 @@ super::simd_fn! {
                 let vr = &v[j * v_stride..j * v_stride + dv];
                 out.iter_mut().zip(vr).for_each(|(o, &x)| *o += pj * x);
             }
+        }
+    }
+}
+
+/// Register tiles of the generic family where the CPU has AVX2 and FMA: each output segment
+/// stays in registers over the whole reduction (the plain loops load and store it per step).
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// [`super::scores_tile`]: for every query row, 16 keys at a time (two vectors), summed
+    /// over the `d` rows of the transposed block `kt` in order.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; the slices as [`super::scores_tile`] asserts (`kbp` a multiple of 16).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn scores(
+        rows: usize,
+        q: &[f32],
+        q_stride: usize,
+        d: usize,
+        kt: &[f32],
+        kbp: usize,
+        s: &mut [f32],
+    ) {
+        let mut r = 0;
+        while r < rows {
+            // three query rows share each loaded key vector
+            let n = (rows - r).min(3);
+            for j in (0..kbp).step_by(16) {
+                let mut acc = [[_mm256_setzero_ps(); 2]; 3];
+                for i in 0..d {
+                    // SAFETY: kt holds d × kbp floats and j + 16 <= kbp.
+                    let (k0, k1) = unsafe {
+                        let p = kt.as_ptr().add(i * kbp + j);
+                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+                    };
+                    for (t, a) in acc.iter_mut().enumerate().take(n) {
+                        let qv = _mm256_set1_ps(q[(r + t) * q_stride + i]);
+                        a[0] = _mm256_fmadd_ps(qv, k0, a[0]);
+                        a[1] = _mm256_fmadd_ps(qv, k1, a[1]);
+                    }
+                }
+                for (t, a) in acc.iter().enumerate().take(n) {
+                    let out = &mut s[(r + t) * kbp + j..(r + t) * kbp + j + 16];
+                    // SAFETY: `out` holds 16 floats; the stores are unaligned.
+                    unsafe {
+                        _mm256_storeu_ps(out.as_mut_ptr(), a[0]);
+                        _mm256_storeu_ps(out.as_mut_ptr().add(8), a[1]);
+                    }
+                }
+            }
+            r += n;
+        }
+    }
+
+    /// [`super::values_tile`]: for every probability row, 16 output elements at a time (two
+    /// vectors) accumulated over the block's `kbn` values in order.
+    ///
+    /// # Safety
+    /// AVX2 and FMA; the slices as [`super::values_tile`] asserts.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn values(
+        rows: usize,
+        p: &[f32],
+        kbp: usize,
+        v: &[f32],
+        v_stride: usize,
+        (kbn, dv): (usize, usize),
+        acc: &mut [f32],
+    ) {
+        let whole = dv / 16 * 16;
+        let mut r = 0;
+        while r < rows {
+            let n = (rows - r).min(6);
+            for e in (0..whole).step_by(16) {
+                let mut sums = [[_mm256_setzero_ps(); 2]; 6];
+                for (t, sum) in sums.iter_mut().enumerate().take(n) {
+                    let row = &acc[(r + t) * dv + e..(r + t) * dv + e + 16];
+                    // SAFETY: `row` holds 16 floats; the loads are unaligned.
+                    unsafe {
+                        sum[0] = _mm256_loadu_ps(row.as_ptr());
+                        sum[1] = _mm256_loadu_ps(row.as_ptr().add(8));
+                    }
+                }
+                for j in 0..kbn {
+                    let vr = &v[j * v_stride + e..j * v_stride + e + 16];
+                    // SAFETY: `vr` holds 16 floats; the loads are unaligned.
+                    let (v0, v1) = unsafe {
+                        (
+                            _mm256_loadu_ps(vr.as_ptr()),
+                            _mm256_loadu_ps(vr.as_ptr().add(8)),
+                        )
+                    };
+                    for (t, sum) in sums.iter_mut().enumerate().take(n) {
+                        let pj = _mm256_set1_ps(p[(r + t) * kbp + j]);
+                        sum[0] = _mm256_fmadd_ps(pj, v0, sum[0]);
+                        sum[1] = _mm256_fmadd_ps(pj, v1, sum[1]);
+                    }
+                }
+                for (t, sum) in sums.iter().enumerate().take(n) {
+                    let row = &mut acc[(r + t) * dv + e..(r + t) * dv + e + 16];
+                    // SAFETY: `row` holds 16 floats; the stores are unaligned.
+                    unsafe {
+                        _mm256_storeu_ps(row.as_mut_ptr(), sum[0]);
+                        _mm256_storeu_ps(row.as_mut_ptr().add(8), sum[1]);
+                    }
+                }
+            }
+            // the last dv % 16 elements of these rows
+            for t in 0..n {
+                for j in 0..kbn {
+                    let pj = p[(r + t) * kbp + j];
+                    for e in whole..dv {
+                        acc[(r + t) * dv + e] += pj * v[j * v_stride + e];
+                    }
+                }
+            }
+            r += n;
         }
     }
 }
