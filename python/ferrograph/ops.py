@@ -353,7 +353,9 @@ def mul_mat(a: Tensor, b: Tensor, *, ctx: Context | None = None) -> Tensor:
     try:
         return _native_mul_mat(a, b, ctx=ctx)
     except ShapeError as e:
-        raise ShapeError(f"{e}; mul_mat(a, b) computes b @ a.T, for a @ b use matmul") from e
+        # The same error (its names and shapes kept), with the hint at matmul.
+        e.args = (f"{e}; mul_mat(a, b) computes b @ a.T, for a @ b use matmul", *e.args[1:])
+        raise
 
 
 out_prod = _typed(_native.out_prod)

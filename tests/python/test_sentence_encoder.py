@@ -781,10 +781,10 @@ def test_max_seq_length_override(model_dirs: dict[str, Path]) -> None:
     assert model.max_seq_length == 10
     long = SENTENCES[-2]
     assert model.tokenize([long]).lengths[0] == 10
-    short = model.encode(long)
+    short = model.encode([long])
     model.max_seq_length = 40
     assert model.tokenize([long]).lengths[0] == 40
-    longer = model.encode(long)
+    longer = model.encode([long])
     assert cosines(short, longer)[0] < 0.9999  # the setting really changed the input
     np.testing.assert_allclose(longer, reference_vectors(model, [long]), atol=2e-5)
     for bad in (1, 65, 2.5, True):
