@@ -64,7 +64,9 @@ fn report(name: &str, graph: &Graph, output: &Tensor, compute_batches: usize, pe
     let compute = median_seconds(compute_batches, per_batch, || {
         ok(cpu.graph_compute(black_box(graph)), "compute");
     });
-    let stamps = median_seconds(15, per_batch * 20, || mark_computed(black_box(graph.nodes())));
+    let stamps = median_seconds(15, per_batch * 20, || {
+        mark_computed(black_box(graph.nodes()))
+    });
     ok(output.check_current(), "the output is current");
     let check = median_seconds(15, per_batch * 20, || {
         ok(black_box(output).check_current(), "check");
@@ -100,6 +102,12 @@ fn main() {
     let n = ok(ops::unary(&ctx, &m, UnaryOp::Neg), "neg");
     let z = ok(ops::unary(&ctx, &n, UnaryOp::Relu), "relu");
     z.set_output();
-    let tiny = Graph::build(&[z.clone()]);
-    report("tiny graph (scale, neg, relu on 4 floats)", &tiny, &z, 15, 2000);
+    let tiny = Graph::build(std::slice::from_ref(&z));
+    report(
+        "tiny graph (scale, neg, relu on 4 floats)",
+        &tiny,
+        &z,
+        15,
+        2000,
+    );
 }

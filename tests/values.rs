@@ -44,11 +44,17 @@ fn reads_are_checked_against_computes_overwrites_and_inputs() -> Result<()> {
     z.check_current()?;
     assert_eq!(z.to_f32_vec()?, vec![0.0, 3.0, 0.0, 9.0]);
     let message = stale_message(&m);
-    assert!(message.contains("tensor 'm'") && message.contains("set_output()"), "{message}");
+    assert!(
+        message.contains("tensor 'm'") && message.contains("set_output()"),
+        "{message}"
+    );
 
     x.set_f32(&[1.0, 1.0, 1.0, 1.0])?;
     let message = stale_message(&z);
-    assert!(message.contains("before tensor 'x' was last set"), "{message}");
+    assert!(
+        message.contains("before tensor 'x' was last set"),
+        "{message}"
+    );
     cpu.graph_compute(&graph)?;
     z.check_current()?;
     assert_eq!(z.to_f32_vec()?, vec![0.0; 4]);

@@ -7,7 +7,6 @@ import numpy as np
 import pytest
 
 import ferrograph as fg
-
 from conftest import needs_ml_dtypes
 
 PLAIN = {
