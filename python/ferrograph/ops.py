@@ -607,6 +607,14 @@ def _getitem(a: Tensor, key: object) -> Tensor:
     length-one last axis and works). Selecting a single element gives shape ``(1,)``.
     """
     parts = _index_part(a, key)
+    last = parts[-1]
+    if a.dtype.is_quantized and not (
+        isinstance(last, slice) and last.indices(a.shape[-1]) == (0, a.shape[-1], 1)
+    ):
+        raise InvalidArgumentError(
+            f"{a.dtype.name} stores its rows in blocks: index the leading axes only and keep the "
+            "last axis whole (e.g. a[1:3] or a[0])"
+        )
     offset = 0
     shape: list[int] = []
     strides: list[int] = []

@@ -215,6 +215,10 @@ def test_slices_a_view_cannot_hold_raise() -> None:
     with pytest.raises(fg.ArgumentTypeError, match="get_rows"):
         _ = t[[0, 1]]
     assert t[:, 0:1].shape == (3, 1)
+    q = ctx.new_tensor(fg.q8_0, (4, 64))
+    assert q[1:3].shape == (2, 64) and q[0].shape == (64,)
+    with pytest.raises(fg.InvalidArgumentError, match="blocks"):
+        _ = q[:, :32]
     rows = list(t)
     assert len(rows) == 3 and all(r.shape == (4,) for r in rows)
 
