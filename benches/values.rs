@@ -73,16 +73,16 @@ fn report(name: &str, graph: &Graph, output: &Tensor, compute_batches: usize, pe
     });
     let alloc = median_seconds(15, per_batch, || ok(galloc.alloc_graph(graph), "alloc"));
     let sweep = median_seconds(15, per_batch, || record_overwrites(black_box(graph)));
-    let per_compute = stamps + check;
     println!(
-        "{name}: {} nodes; compute {:.1} µs; stamps {:.3} µs + read check {:.3} µs = {:.4}% \
-         of the compute; overlap sweep {:.2} µs = {:.2}% of alloc_graph ({:.1} µs, once per \
-         allocation)",
+        "{name}: {} nodes; compute {:.2} µs; per compute: stamps {:.1} ns = {:.3}% of it; per \
+         read: check {:.1} ns ({:.3}% of the compute); per allocation: overlap sweep {:.2} µs \
+         ({:.0}% of alloc_graph's {:.2} µs)",
         graph.n_nodes(),
         compute * 1e6,
-        stamps * 1e6,
-        check * 1e6,
-        100.0 * per_compute / compute,
+        stamps * 1e9,
+        100.0 * stamps / compute,
+        check * 1e9,
+        100.0 * check / compute,
         sweep * 1e6,
         100.0 * sweep / alloc,
         alloc * 1e6,

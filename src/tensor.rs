@@ -846,20 +846,27 @@ impl Tensor {
     ///
     /// Backends call this from user-facing reads (the Python `numpy()`); kernels never do.
     pub fn check_current(&self) -> Result<()> {
-        self.storage()?;
         let owner = self.value_owner();
+        if !owner.binding_is_live() {
+            // The storage error (no memory; buffer freed or reset), with its message.
+            self.storage()?;
+        }
         let value = owner.value_tick();
         let is_result = !matches!(owner.op(), Op::None);
-        let what = if self.same(owner) {
-            self.label()
-        } else {
-            format!("{} (a view of {})", self.label(), owner.label())
+        // Labels are built on the error paths only: a read that is current pays for ticks.
+        let what = || {
+            if self.same(owner) {
+                self.label()
+            } else {
+                format!("{} (a view of {})", self.label(), owner.label())
+            }
         };
         if is_result && (value == 0 || value < owner.0.bound_at.load(Ordering::Acquire)) {
             return Err(Error::Stale(format!(
-                "{what} has not been computed since its memory was allocated; compute its graph \
+                "{} has not been computed since its memory was allocated; compute its graph \
                  (backend.graph_compute(graph) or scheduler.graph_compute(graph)) before reading \
-                 it"
+                 it",
+                what()
             )));
         }
         let overwriter = lock(&owner.0.overwritten_by)
@@ -869,9 +876,10 @@ impl Tensor {
         if let Some(later) = overwriter {
             if later.value_tick() > value {
                 return Err(Error::Stale(format!(
-                    "{what} no longer holds its value: the allocator gave its memory to {}, \
-                     which a later step of the graph has written since; call set_output() on it \
+                    "{} no longer holds its value: the allocator gave its memory to {}, which \
+                     a later step of the graph has written since; call set_output() on it \
                      before allocating the graph to keep it",
+                    what(),
                     later.label()
                 )));
             }
@@ -879,8 +887,9 @@ impl Tensor {
         if is_result && LAST_WRITE.load(Ordering::Acquire) > value {
             if let Some(changed) = owner.dependency_written_after(value) {
                 return Err(Error::Stale(format!(
-                    "{what} was computed before {} was last set; compute its graph again to \
-                     read a current value",
+                    "{} was computed before {} was last set; compute its graph again to read a \
+                     current value",
+                    what(),
                     changed.label()
                 )));
             }
