@@ -163,7 +163,10 @@ pub fn tensor_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
             let out = unsafe {
                 std::slice::from_raw_parts_mut(base.as_ptr().add(dst_storage.offset), nbytes)
             };
-            return src.read_bytes(0, out);
+            src.read_bytes(0, out)?;
+            // Written around `write_bytes`: record it (see `Tensor::check_current`).
+            dst.note_written();
+            return Ok(());
         }
     }
     let mut bounce = vec![0u8; nbytes];
@@ -185,6 +188,7 @@ pub fn tensor_copy_async(
         )));
     }
     if dst_backend.cpy_tensor_async(src_backend, src, dst)? {
+        dst.note_written();
         return Ok(());
     }
     src_backend.synchronize()?;

@@ -614,6 +614,7 @@ impl Backend for SplitBackend {
             };
             mul_mat_parts(&parts, &node.srcs()[1], node, &self.backends)?;
         }
+        crate::tensor::mark_computed(graph.nodes());
         Ok(Status::Success)
     }
 

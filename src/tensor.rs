@@ -6,6 +6,20 @@
 //!
 //! Shapes follow ggml: `ne[0]` is the fastest-varying dimension and `nb[i]` is the byte stride
 //! of dimension `i`. [`Tensor::shape`] gives the numpy order (reversed).
+//!
+//! # Current values
+//!
+//! Memory that is live is not enough for a read to be right: the graph allocator gives an
+//! intermediate's bytes to a later node once its consumers are done, and a result bound to
+//! fresh memory holds nothing until it is computed. Each tensor therefore carries three ticks
+//! of one process-wide counter — when it was last written from outside a compute
+//! ([`Tensor::note_written`]: `write_bytes`, `fill_bytes`, copies), last computed
+//! ([`mark_computed`], called by every backend after a graph succeeds) and last bound — plus
+//! the first later node the allocator placed over its bytes. [`Tensor::check_current`] compares
+//! them when a user reads a value: a result never computed since it was bound, a tensor whose
+//! overwriting node ran after it, or a result older than a write to something it depends on
+//! is reported as [`Error::Stale`] naming the tensor and the fix. The compute path pays one
+//! atomic add per graph and one store per node.
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
@@ -62,6 +76,16 @@ pub struct TensorNode {
     bound_buffer: AtomicU64,
     /// Lock-free mirror of the binding: the buffer's generation when bound.
     bound_generation: AtomicU64,
+    /// Value bookkeeping (see the module documentation, "Current values"): the clock when the bytes were last written from
+    /// outside a compute (0: never).
+    written_at: AtomicU64,
+    /// The clock when a compute last produced the value (0: never).
+    computed_at: AtomicU64,
+    /// The clock when the tensor was last bound to memory (0: never).
+    bound_at: AtomicU64,
+    /// The first later node of an allocated graph whose memory overlaps this tensor's
+    /// (recorded by [`crate::alloc::record_overwrites`]); its compute overwrites this value.
+    overwritten_by: Mutex<Option<Weak<TensorNode>>>,
     context: Weak<ContextInner>,
 }
 
@@ -192,6 +216,10 @@ impl Tensor {
             storage: Mutex::new(None),
             bound_buffer: AtomicU64::new(0),
             bound_generation: AtomicU64::new(0),
+            written_at: AtomicU64::new(0),
+            computed_at: AtomicU64::new(0),
+            bound_at: AtomicU64::new(0),
+            overwritten_by: Mutex::new(None),
             context,
         })))
     }
@@ -288,14 +316,29 @@ impl Tensor {
         self
     }
 
-    /// The name if set, else `#<id>`: used in messages.
+    /// How messages name the tensor: `tensor 'name'` when it has a name, else its id, op and
+    /// numpy shape (`tensor #9 (RELU, shape (4,))`) so the reader can tell which one it is.
     pub fn label(&self) -> String {
         let name = self.name();
-        if name.is_empty() {
-            format!("tensor #{}", self.0.id)
-        } else {
-            format!("tensor '{name}'")
+        if !name.is_empty() {
+            return format!("tensor '{name}'");
         }
+        let shape = self.shape();
+        let shape_text = match shape.as_slice() {
+            [one] => format!("({one},)"),
+            dims => format!(
+                "({})",
+                dims.iter()
+                    .map(usize::to_string)
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        };
+        let op = match self.0.op {
+            Op::None => "leaf".to_owned(),
+            ref op => op.display_name(),
+        };
+        format!("tensor #{} ({op}, shape {shape_text})", self.0.id)
     }
 
     /// Raw flag bits (see [`flags`]).
@@ -451,6 +494,8 @@ impl Tensor {
                     let generation = buffer.generation();
                     s.generation = generation;
                     self.0.bound_generation.store(generation, Ordering::Release);
+                    drop(storage);
+                    self.note_bound();
                     return Ok(());
                 }
             }
@@ -482,6 +527,7 @@ impl Tensor {
         self.0.bound_buffer.store(buffer.id(), Ordering::Release);
         self.0.bound_generation.store(generation, Ordering::Release);
         drop(storage);
+        self.note_bound();
         Ok(())
     }
 
@@ -532,14 +578,16 @@ impl Tensor {
         let owner = self.0.view_src.as_ref().unwrap_or(self);
         let binding = lock(&owner.0.storage).clone();
         let mut storage = binding.ok_or_else(|| {
+            let fix = "allocate its graph first (GraphAllocator.alloc_graph or \
+                       Scheduler.alloc_graph; alloc_ctx_tensors for a context's tensors)";
             if self.is_view() {
                 Error::NotAllocated(format!(
-                    "{} views {}, which has no memory",
+                    "{} views {}, which has no memory; {fix}",
                     self.label(),
                     owner.label()
                 ))
             } else {
-                Error::NotAllocated(format!("{} has no memory", self.label()))
+                Error::NotAllocated(format!("{} has no memory; {fix}", self.label()))
             }
         })?;
         if storage.buffer.is_freed() || storage.buffer.generation() != storage.generation {
@@ -591,7 +639,9 @@ impl Tensor {
     pub fn write_bytes(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.check_byte_range(offset, data.len(), "write")?;
         let storage = self.storage()?;
-        storage.buffer.write(storage.offset + offset, data)
+        storage.buffer.write(storage.offset + offset, data)?;
+        self.note_written();
+        Ok(())
     }
 
     /// Reads raw bytes at `offset` within the tensor's span (ggml's `tensor_get`).
@@ -605,7 +655,9 @@ impl Tensor {
     pub fn fill_bytes(&self, offset: usize, len: usize, value: u8) -> Result<()> {
         self.check_byte_range(offset, len, "memset")?;
         let storage = self.storage()?;
-        storage.buffer.fill(storage.offset + offset, len, value)
+        storage.buffer.fill(storage.offset + offset, len, value)?;
+        self.note_written();
+        Ok(())
     }
 
     /// Reads all elements as f32 in logical order (any layout, any dtype).
@@ -689,6 +741,176 @@ impl Tensor {
             }
         }
         Ok(())
+    }
+}
+
+/// The value clock: every write, compute and binding takes the next tick (see the module
+/// documentation, "Current values").
+static VALUE_CLOCK: AtomicU64 = AtomicU64::new(0);
+
+/// The tick of the latest write from outside a compute, to any tensor: when it is older than a
+/// result, no input of that result can have changed since it was computed.
+static LAST_WRITE: AtomicU64 = AtomicU64::new(0);
+
+fn tick() -> u64 {
+    VALUE_CLOCK.fetch_add(1, Ordering::AcqRel) + 1
+}
+
+/// Records that `nodes` were computed, in this order (a graph's nodes after a successful
+/// compute): each non-view node takes the next tick; a view node that writes through to its
+/// source (`cpy`, `set_rows` into a cache) stamps the source. Leaves and pure views (reshape,
+/// view, permute, transpose) have no value of their own and are skipped. One atomic add for
+/// the whole call plus one store per node: counters, never copies.
+pub fn mark_computed(nodes: &[Tensor]) {
+    let n = nodes.len() as u64;
+    if n == 0 {
+        return;
+    }
+    let base = VALUE_CLOCK.fetch_add(n, Ordering::AcqRel) + 1;
+    for (stamp, node) in (base..).zip(nodes) {
+        match node.view_src() {
+            None if !matches!(node.op(), Op::None) => {
+                node.0.computed_at.store(stamp, Ordering::Release);
+            }
+            Some(root) if !node.op().is_view_op() => {
+                root.0.computed_at.fetch_max(stamp, Ordering::AcqRel);
+            }
+            _ => {}
+        }
+    }
+}
+
+impl Tensor {
+    /// The tensor whose bytes this one reads: the view source, or the tensor itself.
+    fn value_owner(&self) -> &Tensor {
+        self.0.view_src.as_ref().unwrap_or(self)
+    }
+
+    /// The tick of the tensor's latest value (written or computed; 0 for never).
+    fn value_tick(&self) -> u64 {
+        let node = &self.0;
+        node.written_at
+            .load(Ordering::Acquire)
+            .max(node.computed_at.load(Ordering::Acquire))
+    }
+
+    fn note_bound(&self) {
+        self.0.bound_at.store(tick(), Ordering::Release);
+        *lock(&self.0.overwritten_by) = None;
+    }
+
+    /// Records that the tensor's bytes (a view's source's) were written from outside a
+    /// compute: `set`, `tensor_set`, a copy. Results computed from it before become stale.
+    pub fn note_written(&self) {
+        let stamp = tick();
+        self.value_owner()
+            .0
+            .written_at
+            .store(stamp, Ordering::Release);
+        LAST_WRITE.fetch_max(stamp, Ordering::AcqRel);
+    }
+
+    /// Records that `later`, a node computed after this tensor in an allocated graph, shares
+    /// some of its bytes (set by the graph allocator; cleared when the tensor is bound again).
+    pub(crate) fn set_overwritten_by(&self, later: &Tensor) {
+        *lock(&self.0.overwritten_by) = Some(Arc::downgrade(&later.0));
+    }
+
+    /// Forgets a recorded overwriting node (before the allocator records them afresh).
+    pub(crate) fn clear_overwritten_by(&self) {
+        *lock(&self.0.overwritten_by) = None;
+    }
+
+    /// The byte range the tensor's own binding covers: `(buffer id, offset, nbytes)`; `None`
+    /// for views and unbound tensors.
+    pub(crate) fn bound_span(&self) -> Option<(u64, usize, usize)> {
+        if self.is_view() {
+            return None;
+        }
+        lock(&self.0.storage)
+            .as_ref()
+            .map(|s| (s.buffer.id(), s.offset, self.nbytes()))
+    }
+
+    /// Checks that reading the tensor gives its current value, not bytes that belong to
+    /// something else or were never computed (see the module documentation, "Current
+    /// values"). Errors, each naming the tensor and the fix:
+    ///
+    /// * [`Error::NotAllocated`] / [`Error::Stale`] as [`Tensor::storage`] (no memory; buffer
+    ///   freed or reset);
+    /// * [`Error::Stale`] for a result not computed since its memory was bound;
+    /// * [`Error::Stale`] for a tensor whose memory the allocator's plan gave to a later node
+    ///   that has been computed since;
+    /// * [`Error::Stale`] for a result computed before one of the tensors it depends on was
+    ///   last written.
+    ///
+    /// Backends call this from user-facing reads (the Python `numpy()`); kernels never do.
+    pub fn check_current(&self) -> Result<()> {
+        let owner = self.value_owner();
+        if !owner.binding_is_live() {
+            // The storage error (no memory; buffer freed or reset), with its message.
+            self.storage()?;
+        }
+        let value = owner.value_tick();
+        let is_result = !matches!(owner.op(), Op::None);
+        // Labels are built on the error paths only: a read that is current pays for ticks.
+        let what = || {
+            if self.same(owner) {
+                self.label()
+            } else {
+                format!("{} (a view of {})", self.label(), owner.label())
+            }
+        };
+        if is_result && (value == 0 || value < owner.0.bound_at.load(Ordering::Acquire)) {
+            return Err(Error::Stale(format!(
+                "{} has not been computed since its memory was allocated; compute its graph \
+                 (backend.graph_compute(graph) or scheduler.graph_compute(graph)) before reading \
+                 it",
+                what()
+            )));
+        }
+        let overwriter = lock(&owner.0.overwritten_by)
+            .as_ref()
+            .and_then(Weak::upgrade)
+            .map(Tensor);
+        if let Some(later) = overwriter {
+            if later.value_tick() > value {
+                return Err(Error::Stale(format!(
+                    "{} no longer holds its value: the allocator gave its memory to {}, which \
+                     a later step of the graph has written since; call set_output() on it \
+                     before allocating the graph to keep it",
+                    what(),
+                    later.label()
+                )));
+            }
+        }
+        if is_result && LAST_WRITE.load(Ordering::Acquire) > value {
+            if let Some(changed) = owner.dependency_written_after(value) {
+                return Err(Error::Stale(format!(
+                    "{} was computed before {} was last set; compute its graph again to read a \
+                     current value",
+                    what(),
+                    changed.label()
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// A tensor this one depends on (through operands and view sources) written after `since`.
+    fn dependency_written_after(&self, since: u64) -> Option<Tensor> {
+        let mut seen = std::collections::HashSet::new();
+        let mut pending: Vec<&Tensor> = self.srcs().iter().chain(self.view_src()).collect();
+        while let Some(t) = pending.pop() {
+            if !seen.insert(t.id()) {
+                continue;
+            }
+            if t.0.written_at.load(Ordering::Acquire) > since {
+                return Some(t.clone());
+            }
+            pending.extend(t.srcs().iter().chain(t.view_src()));
+        }
+        None
     }
 }
 

@@ -71,13 +71,19 @@ pub fn weights() -> Result<Weights> {
     })
 }
 
-/// The encoder graph for `batch` sequences, built in a fresh context.
+/// The encoder graph for `batch` sequences of the bench's length (128), in a fresh context.
+#[allow(dead_code)] // each bench uses one of the two builders
 pub fn encoder(w: &Weights, batch: usize) -> Result<Graph> {
+    encoder_seq(w, batch, SEQ)
+}
+
+/// The encoder graph for `batch` sequences of `seq` tokens, built in a fresh context.
+pub fn encoder_seq(w: &Weights, batch: usize, seq: usize) -> Result<Graph> {
     let ctx = Context::new(true);
-    let mut x = ctx.new_tensor(DType::F32, &[HIDDEN, SEQ, batch])?;
+    let mut x = ctx.new_tensor(DType::F32, &[HIDDEN, seq, batch])?;
     x.set_input();
     x.set_name("embeddings");
-    let mask = ctx.new_tensor(DType::F32, &[SEQ, SEQ])?;
+    let mask = ctx.new_tensor(DType::F32, &[seq, seq])?;
     mask.set_input();
     mask.set_name("mask");
     let scale = 1.0 / (HEAD_DIM as f32).sqrt();
@@ -86,18 +92,18 @@ pub fn encoder(w: &Weights, batch: usize) -> Result<Graph> {
             ops::add(&ctx, &ops::mul_mat(&ctx, &l.w[i], x)?, &l.b[i])
         };
         let heads = |t: Tensor| -> Result<Tensor> {
-            let t = ops::reshape(&ctx, &t, &[HEAD_DIM, HEADS, SEQ, batch])?;
+            let t = ops::reshape(&ctx, &t, &[HEAD_DIM, HEADS, seq, batch])?;
             ops::permute(&ctx, &t, [0, 2, 1, 3])
         };
         let q = heads(proj(0, &x)?)?;
         let k = heads(proj(1, &x)?)?;
-        let v = ops::reshape(&ctx, &proj(2, &x)?, &[HEAD_DIM, HEADS, SEQ, batch])?;
-        let v = ops::cont(&ctx, &ops::permute(&ctx, &v, [1, 2, 0, 3])?)?; // [SEQ, HEAD_DIM, HEADS, batch]
-        let kq = ops::mul_mat(&ctx, &k, &q)?; // [SEQ_k, SEQ_q, HEADS, batch]
+        let v = ops::reshape(&ctx, &proj(2, &x)?, &[HEAD_DIM, HEADS, seq, batch])?;
+        let v = ops::cont(&ctx, &ops::permute(&ctx, &v, [1, 2, 0, 3])?)?; // [seq, HEAD_DIM, HEADS, batch]
+        let kq = ops::mul_mat(&ctx, &k, &q)?; // [seq_k, seq_q, HEADS, batch]
         let kq = ops::soft_max(&ctx, &kq, Some(&mask), scale, 0.0)?;
-        let kqv = ops::mul_mat(&ctx, &v, &kq)?; // [HEAD_DIM, SEQ, HEADS, batch]
+        let kqv = ops::mul_mat(&ctx, &v, &kq)?; // [HEAD_DIM, seq, HEADS, batch]
         let merged = ops::permute(&ctx, &kqv, [0, 2, 1, 3])?;
-        let merged = ops::cont_shape(&ctx, &merged, &[HIDDEN, SEQ, batch])?;
+        let merged = ops::cont_shape(&ctx, &merged, &[HIDDEN, seq, batch])?;
         let h = ops::add(&ctx, &proj(3, &merged)?, &x)?;
         let h = ops::norm(&ctx, &h, 1e-12)?;
         let h = ops::add(&ctx, &ops::mul(&ctx, &h, &l.ln[0])?, &l.ln[1])?;

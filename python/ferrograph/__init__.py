@@ -366,3 +366,9 @@ __all__ = [
 # ``fg.models`` (sentence encoders) without a separate import; last, because its modules build
 # on the names above. Its heavy dependencies (safetensors, tokenizers) load only with a model.
 from . import models as models  # noqa: E402  (a re-export)
+
+
+def __dir__() -> list[str]:
+    """The public API (``__all__`` and the ``models`` package), not the modules this package
+    imports for its own use (``np``, ``os``, ``sys``...)."""
+    return sorted({*__all__, "models", "__version__"})

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import sys
 import time
@@ -145,6 +146,18 @@ def _read_sentences(args: argparse.Namespace) -> list[str]:
     return sentences
 
 
+def _write_embeddings(path: str, sentences: list[str], embeddings: npt.NDArray[np.float32]) -> None:
+    """Writes ``embeddings`` to ``path``: a ``.npy`` array, else JSON lines
+    (``{"sentence": ..., "embedding": [...]}`` per sentence, in input order)."""
+    if path.endswith(".npy"):
+        np.save(path, embeddings)
+        return
+    with open(path, "w", encoding="utf-8") as out:
+        for sentence, row in zip(sentences, embeddings, strict=True):
+            record = {"sentence": sentence, "embedding": [float(v) for v in row]}
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+
+
 def _label(text: str, width: int) -> str:
     text = " ".join(text.split())
     return text if len(text) <= width else text[: width - 1] + "…"
@@ -210,7 +223,12 @@ def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
     from . import models
     from .models import minilm
 
-    sentences = _read_sentences(args)
+    try:
+        sentences = _read_sentences(args)
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) and error.strerror else error
+        print(f"error: cannot read --file {args.file}: {reason}", file=sys.stderr)
+        return EMBED_EXIT_MISSING
     if not sentences:
         print("error: no sentences given (pass them as arguments or with --file)", file=sys.stderr)
         return EMBED_EXIT_MISSING
@@ -255,9 +273,15 @@ def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
     progress = args.progress or len(sentences) > _PROGRESS_THRESHOLD
     start = time.perf_counter()
     embeddings = model.encode(
-        sentences, batch_size=args.batch_size, progress=progress, profile=args.profile
+        sentences, batch_size=args.batch_size, show_progress_bar=progress, profile=args.profile
     )
     encode_s = time.perf_counter() - start
+    if args.output is not None:
+        try:
+            _write_embeddings(args.output, sentences, embeddings)
+        except OSError as error:
+            print(f"error: cannot write --output {args.output}: {error.strerror}", file=sys.stderr)
+            return EMBED_EXIT_MISSING
     print_similarity(sentences, embeddings)
     print(
         f"{len(sentences)} sentence(s) embedded in {encode_s * 1e3:.1f} ms "
@@ -614,6 +638,12 @@ def build_parser() -> argparse.ArgumentParser:
     embed_parser.add_argument("sentences", nargs="*", help="sentences to embed")
     embed_parser.add_argument(
         "--file", help="read more sentences from a file, one per line ('-' for stdin)"
+    )
+    embed_parser.add_argument(
+        "--output",
+        default=None,
+        help="also write the embeddings to this file: a .npy array, else JSON lines "
+        '({"sentence": ..., "embedding": [...]} per line)',
     )
     embed_parser.add_argument(
         "--dtype",

@@ -16,6 +16,7 @@ from typing import Any, ClassVar, Final
 import numpy as np
 
 from . import _core
+from .errors import DTypeError
 
 __all__ = [
     "DType",
@@ -112,6 +113,43 @@ class DType:
         else:
             self.numpy_dtype = np.dtype(numpy_name)
         return self
+
+    @property
+    def dtype(self) -> np.dtype[Any]:
+        """The equivalent numpy dtype, so ``np.dtype(fg.float32)`` works (numpy reads this
+        attribute). Block-quantized types have none: DTypeError says so; bf16 needs the
+        ``ml_dtypes`` package."""
+        if self.is_quantized:
+            raise DTypeError(
+                f"{self.name} is a block-quantized type ({self.block_size} values in "
+                f"{self.type_size} bytes) with no numpy equivalent; its tensors read as float32"
+            )
+        if self.name == "bf16" and self.numpy_dtype is not None and self.numpy_dtype.kind == "u":
+            raise DTypeError(
+                "bf16 has a numpy equivalent only with the ml_dtypes package (pip install "
+                "ml_dtypes); without it bf16 tensors read as uint16 bit patterns"
+            )
+        assert self.numpy_dtype is not None
+        return self.numpy_dtype
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to itself and to every spelling of the same type: numpy types and dtypes
+        (``np.float32``, ``np.dtype("float32")``), names (``"f32"``, ``"float32"``)."""
+        if isinstance(other, DType):
+            return other is self
+        try:
+            return DType(other) is self
+        except (TypeError, ValueError):
+            return False
+
+    def __ne__(self, other: object) -> bool:
+        return not self == other
+
+    def __hash__(self) -> int:
+        # Equal to numpy's dtype hash where there is one, so sets and dicts agree with ==.
+        if self.numpy_dtype is not None and not self.is_quantized:
+            return hash(self.numpy_dtype)
+        return hash(self.name)
 
     @property
     def __ferrograph_dtype__(self) -> str:

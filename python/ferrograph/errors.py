@@ -99,7 +99,15 @@ class OutOfBoundsError(Error, IndexError):
 
 
 class StaleTensorError(Error, RuntimeError):
-    """A tensor whose memory was released (its buffer freed or reset)."""
+    """A tensor whose memory does not hold its value, raised when it is read (``numpy()``,
+    ``np.asarray``, ``tensor_get``). The message names the tensor and the fix:
+
+    * its buffer was freed or reset (allocate again, then compute);
+    * the graph allocator gave its memory to a later node that has run since: an intermediate
+      is kept only when marked with ``set_output()`` before the graph is allocated;
+    * it is a result not computed since its memory was allocated: compute the graph first;
+    * it was computed before one of the tensors it depends on was last set: compute again.
+    """
 
 
 class NotAllocatedError(Error, RuntimeError):

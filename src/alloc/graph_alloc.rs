@@ -786,6 +786,8 @@ impl GraphAllocator {
             }
             self.bind(node, &entry.place, &our_buffers)?;
         }
+        // Which tensors later nodes overwrite: reads of them after a compute raise.
+        super::record_overwrites(graph);
         Ok(())
     }
 

@@ -279,6 +279,7 @@ impl Backend for BlasBackend {
         for node in graph.nodes() {
             self.compute_node(node, &pool)?;
         }
+        crate::tensor::mark_computed(graph.nodes());
         Ok(Status::Success)
     }
 

@@ -176,6 +176,11 @@ pub fn compute_graph(
         }
         Ok(Status::Success)
     })
+    .inspect(|status| {
+        if *status == Status::Success {
+            crate::tensor::mark_computed(nodes);
+        }
+    })
 }
 
 /// Leaves and view ops: nothing to compute.

@@ -944,6 +944,7 @@ fn run_custom(py: Python<'_>, t: T<'_>) -> PyResult<()> {
     };
     let op = op.0.clone();
     py.detach(|| guard("run_custom", || op.compute(&tensor, tensor.srcs())))?;
+    crate::tensor::mark_computed(std::slice::from_ref(&tensor));
     Ok(())
 }
 

@@ -654,11 +654,11 @@ impl Backend for PluginBackend {
                 }
             },
         )?;
-        Ok(if aborted {
-            Status::Aborted
-        } else {
-            Status::Success
-        })
+        if aborted {
+            return Ok(Status::Aborted);
+        }
+        crate::tensor::mark_computed(graph.nodes());
+        Ok(Status::Success)
     }
 
     fn synchronize(&self) -> Result<()> {

@@ -492,7 +492,9 @@ impl PyScheduler {
         })??)
     }
 
-    /// Splits and allocates `graph` (compute does this automatically when needed).
+    /// Splits `graph` and binds every tensor that needs compute memory. Call it, then set the
+    /// graph's inputs, then compute: allocation gives inputs fresh (zero-filled) memory, so
+    /// values set before it are lost.
     fn alloc_graph(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<()> {
         let graph = graph.inner.clone();
         self.with(py, |s| {

@@ -99,8 +99,10 @@ fn write_logical(t: &Tensor, src: &[u8]) -> Result<()> {
 
 /// A copy of the tensor's data as a numpy array (quantized types dequantize to f32).
 pub(crate) fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyAny>> {
-    // Check the storage first so an unallocated tensor raises NotAllocatedError.
-    t.storage()?;
+    // Check first: an unallocated tensor raises NotAllocatedError; one whose bytes do not hold
+    // its value (never computed, overwritten by a later node, older than its inputs) raises
+    // StaleTensorError naming it and the fix.
+    t.check_current()?;
     let shape = PyTuple::new(py, t.shape())?;
     let large = t.nbytes() >= DETACH_THRESHOLD;
     if t.dtype().is_quantized() {
@@ -242,6 +244,16 @@ pub(crate) fn op_params<'py>(py: Python<'py>, op: &Op) -> PyResult<Bound<'py, Py
         _ => {}
     }
     Ok(d)
+}
+
+/// Calls `ferrograph.ops.<name>(*args)`: the operators are graph builders written in Python
+/// over the op builders.
+fn surface<'py>(
+    py: Python<'py>,
+    name: &str,
+    args: impl pyo3::call::PyCallArgs<'py>,
+) -> PyResult<Bound<'py, PyAny>> {
+    py.import("ferrograph.ops")?.getattr(name)?.call1(args)
 }
 
 fn html_escape(s: &str) -> String {
@@ -622,6 +634,142 @@ impl PyTensor {
 
     fn __hash__(&self) -> u64 {
         self.inner.id()
+    }
+
+    // ----- numpy-style operators: graph builders defined in `ferrograph.ops` -----
+
+    /// numpy refuses to treat a Tensor as an array operand (`np.add(t, x)` raises TypeError)
+    /// so `array + tensor` reaches `Tensor.__radd__`, which explains what to do.
+    #[classattr]
+    fn __array_ufunc__() -> Option<bool> {
+        None
+    }
+
+    /// Number of elements (numpy's `size`).
+    #[getter]
+    fn size(&self) -> usize {
+        self.inner.nelements()
+    }
+
+    /// Length of the first axis (numpy's `len`).
+    fn __len__(&self) -> usize {
+        self.inner.shape().first().copied().unwrap_or(1)
+    }
+
+    /// Always true: a tensor is a graph node, never an ambiguous truth value (`if t:` means
+    /// "is there a tensor", as for any object).
+    fn __bool__(&self) -> bool {
+        true
+    }
+
+    /// All axes reversed (numpy's `.T`): a permuted view.
+    #[getter(T)]
+    fn transposed<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_reversed_axes", (slf,))
+    }
+
+    /// numpy's `reshape(*shape)` (one `-1` allowed): a view of a contiguous tensor, else of a
+    /// contiguous copy (`cont`).
+    #[pyo3(signature = (*shape))]
+    fn reshape<'py>(
+        slf: &Bound<'py, Self>,
+        shape: &Bound<'py, PyTuple>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_reshape_method", (slf, shape))
+    }
+
+    /// Basic indexing (ints, slices with a positive step, `...`) as a view; see
+    /// `ferrograph.ops` for what the layout allows.
+    fn __getitem__<'py>(
+        slf: &Bound<'py, Self>,
+        key: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_getitem", (slf, key))
+    }
+
+    /// `-a`: `ops.neg(a)`.
+    fn __neg__<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "neg", (slf,))
+    }
+
+    /// `a + b` with numpy broadcasting; `b` may be a Python number.
+    fn __add__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("add", slf, other, false))
+    }
+
+    /// `b + a` for a Python number `b`.
+    fn __radd__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("add", slf, other, true))
+    }
+
+    /// `a - b` with numpy broadcasting; `b` may be a Python number.
+    fn __sub__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("sub", slf, other, false))
+    }
+
+    /// `b - a` for a Python number `b`.
+    fn __rsub__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("sub", slf, other, true))
+    }
+
+    /// `a * b` with numpy broadcasting; `b` may be a Python number.
+    fn __mul__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("mul", slf, other, false))
+    }
+
+    /// `b * a` for a Python number `b`.
+    fn __rmul__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("mul", slf, other, true))
+    }
+
+    /// `a / b` with numpy broadcasting; `b` may be a Python number.
+    fn __truediv__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("div", slf, other, false))
+    }
+
+    /// `b / a` for a Python number `b`.
+    fn __rtruediv__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("div", slf, other, true))
+    }
+
+    /// `a @ b`: `np.matmul`, batch axes broadcast (`ops.matmul`).
+    fn __matmul__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("matmul", slf, other, false))
+    }
+
+    /// `b @ a` (only tensors take part in `@`).
+    fn __rmatmul__<'py>(
+        slf: &Bound<'py, Self>,
+        other: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        surface(slf.py(), "_operator", ("matmul", slf, other, true))
     }
 
     fn __richcmp__(&self, other: &Bound<'_, PyAny>, op: CompareOp) -> Py<PyAny> {

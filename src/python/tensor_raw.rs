@@ -76,6 +76,8 @@ pub(crate) fn read_raw_bytes<'py>(
     let size = size.unwrap_or_else(|| tensor.nbytes().saturating_sub(offset));
     // Checked before the output is allocated: `size` is the caller's number.
     tensor.check_byte_range(offset, size, "read")?;
+    // Bytes that are not the tensor's value (see `Tensor::check_current`) are refused.
+    tensor.check_current()?;
     let mut out = vec![0u8; size];
     py.detach(|| read(&mut out))?;
     Ok(PyBytes::new(py, &out))

@@ -91,6 +91,9 @@ impl Run<'_> {
             if status != Status::Success {
                 return Ok(status);
             }
+            // The caller's nodes of the split hold their results now (shadows computed into
+            // their memory), before the next split's copies are written.
+            crate::tensor::mark_computed(&self.graph.nodes()[split.nodes.clone()]);
             if let Some(event) = self.event(b) {
                 event.record(backend)?;
             }
@@ -120,6 +123,8 @@ impl Run<'_> {
                 return Ok(status);
             }
             backend.synchronize()?;
+            // The callback may read the node it asked for: it is computed now.
+            crate::tensor::mark_computed(&self.graph.nodes()[first_node + start..first_node + end]);
             if wanted < n && !callback(original(wanted), false) {
                 return Ok(Status::Aborted);
             }
@@ -160,6 +165,7 @@ impl Run<'_> {
             if status != Status::Success {
                 return Ok(status);
             }
+            crate::tensor::mark_computed(std::slice::from_ref(original));
             if wanted {
                 if let Some(cb) = callback.as_deref_mut() {
                     if !cb(original, false) {

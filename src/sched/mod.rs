@@ -757,6 +757,11 @@ impl Scheduler {
                 original.bind(&storage.buffer, storage.offset)?;
             }
         }
+        // The caller's tensors now share the shadows' memory: record which ones later nodes
+        // or copies overwrite, so reading them after a compute raises instead of returning
+        // other bytes.
+        let allocated = internal.graph.as_ref().unwrap_or(&inst.graph);
+        crate::alloc::record_overwrites_as(allocated, &internal.bindings);
         Ok(())
     }
 

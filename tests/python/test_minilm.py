@@ -161,7 +161,7 @@ def test_batching_and_order_do_not_change_results(reference: dict[str, Any]) -> 
     model = model_for("f32")
     sentences = reference["sentences"]
     together = model.encode(sentences, batch_size=32)
-    one_by_one = np.concatenate([model.encode(s) for s in sentences])
+    one_by_one = np.stack([model.encode(s) for s in sentences])
     reversed_ = model.encode(sentences[::-1], batch_size=5)[::-1]
     np.testing.assert_allclose(together, one_by_one, atol=2e-6)
     np.testing.assert_allclose(together, reversed_, atol=2e-6)
@@ -221,11 +221,12 @@ def test_weights_are_in_a_weights_buffer() -> None:
 def test_edge_inputs() -> None:
     model = model_for("f32")
     assert model.encode([]).shape == (0, 384)
-    assert model.encode("one string").shape == (1, 384)
+    assert model.encode("one string").shape == (384,)  # 1-d, as sentence-transformers
+    assert model.encode(["one string"]).shape == (1, 384)
     with pytest.raises(ValueError):
         model.encode(["x"], batch_size=0)
     seen: list[tuple[int, int]] = []
-    model.encode(["a", "b", "c"], batch_size=2, progress=lambda d, t: seen.append((d, t)))
+    model.encode(["a", "b", "c"], batch_size=2, show_progress_bar=lambda d, t: seen.append((d, t)))
     assert seen == [(2, 3), (3, 3)]
 
 

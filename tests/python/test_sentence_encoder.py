@@ -781,10 +781,10 @@ def test_max_seq_length_override(model_dirs: dict[str, Path]) -> None:
     assert model.max_seq_length == 10
     long = SENTENCES[-2]
     assert model.tokenize([long]).lengths[0] == 10
-    short = model.encode(long)
+    short = model.encode([long])
     model.max_seq_length = 40
     assert model.tokenize([long]).lengths[0] == 40
-    longer = model.encode(long)
+    longer = model.encode([long])
     assert cosines(short, longer)[0] < 0.9999  # the setting really changed the input
     np.testing.assert_allclose(longer, reference_vectors(model, [long]), atol=2e-5)
     for bad in (1, 65, 2.5, True):
@@ -856,10 +856,26 @@ def test_encode_arguments(model_dirs: dict[str, Path]) -> None:
     model = SentenceEncoder(model_dirs["v6-gelu_new-cls"])
     assert model.dim == 48
     assert model.encode([]).shape == (0, 48)
-    assert model.encode("one").shape == (1, 48)
+    one = model.encode("one")
+    assert one.shape == (48,)  # a single string gives one vector, as sentence-transformers
+    np.testing.assert_array_equal(one, model.encode(["one"])[0])
     seen: list[tuple[int, int]] = []
-    model.encode(["a", "b", "c"], batch_size=2, progress=lambda d, t: seen.append((d, t)))
+    model.encode(["a", "b", "c"], batch_size=2, show_progress_bar=lambda d, t: seen.append((d, t)))
     assert seen == [(2, 3), (3, 3)]
+    # sentence-transformers' argument names, with its meanings
+    many = model.encode(["a b", "c"], convert_to_numpy=True, normalize_embeddings=True)
+    np.testing.assert_allclose(np.linalg.norm(many, axis=1), 1, rtol=1e-5)
+    plain = model.encode(["a b", "c"])
+    np.testing.assert_allclose(
+        many, plain / np.linalg.norm(plain, axis=1, keepdims=True), rtol=1e-5
+    )
+    listed = model.encode(["a b", "c"], convert_to_numpy=False)
+    assert isinstance(listed, list) and len(listed) == 2 and listed[0].shape == (48,)
+    np.testing.assert_array_equal(np.stack(listed), plain)
+    # the older name still reports progress
+    older: list[tuple[int, int]] = []
+    model.encode(["a"], progress=lambda d, t: older.append((d, t)))
+    assert older == [(1, 1)]
     with pytest.raises(fg.InvalidArgumentError, match="batch_size"):
         model.encode(["x"], batch_size=0)
     with pytest.raises(fg.InvalidArgumentError, match="sentence 1"):

@@ -688,12 +688,15 @@ class SentenceEncoder:
         self,
         sentences: str | Sequence[str],
         batch_size: int = 32,
-        progress: bool | Progress = False,
+        show_progress_bar: bool | Progress | None = None,
         *,
         prompt_name: str | None = None,
         prompt: str | None = None,
+        convert_to_numpy: bool = True,
+        normalize_embeddings: bool = False,
         profile: bool = False,
-    ) -> npt.NDArray[np.float32]:
+        progress: bool | Progress | None = None,
+    ) -> Any:
         """Embeds sentences.
 
         Parameters
@@ -703,9 +706,9 @@ class SentenceEncoder:
         batch_size
             Sentences per graph run. Sentences are sorted by token count first so a batch
             pads little; the result keeps the input order.
-        progress
+        show_progress_bar
             ``True`` draws a bar on stderr; a callable is called with (done, total) after
-            each batch.
+            each batch; ``None``/``False`` reports nothing (sentence-transformers' name).
         prompt_name, prompt
             Text prepended to every sentence, as sentence-transformers' ``encode`` takes it:
             ``prompt`` itself, else the model's prompt named ``prompt_name``, else the
@@ -716,12 +719,21 @@ class SentenceEncoder:
             ``True`` times every graph node (see :class:`ferrograph.Profile`; the run is
             slower while profiled) and leaves the profile of all batches in
             :attr:`last_profile`.
+        convert_to_numpy
+            ``True`` (the default): one array; ``False``: a list of 1-d arrays, one per
+            sentence (sentence-transformers' meaning, with numpy arrays for its tensors).
+        normalize_embeddings
+            Scale every embedding to unit length (as sentence-transformers does); models
+            with a Normalize module already return unit vectors.
+        progress
+            The older name of ``show_progress_bar`` (used when that is not given).
 
         Returns
         -------
         numpy.ndarray
-            ``(len(sentences), dim)`` float32 (``(1, dim)`` for one string); unit vectors when
-            the model has a Normalize module.
+            ``(len(sentences), dim)`` float32, or ``(dim,)`` for a single string (as
+            sentence-transformers returns it); unit vectors when the model has a Normalize
+            module or ``normalize_embeddings`` is true.
 
         Raises
         ------
@@ -731,8 +743,31 @@ class SentenceEncoder:
             the model's own ``max_seq_length`` exceeds them), or a left-out prompt that fills
             a whole sentence.
         """
-        if isinstance(sentences, str):
-            sentences = [sentences]
+        single = isinstance(sentences, str)
+        if single:
+            sentences = [sentences]  # type: ignore[list-item]
+        if show_progress_bar is None:
+            show_progress_bar = progress
+        out = self._encode_all(
+            sentences, batch_size, show_progress_bar, prompt_name, prompt, profile
+        )
+        if normalize_embeddings and len(out):
+            norms = np.linalg.norm(out, axis=1, keepdims=True)
+            out = (out / np.where(norms == 0, 1, norms)).astype(np.float32)
+        if single:
+            return out[0]
+        return out if convert_to_numpy else list(out)
+
+    def _encode_all(
+        self,
+        sentences: Sequence[str],
+        batch_size: int,
+        progress: bool | Progress | None,
+        prompt_name: str | None,
+        prompt: str | None,
+        profile: bool,
+    ) -> npt.NDArray[np.float32]:
+        """:meth:`encode` for a list of sentences: ``(n, dim)``."""
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise fg.InvalidArgumentError(f"batch_size must be at least 1, got {batch_size!r}")
         sentences = list(sentences)
@@ -752,7 +787,7 @@ class SentenceEncoder:
         report: Progress | None
         if progress is True:
             report = ProgressBar("embedding")
-        elif progress is False:
+        elif progress is False or progress is None:
             report = None
         else:
             report = progress

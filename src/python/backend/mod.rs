@@ -333,7 +333,10 @@ impl PyBackend {
         let (backend, t) = (self.inner.clone(), tensor.inner.clone());
         with_raw_bytes(py, data, |bytes| {
             backend.set_tensor_async(&t, offset, bytes)
-        })
+        })?;
+        // Backends that queue the bytes (remote) do not go through `write_bytes`.
+        t.note_written();
+        Ok(())
     }
 
     /// Reads `size` bytes of `tensor` at `offset` (all of it by default) as bytes.
