@@ -970,6 +970,15 @@ pub fn acc(
             describe(a)
         )));
     }
+    // Strides and offset in whole f32 elements (as a view requires): a cut element would be
+    // written as garbage.
+    let element = DType::F32.type_size();
+    if [nb1, nb2, nb3, offset].iter().any(|v| v % element != 0) {
+        return Err(Error::Shape(format!(
+            "ACC: strides {nb1}, {nb2}, {nb3} and offset {offset} must be multiples of the \
+             {element}-byte f32 element"
+        )));
+    }
     let region = crate::tensor::span_bytes(DType::F32, &b.ne(), &[4, nb1, nb2, nb3]);
     if offset
         .checked_add(region)
@@ -1247,10 +1256,14 @@ pub fn rms_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
 pub fn group_norm(ctx: &Context, a: &Tensor, n_groups: usize, eps: f32) -> Result<Tensor> {
     check_eps("GROUP_NORM", eps)?;
     require_dtype("GROUP_NORM", a, &[DType::F32])?;
-    if n_groups == 0 {
-        return Err(Error::InvalidArgument(
-            "GROUP_NORM: n_groups must be at least 1".into(),
-        ));
+    // The kernel's work grows with the number of groups: bounded by the channels (axis 2), so
+    // no group is empty and a small tensor cannot ask for unbounded work.
+    let channels = a.ne()[2].max(1);
+    if n_groups == 0 || n_groups > channels {
+        return Err(Error::InvalidArgument(format!(
+            "GROUP_NORM: n_groups must be between 1 and the {channels} channels of {}, not {n_groups}",
+            describe(a)
+        )));
     }
     elementwise(ctx, a, Op::GroupNorm { n_groups, eps })
 }
