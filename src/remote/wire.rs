@@ -157,15 +157,24 @@ thread_local! {
     /// The most tensors a graph may have while decoding on this thread (see
     /// [`with_decode_limit`]).
     static DECODE_MAX_TENSORS: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// The tensor count a decode refused (the decoder's own error loses the message).
+    static DECODE_REFUSED: Cell<Option<usize>> = const { Cell::new(None) };
 }
 
 /// Runs `f` (a decode of metadata) with graphs limited to `max_tensors` tensors: a longer
-/// tensor list is refused as soon as its length is read, before any tensor is decoded.
-pub fn with_decode_limit<T>(max_tensors: usize, f: impl FnOnce() -> T) -> T {
+/// tensor list is refused as soon as its length is read, before any tensor is decoded, with an
+/// error that says so.
+pub fn with_decode_limit<T>(max_tensors: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
     let before = DECODE_MAX_TENSORS.with(|c| c.replace(max_tensors));
+    DECODE_REFUSED.with(|c| c.set(None));
     let result = f();
     DECODE_MAX_TENSORS.with(|c| c.set(before));
-    result
+    match (result, DECODE_REFUSED.with(Cell::take)) {
+        (Err(_), Some(n)) => Err(Error::InvalidArgument(format!(
+            "a graph of {n} tensors exceeds the limit of {max_tensors}"
+        ))),
+        (result, _) => result,
+    }
 }
 
 fn bounded_tensors<'de, D: Deserializer<'de>>(
@@ -186,6 +195,7 @@ fn bounded_tensors<'de, D: Deserializer<'de>>(
             use serde::de::Error as _;
             let max = DECODE_MAX_TENSORS.with(Cell::get);
             let too_many = |n: usize| {
+                DECODE_REFUSED.with(|c| c.set(Some(n)));
                 A::Error::custom(format!("a graph of {n} tensors exceeds the limit of {max}"))
             };
             let announced = seq.size_hint().unwrap_or(0);
