@@ -447,9 +447,12 @@ fn wrong_token_version_or_build_is_refused() {
 
     // Another protocol version learns why, and nothing more.
     let mut s = TcpStream::connect(srv.addr()).unwrap();
-    let err = client_handshake(&mut s, TOKEN, Role::Client, PROTOCOL_VERSION + 1, "srv")
-        .unwrap_err();
-    assert!(err.to_string().contains("protocol version mismatch"), "{err}");
+    let err =
+        client_handshake(&mut s, TOKEN, Role::Client, PROTOCOL_VERSION + 1, "srv").unwrap_err();
+    assert!(
+        err.to_string().contains("protocol version mismatch"),
+        "{err}"
+    );
     let mut raw = Raw::connect(srv.addr(), TOKEN, Role::Client).unwrap();
     let (h, m) = raw
         .hello(PROTOCOL_VERSION + 1, ferrograph::dynload::abi_fingerprint())
@@ -795,7 +798,9 @@ fn fuzzed_sessions_leave_the_server_serving() {
     runner
         .run(&prop::collection::vec(any::<u8>(), 0..300), |bytes| {
             let mut plain = TcpStream::connect(srv.addr()).unwrap();
-            plain.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            plain
+                .set_read_timeout(Some(Duration::from_secs(10)))
+                .unwrap();
             let _ = plain.write_all(&bytes);
             let _ = plain.shutdown(std::net::Shutdown::Write);
             let _ = plain.read_to_end(&mut Vec::new());

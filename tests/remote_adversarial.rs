@@ -141,7 +141,10 @@ fn group_norm_with_huge_n_groups_is_refused_at_once() {
             for n_groups in [1u64 << 63, u64::MAX, 4] {
                 let x = f32_leaf([4, 3, 1, 1], (h, 0));
                 let mut y = f32_leaf([4, 3, 1, 1], (h, 64));
-                y.op = OpDesc::GroupNorm { n_groups, eps: 1e-5 };
+                y.op = OpDesc::GroupNorm {
+                    n_groups,
+                    eps: 1e-5,
+                };
                 y.srcs = vec![0];
                 let desc = GraphDesc {
                     tensors: vec![x, y],
@@ -157,7 +160,11 @@ fn group_norm_with_huge_n_groups_is_refused_at_once() {
                 let (c, m, _) = raw.request(2, &compute, &[]).unwrap();
                 assert!(start.elapsed() < DEADLINE);
                 assert_eq!(c, Command::Error);
-                assert!(error_message(&m).contains("n_groups"), "{}", error_message(&m));
+                assert!(
+                    error_message(&m).contains("n_groups"),
+                    "{}",
+                    error_message(&m)
+                );
             }
         },
     );
@@ -254,7 +261,11 @@ fn a_request_flood_to_a_busy_session_stays_bounded() {
             });
             std::thread::sleep(Duration::from_millis(500));
             let grown = rss_bytes().saturating_sub(before);
-            assert!(grown < 160 << 20, "queued requests hold {} MiB", grown >> 20);
+            assert!(
+                grown < 160 << 20,
+                "queued requests hold {} MiB",
+                grown >> 20
+            );
             drop(writer.join().unwrap());
         },
     );
@@ -280,7 +291,11 @@ fn large_metadata_is_charged_and_tensor_counts_are_checked_before_decoding() {
             raw.send_request(2, &compute, &[]);
             let (head, m, _) = raw.recv().unwrap();
             assert_eq!(head.command, Command::Error);
-            assert!(error_message(&m).contains("exceeds the limit"), "{}", error_message(&m));
+            assert!(
+                error_message(&m).contains("exceeds the limit"),
+                "{}",
+                error_message(&m)
+            );
             // Six requests of ~2 MiB metadata queue within the session's bounds.
             let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
             let h = alloc(&mut raw, 1, 64);
@@ -325,7 +340,10 @@ fn zero_and_one_byte_buffers_count_against_the_session_limit() {
                     }
                     accepted += 1;
                 }
-                assert!(accepted > 0 && accepted <= (1 << 20) / 512, "{accepted} accepted");
+                assert!(
+                    accepted > 0 && accepted <= (1 << 20) / 512,
+                    "{accepted} accepted"
+                );
             }
         },
     );
@@ -348,7 +366,10 @@ fn the_weight_cache_keeps_no_tiny_entries_and_counts_overhead() {
                     offset: 0,
                     hash: content_hash(&data),
                 };
-                assert_eq!(raw.request(10 + i as u64, &upload, &data).unwrap().0, Command::Reply);
+                assert_eq!(
+                    raw.request(10 + i as u64, &upload, &data).unwrap().0,
+                    Command::Reply
+                );
             }
             assert_eq!(srv.weight_cache_bytes(), 0, "256-byte uploads are not kept");
             // Entries of 64 KiB fill the 1 MiB cap with their overhead counted.
@@ -397,7 +418,9 @@ fn only_servers_deposit_and_deposits_are_bounded_and_die_with_their_session() {
                 .request(30, &Request::Memory { device: 0 }, &[])
                 .unwrap();
             assert_eq!(c, Command::Error);
-            eventually("the peer's deposits go with it", || srv.deposit_bytes() == 0);
+            eventually("the peer's deposits go with it", || {
+                srv.deposit_bytes() == 0
+            });
         },
     );
 }
@@ -419,7 +442,10 @@ fn a_claim_out_of_bounds_leaves_the_deposit() {
                 offset: 0,
                 ticket: [3; 16],
             };
-            assert_eq!(raw.request(3, &claim(small), &[]).unwrap().0, Command::Error);
+            assert_eq!(
+                raw.request(3, &claim(small), &[]).unwrap().0,
+                Command::Error
+            );
             assert_eq!(raw.request(4, &claim(big), &[]).unwrap().0, Command::Reply);
             let get = Request::Get {
                 buffer: big,
@@ -438,7 +464,10 @@ fn pushes_go_only_to_allow_listed_servers_of_the_cluster() {
     let foreign = TcpListener::bind("127.0.0.1:0").unwrap();
     let bystander = TcpListener::bind("127.0.0.1:0").unwrap();
     bystander.set_nonblocking(true).unwrap();
-    let (foreign_addr, bystander_addr) = (foreign.local_addr().unwrap(), bystander.local_addr().unwrap());
+    let (foreign_addr, bystander_addr) = (
+        foreign.local_addr().unwrap(),
+        bystander.local_addr().unwrap(),
+    );
     let peer_addr = peer.addr();
     // The foreign listener accepts and says nothing (a silent port of another service).
     let silent = std::thread::spawn(move || {
@@ -475,11 +504,15 @@ fn pushes_go_only_to_allow_listed_servers_of_the_cluster() {
             }
             assert!(bystander.accept().is_err(), "no connection was attempted");
             // On the list but not a ferrograph server: one uniform error.
-            let (c, m, _) = raw.request(20, &push(foreign_addr.to_string(), [2; 16]), &[]).unwrap();
+            let (c, m, _) = raw
+                .request(20, &push(foreign_addr.to_string(), [2; 16]), &[])
+                .unwrap();
             assert_eq!(c, Command::Error);
             assert!(error_message(&m).contains("did not authenticate as a server"));
             // A real peer: the bytes arrive.
-            let (c, m, _) = raw.request(21, &push(peer_addr.to_string(), [4; 16]), &[]).unwrap();
+            let (c, m, _) = raw
+                .request(21, &push(peer_addr.to_string(), [4; 16]), &[])
+                .unwrap();
             assert_eq!(c, Command::Reply, "{}", error_message(&m));
             let (mut there, _) = Raw::handshake(peer_addr, TOKEN);
             let target = alloc(&mut there, 1, 64);
@@ -506,7 +539,10 @@ struct Relay {
 fn relay(server: SocketAddr) -> Relay {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
-    let (upstream, downstream) = (Arc::new(Mutex::new(Vec::new())), Arc::new(Mutex::new(Vec::new())));
+    let (upstream, downstream) = (
+        Arc::new(Mutex::new(Vec::new())),
+        Arc::new(Mutex::new(Vec::new())),
+    );
     let (up, down) = (upstream.clone(), downstream.clone());
     std::thread::spawn(move || {
         let Ok((client, _)) = listener.accept() else {
@@ -564,8 +600,14 @@ fn traffic_is_confidential_and_a_recorded_session_cannot_be_replayed() {
             let down = relay.downstream.lock().unwrap().clone();
             let fingerprint = ferrograph::dynload::abi_fingerprint().as_bytes();
             for (side, bytes) in [("client", &up), ("server", &down)] {
-                assert!(!bytes.windows(32).any(|w| w == &secret[..32]), "{side}: payload");
-                assert!(!bytes.windows(fingerprint.len()).any(|w| w == fingerprint), "{side}: build");
+                assert!(
+                    !bytes.windows(32).any(|w| w == &secret[..32]),
+                    "{side}: payload"
+                );
+                assert!(
+                    !bytes.windows(fingerprint.len()).any(|w| w == fingerprint),
+                    "{side}: build"
+                );
                 assert!(!bytes.windows(3).any(|w| w == b"CPU"), "{side}: devices");
             }
             // Replaying everything the client sent, on a new connection, gets no session: the
@@ -577,7 +619,11 @@ fn traffic_is_confidential_and_a_recorded_session_cannot_be_replayed() {
             let mut answer = Vec::new();
             let _ = replay.read_to_end(&mut answer);
             // The preamble and the server's handshake message, then nothing.
-            assert!(answer.len() <= 9 + 2 + 48, "{} bytes answered", answer.len());
+            assert!(
+                answer.len() <= 9 + 2 + 48,
+                "{} bytes answered",
+                answer.len()
+            );
         },
     );
 }
@@ -588,11 +634,17 @@ fn a_wrong_token_learns_only_the_protocol_version() {
         |_| {},
         |srv| {
             let start = Instant::now();
-            let err = Raw::connect(srv.addr(), b"guess", Role::Client).err().unwrap();
+            let err = Raw::connect(srv.addr(), b"guess", Role::Client)
+                .err()
+                .unwrap();
             assert!(err.to_string().contains("authentication failed"), "{err}");
             assert!(start.elapsed() < DEADLINE);
             // Bytes in the clear get nothing but the preamble, garbage gets nothing at all.
-            for opening in [&b"FGRN\x02\x00\x00\x00\x00\xff\xff"[..], b"GET / HTTP/1.1\r\n\r\n", &[0u8; 4096]] {
+            for opening in [
+                &b"FGRN\x02\x00\x00\x00\x00\xff\xff"[..],
+                b"GET / HTTP/1.1\r\n\r\n",
+                &[0u8; 4096],
+            ] {
                 let mut s = TcpStream::connect(srv.addr()).unwrap();
                 s.set_read_timeout(Some(DEADLINE)).unwrap();
                 let _ = s.write_all(opening);
@@ -632,7 +684,10 @@ fn sessions_beyond_the_limit_are_refused_and_the_others_go_on() {
             let (_c, wc) = Raw::handshake(srv.addr(), TOKEN);
             assert!(wa.is_ok() && wb.is_ok());
             assert!(wc.unwrap_err().message.contains("busy"));
-            assert_eq!(a.request(1, &Request::Memory { device: 0 }, &[]).unwrap().0, Command::Reply);
+            assert_eq!(
+                a.request(1, &Request::Memory { device: 0 }, &[]).unwrap().0,
+                Command::Reply
+            );
         },
     );
 }
@@ -659,7 +714,10 @@ fn twenty_clients_times_fifty_round_trips() {
                                 buffer: h,
                                 offset: 0,
                             };
-                            assert_eq!(raw.request(10 + 2 * i, &set, &data).unwrap().0, Command::Reply);
+                            assert_eq!(
+                                raw.request(10 + 2 * i, &set, &data).unwrap().0,
+                                Command::Reply
+                            );
                             let get = Request::Get {
                                 buffer: h,
                                 offset: 0,
@@ -672,14 +730,15 @@ fn twenty_clients_times_fifty_round_trips() {
                     })
                 })
                 .collect();
-            let mut times: Vec<Duration> = workers.into_iter().flat_map(|w| w.join().unwrap()).collect();
+            let mut times: Vec<Duration> = workers
+                .into_iter()
+                .flat_map(|w| w.join().unwrap())
+                .collect();
             assert_eq!(times.len(), 1000);
             times.sort();
             println!(
                 "20 clients x 50 round trips: p50 {:?}, p99 {:?}, max {:?}",
-                times[500],
-                times[989],
-                times[999]
+                times[500], times[989], times[999]
             );
         },
     );

@@ -298,9 +298,7 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     peer_token = _token(args.peer_token_file) if args.peer_token_file else None
     limits = {
-        name: getattr(args, name)
-        for name in _SERVE_LIMITS
-        if getattr(args, name, None) is not None
+        name: getattr(args, name) for name in _SERVE_LIMITS if getattr(args, name, None) is not None
     }
     server = fg.remote.RemoteServer(
         token,

@@ -68,7 +68,8 @@ fn config_from_args(args: &[String]) -> Result<ServerConfig, String> {
             "--max-frame" => config.max_payload = parse_number(flag, &value()?)?,
             "--max-meta" => {
                 let v = parse_number(flag, &value()?)?;
-                config.max_meta = u32::try_from(v).map_err(|_| format!("{flag}: {v} is too large"))?;
+                config.max_meta =
+                    u32::try_from(v).map_err(|_| format!("{flag}: {v} is too large"))?;
             }
             "--max-queued-requests" => config.max_queued_requests = count(flag, &value()?)?,
             "--max-reply-queue-bytes" => {

@@ -124,10 +124,9 @@ impl PyRemoteServer {
             config.weight_cache_bytes = max;
         }
         for peer in peers.unwrap_or_default() {
-            config.peers.push(
-                peer.parse()
-                    .map_err(|_| invalid(format!("peers expects \"ip:port\" entries, got {peer:?}")))?,
-            );
+            config.peers.push(peer.parse().map_err(|_| {
+                invalid(format!("peers expects \"ip:port\" entries, got {peer:?}"))
+            })?);
         }
         config.peer_token = peer_token.map(|t| t.as_bytes().to_vec());
         for (name, value) in limits.unwrap_or_default() {

@@ -216,8 +216,15 @@ impl Connection {
             version: PROTOCOL_VERSION,
             fingerprint: crate::dynload::abi_fingerprint().to_owned(),
         };
-        write_frame(&mut writer, Command::Hello, 0, &encode_meta(&hello)?, &[], || {})
-            .map_err(|e| Error::Backend(format!("handshake with {endpoint} failed: {e}")))?;
+        write_frame(
+            &mut writer,
+            Command::Hello,
+            0,
+            &encode_meta(&hello)?,
+            &[],
+            || {},
+        )
+        .map_err(|e| Error::Backend(format!("handshake with {endpoint} failed: {e}")))?;
         let welcome: Welcome = handshake_step(&mut reader, endpoint, Command::Welcome)?;
 
         // Reads wake up every heartbeat to check liveness; writes give up after the dead time.

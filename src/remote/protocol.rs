@@ -422,8 +422,7 @@ pub fn error_from_reply(reply: &ErrorReply, endpoint: &str) -> Error {
 /// Fresh random bytes (transfer tickets).
 pub fn nonce() -> Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n)
-        .map_err(|e| Error::Backend(format!("no randomness available: {e}")))?;
+    getrandom::fill(&mut n).map_err(|e| Error::Backend(format!("no randomness available: {e}")))?;
     Ok(n)
 }
 

@@ -998,7 +998,9 @@ struct CachedGraph {
 
 /// What a buffer of `size` bytes costs a session.
 fn buffer_cost(size: u64) -> u64 {
-    size.div_ceil(64).saturating_mul(64).saturating_add(BUFFER_OVERHEAD)
+    size.div_ceil(64)
+        .saturating_mul(64)
+        .saturating_add(BUFFER_OVERHEAD)
 }
 
 /// A session's state, owned by its worker thread.
@@ -1108,7 +1110,10 @@ impl Session {
             .and_then(|r| registry::proc_address(r.as_ref(), "set_abort_callback"));
         if let Some(Extension::SetAbortCallback(set)) = set_abort {
             let gone = self.gone.clone();
-            set(backend.as_ref(), Some(Arc::new(move || gone.load(Ordering::Relaxed))))?;
+            set(
+                backend.as_ref(),
+                Some(Arc::new(move || gone.load(Ordering::Relaxed))),
+            )?;
         }
         *slot = Some(backend.clone());
         Ok(backend)

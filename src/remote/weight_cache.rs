@@ -170,7 +170,10 @@ mod tests {
         let big = [3u8; 10 + ENTRY_OVERHEAD];
         assert!(cache.insert(content_hash(&big), &big), "too big: not kept");
         assert_eq!(cache.bytes(), cost(6));
-        assert!(cache.insert(content_hash(&[4u8; 3]), &[4u8; 3]), "too small");
+        assert!(
+            cache.insert(content_hash(&[4u8; 3]), &[4u8; 3]),
+            "too small"
+        );
         assert_eq!(cache.len(), 1);
     }
 

@@ -30,7 +30,13 @@ impl Raw {
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
-        let keys = client_handshake(&mut stream, token, role, PROTOCOL_VERSION, &addr.to_string())?;
+        let keys = client_handshake(
+            &mut stream,
+            token,
+            role,
+            PROTOCOL_VERSION,
+            &addr.to_string(),
+        )?;
         Ok(Raw {
             reader: RecordReader::new(stream.try_clone().unwrap(), keys.clone()),
             writer: RecordWriter::new(stream.try_clone().unwrap(), keys),
