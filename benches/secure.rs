@@ -11,7 +11,10 @@ use ferrograph::remote::secure::{handshake_state, into_keys, psk, RecordReader, 
 
 const BYTES: usize = 8 << 20;
 
-fn keys() -> (ferrograph::remote::secure::Keys, ferrograph::remote::secure::Keys) {
+fn keys() -> (
+    ferrograph::remote::secure::Keys,
+    ferrograph::remote::secure::Keys,
+) {
     let key = psk(b"bench token", Role::Client);
     let mut i = handshake_state(&key, b"bench", true).unwrap();
     let mut r = handshake_state(&key, b"bench", false).unwrap();

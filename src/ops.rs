@@ -1640,6 +1640,25 @@ mod tests {
     }
 
     #[test]
+    fn work_setting_parameters_are_bounded_by_their_tensors() {
+        let c = ctx();
+        let a = c.new_tensor(DType::F32, &[4, 3, 6]).unwrap();
+        assert!(group_norm(&c, &a, 6, 1e-5).is_ok());
+        for n_groups in [0, 7, 1 << 62, usize::MAX] {
+            let err = group_norm(&c, &a, n_groups, 1e-5).unwrap_err();
+            assert!(err.to_string().contains("n_groups"), "{err}");
+        }
+        // ACC strides and offsets in whole f32 elements, as views require.
+        let big = c.new_tensor(DType::F32, &[8, 8]).unwrap();
+        let small = c.new_tensor(DType::F32, &[2, 2]).unwrap();
+        assert!(acc(&c, &big, &small, 32, 64, 64, 8).is_ok());
+        for (nb1, offset) in [(30, 8), (32, 6), (33, 0)] {
+            let err = acc(&c, &big, &small, nb1, 64, 64, offset).unwrap_err();
+            assert_eq!(err.kind(), crate::error::ErrorKind::Shape, "{err}");
+        }
+    }
+
+    #[test]
     fn mul_mat_shapes_follow_ggml() {
         let c = ctx();
         let w = c.new_tensor(DType::F16, &[4096, 1024]).unwrap();

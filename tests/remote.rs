@@ -747,6 +747,20 @@ proptest! {
         let _ = decode_meta::<Request>(&bytes);
         let _ = decode_meta::<ferrograph::remote::protocol::Hello>(&bytes);
         let _ = decode_meta::<GraphDesc>(&bytes);
+        // The handshake's decoders: preambles, Noise messages, records.
+        let mut pre = [0u8; 9];
+        for (p, b) in pre.iter_mut().zip(&bytes) {
+            *p = *b;
+        }
+        let _ = ferrograph::remote::secure::parse_preamble(&pre);
+        let key = ferrograph::remote::secure::psk(TOKEN, Role::Client);
+        let mut responder =
+            ferrograph::remote::secure::handshake_state(&key, &pre, false).unwrap();
+        let mut out = [0u8; 512];
+        let _ = responder.read_message(&bytes, &mut out);
+        let mut sink = Vec::new();
+        let _ = ferrograph::remote::secure::RecordReader::new(&bytes[..], fuzz_keys())
+            .read_to_end(&mut sink);
     }
 
     /// Any graph description is rebuilt or refused, never a panic.
@@ -764,6 +778,20 @@ proptest! {
         let _ = build_graph(&desc, &lookup, true, GraphLimits { max_tensors: 64 });
         let _ = build_graph(&desc, &lookup, false, GraphLimits { max_tensors: 64 });
     }
+}
+
+/// Transport keys of a finished handshake, for decoding fuzzed records.
+fn fuzz_keys() -> ferrograph::remote::secure::Keys {
+    use ferrograph::remote::secure::{handshake_state, into_keys, psk};
+    let key = psk(TOKEN, Role::Client);
+    let mut i = handshake_state(&key, b"fuzz", true).unwrap();
+    let mut r = handshake_state(&key, b"fuzz", false).unwrap();
+    let (mut m, mut p) = ([0u8; 256], [0u8; 256]);
+    let n = i.write_message(&[], &mut m).unwrap();
+    r.read_message(&m[..n], &mut p).unwrap();
+    let n = r.write_message(&[], &mut m).unwrap();
+    i.read_message(&m[..n], &mut p).unwrap();
+    into_keys(r).unwrap()
 }
 
 #[test]
@@ -797,13 +825,18 @@ fn fuzzed_sessions_leave_the_server_serving() {
     // Random frames before and after authentication.
     runner
         .run(&prop::collection::vec(any::<u8>(), 0..300), |bytes| {
-            let mut plain = TcpStream::connect(srv.addr()).unwrap();
-            plain
-                .set_read_timeout(Some(Duration::from_secs(10)))
-                .unwrap();
-            let _ = plain.write_all(&bytes);
-            let _ = plain.shutdown(std::net::Shutdown::Write);
-            let _ = plain.read_to_end(&mut Vec::new());
+            // In the clear, and after a valid preamble (fuzzed handshake messages).
+            let preamble = ferrograph::remote::secure::preamble(PROTOCOL_VERSION, Role::Client);
+            for opening in [&[][..], &preamble[..]] {
+                let mut plain = TcpStream::connect(srv.addr()).unwrap();
+                plain
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .unwrap();
+                let _ = plain.write_all(opening);
+                let _ = plain.write_all(&bytes);
+                let _ = plain.shutdown(std::net::Shutdown::Write);
+                let _ = plain.read_to_end(&mut Vec::new());
+            }
             let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
             raw.send_bytes(&bytes);
             let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
