@@ -29,9 +29,11 @@ def test_limits_and_peers_are_settings() -> None:
 
 
 def test_a_wrong_token_is_refused_without_details() -> None:
-    with fg.remote.RemoteServer(TOKEN) as server:
-        with pytest.raises(fg.InvalidArgumentError, match="authentication failed"):
-            fg.remote.connect(server.address, token="not the token")
+    with (
+        fg.remote.RemoteServer(TOKEN) as server,
+        pytest.raises(fg.InvalidArgumentError, match="authentication failed"),
+    ):
+        fg.remote.connect(server.address, token="not the token")
 
 
 def test_group_norm_groups_are_bounded_by_the_channels() -> None:
