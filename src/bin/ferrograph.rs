@@ -3,13 +3,15 @@
 use std::io::Write;
 use std::process::ExitCode;
 
+use ferrograph::remote::server::{set_limit, LIMIT_NAMES};
 use ferrograph::remote::{Server, ServerConfig};
 
 const USAGE: &str = "usage: ferrograph serve [--host 127.0.0.1] [--port 0] [--token-file PATH] \
 [--threads N] [--peers IP:PORT,...] [--peer-token-file PATH] [--max-frame BYTES] \
 [--max-meta BYTES] [--max-session-bytes BYTES] [--max-queued-requests N] \
 [--max-reply-queue-bytes BYTES] [--max-deposit-bytes BYTES] [--max-handshakes N] \
-[--max-sessions N] [--weight-cache-bytes BYTES] [--weight-cache-min-bytes BYTES]
+[--max-sessions N] [--max-graphs N] [--max-graph-tensors N] [--max-peers-per-session N] \
+[--weight-cache-bytes BYTES] [--weight-cache-min-bytes BYTES]
 
 Exposes this machine's devices to ferrograph clients over TCP, encrypted and authenticated
 with the token (Noise protocol, the token as pre-shared key). The token comes from
@@ -84,7 +86,15 @@ fn config_from_args(args: &[String]) -> Result<ServerConfig, String> {
             "--max-session-bytes" => config.max_session_bytes = parse_number(flag, &value()?)?,
             "--weight-cache-bytes" => config.weight_cache_bytes = parse_number(flag, &value()?)?,
             "-h" | "--help" => return Err(String::new()),
-            other => return Err(format!("unknown option {other:?}")),
+            other => {
+                // The server's other limits, by name (--max-graphs, --max-graph-tensors, ...).
+                let name = other.trim_start_matches("--").replace('-', "_");
+                if !other.starts_with("--") || !LIMIT_NAMES.contains(&name.as_str()) {
+                    return Err(format!("unknown option {other:?}"));
+                }
+                let v = parse_number(other, &value()?)?;
+                set_limit(&mut config, &name, v).map_err(|e| e.to_string())?;
+            }
         }
     }
     config.token = match token_file {
