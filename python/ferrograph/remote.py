@@ -3,8 +3,9 @@
 A server (``python -m ferrograph serve`` or the ``ferrograph`` binary's ``ferrograph serve``)
 exposes its machine's devices over TCP; :func:`connect` returns them as ordinary
 :class:`ferrograph.Device` objects, usable in a :class:`ferrograph.Scheduler` beside the local
-CPU. Both sides share a token (``token=`` or the ``FERROGRAPH_TOKEN`` environment variable),
-proven by challenge-response: it never travels. A server that dies or hangs makes calls on its
+CPU. Both sides share a token (``token=`` or the ``FERROGRAPH_TOKEN`` environment variable):
+it keys a Noise handshake (mutual authentication, then encrypted traffic) and never travels. A
+server that dies or hangs makes calls on its
 devices raise :class:`ferrograph.DeviceLostError` within a few seconds.
 
 >>> import ferrograph as fg
