@@ -5,8 +5,8 @@ exposes its machine's devices over TCP; :func:`connect` returns them as ordinary
 :class:`ferrograph.Device` objects, usable in a :class:`ferrograph.Scheduler` beside the local
 CPU. Both sides share a token (``token=`` or the ``FERROGRAPH_TOKEN`` environment variable):
 it keys a Noise handshake (mutual authentication, then encrypted traffic) and never travels. A
-server that dies or hangs makes calls on its
-devices raise :class:`ferrograph.DeviceLostError` within a few seconds.
+server that dies or hangs makes calls on its devices raise :class:`ferrograph.DeviceLostError`
+within a few seconds.
 
 >>> import ferrograph as fg
 >>> with fg.remote.spawn_server(token="s3cret") as server:   # doctest: +SKIP
