@@ -144,8 +144,9 @@ def main() -> None:
     args = parser.parse_args()
 
     with (
-        fg.remote.spawn_server(TOKEN, n_threads=args.threads) as a,
         fg.remote.spawn_server(TOKEN, n_threads=args.threads) as b,
+        # a pushes to b (direct copies); only allow-listed peers are reached
+        fg.remote.spawn_server(TOKEN, n_threads=args.threads, peers=[b.address]) as a,
     ):
         dev_a = fg.remote.connect(a.address, token=TOKEN)[0]
         dev_b = fg.remote.connect(b.address, token=TOKEN)[0]

@@ -970,6 +970,15 @@ pub fn acc(
             describe(a)
         )));
     }
+    // Strides and offset in whole f32 elements (as a view requires): a cut element would be
+    // written as garbage.
+    let element = DType::F32.type_size();
+    if [nb1, nb2, nb3, offset].iter().any(|v| v % element != 0) {
+        return Err(Error::Shape(format!(
+            "ACC: strides {nb1}, {nb2}, {nb3} and offset {offset} must be multiples of the \
+             {element}-byte f32 element"
+        )));
+    }
     let region = crate::tensor::span_bytes(DType::F32, &b.ne(), &[4, nb1, nb2, nb3]);
     if offset
         .checked_add(region)
@@ -1247,10 +1256,14 @@ pub fn rms_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
 pub fn group_norm(ctx: &Context, a: &Tensor, n_groups: usize, eps: f32) -> Result<Tensor> {
     check_eps("GROUP_NORM", eps)?;
     require_dtype("GROUP_NORM", a, &[DType::F32])?;
-    if n_groups == 0 {
-        return Err(Error::InvalidArgument(
-            "GROUP_NORM: n_groups must be at least 1".into(),
-        ));
+    // The kernel's work grows with the number of groups: bounded by the channels (axis 2), so
+    // no group is empty and a small tensor cannot ask for unbounded work.
+    let channels = a.ne()[2].max(1);
+    if n_groups == 0 || n_groups > channels {
+        return Err(Error::InvalidArgument(format!(
+            "GROUP_NORM: n_groups must be between 1 and the {channels} channels of {}, not {n_groups}",
+            describe(a)
+        )));
     }
     elementwise(ctx, a, Op::GroupNorm { n_groups, eps })
 }
@@ -1624,6 +1637,25 @@ mod tests {
 
     fn ctx() -> Context {
         Context::new(true)
+    }
+
+    #[test]
+    fn work_setting_parameters_are_bounded_by_their_tensors() {
+        let c = ctx();
+        let a = c.new_tensor(DType::F32, &[4, 3, 6]).unwrap();
+        assert!(group_norm(&c, &a, 6, 1e-5).is_ok());
+        for n_groups in [0, 7, 1 << 62, usize::MAX] {
+            let err = group_norm(&c, &a, n_groups, 1e-5).unwrap_err();
+            assert!(err.to_string().contains("n_groups"), "{err}");
+        }
+        // ACC strides and offsets in whole f32 elements, as views require.
+        let big = c.new_tensor(DType::F32, &[8, 8]).unwrap();
+        let small = c.new_tensor(DType::F32, &[2, 2]).unwrap();
+        assert!(acc(&c, &big, &small, 32, 64, 64, 8).is_ok());
+        for (nb1, offset) in [(30, 8), (32, 6), (33, 0)] {
+            let err = acc(&c, &big, &small, nb1, 64, 64, offset).unwrap_err();
+            assert_eq!(err.kind(), crate::error::ErrorKind::Shape, "{err}");
+        }
     }
 
     #[test]

@@ -3,6 +3,9 @@
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+
+mod remote_wire;
+use remote_wire::{error_message, Raw};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,10 +20,11 @@ use ferrograph::graph::Graph;
 use ferrograph::graph_copy::compare_graph_backend;
 use ferrograph::ops::{self, UnaryOp};
 use ferrograph::remote::protocol::{
-    decode_meta, encode_meta, proof, Auth, Challenge, Command, ErrorReply, FrameHeader,
-    FrameLimits, Hello, Reply, Request, Welcome, HEADER_LEN, PROTOCOL_VERSION,
+    decode_meta, encode_meta, Command, ErrorReply, FrameHeader, FrameLimits, Reply, Request,
+    HEADER_LEN, PROTOCOL_VERSION,
 };
-use ferrograph::remote::weight_cache::content_hash;
+use ferrograph::remote::secure::{client_handshake, Role};
+use ferrograph::remote::weight_cache::{content_hash, ENTRY_OVERHEAD};
 use ferrograph::remote::wire::{build_graph, GraphDesc, GraphLimits, OpDesc, TensorDesc};
 use ferrograph::remote::{connect, ClientSettings, RemoteRegistration, Server, ServerConfig};
 use ferrograph::sched::Scheduler;
@@ -171,7 +175,11 @@ fn minilm_ops_on_a_remote_device_equal_the_local_cpu() {
 
 #[test]
 fn copies_in_every_direction() {
-    let (a, b) = (server(), server());
+    let b = server();
+    let mut config = ServerConfig::new(TOKEN);
+    config.n_threads = Some(1);
+    config.peers = vec![b.addr()];
+    let a = Server::start(config).unwrap();
     let (ra, rb) = (client(&a), client(&b));
     let (ba, bb, cpu) = (remote_backend(&ra), remote_backend(&rb), cpu());
     let ctx = Context::new(true);
@@ -416,104 +424,7 @@ fn a_hung_server_gives_device_lost_within_the_deadline() {
     assert_eq!(again.remote_devices().len(), reg.remote_devices().len());
 }
 
-// ----- the raw protocol -----
-
-/// A hand-driven client, for refusals and malformed input.
-struct Raw(TcpStream);
-
-impl Raw {
-    fn open(server: &Server) -> Raw {
-        let s = TcpStream::connect(server.addr()).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Raw(s)
-    }
-
-    fn send(&mut self, command: Command, id: u64, meta: &[u8], payload: &[u8]) {
-        let h = FrameHeader {
-            command,
-            request_id: id,
-            meta_len: meta.len() as u32,
-            payload_len: payload.len() as u64,
-        };
-        let _ = self.0.write_all(&h.encode());
-        let _ = self.0.write_all(meta);
-        let _ = self.0.write_all(payload);
-    }
-
-    /// The next frame, or `None` when the server closed the connection.
-    fn recv(&mut self) -> Option<(FrameHeader, Vec<u8>, Vec<u8>)> {
-        let mut head = [0u8; HEADER_LEN];
-        self.0.read_exact(&mut head).ok()?;
-        let limits = FrameLimits {
-            max_meta: u32::MAX,
-            max_payload: u64::MAX,
-        };
-        let h = FrameHeader::decode(&head, limits).unwrap();
-        let mut meta = vec![0u8; h.meta_len as usize];
-        self.0.read_exact(&mut meta).ok()?;
-        let mut payload = vec![0u8; h.payload_len as usize];
-        self.0.read_exact(&mut payload).ok()?;
-        Some((h, meta, payload))
-    }
-
-    fn hello(&mut self, version: u32, fingerprint: &str) -> Option<(FrameHeader, Vec<u8>)> {
-        let hello = Hello {
-            version,
-            fingerprint: fingerprint.to_owned(),
-            client_nonce: [7; 32],
-        };
-        self.send(Command::Hello, 0, &encode_meta(&hello).unwrap(), &[]);
-        self.recv().map(|(h, m, _)| (h, m))
-    }
-
-    /// A full handshake with `token`; returns the WELCOME or the refusal.
-    fn handshake(server: &Server, token: &[u8]) -> (Raw, std::result::Result<Welcome, ErrorReply>) {
-        let mut raw = Raw::open(server);
-        let fp = ferrograph::dynload::abi_fingerprint();
-        let (h, m) = raw.hello(PROTOCOL_VERSION, fp).unwrap();
-        assert_eq!(h.command, Command::Challenge);
-        let challenge: Challenge = decode_meta(&m).unwrap();
-        let mac = proof(
-            token,
-            b"ferrograph client",
-            &challenge.server_nonce,
-            &[7; 32],
-        );
-        raw.send(Command::Auth, 0, &encode_meta(&Auth { mac }).unwrap(), &[]);
-        let (h, m, _) = raw.recv().unwrap();
-        let result = if h.command == Command::Welcome {
-            Ok(decode_meta(&m).unwrap())
-        } else {
-            Err(decode_meta(&m).unwrap())
-        };
-        (raw, result)
-    }
-
-    fn request(
-        &mut self,
-        id: u64,
-        request: &Request,
-        payload: &[u8],
-    ) -> Option<(Command, Vec<u8>, Vec<u8>)> {
-        self.send(
-            Command::Request,
-            id,
-            &encode_meta(request).unwrap(),
-            payload,
-        );
-        loop {
-            let (h, m, p) = self.recv()?;
-            if h.command != Command::Pong {
-                assert_eq!(h.request_id, id);
-                return Some((h.command, m, p));
-            }
-        }
-    }
-}
-
-fn error_message(meta: &[u8]) -> String {
-    decode_meta::<ErrorReply>(meta).unwrap().message
-}
+// ----- the raw protocol (tests/remote_wire) -----
 
 #[test]
 fn wrong_token_version_or_build_is_refused() {
@@ -525,10 +436,24 @@ fn wrong_token_version_or_build_is_refused() {
     )
     .unwrap_err();
     assert!(err.to_string().contains("authentication failed"), "{err}");
-    let (_, refused) = Raw::handshake(&srv, b"also wrong");
-    assert!(refused.unwrap_err().fatal);
+    let refused = Raw::connect(srv.addr(), b"also wrong", Role::Client);
+    assert!(refused.is_err_and(|e| e.to_string().contains("authentication failed")));
+    // The token of a client is not the key of a peer: a client cannot pose as a server.
+    assert!(Raw::connect(srv.addr(), TOKEN, Role::Peer).is_ok());
+    let mut peer_cfg = ServerConfig::new(TOKEN);
+    peer_cfg.peer_token = Some(b"cluster secret".to_vec());
+    let guarded = Server::start(peer_cfg).unwrap();
+    assert!(Raw::connect(guarded.addr(), TOKEN, Role::Peer).is_err());
 
-    let mut raw = Raw::open(&srv);
+    // Another protocol version learns why, and nothing more.
+    let mut s = TcpStream::connect(srv.addr()).unwrap();
+    let err =
+        client_handshake(&mut s, TOKEN, Role::Client, PROTOCOL_VERSION + 1, "srv").unwrap_err();
+    assert!(
+        err.to_string().contains("protocol version mismatch"),
+        "{err}"
+    );
+    let mut raw = Raw::connect(srv.addr(), TOKEN, Role::Client).unwrap();
     let (h, m) = raw
         .hello(PROTOCOL_VERSION + 1, ferrograph::dynload::abi_fingerprint())
         .unwrap();
@@ -536,23 +461,33 @@ fn wrong_token_version_or_build_is_refused() {
     assert!(error_message(&m).contains("protocol version mismatch"));
     assert!(raw.recv().is_none(), "closed after the refusal");
 
-    let mut raw = Raw::open(&srv);
+    let mut raw = Raw::connect(srv.addr(), TOKEN, Role::Client).unwrap();
     let (h, m) = raw.hello(PROTOCOL_VERSION, "some other build").unwrap();
     assert_eq!(h.command, Command::Error);
     assert!(error_message(&m).contains("build fingerprint mismatch"));
 
-    // Requests before the handshake are refused too.
-    let mut raw = Raw::open(&srv);
-    raw.send(
-        Command::Request,
-        1,
-        &encode_meta(&Request::Memory { device: 0 }).unwrap(),
-        &[],
-    );
-    let (h, _, _) = raw.recv().unwrap();
-    assert_eq!(h.command, Command::Error);
+    // A frame in the clear before the handshake gets no answer at all: the connection closes.
+    let mut plain = TcpStream::connect(srv.addr()).unwrap();
+    plain
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let h = FrameHeader {
+        command: Command::Request,
+        request_id: 1,
+        meta_len: 3,
+        payload_len: 0,
+    };
+    let _ = plain.write_all(&h.encode());
+    let _ = plain.write_all(&encode_meta(&Request::Memory { device: 0 }).unwrap());
+    let mut answer = Vec::new();
+    let _ = plain.read_to_end(&mut answer);
+    assert!(answer.is_empty(), "{answer:?}");
+    // A request instead of HELLO is refused.
+    let mut raw = Raw::connect(srv.addr(), TOKEN, Role::Client).unwrap();
+    let (c, _, _) = raw.request(1, &Request::Memory { device: 0 }, &[]).unwrap();
+    assert_eq!(c, Command::Error);
     // And the right token works.
-    let (_, ok) = Raw::handshake(&srv, TOKEN);
+    let (_, ok) = Raw::handshake(srv.addr(), TOKEN);
     assert!(ok.unwrap().devices.iter().any(|d| d.name == "CPU"));
 }
 
@@ -580,7 +515,7 @@ fn leaf(dtype: u8, ne: [u64; 4], binding: Option<(u64, u64)>) -> TensorDesc {
 #[test]
 fn graphs_are_validated_and_invalidated_with_their_buffers() {
     let srv = server();
-    let (mut raw, welcome) = Raw::handshake(&srv, TOKEN);
+    let (mut raw, welcome) = Raw::handshake(srv.addr(), TOKEN);
     welcome.unwrap();
     let (c, m, _) = raw
         .request(
@@ -712,7 +647,7 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     assert_eq!(h.command, Command::Error);
     assert!(decode_meta::<ErrorReply>(&m).unwrap().fatal);
     assert!(raw.recv().is_none());
-    let (_, ok) = Raw::handshake(&srv, TOKEN);
+    let (_, ok) = Raw::handshake(srv.addr(), TOKEN);
     assert!(ok.is_ok());
 }
 
@@ -810,8 +745,22 @@ proptest! {
         let limits = FrameLimits { max_meta: 1 << 20, max_payload: 1 << 20 };
         let _ = FrameHeader::decode(&head, limits);
         let _ = decode_meta::<Request>(&bytes);
-        let _ = decode_meta::<Hello>(&bytes);
+        let _ = decode_meta::<ferrograph::remote::protocol::Hello>(&bytes);
         let _ = decode_meta::<GraphDesc>(&bytes);
+        // The handshake's decoders: preambles, Noise messages, records.
+        let mut pre = [0u8; 9];
+        for (p, b) in pre.iter_mut().zip(&bytes) {
+            *p = *b;
+        }
+        let _ = ferrograph::remote::secure::parse_preamble(&pre);
+        let key = ferrograph::remote::secure::psk(TOKEN, Role::Client);
+        let mut responder =
+            ferrograph::remote::secure::handshake_state(&key, &pre, false).unwrap();
+        let mut out = [0u8; 512];
+        let _ = responder.read_message(&bytes, &mut out);
+        let mut sink = Vec::new();
+        let _ = ferrograph::remote::secure::RecordReader::new(&bytes[..], fuzz_keys())
+            .read_to_end(&mut sink);
     }
 
     /// Any graph description is rebuilt or refused, never a panic.
@@ -831,6 +780,20 @@ proptest! {
     }
 }
 
+/// Transport keys of a finished handshake, for decoding fuzzed records.
+fn fuzz_keys() -> ferrograph::remote::secure::Keys {
+    use ferrograph::remote::secure::{handshake_state, into_keys, psk};
+    let key = psk(TOKEN, Role::Client);
+    let mut i = handshake_state(&key, b"fuzz", true).unwrap();
+    let mut r = handshake_state(&key, b"fuzz", false).unwrap();
+    let (mut m, mut p) = ([0u8; 256], [0u8; 256]);
+    let n = i.write_message(&[], &mut m).unwrap();
+    r.read_message(&m[..n], &mut p).unwrap();
+    let n = r.write_message(&[], &mut m).unwrap();
+    i.read_message(&m[..n], &mut p).unwrap();
+    into_keys(r).unwrap()
+}
+
 #[test]
 fn fuzzed_sessions_leave_the_server_serving() {
     let srv = server();
@@ -841,7 +804,7 @@ fn fuzzed_sessions_leave_the_server_serving() {
     // Random graphs computed inside an authenticated session (with one real buffer).
     runner
         .run(&arb_graph(), |desc| {
-            let (mut raw, welcome) = Raw::handshake(&srv, TOKEN);
+            let (mut raw, welcome) = Raw::handshake(srv.addr(), TOKEN);
             prop_assert!(welcome.is_ok());
             let alloc = Request::Alloc {
                 device: 0,
@@ -862,12 +825,22 @@ fn fuzzed_sessions_leave_the_server_serving() {
     // Random frames before and after authentication.
     runner
         .run(&prop::collection::vec(any::<u8>(), 0..300), |bytes| {
-            let mut raw = Raw::open(&srv);
-            let _ = raw.0.write_all(&bytes);
-            let _ = raw.0.shutdown(std::net::Shutdown::Write);
-            while raw.recv().is_some() {}
-            let (mut raw, _) = Raw::handshake(&srv, TOKEN);
-            let _ = raw.0.write_all(&bytes);
+            // In the clear, and after a valid preamble (fuzzed handshake messages).
+            let preamble = ferrograph::remote::secure::preamble(PROTOCOL_VERSION, Role::Client);
+            for opening in [&[][..], &preamble[..]] {
+                let mut plain = TcpStream::connect(srv.addr()).unwrap();
+                plain
+                    .set_read_timeout(Some(Duration::from_secs(10)))
+                    .unwrap();
+                let _ = plain.write_all(opening);
+                let _ = plain.write_all(&bytes);
+                let _ = plain.shutdown(std::net::Shutdown::Write);
+                let _ = plain.read_to_end(&mut Vec::new());
+            }
+            let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
+            raw.send_bytes(&bytes);
+            let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
+            let _ = raw.stream.write_all(&bytes);
             Ok(())
         })
         .unwrap();
@@ -958,12 +931,12 @@ fn large_uploads_are_cached_by_content_hash_across_clients() {
     };
     let first = client(&srv);
     let _a = upload(&first);
-    assert_eq!(srv.weight_cache_bytes(), n);
+    assert_eq!(srv.weight_cache_bytes(), n + ENTRY_OVERHEAD);
     // A second client (or a reconnect) finds it: the server answers the probe from its cache.
     let second = client(&srv);
     let _b = upload(&second);
-    assert_eq!(srv.weight_cache_bytes(), n, "stored once");
-    let (mut raw, welcome) = Raw::handshake(&srv, TOKEN);
+    assert_eq!(srv.weight_cache_bytes(), n + ENTRY_OVERHEAD, "stored once");
+    let (mut raw, welcome) = Raw::handshake(srv.addr(), TOKEN);
     welcome.unwrap();
     let alloc = Request::Alloc {
         device: 0,

@@ -307,12 +307,31 @@ def _token(token_file: str | None) -> str | None:
         return file.read().strip()
 
 
+# The server's further bounds (``RemoteServer(limits=...)``), each a ``serve`` option.
+_SERVE_LIMITS = {
+    "max_meta": "largest request metadata in bytes (a serialized graph; default 16 MiB)",
+    "max_queued_requests": "requests a session may have waiting for its worker (default 64)",
+    "max_reply_queue_bytes": "reply bytes a session may have waiting for its client (64 MiB)",
+    "max_deposit_bytes": "bytes of unclaimed server-to-server deposits (default 1 GiB)",
+    "max_handshakes": "connections still authenticating; the oldest goes beyond (default 64)",
+    "max_sessions": "authenticated sessions at once (default 256)",
+    "max_graphs": "graphs one session may keep cached (default 256)",
+    "max_graph_tensors": "tensors in one graph (default 1048576)",
+    "weight_cache_min_bytes": "smallest upload the weight cache keeps (default 64 KiB)",
+    "max_peers_per_session": "peers one session may have the server push to (default 8)",
+}
+
+
 def serve(args: argparse.Namespace) -> int:
     """Runs ``serve``: a device server in this process until Ctrl-C or SIGTERM."""
     token = _token(args.token_file) or os.environ.get("FERROGRAPH_TOKEN", "")
     if not token:
         print("error: a token is required: --token-file PATH or FERROGRAPH_TOKEN", file=sys.stderr)
         return 2
+    peer_token = _token(args.peer_token_file) if args.peer_token_file else None
+    limits = {
+        name: getattr(args, name) for name in _SERVE_LIMITS if getattr(args, name, None) is not None
+    }
     server = fg.remote.RemoteServer(
         token,
         args.host,
@@ -321,6 +340,9 @@ def serve(args: argparse.Namespace) -> int:
         max_frame=args.max_frame,
         max_session_bytes=args.max_session_bytes,
         weight_cache_bytes=args.weight_cache_bytes,
+        peers=[p.strip() for p in args.peers.split(",") if p.strip()] if args.peers else None,
+        peer_token=peer_token,
+        limits=limits,
     )
     print(server.address, flush=True)
     with contextlib.suppress(KeyboardInterrupt):
@@ -740,6 +762,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="bytes of uploads kept by content hash for later clients (default 1 GiB; 0: off)",
     )
+    serve_parser.add_argument(
+        "--peers",
+        default=None,
+        help="comma-separated ip:port of the only servers this one pushes to (default: none)",
+    )
+    serve_parser.add_argument(
+        "--peer-token-file",
+        default=None,
+        help="file holding the token servers use with each other (default: the token)",
+    )
+    for name, text in _SERVE_LIMITS.items():
+        serve_parser.add_argument(
+            "--" + name.replace("_", "-"), dest=name, type=int, default=None, help=text
+        )
     gen_parser = commands.add_parser(
         "generate",
         help="continue a prompt with a GGUF language model (streams the text)",

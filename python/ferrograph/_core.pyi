@@ -475,6 +475,9 @@ class RemoteServer:
         max_frame: int | None = None,
         max_session_bytes: int | None = None,
         weight_cache_bytes: int | None = None,
+        peers: list[str] | None = None,
+        peer_token: str | None = None,
+        limits: dict[str, int] | None = None,
     ) -> RemoteServer: ...
     @property
     def address(self) -> str: ...

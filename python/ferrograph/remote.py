@@ -3,9 +3,10 @@
 A server (``python -m ferrograph serve`` or the ``ferrograph`` binary's ``ferrograph serve``)
 exposes its machine's devices over TCP; :func:`connect` returns them as ordinary
 :class:`ferrograph.Device` objects, usable in a :class:`ferrograph.Scheduler` beside the local
-CPU. Both sides share a token (``token=`` or the ``FERROGRAPH_TOKEN`` environment variable),
-proven by challenge-response: it never travels. A server that dies or hangs makes calls on its
-devices raise :class:`ferrograph.DeviceLostError` within a few seconds.
+CPU. Both sides share a token (``token=`` or the ``FERROGRAPH_TOKEN`` environment variable):
+it keys a Noise handshake (mutual authentication, then encrypted traffic) and never travels. A
+server that dies or hangs makes calls on its devices raise :class:`ferrograph.DeviceLostError`
+within a few seconds.
 
 >>> import ferrograph as fg
 >>> with fg.remote.spawn_server(token="s3cret") as server:   # doctest: +SKIP
@@ -110,17 +111,21 @@ def spawn_server(
     port: int = 0,
     *,
     n_threads: int | None = None,
+    peers: list[str] | None = None,
     timeout: float = 30.0,
 ) -> ServerProcess:
     """Starts ``python -m ferrograph serve`` in a child process and waits for its address.
 
     The token is handed over in the child's environment (not on its command line, where other
-    users could read it). Raises :class:`RuntimeError` if the server does not start within
-    ``timeout`` seconds.
+    users could read it). ``peers`` (``"ip:port"`` addresses) are the only servers the new one
+    pushes to for direct server-to-server copies. Raises :class:`RuntimeError` if the server
+    does not start within ``timeout`` seconds.
     """
     args = [sys.executable, "-m", "ferrograph", "serve", "--host", host, "--port", str(port)]
     if n_threads is not None:
         args += ["--threads", str(n_threads)]
+    if peers:
+        args += ["--peers", ",".join(peers)]
     env = dict(os.environ, FERROGRAPH_TOKEN=token)
     process = subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env

@@ -942,6 +942,10 @@ fn run_custom(py: Python<'_>, t: T<'_>) -> PyResult<()> {
             tensor.op().name()
         )));
     };
+    // Unallocated (or stale) tensors are reported as such, not as a failure of the op.
+    for t in std::iter::once(&tensor).chain(tensor.srcs()) {
+        t.storage()?;
+    }
     let op = op.0.clone();
     py.detach(|| guard("run_custom", || op.compute(&tensor, tensor.srcs())))?;
     crate::tensor::mark_computed(std::slice::from_ref(&tensor));

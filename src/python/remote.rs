@@ -67,7 +67,11 @@ pub(crate) fn remote_connect(
 ///
 /// `RemoteServer(token=..., host="127.0.0.1", port=0)` binds at once; `address` is the
 /// `"host:port"` it listens on. Uploads of 1 MiB or more are kept by content hash (up to
-/// `weight_cache_bytes`, 1 GiB by default) for later clients. `serve_forever()` blocks until `stop()` (from another thread)
+/// `weight_cache_bytes`, 1 GiB by default) for later clients. `peers` lists the only servers
+/// (`"ip:port"`) this one pushes to, authenticated with `peer_token` (default: the token);
+/// `limits` sets further bounds by name (`max_meta`, `max_queued_requests`,
+/// `max_reply_queue_bytes`, `max_deposit_bytes`, `max_handshakes`, `max_sessions`,
+/// `max_graphs`, `max_graph_tensors`, `weight_cache_min_bytes`, `max_peers_per_session`). `serve_forever()` blocks until `stop()` (from another thread)
 /// or Ctrl-C. Use as a context manager to stop it on exit.
 #[pyclass(name = "RemoteServer", module = "ferrograph._core")]
 pub(crate) struct PyRemoteServer {
@@ -85,7 +89,7 @@ impl PyRemoteServer {
 impl PyRemoteServer {
     #[new]
     #[allow(clippy::too_many_arguments)] // keyword arguments of a Python constructor
-    #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None, weight_cache_bytes = None))]
+    #[pyo3(signature = (token = None, host = "127.0.0.1", port = 0, *, n_threads = None, max_frame = None, max_session_bytes = None, weight_cache_bytes = None, peers = None, peer_token = None, limits = None))]
     fn new(
         py: Python<'_>,
         token: Option<&str>,
@@ -95,6 +99,9 @@ impl PyRemoteServer {
         max_frame: Option<u64>,
         max_session_bytes: Option<u64>,
         weight_cache_bytes: Option<u64>,
+        peers: Option<Vec<String>>,
+        peer_token: Option<&str>,
+        limits: Option<std::collections::HashMap<String, u64>>,
     ) -> PyResult<Self> {
         let token = match token {
             Some(t) => t.to_owned(),
@@ -115,6 +122,15 @@ impl PyRemoteServer {
         }
         if let Some(max) = weight_cache_bytes {
             config.weight_cache_bytes = max;
+        }
+        for peer in peers.unwrap_or_default() {
+            config.peers.push(peer.parse().map_err(|_| {
+                invalid(format!("peers expects \"ip:port\" entries, got {peer:?}"))
+            })?);
+        }
+        config.peer_token = peer_token.map(|t| t.as_bytes().to_vec());
+        for (name, value) in limits.unwrap_or_default() {
+            remote::server::set_limit(&mut config, &name, value)?;
         }
         let server = py.detach(|| Server::start(config))?;
         let address = server.addr().to_string();

@@ -13,17 +13,17 @@
 //! needs the interpreter, which the caller waiting for that very thread may hold.
 
 use std::collections::{BTreeSet, HashMap};
-use std::io::{ErrorKind, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream, ToSocketAddrs};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::{Duration, Instant};
 
 use super::protocol::{
-    decode_meta, encode_meta, error_from_reply, nonce, proof, proof_matches, Auth, Challenge,
-    Command, ErrorReply, FrameHeader, FrameLimits, Hello, Reply, Request, Welcome, HEADER_LEN,
-    PROTOCOL_VERSION,
+    decode_meta, encode_meta, error_from_reply, Command, ErrorReply, FrameHeader, FrameLimits,
+    Hello, Reply, Request, Welcome, HEADER_LEN, PROTOCOL_VERSION,
 };
+use super::secure::{client_handshake, RecordReader, RecordWriter, Role};
 use crate::error::{Error, Result};
 
 /// Timing settings of a client connection.
@@ -76,8 +76,8 @@ struct State {
 pub struct Connection {
     endpoint: String,
     stream: TcpStream,
-    /// The write side; the next request id is drawn under this lock.
-    writer: Mutex<(TcpStream, u64)>,
+    /// The write side (sealing records); the next request id is drawn under this lock.
+    writer: Mutex<(RecordWriter<TcpStream>, u64)>,
     state: Mutex<State>,
     changed: Condvar,
     last_sent: AtomicU64,
@@ -96,7 +96,7 @@ fn io_lost(endpoint: &str, what: &str, e: std::io::Error) -> Error {
 }
 
 fn write_frame(
-    stream: &mut TcpStream,
+    stream: &mut RecordWriter<TcpStream>,
     command: Command,
     request_id: u64,
     meta: &[u8],
@@ -117,11 +117,11 @@ fn write_frame(
         stream.write_all(chunk)?;
         progress();
     }
-    Ok(())
+    stream.flush()
 }
 
 /// Reads one whole frame during the handshake (the socket has a read timeout).
-fn read_handshake_frame(stream: &mut TcpStream) -> std::io::Result<(FrameHeader, Vec<u8>)> {
+fn read_handshake_frame(stream: &mut impl Read) -> std::io::Result<(FrameHeader, Vec<u8>)> {
     let mut head = [0u8; HEADER_LEN];
     stream.read_exact(&mut head)?;
     let limits = FrameLimits {
@@ -137,7 +137,7 @@ fn read_handshake_frame(stream: &mut TcpStream) -> std::io::Result<(FrameHeader,
 
 /// The answer to a handshake step: the expected frame's metadata, or the server's refusal.
 fn handshake_step<T: serde::de::DeserializeOwned>(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     endpoint: &str,
     expected: Command,
 ) -> Result<T> {
@@ -156,9 +156,20 @@ fn handshake_step<T: serde::de::DeserializeOwned>(
 }
 
 impl Connection {
-    /// Connects to `endpoint` (`host:port`), proves the token and checks the server's proof,
-    /// version and build fingerprint.
+    /// Connects to `endpoint` (`host:port`) as a client: the encrypted handshake proves the
+    /// token both ways (see [`super::secure`]), then the version and build fingerprint are
+    /// checked.
     pub fn open(endpoint: &str, token: &[u8], settings: ClientSettings) -> Result<Arc<Connection>> {
+        Connection::open_as(endpoint, token, Role::Client, settings)
+    }
+
+    /// As [`Connection::open`], in `role` (a server pushing to a peer uses [`Role::Peer`]).
+    pub fn open_as(
+        endpoint: &str,
+        token: &[u8],
+        role: Role,
+        settings: ClientSettings,
+    ) -> Result<Arc<Connection>> {
         if token.is_empty() {
             return Err(Error::InvalidArgument(
                 "a token is required to connect (token= or FERROGRAPH_TOKEN)".into(),
@@ -193,55 +204,39 @@ impl Connection {
             s.set_write_timeout(Some(settings.connect_timeout))
         };
         setup(&stream).map_err(|e| Error::Backend(format!("socket setup failed: {e}")))?;
+        let keys = client_handshake(&mut stream, token, role, PROTOCOL_VERSION, endpoint)?;
+        let clone = |s: &TcpStream| {
+            s.try_clone()
+                .map_err(|e| Error::Backend(format!("cannot share the socket: {e}")))
+        };
+        let mut writer = RecordWriter::new(clone(&stream)?, keys.clone());
+        let mut reader = RecordReader::new(clone(&stream)?, keys);
 
-        let client_nonce = nonce()?;
         let hello = Hello {
             version: PROTOCOL_VERSION,
             fingerprint: crate::dynload::abi_fingerprint().to_owned(),
-            client_nonce,
         };
-        let send = |stream: &mut TcpStream, command: Command, meta: Vec<u8>| {
-            write_frame(stream, command, 0, &meta, &[], || {})
-                .map_err(|e| Error::Backend(format!("handshake with {endpoint} failed: {e}")))
-        };
-        send(&mut stream, Command::Hello, encode_meta(&hello)?)?;
-        let challenge: Challenge = handshake_step(&mut stream, endpoint, Command::Challenge)?;
-        let auth = Auth {
-            mac: proof(
-                token,
-                b"ferrograph client",
-                &challenge.server_nonce,
-                &client_nonce,
-            ),
-        };
-        send(&mut stream, Command::Auth, encode_meta(&auth)?)?;
-        let welcome: Welcome = handshake_step(&mut stream, endpoint, Command::Welcome)?;
-        if !proof_matches(
-            token,
-            b"ferrograph server",
-            &client_nonce,
-            &challenge.server_nonce,
-            &welcome.mac,
-        ) {
-            return Err(Error::Backend(format!(
-                "server {endpoint} could not prove it holds the token"
-            )));
-        }
+        write_frame(
+            &mut writer,
+            Command::Hello,
+            0,
+            &encode_meta(&hello)?,
+            &[],
+            || {},
+        )
+        .map_err(|e| Error::Backend(format!("handshake with {endpoint} failed: {e}")))?;
+        let welcome: Welcome = handshake_step(&mut reader, endpoint, Command::Welcome)?;
 
         // Reads wake up every heartbeat to check liveness; writes give up after the dead time.
         let tune = |s: &TcpStream| -> std::io::Result<()> {
             s.set_read_timeout(Some(settings.heartbeat))?;
             s.set_write_timeout(Some(settings.dead_after))
         };
+        // (The reader's and writer's sockets are clones of this one: same socket, same options.)
         tune(&stream).map_err(|e| Error::Backend(format!("socket setup failed: {e}")))?;
-        let clone = |s: &TcpStream| {
-            s.try_clone()
-                .map_err(|e| Error::Backend(format!("cannot share the socket: {e}")))
-        };
-        let reader_stream = clone(&stream)?;
         let conn = Arc::new(Connection {
             endpoint: endpoint.to_owned(),
-            writer: Mutex::new((clone(&stream)?, 1)),
+            writer: Mutex::new((writer, 1)),
             stream,
             state: Mutex::new(State {
                 lost: None,
@@ -258,7 +253,7 @@ impl Connection {
         let weak = Arc::downgrade(&conn);
         std::thread::Builder::new()
             .name("ferrograph-remote-read".into())
-            .spawn(move || read_loop(reader_stream, weak))
+            .spawn(move || read_loop(reader, weak))
             .map_err(|e| Error::Backend(format!("cannot start the reader thread: {e}")))?;
         let weak = Arc::downgrade(&conn);
         std::thread::Builder::new()
@@ -471,7 +466,7 @@ impl Drop for Connection {
 /// Reads exactly `buf.len()` bytes; on each read timeout checks that the server still counts
 /// as alive. `Err` is the reason the connection is lost.
 fn read_full(
-    stream: &mut TcpStream,
+    stream: &mut impl Read,
     buf: &mut [u8],
     conn: &Weak<Connection>,
 ) -> std::result::Result<(), String> {
@@ -508,7 +503,7 @@ fn read_full(
     Ok(())
 }
 
-fn read_loop(mut stream: TcpStream, conn: Weak<Connection>) {
+fn read_loop(mut stream: RecordReader<TcpStream>, conn: Weak<Connection>) {
     let reason = loop {
         let mut head = [0u8; HEADER_LEN];
         if let Err(reason) = read_full(&mut stream, &mut head, &conn) {

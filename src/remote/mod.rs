@@ -2,8 +2,10 @@
 //! TCP, and a client ([`client`]) that makes each server device a [`crate::device::Device`]
 //! the scheduler drives like any other.
 //!
-//! * [`protocol`]: frames (fixed header, postcard metadata, raw tensor bytes), the handshake
-//!   with challenge-response authentication, requests and replies.
+//! * [`secure`]: the Noise handshake (token as pre-shared key, mutual authentication bound to
+//!   the session keys) and the encrypted records every frame travels in.
+//! * [`protocol`]: frames (fixed header, postcard metadata, raw tensor bytes), requests and
+//!   replies.
 //! * [`wire`]: graphs and tensors on the wire, and the server's validator that rebuilds them
 //!   with the crate's op builders.
 //! * [`server`]: sessions, limits, heartbeats, graph caching.
@@ -14,6 +16,7 @@
 pub mod client;
 pub mod connection;
 pub mod protocol;
+pub mod secure;
 pub mod server;
 pub mod weight_cache;
 pub mod wire;

@@ -14,25 +14,24 @@
 //!     20     8  payload length
 //! ```
 //!
-//! A connection starts with a handshake (HELLO → CHALLENGE → AUTH → WELCOME) in which both
-//! sides prove they hold the same token by an HMAC-SHA256 over both parties' random nonces: the
-//! token never travels. HELLO also carries the protocol version and the build fingerprint; a
-//! mismatch is refused with a message naming both. After WELCOME, requests are processed in
-//! order per connection and every request gets exactly one REPLY or ERROR with its id, except
-//! PING, which is answered (PONG) at once even while a computation runs: that is the heartbeat.
+//! Frames travel inside the encrypted records of [`super::secure`], after its Noise handshake
+//! (both sides prove the token, bound to the connection's keys). The first frame is the
+//! client's HELLO (protocol version and build fingerprint, so a mismatch is refused with a
+//! message naming both, and only to a client that authenticated); the server answers WELCOME
+//! or a fatal ERROR. After WELCOME, requests are processed in order per connection and every
+//! request gets exactly one REPLY or ERROR with its id, except PING, which is answered (PONG)
+//! at once even while a computation runs: that is the heartbeat.
 //!
 //! Buffers and cached graphs are named by opaque 64-bit handles that the server draws itself;
 //! they are looked up in the session's own tables, so a handle from another session or a
 //! guessed number is only ever "unknown". Sizes, offsets, shapes and strides are 64-bit.
 
-use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
-use sha2::Sha256;
 
 use crate::error::{Error, ErrorKind, Result};
 
 /// The protocol version; a client and server of different versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 1;
+pub const PROTOCOL_VERSION: u32 = 2;
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FGRD";
@@ -43,20 +42,16 @@ pub const HEADER_LEN: usize = 28;
 /// Largest metadata accepted before the handshake completes.
 pub const HANDSHAKE_META_LIMIT: u32 = 4096;
 
-/// Bytes in a handshake nonce and in a MAC.
+/// Bytes drawn by [`nonce`].
 pub const NONCE_LEN: usize = 32;
 
 /// Commands (the header's `command` field).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u16)]
 pub enum Command {
-    /// Client → server: version, fingerprint and the client's nonce ([`Hello`]).
+    /// Client → server, first frame: version and fingerprint ([`Hello`]).
     Hello = 1,
-    /// Server → client: the server's nonce ([`Challenge`]).
-    Challenge = 2,
-    /// Client → server: the client's proof ([`Auth`]).
-    Auth = 3,
-    /// Server → client: the server's proof and what it offers ([`Welcome`]).
+    /// Server → client: what the server offers ([`Welcome`]).
     Welcome = 4,
     /// Heartbeat request (no metadata); answered at once.
     Ping = 5,
@@ -76,8 +71,6 @@ impl Command {
     pub fn from_u16(value: u16) -> Option<Command> {
         Some(match value {
             1 => Command::Hello,
-            2 => Command::Challenge,
-            3 => Command::Auth,
             4 => Command::Welcome,
             5 => Command::Ping,
             6 => Command::Pong,
@@ -186,29 +179,13 @@ pub fn decode_meta<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T> {
     Ok(value)
 }
 
-/// HELLO: the client's opening.
+/// HELLO: the client's first frame, sent once the connection is authenticated.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Hello {
     /// [`PROTOCOL_VERSION`] of the client.
     pub version: u32,
     /// The client's build fingerprint (see `crate::dynload::abi_fingerprint`).
     pub fingerprint: String,
-    /// Random bytes the server must include in its proof.
-    pub client_nonce: [u8; NONCE_LEN],
-}
-
-/// CHALLENGE: the server's nonce.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Challenge {
-    /// Random bytes the client must include in its proof.
-    pub server_nonce: [u8; NONCE_LEN],
-}
-
-/// AUTH: the client's proof of the token.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct Auth {
-    /// HMAC-SHA256(token, "client" ‖ server nonce ‖ client nonce).
-    pub mac: [u8; NONCE_LEN],
 }
 
 /// What a server device offers.
@@ -230,11 +207,9 @@ pub struct DeviceInfo {
     pub max_size: u64,
 }
 
-/// WELCOME: the server's proof and the session's terms.
+/// WELCOME: the session's terms.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Welcome {
-    /// HMAC-SHA256(token, "server" ‖ client nonce ‖ server nonce).
-    pub mac: [u8; NONCE_LEN],
     /// The server's devices, by index.
     pub devices: Vec<DeviceInfo>,
     /// Largest frame payload the server accepts.
@@ -444,42 +419,10 @@ pub fn error_from_reply(reply: &ErrorReply, endpoint: &str) -> Error {
     Error::of_kind(kind, m)
 }
 
-fn mac(token: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> Hmac<Sha256> {
-    // HMAC accepts keys of any length.
-    let mut mac = <Hmac<Sha256> as Mac>::new_from_slice(token)
-        .unwrap_or_else(|_| unreachable!("HMAC takes keys of any length"));
-    mac.update(label);
-    mac.update(first);
-    mac.update(second);
-    mac
-}
-
-/// HMAC-SHA256(token, label ‖ first ‖ second).
-pub fn proof(token: &[u8], label: &[u8], first: &[u8], second: &[u8]) -> [u8; NONCE_LEN] {
-    mac(token, label, first, second)
-        .finalize()
-        .into_bytes()
-        .into()
-}
-
-/// Whether `claimed` is the right proof (compared in constant time).
-pub fn proof_matches(
-    token: &[u8],
-    label: &[u8],
-    first: &[u8],
-    second: &[u8],
-    claimed: &[u8],
-) -> bool {
-    mac(token, label, first, second)
-        .verify_slice(claimed)
-        .is_ok()
-}
-
-/// Fresh random bytes for a nonce.
+/// Fresh random bytes (transfer tickets).
 pub fn nonce() -> Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
-    getrandom::fill(&mut n)
-        .map_err(|e| Error::Backend(format!("no randomness for a handshake nonce: {e}")))?;
+    getrandom::fill(&mut n).map_err(|e| Error::Backend(format!("no randomness available: {e}")))?;
     Ok(n)
 }
 

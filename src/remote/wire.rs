@@ -9,9 +9,10 @@
 //! [`Tensor::bind`] (bounds and alignment checked) to buffers looked up in the session's own
 //! table, and only accepts node lists that are in dependency order.
 
+use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::buffer::Buffer;
 use crate::context::Context;
@@ -152,10 +153,73 @@ pub struct TensorDesc {
     pub flags: u8,
 }
 
+thread_local! {
+    /// The most tensors a graph may have while decoding on this thread (see
+    /// [`with_decode_limit`]).
+    static DECODE_MAX_TENSORS: Cell<usize> = const { Cell::new(usize::MAX) };
+    /// The tensor count a decode refused (the decoder's own error loses the message).
+    static DECODE_REFUSED: Cell<Option<usize>> = const { Cell::new(None) };
+}
+
+/// Runs `f` (a decode of metadata) with graphs limited to `max_tensors` tensors: a longer
+/// tensor list is refused as soon as its length is read, before any tensor is decoded, with an
+/// error that says so.
+pub fn with_decode_limit<T>(max_tensors: usize, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let before = DECODE_MAX_TENSORS.with(|c| c.replace(max_tensors));
+    DECODE_REFUSED.with(|c| c.set(None));
+    let result = f();
+    DECODE_MAX_TENSORS.with(|c| c.set(before));
+    match (result, DECODE_REFUSED.with(Cell::take)) {
+        (Err(_), Some(n)) => Err(Error::InvalidArgument(format!(
+            "a graph of {n} tensors exceeds the limit of {max_tensors}"
+        ))),
+        (result, _) => result,
+    }
+}
+
+fn bounded_tensors<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> std::result::Result<Vec<TensorDesc>, D::Error> {
+    struct Bounded;
+    impl<'de> serde::de::Visitor<'de> for Bounded {
+        type Value = Vec<TensorDesc>;
+
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a list of tensors")
+        }
+
+        fn visit_seq<A: serde::de::SeqAccess<'de>>(
+            self,
+            mut seq: A,
+        ) -> std::result::Result<Self::Value, A::Error> {
+            use serde::de::Error as _;
+            let max = DECODE_MAX_TENSORS.with(Cell::get);
+            let too_many = |n: usize| {
+                DECODE_REFUSED.with(|c| c.set(Some(n)));
+                A::Error::custom(format!("a graph of {n} tensors exceeds the limit of {max}"))
+            };
+            let announced = seq.size_hint().unwrap_or(0);
+            if announced > max {
+                return Err(too_many(announced));
+            }
+            let mut tensors = Vec::with_capacity(announced.min(1024));
+            while let Some(t) = seq.next_element()? {
+                if tensors.len() == max {
+                    return Err(too_many(max + 1));
+                }
+                tensors.push(t);
+            }
+            Ok(tensors)
+        }
+    }
+    deserializer.deserialize_seq(Bounded)
+}
+
 /// A graph: tensors in dependency order, and which of them are nodes and leafs.
 #[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
 pub struct GraphDesc {
-    /// Every tensor the graph touches.
+    /// Every tensor the graph touches (decoding stops at the limit of [`with_decode_limit`]).
+    #[serde(deserialize_with = "bounded_tensors")]
     pub tensors: Vec<TensorDesc>,
     /// Indices of the nodes, in execution order.
     pub nodes: Vec<u32>,

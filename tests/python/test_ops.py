@@ -154,15 +154,16 @@ def test_glu(ctx: fg.Context) -> None:
 
 
 def test_norms(ctx: fg.Context) -> None:
-    a = ctx.new_tensor(fg.float32, (2, 8, 64))
+    a = ctx.new_tensor(fg.float32, (4, 8, 64))
     assert fg.ops.norm(a).op_params == {"eps": pytest.approx(1e-5)}
     assert fg.ops.rms_norm(a, 1e-6).op == "RMS_NORM"
     assert fg.ops.l2_norm(a).op == "L2_NORM"
     assert fg.ops.group_norm(a, 4).op_params["n_groups"] == 4
     with pytest.raises(fg.InvalidArgumentError):
         fg.ops.rms_norm(a, -1.0)
-    with pytest.raises(fg.InvalidArgumentError):
-        fg.ops.group_norm(a, 0)
+    for n_groups in (0, 5):  # at least 1, at most the 4 channels (axis -3)
+        with pytest.raises(fg.InvalidArgumentError):
+            fg.ops.group_norm(a, n_groups)
     with pytest.raises(fg.DTypeError):
         fg.ops.norm(ctx.new_tensor(fg.float16, 8))
 

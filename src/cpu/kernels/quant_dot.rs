@@ -50,7 +50,15 @@ fn write_d(block: &mut [u8], d: f32) {
 /// Quantizes `x` (a multiple of 32 values) into q8_0 blocks in `out` (ggml's reference).
 pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
     for (xs, block) in x.chunks_exact(QK).zip(out.chunks_exact_mut(Q8_0_BYTES)) {
-        let amax = xs.iter().fold(0f32, |m, v| m.max(v.abs()));
+        // A NaN in the block makes the scale NaN, so the products it enters are NaN too
+        // (`f32::max` alone would skip it and quantize the block as if it were finite).
+        let amax = xs.iter().fold(0f32, |m, v| {
+            if m.is_nan() || v.is_nan() {
+                f32::NAN
+            } else {
+                m.max(v.abs())
+            }
+        });
         let d = amax / 127.0;
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         write_d(block, d);
@@ -737,6 +745,20 @@ mod tests {
                 "{bits:#x}: {got} vs {want}"
             );
         }
+    }
+
+    #[test]
+    fn a_nan_activation_makes_the_products_nan() {
+        let mut x = values(QK, 3);
+        x[7] = f32::NAN;
+        let mut qa = vec![0u8; Q8_0_BYTES];
+        quantize_row_q8_0(&x, &mut qa);
+        let mut qw = vec![0u8; Q8_0_BYTES];
+        quantize_row_q8_0(&values(QK, 4), &mut qw);
+        assert!(dot_q8_0_q8_0_ref(&qw, &qa).is_nan());
+        let mut q4 = vec![0u8; Q4_0_BYTES];
+        quantize_row_q4_0(&values(QK, 4), &mut q4);
+        assert!(dot_q4_0_q8_0_ref(&q4, &qa).is_nan());
     }
 
     /// Every SIMD path this CPU has (AVX2 and, where present, VNNI), over odd and even block
