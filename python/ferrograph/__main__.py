@@ -44,6 +44,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any, TextIO
 
 import numpy as np
@@ -188,10 +189,23 @@ def print_similarity(sentences: list[str], embeddings: npt.NDArray[np.float32]) 
         )
 
 
-def embed_distributed(args: argparse.Namespace) -> int:
-    """Runs ``embed --distributed N``: ``N`` device servers placed by Ray
+def _remote_devices(args: argparse.Namespace) -> list[Any]:
+    """The devices of ``--remote HOST:PORT[,HOST:PORT]`` (the first device of each server)."""
+    token = _token(args.token_file)
+    return [
+        fg.remote.connect(endpoint.strip(), token)[0]
+        for endpoint in args.remote.split(",")
+        if endpoint.strip()
+    ]
+
+
+def run_distributed(
+    args: argparse.Namespace, command: Callable[[list[Any]], int], announce: TextIO
+) -> int:
+    """Runs ``command(devices)`` on ``--distributed N``: ``N`` device servers placed by Ray
     (:func:`ferrograph.distributed.launch`, a local Ray on loopback unless ``--ray-address``),
-    the encoder layers split over their devices; returns a process exit code."""
+    one device per server; the cluster is described on ``announce``. Returns a process exit
+    code (2 for bad settings or a missing Ray)."""
     from . import distributed
 
     if args.distributed < 1:
@@ -211,10 +225,16 @@ def embed_distributed(args: argparse.Namespace) -> int:
         print(f"error: {error}", file=sys.stderr)
         return EMBED_EXIT_MISSING
     with cluster:
-        print(f"cluster: {cluster}")
+        print(f"cluster: {cluster}", file=announce)
         # one device per server (its first, the CPU): the layers go to servers, not to the
         # several devices one server may have
-        return embed(args, devices=[ds[0] for ds in cluster.devices_per_server if ds])
+        return command([ds[0] for ds in cluster.devices_per_server if ds])
+
+
+def embed_distributed(args: argparse.Namespace) -> int:
+    """Runs ``embed --distributed N``: the encoder layers split over the devices of ``N``
+    Ray-placed servers (:func:`run_distributed`); returns a process exit code."""
+    return run_distributed(args, lambda devices: embed(args, devices=devices), sys.stdout)
 
 
 def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
@@ -241,12 +261,7 @@ def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
             "attention": args.attention,
         }
         if args.remote:
-            token = _token(args.token_file)
-            devices = [
-                fg.remote.connect(endpoint.strip(), token)[0]
-                for endpoint in args.remote.split(",")
-                if endpoint.strip()
-            ]
+            devices = _remote_devices(args)
         if args.model is not None:
             model = models.SentenceEncoder(args.model, max_seq_length=args.max_length, **options)
             if devices:
@@ -353,39 +368,10 @@ def serve(args: argparse.Namespace) -> int:
 def run_llm_command(args: argparse.Namespace) -> int:
     """Runs ``generate`` or ``chat`` with the decoder layers where ``--remote`` or
     ``--distributed`` put them (local without either); returns a process exit code."""
-    from . import distributed
-
     command = generate if args.command == "generate" else chat
-    if args.distributed is None:
-        devices = None
-        if args.remote:
-            token = _token(args.token_file)
-            devices = [
-                fg.remote.connect(endpoint.strip(), token)[0]
-                for endpoint in args.remote.split(",")
-                if endpoint.strip()
-            ]
-        return command(args, devices)
-    if args.distributed < 1:
-        print(
-            f"error: --distributed needs at least 1 server, got {args.distributed}",
-            file=sys.stderr,
-        )
-        return EMBED_EXIT_MISSING
-    if args.remote:
-        print("error: --distributed and --remote exclude each other", file=sys.stderr)
-        return EMBED_EXIT_MISSING
-    try:
-        cluster = distributed.launch(
-            args.distributed, cpus_per_server=args.cpus_per_server, address=args.ray_address
-        )
-    except distributed.RayNotInstalledError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return EMBED_EXIT_MISSING
-    with cluster:
-        print(f"cluster: {cluster}", file=sys.stderr)
-        # one device per server (its first): the layers go to servers
-        return command(args, [ds[0] for ds in cluster.devices_per_server if ds])
+    if args.distributed is not None:
+        return run_distributed(args, lambda devices: command(args, devices), sys.stderr)
+    return command(args, _remote_devices(args) if args.remote else None)
 
 
 def _load_llm(args: argparse.Namespace, devices: list[Any] | None) -> Any:

@@ -983,6 +983,38 @@ def launch(
 # ----- layers over devices ----------------------------------------------------------------
 
 
+def copy_weights(
+    weights: dict[str, Any], moved: dict[int, list[str]], backends: Sequence[Any]
+) -> list[tuple[Any, Any]]:
+    """Copies the named tensors of ``weights`` into a weights buffer on ``backends[home]``
+    for each ``home, names`` of ``moved``, and points ``weights`` at the copies. Returns the
+    (context, buffer) pairs that keep the copies alive.
+
+    Raises
+    ------
+    ferrograph.AllocationError
+        If a backend gives no buffer.
+    """
+    import ferrograph as fg
+
+    placed = []
+    for home, names in sorted(moved.items()):
+        ctx = fg.Context()
+        copies = {}
+        for name in names:
+            old = weights[name]
+            copies[name] = ctx.new_tensor(old.dtype, old.shape, name=name)
+        buffer = fg.alloc_ctx_tensors(ctx, backends[home])
+        if buffer is None:
+            raise fg.AllocationError(f"no weights buffer on {backends[home].name}")
+        buffer.usage = fg.BufferUsage.WEIGHTS
+        for name, copy in copies.items():
+            fg.tensor_copy(weights[name], copy)
+        weights.update(copies)
+        placed.append((ctx, buffer))
+    return placed
+
+
 def place_layers(model: Any, devices: Sequence[Any]) -> list[int]:
     """Spreads a :class:`ferrograph.models.SentenceEncoder`'s encoder layers over ``devices``
     (devices, e.g. :attr:`Cluster.devices`, or backends opened on them).
@@ -1015,21 +1047,7 @@ def place_layers(model: Any, devices: Sequence[Any]) -> list[int]:
     for name in model.weights:
         if name.startswith("encoder.layer."):
             moved.setdefault(homes[int(name.split(".")[2])], []).append(name)
-    placed = []
-    for home, names in sorted(moved.items()):
-        ctx = fg.Context()
-        copies = {}
-        for name in names:
-            old = model.weights[name]
-            copies[name] = ctx.new_tensor(old.dtype, old.shape, name=name)
-        buffer = fg.alloc_ctx_tensors(ctx, backends[home])
-        if buffer is None:
-            raise fg.AllocationError(f"no weights buffer on {backends[home].name}")
-        buffer.usage = fg.BufferUsage.WEIGHTS
-        for name, copy in copies.items():
-            fg.tensor_copy(model.weights[name], copy)
-        model.weights.update(copies)
-        placed.append((ctx, buffer))
+    placed = copy_weights(model.weights, moved, backends)
     # keep the devices' weights alive with the model; rebuild the plan from scratch
     model.placed_weights = placed
     model.backends = backends

@@ -346,20 +346,9 @@ class LLM:
             if part[0] == "blk" and part[1].isdigit() and int(part[1]) < cfg.n_layer:
                 layer = int(part[1])
                 moved.setdefault(self.layer_homes[layer], []).append(name)
-        for home, names in sorted(moved.items()):
-            ctx = fg.Context()
-            copies = {}
-            for name in names:
-                old = self.weights[name]
-                copies[name] = ctx.new_tensor(old.dtype, old.shape, name=name)
-            buffer = fg.alloc_ctx_tensors(ctx, self.backends[home])
-            if buffer is None:
-                raise fg.AllocationError(f"no weights buffer on {self.backends[home].name}")
-            buffer.usage = fg.BufferUsage.WEIGHTS
-            for name, copy in copies.items():
-                fg.tensor_copy(self.weights[name], copy)
-            self.weights.update(copies)
-            self._placed.append((ctx, buffer))
+        from ..distributed import copy_weights
+
+        self._placed = copy_weights(self.weights, moved, self.backends)
         logger.info(
             "layers of %s over %s: %s",
             self.path.name,
