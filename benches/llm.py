@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Any
 
 
 def _prompt(n: int) -> list[int]:
@@ -46,7 +47,63 @@ def worker_ferrograph(model: str | None, threads: int) -> dict[str, float]:
         llm._eval([200 + i], 1 + i, False)
         llm._cached_tokens.append(200 + i)
     out["tg128"] = 128 / (time.perf_counter() - t0)
+    out.update(_decode_breakdown(llm, 129))
     return out
+
+
+def _decode_breakdown(llm: Any, position: int, steps: int = 32) -> dict[str, float]:
+    """Where a decoding step's time goes: the share spent outside the scheduler's compute
+    (graph inputs, logits read back, Python), the share of the compute outside the nodes
+    (one profiled step), and the weight bytes one step reads (every matrix once; the token
+    embedding's one row unless it is also the output)."""
+    import numpy as np
+
+    step = llm._graph(1, llm._window(position + steps), 1)
+    outside = inside = 0.0
+    for i in range(steps):
+        t0 = time.perf_counter()
+        llm.scheduler.alloc_graph(step.graph)
+        pos = np.array([position + i], dtype=np.int32)
+        step.tokens.set(np.array([300 + i], dtype=np.int32))
+        step.positions.set(pos)
+        step.slots.set(pos.astype(np.int64))
+        cols = np.arange(step.window)
+        step.mask.set(np.where(cols <= pos[0], 0.0, -np.inf).astype(np.float32)[None])
+        t1 = time.perf_counter()
+        llm.scheduler.graph_compute(step.graph)
+        t2 = time.perf_counter()
+        np.array(step.logits.numpy(), copy=True)
+        t3 = time.perf_counter()
+        outside += (t1 - t0) + (t3 - t2)
+        inside += t2 - t1
+    profile = llm.scheduler.graph_compute(step.graph, profile=True)
+    tied = "output.weight" not in llm.weights
+    weight_bytes = sum(
+        t.nbytes for name, t in llm.weights.items() if name != "token_embd.weight" or tied
+    )
+    return {
+        "outside_share": outside / (outside + inside),
+        "between_nodes_share": 1.0 - profile.node_seconds / profile.total_seconds,
+        "weight_bytes": float(weight_bytes),
+    }
+
+
+def streaming_read_gbs(threads: int, nbytes: int = 1 << 30) -> float:
+    """GB/s of a plain read of ``nbytes`` split over ``threads`` Python threads (numpy's
+    integer sum releases the interpreter), best of 3."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+
+    arr = np.ones(nbytes // 8, np.int64)
+    parts = np.array_split(arr, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(3):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def worker_llamacpp(model: str | None, threads: int) -> dict[str, float]:
@@ -124,6 +181,26 @@ def main() -> None:
         ]
         ratio = vals[0] / vals[1] if higher else vals[1] / vals[0]
         print(f"{label:14} {vals[0]:12.1f} {vals[1]:12.1f} {ratio:6.2f}x")
+    if runs["ferrograph"]:
+        mine = runs["ferrograph"]
+        bandwidth = streaming_read_gbs(args.threads)
+        weight_gb = mine[0]["weight_bytes"] / 1e9
+        bound = bandwidth / weight_gb
+        tg = statistics.median(x["tg128"] for x in mine)
+        outside = statistics.median(x["outside_share"] for x in mine)
+        between = statistics.median(x["between_nodes_share"] for x in mine)
+        print(
+            f"# decoding: {weight_gb * 1e3:.1f} MB of weights per token; a plain read runs at "
+            f"{bandwidth:.1f} GB/s on {args.threads} threads, a bound of {bound:.0f} tokens/s: "
+            f"ferrograph at {tg / bound:.0%} of it, llama.cpp at "
+            f"{statistics.median(x['tg128'] for x in runs['llama.cpp']) / bound:.0%}"
+            if runs["llama.cpp"]
+            else f"# decoding: bound {bound:.0f} tokens/s, ferrograph at {tg / bound:.0%}"
+        )
+        print(
+            f"# a decoding step: {outside:.1%} outside the compute (inputs, logits, Python), "
+            f"{between:.1%} of the compute between nodes"
+        )
 
 
 if __name__ == "__main__":
