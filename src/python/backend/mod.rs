@@ -179,7 +179,12 @@ impl PyBackend {
         let result = detach_quiet(py, || {
             guard("Backend.graph_compute", || {
                 if wait {
-                    backend.graph_compute(&graph)
+                    let status = backend.graph_compute(&graph)?;
+                    // Again on this side: a backend loaded at run time carries its own copy
+                    // of the crate, whose value clock is not this one (re-stamping in node
+                    // order is harmless for the others).
+                    crate::tensor::mark_computed(graph.nodes());
+                    Ok(status)
                 } else {
                     backend.graph_compute_async(&graph)
                 }
@@ -458,7 +463,12 @@ impl PyGraphPlan {
 }
 
 fn guard_compute(backend: &Arc<dyn Backend>, plan: &dyn GraphPlan) -> crate::Result<Status> {
-    guard("GraphPlan.compute", || backend.graph_plan_compute(plan))
+    guard("GraphPlan.compute", || {
+        let status = backend.graph_plan_compute(plan)?;
+        // as in `PyBackend::compute`: stamped on this side too
+        crate::tensor::mark_computed(plan.graph().nodes());
+        Ok(status)
+    })
 }
 
 /// A synchronisation point between backends.
