@@ -52,24 +52,6 @@ use super::quant_dot::Q8_0_BYTES;
 /// Accumulator lanes of the arithmetic (block `i` feeds lane `i % LANES`).
 pub const LANES: usize = 8;
 
-/// Four weight rows times one partner row: `[dot(a[0], b), …, dot(a[3], b)]`, bit for bit.
-pub type Dot4Fn = fn([&[u8]; 4], &[u8]) -> [f32; 4];
-
-/// The fastest four-row product of `dtype` rows on this CPU (AVX2 only: the portable
-/// definition gains nothing from sharing the partner row), if `dtype` is one of this
-/// module's types.
-pub fn dot4_fn(dtype: DType) -> Option<Dot4Fn> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        x86::dot4_fn(dtype)
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = dtype;
-        None
-    }
-}
-
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (`None` as well for [`Isa::Avx2`] on a CPU without AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
@@ -402,42 +384,6 @@ mod tests {
                 }
             }
         }
-    }
-
-    /// The four-row product gives each row its own single-row bits, for every block count,
-    /// scale mode (NaN included) and rows of different lengths.
-    #[test]
-    fn four_rows_at_once_match_each_row_bit_for_bit() {
-        let mut rng = Rng(0x4_0_4);
-        for (dtype, _, partner) in TYPES {
-            let Some(dot4) = dot4_fn(dtype) else {
-                return; // no AVX2 on this CPU
-            };
-            let dot = dot_fn(dtype, Isa::Portable).unwrap();
-            for blocks in BLOCK_COUNTS {
-                let pairs = row_pairs(&mut rng, dtype, partner, blocks);
-                for (_, b, _) in &pairs {
-                    let rows: Vec<&[u8]> = pairs.iter().map(|(a, _, _)| a.as_slice()).collect();
-                    for w in rows.windows(4) {
-                        // the last row one block short: a row longer than the shortest
-                        let short = &w[3][..w[3].len() - weight_bytes_of(dtype)];
-                        let four = [w[0], w[1], w[2], short];
-                        let got = dot4(four, b);
-                        for (r, row) in four.iter().enumerate() {
-                            assert_eq!(
-                                got[r].to_bits(),
-                                dot(row, b).to_bits(),
-                                "{dtype:?}, {blocks} blocks, row {r}"
-                            );
-                        }
-                    }
-                }
-            }
-        }
-    }
-
-    fn weight_bytes_of(dtype: DType) -> usize {
-        dtype.row_size(QK).unwrap()
     }
 
     /// Longer rows (the sizes of real models) with quantized data only.

@@ -274,31 +274,15 @@ fn run_tile(
             let dot = block_dot::dot_fn_with(block, isa).ok_or_else(|| {
                 Error::UnsupportedOp(format!("MUL_MAT with {} weights", block.name()))
             })?;
-            // Four weight rows per call share the activation row's loads (same bits).
-            let dot4 = if reference {
-                None
-            } else {
-                super::dot_legacy::dot4_fn(block)
-            };
-            let arow = |i: usize| {
-                // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                // `row_bytes` bytes of adjacent blocks.
-                unsafe { std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes) }
-            };
             for col in cols {
                 let brow = b.q8_row(col.b);
-                let mut i = rows.start;
-                if let Some(dot4) = dot4 {
-                    while i + 4 <= rows.end {
-                        let got = dot4([arow(i), arow(i + 1), arow(i + 2), arow(i + 3)], brow);
-                        for (r, v) in got.into_iter().enumerate() {
-                            write(col, i + r, v);
-                        }
-                        i += 4;
-                    }
-                }
-                for i in i..rows.end {
-                    write(col, i, dot(arow(i), brow));
+                for i in rows.clone() {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+                    // `row_bytes` bytes of adjacent blocks.
+                    let arow = unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
+                    };
+                    write(col, i, dot(arow, brow));
                 }
             }
         }

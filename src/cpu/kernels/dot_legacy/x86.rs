@@ -96,33 +96,11 @@ fn dot_signed(w: __m256i, y: __m256i) -> __m256i {
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn block_sums<const K: u8>(x: *const u8, y: *const u8) -> __m256i {
-    // SAFETY: the caller guarantees whole blocks at `x` and `y`; the partner's 32 quants are
-    // its last 32 bytes (unaligned load).
-    unsafe { weight_sums::<K>(x, partner_quants::<K>(y)) }
-}
-
-/// The 32 quants of the partner block at `y`.
-///
-/// # Safety
-/// `y` must be valid for reading one partner block of kind `K`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn partner_quants<const K: u8>(y: *const u8) -> __m256i {
-    // SAFETY: the quants are the block's last 32 bytes (caller); the load is unaligned.
-    unsafe { _mm256_loadu_si256(y.add(partner_bytes(K) - 32).cast()) }
-}
-
-/// [`block_sums`] with the partner block's quants `yq` already loaded.
-///
-/// # Safety
-/// `x` must be valid for reading one weight block of kind `K`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn weight_sums<const K: u8>(x: *const u8, yq: __m256i) -> __m256i {
-    // SAFETY: the caller guarantees a whole block at `x`; every offset below lies inside it
-    // (the quants are the last 16 bytes, `qh` sits at 2..6 or 4..8), and all loads are
-    // unaligned.
+    // SAFETY: the caller guarantees whole blocks at `x` and `y`; every offset below lies
+    // inside them (the quants are the last 16 or 32 bytes of each block, `qh` sits at 2..6
+    // or 4..8), and all loads are unaligned.
     unsafe {
+        let yq = _mm256_loadu_si256(y.add(partner_bytes(K) - 32).cast());
         match K {
             kind::Q4_1 => dot_unsigned(nibbles(x.add(4)), yq),
             kind::Q5_1 => {
@@ -225,30 +203,19 @@ fn widen_halves(lo_words: __m256i, hi_words: __m256i, hi_shift: bool) -> (__m256
 /// The CPU must support AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
-    // SAFETY: as this function's.
-    unsafe { finish::<K>(a, b, 0, _mm256_setzero_ps()) }
-}
-
-/// [`dot`] from group `groups` on, with the first `groups` groups of 8 blocks already in `acc`:
-/// the remaining whole groups, the last `rest < 8` blocks, and the fixed reduction.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn finish<const K: u8>(a: &[u8], b: &[u8], mut groups: usize, mut acc: __m256) -> f32 {
     let (wb, pb) = (weight_bytes(K), partner_bytes(K));
     let nb = block_count::<K>(a, b);
-    while groups < nb / LANES {
-        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows.
+    let groups = nb / LANES;
+    let mut acc = _mm256_setzero_ps();
+    for g in 0..groups {
+        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
         acc = unsafe {
             group::<K>(
-                a.as_ptr().add(groups * LANES * wb),
-                b.as_ptr().add(groups * LANES * pb),
+                a.as_ptr().add(g * LANES * wb),
+                b.as_ptr().add(g * LANES * pb),
                 acc,
             )
         };
-        groups += 1;
     }
     let rest = nb - groups * LANES;
     if rest > 0 {
@@ -273,48 +240,6 @@ unsafe fn finish<const K: u8>(a: &[u8], b: &[u8], mut groups: usize, mut acc: __
     // SAFETY: `lanes` holds 8 f32; the store is unaligned.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
     reduce8(&lanes)
-}
-
-/// [`dot`] of four weight rows with one partner row: each row's bits are exactly its own
-/// [`dot`]'s, while the partner's quants, scales and sums are loaded and widened once for the
-/// four.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot4<const K: u8>(a: [&[u8]; 4], b: &[u8]) -> [f32; 4] {
-    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
-    let nb: [usize; 4] = std::array::from_fn(|r| block_count::<K>(a[r], b));
-    let groups = nb.iter().min().copied().unwrap_or(0) / LANES;
-    let mut acc = [_mm256_setzero_ps(); 4];
-    for g in 0..groups {
-        // SAFETY: blocks 8g .. 8g + 8 lie inside the partner row and every weight row
-        // (g < groups ≤ each row's block count / 8).
-        unsafe {
-            let y = b.as_ptr().add(g * LANES * pb);
-            let x: [*const u8; 4] = std::array::from_fn(|r| a[r].as_ptr().add(g * LANES * wb));
-            let mut p = [[_mm256_setzero_si256(); LANES]; 4];
-            for k in 0..LANES {
-                let yq = partner_quants::<K>(y.add(k * pb));
-                for (sums, xr) in p.iter_mut().zip(x) {
-                    sums[k] = weight_sums::<K>(xr.add(k * wb), yq);
-                }
-            }
-            let y_scales = widen_scales::<K>(block_heads(y, pb));
-            for r in 0..4 {
-                let isum = _mm256_cvtepi32_ps(sum_blocks(&p[r]));
-                let x_scales = widen_scales::<K>(block_heads(x[r], wb));
-                acc[r] = scale_widened::<K>(isum, x_scales, y_scales, acc[r]);
-            }
-        }
-    }
-    let mut out = [0.0f32; 4];
-    for r in 0..4 {
-        // the rest of each row as `dot` finishes it (its own block count)
-        // SAFETY: as in `dot`.
-        out[r] = unsafe { finish::<K>(a[r], b, groups, acc[r]) };
-    }
-    out
 }
 
 /// Step 2 of the definition for 8 consecutive blocks at `x` (weights) and `y` (partner), block
@@ -343,43 +268,13 @@ unsafe fn group<const K: u8>(x: *const u8, y: *const u8, acc: __m256) -> __m256 
 #[target_feature(enable = "avx2,fma,f16c")]
 fn scale_sums<const K: u8>(isum: __m256, xh: __m256i, yh: __m256i, acc: __m256) -> __m256 {
     if super::has_min(K) {
-        scale_widened::<K>(isum, widen_scales::<K>(xh), widen_scales::<K>(yh), acc)
-    } else {
-        // both rows' scales widened by one conversion
-        let (dx, dy) = widen_halves(xh, yh, false);
-        scale_widened::<K>(isum, (dx, dx), (dy, dy), acc)
-    }
-}
-
-/// The 8 blocks' f16 scale (low half of each head word) and, for kinds with a minimum, the
-/// second f16 (the min `m` or the partner's sum `s`, high half), widened to f32; without a
-/// minimum the second vector repeats the first.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn widen_scales<const K: u8>(heads: __m256i) -> (__m256, __m256) {
-    if super::has_min(K) {
-        widen_halves(heads, heads, true)
-    } else {
-        let (d, _) = widen_halves(heads, heads, false);
-        (d, d)
-    }
-}
-
-/// [`scale_sums`] with the scales widened: `(dx, mx)` of the weight blocks, `(dy, sy)` of
-/// the partner blocks.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn scale_widened<const K: u8>(
-    isum: __m256,
-    (dx, mx): (__m256, __m256),
-    (dy, sy): (__m256, __m256),
-    acc: __m256,
-) -> __m256 {
-    let acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
-    if super::has_min(K) {
+        let (dx, mx) = widen_halves(xh, xh, true);
+        let (dy, sy) = widen_halves(yh, yh, true);
+        let acc = _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc);
         _mm256_fmadd_ps(mx, sy, acc)
     } else {
-        acc
+        let (dx, dy) = widen_halves(xh, yh, false);
+        _mm256_fmadd_ps(isum, _mm256_mul_ps(dx, dy), acc)
     }
 }
 
@@ -417,31 +312,6 @@ unsafe fn partial_group<const K: u8>(
         )
     };
     scale_sums::<K>(isum, xh, yh, acc)
-}
-
-/// Four rows of kind `K` times one partner row with AVX2 ([`dot4`]), or `None` without it.
-pub fn dot4_fn(dtype: crate::dtype::DType) -> Option<super::Dot4Fn> {
-    use crate::dtype::DType;
-    if !available() {
-        return None;
-    }
-    match dtype {
-        DType::Q4_1 => Some(dot4_checked::<{ kind::Q4_1 }>),
-        DType::Q5_0 => Some(dot4_checked::<{ kind::Q5_0 }>),
-        DType::Q5_1 => Some(dot4_checked::<{ kind::Q5_1 }>),
-        DType::IQ4_NL => Some(dot4_checked::<{ kind::IQ4_NL }>),
-        _ => None,
-    }
-}
-
-/// [`dot4`] behind the CPU check (handed out by [`dot4_fn`] only when it passed; checked again
-/// so the function is safe on its own).
-fn dot4_checked<const K: u8>(a: [&[u8]; 4], b: &[u8]) -> [f32; 4] {
-    if !available() {
-        return std::array::from_fn(|r| super::dot_portable::<K>(a[r], b));
-    }
-    // SAFETY: AVX2, FMA and F16C were detected.
-    unsafe { dot4::<K>(a, b) }
 }
 
 /// q4_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q4_1_q8_1_portable`]).
