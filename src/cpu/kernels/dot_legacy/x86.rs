@@ -217,28 +217,28 @@ unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
             )
         };
     }
-    let rest = nb - groups * LANES;
-    if rest > 0 {
-        // The last rest < 8 blocks: the group step over those blocks alone (lanes rest..8 see
-        // zero sums and scales), kept only in lanes 0..rest (the other lanes keep their
-        // values, as the portable definition leaves them), so a row whose length is not a
-        // multiple of 8 blocks pays neither a scalar tail nor a padded copy.
-        // SAFETY: blocks 8·groups .. nb lie inside both rows.
-        let stepped = unsafe {
-            partial_group::<K>(
-                a.as_ptr().add(groups * LANES * wb),
-                b.as_ptr().add(groups * LANES * pb),
-                rest,
-                acc,
-            )
-        };
-        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        let keep_new = _mm256_cmpgt_epi32(_mm256_set1_epi32(rest as i32), lanes);
-        acc = _mm256_blendv_ps(acc, stepped, _mm256_castsi256_ps(keep_new));
-    }
     let mut lanes = [0.0f32; LANES];
     // SAFETY: `lanes` holds 8 f32; the store is unaligned.
     unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    // The last rest < 8 blocks one at a time into their lanes, step 2 of the definition in
+    // scalar form (the exact integer sum from the vector kernel, then the same two fused
+    // multiply-adds): a vector step would pay a whole group's scale gathering for a couple
+    // of blocks, which rows of a few hundred values (a small model's) feel.
+    for (i, lane) in lanes.iter_mut().enumerate().take(nb - groups * LANES) {
+        let block = groups * LANES + i;
+        // SAFETY: block `block` < nb lies inside both rows.
+        let (x, y) = unsafe { (a.as_ptr().add(block * wb), b.as_ptr().add(block * pb)) };
+        // SAFETY: whole blocks at `x` and `y`.
+        let isum = hsum_i32(unsafe { block_sums::<K>(x, y) });
+        // SAFETY: each block starts with its f16 scale (and, with a minimum, a second f16).
+        let (dx, dy) = unsafe { (f16_scalar(x), f16_scalar(y)) };
+        *lane = (isum as f32).mul_add(dx * dy, *lane);
+        if super::has_min(K) {
+            // SAFETY: as above, the second f16 of each block.
+            let (mx, sy) = unsafe { (f16_scalar(x.add(2)), f16_scalar(y.add(2))) };
+            *lane = mx.mul_add(sy, *lane);
+        }
+    }
     reduce8(&lanes)
 }
 
@@ -278,40 +278,25 @@ fn scale_sums<const K: u8>(isum: __m256, xh: __m256i, yh: __m256i, acc: __m256) 
     }
 }
 
-/// [`group`] over the `rest` (< 8) blocks at `x` and `y`: lanes `0..rest` as [`group`] gives
-/// them; lanes `rest..8` are meaningless (their sums and scales are zero) and must be dropped.
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C; `x` and `y` must point to `rest` whole blocks.
+/// The exact sum of the 8 `i32` lanes of `v` (bounded by the block sums: no overflow).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn partial_group<const K: u8>(
-    x: *const u8,
-    y: *const u8,
-    rest: usize,
-    acc: __m256,
-) -> __m256 {
-    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
-    let mut p = [_mm256_setzero_si256(); LANES];
-    let (mut xw, mut yw) = ([0i32; LANES], [0i32; LANES]);
-    for k in 0..rest.min(LANES) {
-        // SAFETY: block k lies inside the `rest` blocks at `x` and `y` (caller); the head
-        // words are the blocks' first 4 bytes, read unaligned.
-        unsafe {
-            p[k] = block_sums::<K>(x.add(k * wb), y.add(k * pb));
-            xw[k] = x.add(k * wb).cast::<i32>().read_unaligned();
-            yw[k] = y.add(k * pb).cast::<i32>().read_unaligned();
-        }
-    }
-    let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
-    // SAFETY: the arrays hold 8 i32 each; the loads are unaligned.
-    let (xh, yh) = unsafe {
-        (
-            _mm256_loadu_si256(xw.as_ptr().cast()),
-            _mm256_loadu_si256(yw.as_ptr().cast()),
-        )
-    };
-    scale_sums::<K>(isum, xh, yh, acc)
+fn hsum_i32(v: __m256i) -> i32 {
+    let s4 = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s2 = _mm_add_epi32(s4, _mm_unpackhi_epi64(s4, s4));
+    _mm_cvtsi128_si32(_mm_add_epi32(s2, _mm_shuffle_epi32::<0b01>(s2)))
+}
+
+/// The f16 at `p` widened to f32 (exact).
+///
+/// # Safety
+/// 2 bytes must be readable at `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn f16_scalar(p: *const u8) -> f32 {
+    // SAFETY: the caller guarantees 2 readable bytes; the read is unaligned.
+    let bits = u16::from_le(unsafe { p.cast::<u16>().read_unaligned() });
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
 /// q4_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q4_1_q8_1_portable`]).
