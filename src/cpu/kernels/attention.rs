@@ -130,7 +130,7 @@ fn f16_rows(t: &RawTensor) -> bool {
             && (t.ne[0] <= 1 || t.nb[0] == 2)
             && (t.ptr.0 as usize).is_multiple_of(2)
             && t.nb[1..].iter().all(|s| s % 2 == 0)
-            && f16c::available()
+            && super::quant_dot::has_f16c()
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -715,7 +715,7 @@ fn scores_tile(
     }
     let _ = kernels;
     #[cfg(target_arch = "x86_64")]
-    if f16c::available() {
+    if super::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA; the slices hold what the tile reads and writes
         // (asserted above).
         unsafe { avx2::scores(rows, q, q_stride, d, kt, kbp, s) };
@@ -817,7 +817,7 @@ fn values_tile(
     }
     let _ = kernels;
     #[cfg(target_arch = "x86_64")]
-    if f16c::available() {
+    if super::has_avx2_fma() {
         // SAFETY: the CPU has AVX2 and FMA; the slices hold what the tile touches (asserted).
         unsafe { avx2::values(rows, p, kbp, v, v_stride, (kbn, dv), acc) };
         return;
@@ -970,17 +970,6 @@ mod avx2 {
 #[cfg(target_arch = "x86_64")]
 mod f16c {
     use std::arch::x86_64::*;
-
-    /// Whether the CPU has AVX2, FMA and F16C (detected once).
-    pub(super) fn available() -> bool {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
 
     /// The sum of the 8 lanes of `v`, in a fixed order.
     #[inline]

@@ -191,8 +191,9 @@ fn has_avx512_vnni() -> bool {
     }
 }
 
-/// Whether the F16C path of [`dot_f16_f32`] can run on this CPU.
-fn has_f16c() -> bool {
+/// Whether the CPU has AVX2, FMA and F16C (the F16C paths of [`dot_f16_f32`] and of the
+/// attention's f16 rows).
+pub(crate) fn has_f16c() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         has_avx2_fma() && is_x86_feature_detected!("f16c")
