@@ -677,6 +677,11 @@ pub unsafe fn cpu_buffer_from_ptr(ptr: *mut u8, size: usize) -> Result<Buffer> {
 /// implementation.
 macro_rules! host_memory_device {
     () => {
+        $crate::buffer::host_memory_device!(|_buffer_type| false);
+    };
+    // `also`: which non-host buffer types the device reads as well (the CPU: its repacking
+    // type).
+    (|$bt:ident| $also:expr) => {
         fn buffer_type(&self) -> std::sync::Arc<dyn $crate::buffer::BufferType> {
             $crate::buffer::CpuBufferType::shared()
         }
@@ -693,7 +698,8 @@ macro_rules! host_memory_device {
         }
 
         fn supports_buft(&self, buffer_type: &dyn $crate::buffer::BufferType) -> bool {
-            buffer_type.is_host()
+            let $bt = buffer_type;
+            buffer_type.is_host() || $also
         }
     };
 }

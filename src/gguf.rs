@@ -47,13 +47,14 @@
 //! ones, Python plug-ins) get one buffer of their own type, and the tensors are copied in.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
 
 use crate::alloc::dyn_alloc::align_up;
-use crate::buffer::{Buffer, BufferUsage};
+use crate::buffer::{Buffer, BufferType, BufferUsage};
 use crate::context::Context;
 use crate::device::Device;
 use crate::dtype::DType;
@@ -1205,6 +1206,23 @@ impl GgufFile {
     ///
     /// On an error, tensors already created stay in `ctx`, unbound.
     pub fn load_into(&self, device: &dyn Device, ctx: &Context) -> Result<GgufWeights> {
+        self.load_into_placed(device, ctx, &HashMap::new())
+    }
+
+    /// [`load_into`](Self::load_into), except that each tensor named in `placed` goes to a
+    /// buffer of the buffer type given for it (such as the CPU's repacking type, which stores
+    /// matrices in its kernels' layout), its data copied in; the rest are bound as
+    /// `load_into` binds them. The file's pages that only the placed tensors used are released
+    /// from this process's memory after the copy. Unknown names are an error.
+    pub fn load_into_placed(
+        &self,
+        device: &dyn Device,
+        ctx: &Context,
+        placed: &HashMap<String, Arc<dyn BufferType>>,
+    ) -> Result<GgufWeights> {
+        if let Some(name) = placed.keys().find(|n| !self.names.contains_key(*n)) {
+            return Err(self.no_tensor(name));
+        }
         if !ctx.no_alloc() {
             return Err(Error::InvalidArgument(
                 "GGUF tensors are loaded into a no_alloc context (their memory is the file's \
@@ -1218,9 +1236,23 @@ impl GgufFile {
             tensor.set_name(&info.name);
             tensors.push(tensor);
         }
+        let is_placed: Vec<bool> = self
+            .tensors
+            .iter()
+            .map(|info| placed.contains_key(&info.name))
+            .collect();
+        let extra_buffers = self.copy_placed(&tensors, placed)?;
+        let rest: Vec<(&GgufTensorInfo, &Tensor)> = self
+            .tensors
+            .iter()
+            .zip(&tensors)
+            .zip(&is_placed)
+            .filter(|(_, &p)| !p)
+            .map(|(pair, _)| pair)
+            .collect();
         let wrap = self.can_wrap(device);
         let (buffer, zero_copy) = match wrap {
-            Some(file) => match self.wrap_map(device, file, &tensors) {
+            Some(file) => match self.wrap_map(device, file, &rest) {
                 Ok(buffer) => (buffer, true),
                 Err(e) => {
                     log::warn!(
@@ -1228,13 +1260,13 @@ impl GgufFile {
                         self.path,
                         device.name()
                     );
-                    for tensor in &tensors {
+                    for (_, tensor) in &rest {
                         tensor.unbind();
                     }
-                    (self.copy_to(device, &tensors)?, false)
+                    (self.copy_to(device.buffer_type(), &rest)?, false)
                 }
             },
-            None => (self.copy_to(device, &tensors)?, false),
+            None => (self.copy_to(device.buffer_type(), &rest)?, false),
         };
         log::debug!(
             "{}: {} tensors ({} bytes) on {} {}",
@@ -1250,6 +1282,7 @@ impl GgufFile {
         );
         Ok(GgufWeights {
             buffer,
+            extra_buffers,
             context: ctx.clone(),
             tensors,
             index: self.names.clone(),
@@ -1272,7 +1305,12 @@ impl GgufFile {
 
     /// Maps `file` copy-on-write, wraps its data section in a buffer of `device` and binds
     /// each tensor at its offset.
-    fn wrap_map(&self, device: &dyn Device, file: &File, tensors: &[Tensor]) -> Result<Buffer> {
+    fn wrap_map(
+        &self,
+        device: &dyn Device,
+        file: &File,
+        tensors: &[(&GgufTensorInfo, &Tensor)],
+    ) -> Result<Buffer> {
         // SAFETY: a private (copy-on-write) mapping: writes through it change this process's
         // pages only, never the file or other mappings. The file is the one parsed (kept
         // open); its size and header bytes are compared with the parsed ones below, and the
@@ -1306,15 +1344,70 @@ impl GgufFile {
         let buffer = unsafe { device.buffer_from_host_ptr(base, size, max_tensor)? };
         buffer.keep_alive(Box::new(map));
         buffer.set_usage(BufferUsage::Weights);
-        for (info, tensor) in self.tensors.iter().zip(tensors) {
+        for (info, tensor) in tensors {
             tensor.bind_with_alignment(&buffer, info.offset, ZERO_COPY_ALIGNMENT)?;
         }
         Ok(buffer)
     }
 
-    /// Allocates buffers of `device`'s type for `tensors` and copies the data in.
-    fn copy_to(&self, device: &dyn Device, tensors: &[Tensor]) -> Result<Buffer> {
-        let buft = device.buffer_type();
+    /// Copies the tensors named in `placed` into buffers of their buffer types (one per type),
+    /// then releases the file pages they alone used; returns the buffers.
+    fn copy_placed(
+        &self,
+        tensors: &[Tensor],
+        placed: &HashMap<String, Arc<dyn BufferType>>,
+    ) -> Result<Vec<Buffer>> {
+        let mut by_type: Vec<(Arc<dyn BufferType>, Vec<(&GgufTensorInfo, &Tensor)>)> = Vec::new();
+        for (info, tensor) in self.tensors.iter().zip(tensors) {
+            let Some(buft) = placed.get(&info.name) else {
+                continue;
+            };
+            match by_type.iter_mut().find(|(b, _)| Arc::ptr_eq(b, buft)) {
+                Some((_, list)) => list.push((info, tensor)),
+                None => by_type.push((buft.clone(), vec![(info, tensor)])),
+            }
+        }
+        let mut buffers = Vec::with_capacity(by_type.len());
+        for (buft, list) in &by_type {
+            buffers.push(self.copy_to(buft.clone(), list)?);
+        }
+        if let Source::Map { map, .. } = &self.source {
+            // SAFETY: sysconf has no preconditions.
+            let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+                .unwrap_or(4096)
+                .max(1);
+            // Pages wholly inside a copied tensor's bytes: nothing else reads them again.
+            for (_, list) in &by_type {
+                for (info, _) in list {
+                    let start = info.file_offset.div_ceil(page) * page;
+                    let end = (info.file_offset + info.nbytes) / page * page;
+                    if end > start {
+                        // SAFETY: a read-only shared file mapping: dropping its pages changes
+                        // no content (a later read faults them in from the file again), and
+                        // the range lies inside the map (the parser checked the tensor's).
+                        let advised = unsafe {
+                            map.unchecked_advise_range(
+                                memmap2::UncheckedAdvice::DontNeed,
+                                start,
+                                end - start,
+                            )
+                        };
+                        if let Err(e) = advised {
+                            log::debug!("{}: releasing copied pages failed: {e}", self.path);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(buffers)
+    }
+
+    /// Allocates buffers of type `buft` for `tensors` and copies their data in.
+    fn copy_to(
+        &self,
+        buft: Arc<dyn BufferType>,
+        tensors: &[(&GgufTensorInfo, &Tensor)],
+    ) -> Result<Buffer> {
         let alignment = buft.alignment().max(1);
         let max_size = buft.max_size();
         // Greedy ranges of tensors that each fit one buffer (one range unless the total
@@ -1322,7 +1415,7 @@ impl GgufFile {
         let mut ranges: Vec<(usize, usize, usize)> = Vec::new(); // (first, end, bytes)
         let mut start = 0;
         let mut bytes = 0usize;
-        for (i, tensor) in tensors.iter().enumerate() {
+        for (i, (_, tensor)) in tensors.iter().enumerate() {
             let size = align_up(buft.alloc_size(tensor), alignment)
                 .filter(|&s| s <= max_size)
                 .ok_or_else(|| {
@@ -1353,12 +1446,12 @@ impl GgufFile {
             // Weights first: a remote device sends weight bytes through its weight cache.
             buffer.set_usage(BufferUsage::Weights);
             let mut talloc = crate::alloc::tensor_alloc::TensorAllocator::new(&buffer);
-            for tensor in &tensors[first..end] {
+            for (_, tensor) in &tensors[first..end] {
                 talloc.alloc(tensor)?;
             }
             parts.push(buffer);
         }
-        for (info, tensor) in self.tensors.iter().zip(tensors) {
+        for (info, tensor) in tensors {
             tensor.write_bytes(0, self.data_of(info))?;
         }
         if parts.len() == 1 {
@@ -1372,8 +1465,11 @@ impl GgufFile {
 /// The tensors of a GGUF file bound to a device ([`GgufFile::load`]).
 #[derive(Debug, Clone)]
 pub struct GgufWeights {
-    /// The buffer holding every tensor (wrapping the file's map, or a copy).
+    /// The buffer holding every tensor (wrapping the file's map, or a copy) but the placed
+    /// ones ([`GgufFile::load_into_placed`]).
     pub buffer: Buffer,
+    /// The buffers of the placed tensors, one per buffer type.
+    pub extra_buffers: Vec<Buffer>,
     /// The context the tensors belong to; tensors reach their context only while it lives.
     pub context: Context,
     /// The tensors, in file order, named as in the file.

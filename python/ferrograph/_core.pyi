@@ -2,7 +2,7 @@
 ``src/python/``)."""
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, ClassVar, SupportsIndex, TypeAlias, final
 
@@ -723,7 +723,10 @@ class GGUFFile:
     def tensor(self, name: str) -> npt.NDArray[Any]: ...
     def raw(self, name: str) -> npt.NDArray[np.uint8]: ...
     def load(
-        self, target: Backend | Device, ctx: Context | None = None
+        self,
+        target: Backend | Device,
+        ctx: Context | None = None,
+        placed: Mapping[str, BufferType] | None = None,
     ) -> tuple[Buffer, GGUFTensors]: ...
     def close(self) -> None: ...
     def __enter__(self) -> GGUFFile: ...

@@ -88,7 +88,7 @@ impl Device for CpuDevice {
         )?))
     }
 
-    crate::buffer::host_memory_device!();
+    crate::buffer::host_memory_device!(|buffer_type| crate::cpu::repack::is_repack(buffer_type));
 
     fn supports_op(&self, op: &Tensor) -> bool {
         compute::supports_op(op)
@@ -264,6 +264,11 @@ fn ext_features() -> Vec<(String, String)> {
     out
 }
 
+/// The CPU device's extra buffer types: the repacking type (weights in its kernels' layout).
+fn extra_buffer_types() -> Vec<Arc<dyn crate::buffer::BufferType>> {
+    vec![crate::cpu::repack::RepackBufferType::shared()]
+}
+
 impl Registration for CpuRegistration {
     fn name(&self) -> &str {
         "CPU"
@@ -280,7 +285,7 @@ impl Registration for CpuRegistration {
             }
             "set_abort_callback" => Some(Extension::SetAbortCallback(ext_set_abort)),
             "get_features" | "ggml_backend_get_features" => Some(Extension::Features(ext_features)),
-            "dev_get_extra_bufts" => Some(Extension::ExtraBufferTypes(Vec::new)),
+            "dev_get_extra_bufts" => Some(Extension::ExtraBufferTypes(extra_buffer_types)),
             _ => None,
         }
     }

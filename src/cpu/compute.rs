@@ -224,13 +224,75 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
     }
     // Operand views on the stack: no allocation per node.
     let mut srcs = [dst; MAX_INLINE_SRCS];
-    for (slot, src) in srcs.iter_mut().zip(node.srcs()) {
-        *slot = RawTensor::new(src)?;
+    // Plain copies of operands stored in a repacking buffer's layout (rarely any).
+    let mut copies = Vec::new();
+    let mut interleaved = None;
+    for (i, (slot, src)) in srcs.iter_mut().zip(node.srcs()).enumerate() {
+        *slot = match RawTensor::new(src) {
+            Ok(view) => view,
+            Err(e) => {
+                let weight_of_product = i == 0 && matches!(node.op(), Op::MulMat);
+                match repacked_operand(src, weight_of_product, &mut copies)? {
+                    Some((view, layout)) => {
+                        interleaved = interleaved.or(layout);
+                        view
+                    }
+                    None => return Err(e),
+                }
+            }
+        };
     }
     if node.is_empty() {
         return Ok(());
     }
+    if let Some(layout) = interleaved {
+        return matmul::mul_mat_interleaved(
+            dst,
+            srcs[0],
+            &layout,
+            srcs[1],
+            options.use_reference,
+            scratch,
+        );
+    }
     run(node, dst, &srcs[..n_srcs], options, scratch)
+}
+
+/// The view of an operand stored in the CPU's repacking buffer ([`super::repack`]), or `None`
+/// when it is not. Plainly stored tensors are read in place; an interleaved matrix is read in
+/// place (with its layout) only as the weights of a MUL_MAT (`weight_of_product`); otherwise
+/// the operand's plain bytes are copied into `copies`, which must outlive the computation.
+fn repacked_operand(
+    src: &Tensor,
+    weight_of_product: bool,
+    copies: &mut Vec<Vec<u64>>,
+) -> Result<Option<(RawTensor, Option<super::kernels::interleaved::Layout>)>> {
+    use super::kernels::view::SendPtr;
+    use super::repack::StoredView;
+    let view = |ptr: *mut u8| RawTensor {
+        ptr: SendPtr(ptr),
+        dtype: src.dtype(),
+        ne: src.ne(),
+        nb: src.nb(),
+    };
+    Ok(match super::repack::stored_view(src) {
+        None => None,
+        Some(StoredView::Plain(ptr)) => Some((view(ptr), None)),
+        Some(StoredView::Interleaved(ptr, layout)) if weight_of_product => {
+            Some((view(ptr), Some(layout)))
+        }
+        Some(_) => {
+            let n = src.nbytes();
+            let mut plain = vec![0u64; n.div_ceil(8)];
+            // SAFETY: `plain` holds at least `n` bytes; u64s viewed as bytes are valid.
+            let bytes =
+                unsafe { std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), n) };
+            src.read_bytes(0, bytes)?;
+            let ptr = bytes.as_mut_ptr();
+            copies.push(plain);
+            Some((view(ptr), None))
+        }
+    })
 }
 
 /// Operands resolved without a heap allocation (every built-in op has at most four).

@@ -14,13 +14,14 @@ use pyo3::exceptions::{PyFileNotFoundError, PyKeyError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::backend::{PyBackend, PyBuffer, PyDevice};
+use super::backend::{PyBackend, PyBuffer, PyBufferType, PyDevice};
 use super::context::PyContext;
 use super::convert::{numpy, DETACH_THRESHOLD};
 use super::dtype::{self, DTypeArg};
 use super::errors::guard;
 use super::tensor::{numpy_dtype, PyTensor};
 use super::utils::{type_error, type_name};
+use crate::buffer::BufferType;
 use crate::context::Context;
 use crate::device::Device;
 use crate::error::Error;
@@ -310,12 +311,18 @@ impl PyGgufFile {
     /// wraps a private copy-on-write map of the file, whose pages stay shared with the page
     /// cache until written. Other devices get a buffer of their own type with the data copied
     /// in. The buffer is marked as weights.
-    #[pyo3(signature = (target, ctx = None))]
+    ///
+    /// `placed` maps tensor names to buffer types (such as the CPU device's
+    /// `extra_buffer_types()`, whose repacking type stores matrices in its kernels' layout):
+    /// those tensors are copied into buffers of their type instead, and the file pages only
+    /// they used are released. The returned buffer holds the others.
+    #[pyo3(signature = (target, ctx = None, placed = None))]
     fn load<'py>(
         &self,
         py: Python<'py>,
         target: DeviceArg,
         ctx: Option<PyRef<'py, PyContext>>,
+        placed: Option<std::collections::HashMap<String, PyRef<'py, PyBufferType>>>,
     ) -> PyResult<(PyBuffer, Bound<'py, PyAny>)> {
         let file = self.open_file()?;
         let DeviceArg::Device(device) = target;
@@ -323,9 +330,14 @@ impl PyGgufFile {
             Some(c) => c.inner.clone(),
             None => Context::new(true),
         };
+        let placed: std::collections::HashMap<String, Arc<dyn BufferType>> = placed
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(name, buft)| (name, buft.inner.clone()))
+            .collect();
         let weights = py.detach(|| {
             guard("GGUFFile.load", || {
-                file.load_into(device.as_ref(), &context)
+                file.load_into_placed(device.as_ref(), &context, &placed)
             })
         })?;
         let dict = PyDict::new(py);

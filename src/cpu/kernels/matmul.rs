@@ -659,3 +659,88 @@ pub fn out_prod(dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()> {
         Ok(())
     })
 }
+
+/// MUL_MAT whose weights `a` are stored interleaved (`layout`, see [`super::interleaved`]):
+/// with few columns (the mat-vec of decoding), the 8-row group kernel against q8_1
+/// activations, each result bit for bit the plain layout's; otherwise (more columns, the
+/// reference kernels, batched activations) the product of a plain copy of the weights, so
+/// every path gives the plain layout's bits.
+pub fn mul_mat_interleaved(
+    dst: RawTensor,
+    a: RawTensor,
+    layout: &super::interleaved::Layout,
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    use super::interleaved::{dot_group, GROUP};
+    let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
+    let fast = !reference
+        && a.dtype == DType::Q4_1
+        && layout.rows == m
+        && layout.row_bytes == a.nb[1]
+        && b.ne[0] == k
+        && n <= DIRECT_DOT_MAX_COLS
+        && b.ne[2] * b.ne[3] == 1
+        && dst.ne[0] == m
+        && dst.ne[1] == n;
+    if !fast {
+        let mut plain = vec![0u64; layout.bytes().div_ceil(8)];
+        // SAFETY: `plain` holds at least `layout.bytes()` bytes; viewing u64s as bytes is
+        // always valid.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), layout.bytes())
+        };
+        // SAFETY: `a` is the whole interleaved tensor of `layout.bytes()` bytes, read-only
+        // during the product.
+        let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), layout.bytes()) };
+        super::interleaved::copy_out(layout, stored, 0, bytes);
+        let a_plain = RawTensor {
+            ptr: SendPtr(bytes.as_mut_ptr()),
+            ..a
+        };
+        return mul_mat(dst, a_plain, b, reference, scratch);
+    }
+    let prepared = prepare(a.dtype, b, scratch, false)?;
+    let nb = k / QK;
+    let row_bytes = layout.row_bytes;
+    let grouped = layout.grouped_rows();
+    let single = block_dot::dot_fn_with(a.dtype, block_dot::Isa::best()).ok_or_else(|| {
+        Error::UnsupportedOp(format!("MUL_MAT with {} weights", a.dtype.name()))
+    })?;
+    let write = |j: usize, i: usize, v: f32| {
+        // SAFETY: (i, j) is an element of dst; tasks own disjoint row ranges.
+        unsafe {
+            dst.at(dst.row_offset(j, 0, 0) + i * dst.nb[0])
+                .cast::<f32>()
+                .write_unaligned(v)
+        }
+    };
+    // Tasks of two groups (16 rows), as the plain mat-vec's row tiles.
+    let tile = 2 * GROUP;
+    par_ranges(m.div_ceil(tile), 1, |tiles| {
+        let rows = tiles.start * tile..(tiles.end * tile).min(m);
+        for j in 0..n {
+            let y = prepared.q8_row((j, 0, 0));
+            let mut r = rows.start;
+            while r < rows.end {
+                if r + GROUP <= grouped {
+                    // SAFETY: group r / 8 holds 8 rows of `row_bytes` inside `a` (read-only).
+                    let group = unsafe {
+                        std::slice::from_raw_parts(a.at(r * row_bytes), GROUP * row_bytes)
+                    };
+                    for (dr, v) in dot_group(group, y, nb).into_iter().enumerate() {
+                        write(j, r + dr, v);
+                    }
+                    r += GROUP;
+                } else {
+                    // SAFETY: rows past the groups are stored plainly inside `a`.
+                    let row = unsafe { std::slice::from_raw_parts(a.at(r * row_bytes), row_bytes) };
+                    write(j, r, single(row, y));
+                    r += 1;
+                }
+            }
+        }
+        Ok(())
+    })
+}

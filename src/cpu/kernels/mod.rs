@@ -16,6 +16,7 @@ pub mod dot_tile;
 pub mod gemm;
 pub mod gemm_bf16;
 pub mod gemm_q8;
+pub mod interleaved;
 pub mod math;
 pub mod matmul;
 pub mod norm;
