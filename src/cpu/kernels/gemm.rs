@@ -139,6 +139,14 @@ pub enum WeightRows {
         /// Bytes between elements (quantized: between blocks).
         elem_bytes: usize,
     },
+    /// q4_1 rows stored interleaved (see [`super::interleaved`]), converted a block at a
+    /// time from their rebuilt plain blocks.
+    Interleaved {
+        /// The matrix's first stored byte.
+        ptr: *const u8,
+        /// Its layout.
+        layout: super::interleaved::Layout,
+    },
 }
 
 // SAFETY: read-only views of weights that stay alive and unchanged during the product.
@@ -152,6 +160,7 @@ impl WeightRows {
         match self {
             WeightRows::F32 { .. } => 1,
             WeightRows::Convert { dtype, .. } => dtype.block_size(),
+            WeightRows::Interleaved { .. } => super::interleaved::BLOCK_VALUES,
         }
     }
 
@@ -204,6 +213,20 @@ impl WeightRows {
                     unsafe {
                         let row = ptr.add((i0 + r) * row_bytes + first * elem_bytes);
                         load_f32(dtype, row, elem_bytes, out)?;
+                    }
+                }
+                Ok((buf.as_ptr(), kc))
+            }
+            WeightRows::Interleaved { ptr, layout } => {
+                buf.resize(nr * kc, 0.0);
+                let (first, blocks) = (pc / super::interleaved::BLOCK_VALUES, kc.div_ceil(32));
+                let mut plain = vec![0u8; blocks * super::interleaved::BLOCK_BYTES];
+                for (r, out) in buf.chunks_exact_mut(kc).enumerate() {
+                    // SAFETY: the blocks of row i0 + r exist in the matrix (caller) and `ptr`
+                    // is its first stored byte.
+                    unsafe {
+                        super::interleaved::gather_blocks(ptr, &layout, i0 + r, first, &mut plain);
+                        load_f32(DType::Q4_1, plain.as_ptr(), super::interleaved::BLOCK_BYTES, out)?;
                     }
                 }
                 Ok((buf.as_ptr(), kc))

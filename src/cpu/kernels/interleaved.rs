@@ -37,6 +37,11 @@ pub const SUPERBLOCK: usize = GROUP * Q4_1_BYTES;
 /// The row stored in nibble slot `t` of a superblock.
 pub const SLOT_ROWS: [usize; GROUP] = [0, 4, 1, 5, 2, 6, 3, 7];
 
+/// Values per block.
+pub const BLOCK_VALUES: usize = QK;
+/// Bytes per (plain) block.
+pub const BLOCK_BYTES: usize = Q4_1_BYTES;
+
 /// Whether rows of `dtype` with `row_len` values can be interleaved (a product kernel exists).
 pub fn supported(dtype: DType, row_len: usize) -> bool {
     dtype == DType::Q4_1 && row_len > 0 && row_len.is_multiple_of(QK)
@@ -136,6 +141,40 @@ pub fn copy_out(layout: &Layout, stored: &[u8], start: usize, out: &mut [u8]) {
     layout.pieces(start, out.len(), |plain, at, n| {
         out[plain - start..plain - start + n].copy_from_slice(&stored[at..at + n]);
     });
+}
+
+/// Rebuilds `out.len() / 20` plain blocks of row `row`, from block `first` on, of the matrix
+/// laid out by `layout` whose stored bytes start at `stored`.
+///
+/// # Safety
+/// `stored` must be valid for reading `layout.bytes()` bytes; `row < layout.rows` and the
+/// blocks must lie inside the row.
+pub unsafe fn gather_blocks(stored: *const u8, layout: &Layout, row: usize, first: usize, out: &mut [u8]) {
+    let grouped = row < layout.grouped_rows();
+    for (i, block) in out.chunks_exact_mut(Q4_1_BYTES).enumerate() {
+        let k = first + i;
+        if grouped {
+            let (g, r) = (row / GROUP, row % GROUP);
+            let sb = g * GROUP * layout.row_bytes + k * SUPERBLOCK;
+            // SAFETY: superblock k of group g lies inside the stored bytes (caller); the
+            // three fields are copied from their places in it.
+            unsafe {
+                let base = stored.add(sb);
+                std::ptr::copy_nonoverlapping(base.add(superblock_offset(r, 0)), block.as_mut_ptr(), 2);
+                std::ptr::copy_nonoverlapping(base.add(superblock_offset(r, 2)), block.as_mut_ptr().add(2), 2);
+                std::ptr::copy_nonoverlapping(base.add(superblock_offset(r, 4)), block.as_mut_ptr().add(4), 16);
+            }
+        } else {
+            // SAFETY: rows past the groups are stored plainly, inside the stored bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    stored.add(row * layout.row_bytes + k * Q4_1_BYTES),
+                    block.as_mut_ptr(),
+                    Q4_1_BYTES,
+                );
+            }
+        }
+    }
 }
 
 /// The products of the 8 rows of one group (`group`: its `8 · row_bytes` stored bytes) with

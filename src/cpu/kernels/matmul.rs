@@ -543,6 +543,19 @@ fn mul_mat_gemm(
     (r2, r3): (usize, usize),
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
+    mul_mat_gemm_from(dst, a, None, b, (r2, r3), scratch)
+}
+
+/// [`mul_mat_gemm`], with the weights stored interleaved when `interleaved` gives their
+/// layout (`a` then describes the whole 2-D matrix).
+fn mul_mat_gemm_from(
+    dst: &RawTensor,
+    a: &RawTensor,
+    interleaved: Option<&super::interleaved::Layout>,
+    b: RawTensor,
+    (r2, r3): (usize, usize),
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     let prepared = prepare(DType::F32, b, scratch, false)?;
@@ -567,7 +580,13 @@ fn mul_mat_gemm(
     let product = |batch: usize| {
         let (i12, i13) = (batch % ne12, batch / ne12);
         gemm::Product {
-            weights: gemm::WeightRows::of(a, (i12 / r2, i13 / r3)),
+            weights: match interleaved {
+                Some(layout) => gemm::WeightRows::Interleaved {
+                    ptr: a.ptr.0.cast_const(),
+                    layout: *layout,
+                },
+                None => gemm::WeightRows::of(a, (i12 / r2, i13 / r3)),
+            },
             b: rows_of(i12, i13),
             // SAFETY: output row 0 of batch (i12, i13) lies inside `dst`.
             dst: unsafe { dst.at(dst.row_offset(0, i12, i13)) }.cast::<f32>(),
@@ -675,15 +694,19 @@ pub fn mul_mat_interleaved(
 ) -> Result<()> {
     use super::interleaved::{dot_group, GROUP};
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
-    let fast = !reference
-        && a.dtype == DType::Q4_1
+    // The whole 2-D matrix against one batch of columns: what the interleaved paths handle.
+    let whole = a.dtype == DType::Q4_1
         && layout.rows == m
         && layout.row_bytes == a.nb[1]
         && b.ne[0] == k
-        && n <= DIRECT_DOT_MAX_COLS
         && b.ne[2] * b.ne[3] == 1
         && dst.ne[0] == m
         && dst.ne[1] == n;
+    // Many columns: the GEMM path, as the plain layout takes it, converting rebuilt blocks.
+    if !reference && whole && gemm::applies(&a, &dst, n) {
+        return mul_mat_gemm_from(&dst, &a, Some(layout), b, (1, 1), scratch);
+    }
+    let fast = !reference && whole && n <= DIRECT_DOT_MAX_COLS;
     if !fast {
         let mut plain = vec![0u64; layout.bytes().div_ceil(8)];
         // SAFETY: `plain` holds at least `layout.bytes()` bytes; viewing u64s as bytes is

@@ -1,0 +1,189 @@
+//! The CPU's repacking buffer type (`CPU_REPACK`): interleaved q4_1 matrices read and write
+//! exactly as plain bytes, and every op that reads them gives the plain layout's bits at 1, 2
+//! and 3 threads (the group mat-vec, the many-column and reference paths, lookups and views).
+
+use std::sync::Arc;
+
+use ferrograph::alloc::{alloc_ctx_tensors_from_buft, GraphAllocator};
+use ferrograph::backend::Backend;
+use ferrograph::buffer::{BufferType, CpuBufferType};
+use ferrograph::context::Context;
+use ferrograph::cpu::backend::{CpuBackend, CpuDevice};
+use ferrograph::cpu::repack::{self, RepackBufferType};
+use ferrograph::device::Device;
+use ferrograph::dtype::DType;
+use ferrograph::graph::Graph;
+use ferrograph::ops;
+use ferrograph::tensor::Tensor;
+use ferrograph::Result;
+
+/// xorshift64, so the test needs no randomness crate.
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+    fn unit(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn bytes(&mut self, n: usize) -> Vec<u8> {
+        (0..n).map(|_| self.next() as u8).collect()
+    }
+}
+
+/// q4_1 bytes of a random `rows` × `k` matrix.
+fn q4_1_matrix(rng: &mut Rng, rows: usize, k: usize) -> Vec<u8> {
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.unit()).collect();
+    let mut out = vec![0u8; DType::Q4_1.row_size(k).unwrap() * rows];
+    DType::Q4_1.row_from_f32(&x, &mut out).unwrap();
+    out
+}
+
+/// A weight context: one q4_1 matrix allocated in `buft`, holding `data`.
+fn weight(buft: Arc<dyn BufferType>, rows: usize, k: usize, data: &[u8]) -> Result<(Context, Tensor)> {
+    let ctx = Context::new(true);
+    let w = ctx.new_tensor(DType::Q4_1, &[k, rows])?;
+    w.set_name("w");
+    alloc_ctx_tensors_from_buft(&ctx, buft)?;
+    w.write_bytes(0, data)?;
+    Ok((ctx, w))
+}
+
+/// The f32 result of `build(ctx, w)` on a CPU backend of `threads` threads.
+fn compute(
+    w: &Tensor,
+    threads: usize,
+    build: &dyn Fn(&Context, &Tensor) -> Result<Tensor>,
+) -> Result<Vec<u32>> {
+    let ctx = Context::new(true);
+    let out = build(&ctx, w)?;
+    out.set_output();
+    let graph = Graph::build(std::slice::from_ref(&out));
+    let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+    galloc.alloc_graph(&graph)?;
+    for leaf in graph.leafs() {
+        if leaf.name() == "x" {
+            let n = leaf.nelements();
+            let values: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0).collect();
+            leaf.set_f32(&values)?;
+        }
+        if leaf.name() == "ids" {
+            let ids: Vec<u8> = [5i32, 0, 18, 9]
+                .iter()
+                .flat_map(|v| v.to_le_bytes())
+                .collect();
+            leaf.write_bytes(0, &ids)?;
+        }
+    }
+    CpuBackend::new(threads)?.graph_compute(&graph)?;
+    Ok(out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect())
+}
+
+fn input(ctx: &Context, k: usize, n: usize) -> Result<Tensor> {
+    let x = ctx.new_tensor(DType::F32, &[k, n])?;
+    x.set_name("x");
+    x.set_input();
+    Ok(x)
+}
+
+#[test]
+fn the_cpu_device_offers_and_reads_the_repacking_type() {
+    let cpu = CpuDevice::shared();
+    let repack = RepackBufferType::shared();
+    assert!(cpu.supports_buft(repack.as_ref()));
+    assert!(!repack.is_host());
+    assert!(repack::is_repack(repack.as_ref()));
+    assert_eq!(repack.device().map(|d| d.name().to_owned()), Some(cpu.name().to_owned()));
+}
+
+#[test]
+fn bytes_written_in_pieces_read_back_exactly() -> Result<()> {
+    let mut rng = Rng(3);
+    // 19 rows: two groups of 8 and three plain rows; an f32 vector beside it, stored plainly.
+    let (k, rows) = (96, 19);
+    let ctx = Context::new(true);
+    let w = ctx.new_tensor(DType::Q4_1, &[k, rows])?;
+    let v = ctx.new_tensor(DType::F32, &[37])?;
+    let buffers = alloc_ctx_tensors_from_buft(&ctx, RepackBufferType::shared())?;
+    let plain = rng.bytes(w.nbytes());
+    for chunk_start in (0..plain.len()).step_by(13) {
+        let end = (chunk_start + 13).min(plain.len());
+        w.write_bytes(chunk_start, &plain[chunk_start..end])?;
+    }
+    let vbytes = rng.bytes(v.nbytes());
+    v.write_bytes(0, &vbytes)?;
+    assert!(matches!(
+        repack::stored_view(&w),
+        Some(repack::StoredView::Interleaved(..))
+    ));
+    assert!(matches!(repack::stored_view(&v), Some(repack::StoredView::Plain(_))));
+    let mut back = vec![0u8; plain.len()];
+    w.read_bytes(0, &mut back)?;
+    assert_eq!(back, plain);
+    for _ in 0..100 {
+        let a = rng.next() as usize % plain.len();
+        let b = a + rng.next() as usize % (plain.len() - a + 1);
+        let mut piece = vec![0u8; b - a];
+        w.read_bytes(a, &mut piece)?;
+        assert_eq!(piece, plain[a..b]);
+    }
+    let mut vback = vec![0u8; vbytes.len()];
+    v.read_bytes(0, &mut vback)?;
+    assert_eq!(vback, vbytes);
+    // The buffer read as a whole maps the same way: the matrix's plain bytes at its offset.
+    let buffer = &buffers[0];
+    let mut raw = vec![0u8; buffer.size()];
+    buffer.read(0, &mut raw)?;
+    let at = w.storage()?.offset;
+    assert_eq!(raw[at..at + plain.len()], plain[..]);
+    w.fill_bytes(0, w.nbytes(), 0x5A)?;
+    w.read_bytes(0, &mut back)?;
+    assert!(back.iter().all(|&b| b == 0x5A));
+    Ok(())
+}
+
+#[test]
+fn products_lookups_and_views_equal_the_plain_layout_bit_for_bit() -> Result<()> {
+    let mut rng = Rng(9);
+    for (rows, k) in [(19usize, 96usize), (64, 576), (40, 32)] {
+        let data = q4_1_matrix(&mut rng, rows, k);
+        let (_pc, plain) = weight(CpuBufferType::shared(), rows, k, &data)?;
+        let (_rc, packed) = weight(RepackBufferType::shared(), rows, k, &data)?;
+        type Build = Box<dyn Fn(&Context, &Tensor) -> Result<Tensor>>;
+        let mut cases: Vec<(String, Build)> = Vec::new();
+        for n in [1usize, 2, 3, 17, 32, 45] {
+            cases.push((
+                format!("mul_mat n={n}"),
+                Box::new(move |c: &Context, w: &Tensor| ops::mul_mat(c, w, &input(c, k, n)?)),
+            ));
+        }
+        cases.push((
+            "get_rows".into(),
+            Box::new(move |c: &Context, w: &Tensor| {
+                let ids = c.new_tensor(DType::I32, &[4])?;
+                ids.set_name("ids");
+                ids.set_input();
+                ops::get_rows(c, w, &ids)
+            }),
+        ));
+        cases.push((
+            "view of rows 8..16".into(),
+            Box::new(move |c: &Context, w: &Tensor| {
+                let row_bytes = w.nb()[1];
+                let v = ops::view(c, w, &[k, 8], &[row_bytes], 8 * row_bytes)?;
+                ops::mul_mat(c, &v, &input(c, k, 1)?)
+            }),
+        ));
+        for (what, build) in &cases {
+            let expect = compute(&plain, 1, build.as_ref())?;
+            for threads in [1, 2, 3] {
+                let got = compute(&packed, threads, build.as_ref())?;
+                assert_eq!(got, expect, "{what}, {rows}x{k}, {threads} threads");
+            }
+        }
+    }
+    Ok(())
+}
