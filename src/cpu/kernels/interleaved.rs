@@ -119,6 +119,26 @@ impl Layout {
     }
 }
 
+/// Calls `f(plain offset, [stored offsets of d, m, nibbles])` for every block of the tensor
+/// (rows past the groups: their plain offsets, stored plainly).
+fn each_block(layout: &Layout, mut f: impl FnMut(usize, [usize; 3])) {
+    let rb = layout.row_bytes;
+    let blocks = rb / Q4_1_BYTES;
+    for g in 0..layout.grouped_rows() / GROUP {
+        let group = g * GROUP * rb;
+        for k in 0..blocks {
+            let sb = group + k * SUPERBLOCK;
+            for r in 0..GROUP {
+                let plain = group + r * rb + k * Q4_1_BYTES;
+                f(plain, [sb + 2 * r, sb + 16 + 2 * r, sb + 32 + 16 * slot_of(r)]);
+            }
+        }
+    }
+    for plain in (layout.grouped_rows() * rb..layout.bytes()).step_by(Q4_1_BYTES) {
+        f(plain, [plain, plain + 2, plain + 4]);
+    }
+}
+
 /// Writes the plain bytes `data` at plain offset `start` of a tensor laid out by `layout`
 /// whose stored bytes are `stored`.
 ///
@@ -126,6 +146,14 @@ impl Layout {
 /// If `start + data.len()` exceeds the tensor or `stored` is shorter than it (callers check).
 pub fn copy_in(layout: &Layout, stored: &mut [u8], start: usize, data: &[u8]) {
     assert!(start + data.len() <= layout.bytes() && stored.len() >= layout.bytes());
+    if start == 0 && data.len() == layout.bytes() {
+        // The whole tensor (a weight being loaded): block by block with fixed-size moves.
+        return each_block(layout, |plain, packed| {
+            stored[packed[0]..packed[0] + 2].copy_from_slice(&data[plain..plain + 2]);
+            stored[packed[1]..packed[1] + 2].copy_from_slice(&data[plain + 2..plain + 4]);
+            stored[packed[2]..packed[2] + 16].copy_from_slice(&data[plain + 4..plain + 20]);
+        });
+    }
     layout.pieces(start, data.len(), |plain, at, n| {
         stored[at..at + n].copy_from_slice(&data[plain - start..plain - start + n]);
     });
@@ -138,6 +166,13 @@ pub fn copy_in(layout: &Layout, stored: &mut [u8], start: usize, data: &[u8]) {
 /// As [`copy_in`].
 pub fn copy_out(layout: &Layout, stored: &[u8], start: usize, out: &mut [u8]) {
     assert!(start + out.len() <= layout.bytes() && stored.len() >= layout.bytes());
+    if start == 0 && out.len() == layout.bytes() {
+        return each_block(layout, |plain, packed| {
+            out[plain..plain + 2].copy_from_slice(&stored[packed[0]..packed[0] + 2]);
+            out[plain + 2..plain + 4].copy_from_slice(&stored[packed[1]..packed[1] + 2]);
+            out[plain + 4..plain + 20].copy_from_slice(&stored[packed[2]..packed[2] + 16]);
+        });
+    }
     layout.pieces(start, out.len(), |plain, at, n| {
         out[plain - start..plain - start + n].copy_from_slice(&stored[at..at + n]);
     });

@@ -21,6 +21,7 @@ use super::quant_dot::{
     dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
     dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
+use super::interleaved::Layout as Interleaved;
 use super::view::{read_index, RawTensor, SendPtr};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -218,6 +219,7 @@ fn run_tile(
     b: &Prepared<'_>,
     dst: &RawTensor,
     reference: bool,
+    interleaved: Option<&Interleaved>,
     abuf: &mut Vec<f32>,
 ) -> Result<()> {
     let k = a.ne[0];
@@ -308,7 +310,13 @@ fn run_tile(
                 abuf.resize(rows.len() * k, 0.0);
                 for (ii, i) in rows.clone().enumerate() {
                     // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only).
-                    unsafe { a.load_row(i, i02, i03, &mut abuf[ii * k..(ii + 1) * k])? };
+                    let out = &mut abuf[ii * k..(ii + 1) * k];
+                    match interleaved {
+                        // SAFETY: row i of the whole interleaved matrix `a` (read-only).
+                        Some(layout) => unsafe { load_interleaved_row(&a, layout, i, out)? },
+                        // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only).
+                        None => unsafe { a.load_row(i, i02, i03, out)? },
+                    }
                 }
             }
             let arows: Vec<&[f32]> = rows
@@ -411,6 +419,20 @@ pub fn mul_mat(
     reference: bool,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
+    mul_mat_tiles(dst, a, None, b, reference, scratch)
+}
+
+/// [`mul_mat`]; with `interleaved`, `a` is a whole 2-D q4_1 matrix stored in that layout,
+/// which only the f32 tile path (more than [`DIRECT_DOT_MAX_COLS`] columns, fewer than the
+/// GEMM's) may then reach: its rows are rebuilt and converted one at a time.
+fn mul_mat_tiles(
+    dst: RawTensor,
+    a: RawTensor,
+    interleaved: Option<&Interleaved>,
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
     let (m, n) = (a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     if a.ne[2] == 0 || a.ne[3] == 0 || ne12 % a.ne[2] != 0 || ne13 % a.ne[3] != 0 {
@@ -422,9 +444,10 @@ pub fn mul_mat(
     // One weight matrix for every batch, batches laid out back to back: one product with all
     // the batches' columns (every element's sum is the same; the weights are read once).
     if a.ne[2] == 1 && a.ne[3] == 1 && ne12 * ne13 > 1 && batches_flat(&b) && batches_flat(&dst) {
-        return mul_mat(
+        return mul_mat_tiles(
             flatten_batches(dst),
             a,
+            interleaved,
             flatten_batches(b),
             reference,
             scratch,
@@ -450,7 +473,7 @@ pub fn mul_mat(
         return gemm_bf16::mul_mat(gemm_bf16::Isa::Amx, &dst, &a, &b, (r2, r3));
     }
     if !reference && gemm::applies(&a, &dst, n) {
-        return mul_mat_gemm(&dst, &a, b, (r2, r3), scratch);
+        return mul_mat_gemm_from(&dst, &a, interleaved, b, (r2, r3), scratch);
     }
     // Quantized weights: integer dot products with q8_0 activations (ggml's way) only up to
     // DIRECT_DOT_MAX_COLS columns.
@@ -510,6 +533,7 @@ pub fn mul_mat(
                 &prepared,
                 &dst,
                 reference,
+                interleaved,
                 &mut abuf,
             )?;
         }
@@ -536,22 +560,12 @@ fn flatten_batches(t: RawTensor) -> RawTensor {
 
 /// MUL_MAT through the packed GEMM path (see [`gemm`]): activations as f32 rows, then
 /// single-threaded multiplications of fixed weight panels, in parallel.
-fn mul_mat_gemm(
-    dst: &RawTensor,
-    a: &RawTensor,
-    b: RawTensor,
-    (r2, r3): (usize, usize),
-    scratch: &mut Vec<u8>,
-) -> Result<()> {
-    mul_mat_gemm_from(dst, a, None, b, (r2, r3), scratch)
-}
-
-/// [`mul_mat_gemm`], with the weights stored interleaved when `interleaved` gives their
-/// layout (`a` then describes the whole 2-D matrix).
+///
+/// With `interleaved`, `a` is a whole 2-D matrix stored in that layout.
 fn mul_mat_gemm_from(
     dst: &RawTensor,
     a: &RawTensor,
-    interleaved: Option<&super::interleaved::Layout>,
+    interleaved: Option<&Interleaved>,
     b: RawTensor,
     (r2, r3): (usize, usize),
     scratch: &mut Vec<u8>,
@@ -646,6 +660,7 @@ pub fn mul_mat_id(
                 &prepared,
                 &dst,
                 reference,
+                None,
                 &mut abuf,
             )?;
         }
@@ -681,13 +696,13 @@ pub fn out_prod(dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()> {
 
 /// MUL_MAT whose weights `a` are stored interleaved (`layout`, see [`super::interleaved`]):
 /// with few columns (the mat-vec of decoding), the 8-row group kernel against q8_1
-/// activations, each result bit for bit the plain layout's; otherwise (more columns, the
-/// reference kernels, batched activations) the product of a plain copy of the weights, so
-/// every path gives the plain layout's bits.
+/// activations, each result bit for bit the plain layout's; with more, the plain layout's
+/// paths reading rebuilt rows; for the reference kernels and batched activations, the
+/// product of a plain copy of the weights. Every path gives the plain layout's bits.
 pub fn mul_mat_interleaved(
     dst: RawTensor,
     a: RawTensor,
-    layout: &super::interleaved::Layout,
+    layout: &Interleaved,
     b: RawTensor,
     reference: bool,
     scratch: &mut Vec<u8>,
@@ -702,12 +717,11 @@ pub fn mul_mat_interleaved(
         && b.ne[2] * b.ne[3] == 1
         && dst.ne[0] == m
         && dst.ne[1] == n;
-    // Many columns: the GEMM path, as the plain layout takes it, converting rebuilt blocks.
-    if !reference && whole && gemm::applies(&a, &dst, n) {
-        return mul_mat_gemm_from(&dst, &a, Some(layout), b, (1, 1), scratch);
+    // More columns: the plain layout's paths (GEMM, f32 tiles), converting rebuilt rows.
+    if !reference && whole && n > DIRECT_DOT_MAX_COLS {
+        return mul_mat_tiles(dst, a, Some(layout), b, reference, scratch);
     }
-    let fast = !reference && whole && n <= DIRECT_DOT_MAX_COLS;
-    if !fast {
+    if reference || !whole {
         let mut plain = vec![0u64; layout.bytes().div_ceil(8)];
         // SAFETY: `plain` holds at least `layout.bytes()` bytes; viewing u64s as bytes is
         // always valid.
@@ -766,4 +780,20 @@ pub fn mul_mat_interleaved(
         }
         Ok(())
     })
+}
+
+/// Row `i` of the interleaved q4_1 matrix `a` (laid out by `layout`) as f32 in `out`.
+///
+/// # Safety
+/// `a` must be the whole stored matrix, readable, with `i < layout.rows`.
+unsafe fn load_interleaved_row(
+    a: &RawTensor,
+    layout: &Interleaved,
+    i: usize,
+    out: &mut [f32],
+) -> Result<()> {
+    let mut plain = vec![0u8; layout.row_bytes];
+    // SAFETY: forwarded from the caller; the row's blocks are all inside the matrix.
+    unsafe { super::interleaved::gather_blocks(a.ptr.0.cast_const(), layout, i, 0, &mut plain) };
+    DType::Q4_1.row_to_f32(&plain, out)
 }
