@@ -352,3 +352,45 @@ def test_packaged_smollm2_answers() -> None:
         [{"role": "user", "content": "What is 2+2? Answer with a number."}], max_tokens=16
     )
     assert "4" in chat.text
+
+
+def test_repacked_weights_give_the_plain_layouts_bits(tmp_path: Path) -> None:
+    """q4_1 matrices in the CPU's repacking buffer type (eight rows interleaved): logits of a
+    prompt (many-column products) and of single decoding steps (the group mat-vec) equal the
+    plain layout's bit for bit, and the weights read back as the file's bytes."""
+    path = tmp_path / "q41.gguf"
+    write_tiny_model(path, seed=8, dtype="q4_1")
+    plain = llm_mod.LLM(path, n_ctx=64, repack=False)
+    packed = llm_mod.LLM(path, n_ctx=64, repack=True)
+    moved = [n for n, t in packed.weights.items() if t.buffer.buffer_type.name == "CPU_REPACK"]
+    assert moved and "token_embd.weight" not in moved
+    assert all(plain.weights[n].buffer.buffer_type.name == "CPU" for n in moved)
+    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+    np.testing.assert_array_equal(packed.logits(ids), plain.logits(ids))
+    for n_tokens in (1, 2, 5, 40):
+        step = ids[:1] * n_tokens
+        np.testing.assert_array_equal(packed.logits(step), plain.logits(step))
+    a = plain.generate(ids, max_tokens=12, ignore_eos=True)
+    b = packed.generate(ids, max_tokens=12, ignore_eos=True)
+    assert a.tokens == b.tokens
+    with fg.gguf.GGUFFile(path) as f:
+        for name in moved:
+            assert fg.tensor_get(packed.weights[name]) == f.raw(name).tobytes()
+
+
+def test_gguf_load_places_named_tensors(tmp_path: Path) -> None:
+    path = tmp_path / "p.gguf"
+    write_tiny_model(path, seed=2, dtype="q4_1")
+    cpu = fg.init_backend("CPU")
+    repack = next(b for b in fg.reg_by_name("CPU").extra_buffer_types() if b.name == "CPU_REPACK")
+    assert not repack.is_host
+    with fg.gguf.GGUFFile(path) as f:
+        name = next(i.name for i in f.tensors if i.dtype.name == "q4_1" and i.n_dims == 2)
+        buffer, tensors = f.load(cpu, placed={name: repack})
+        assert tensors[name].buffer.buffer_type.name == "CPU_REPACK"
+        assert buffer.buffer_type.name == "CPU"
+        assert fg.tensor_get(tensors[name]) == f.raw(name).tobytes()
+        # pieces map exactly too
+        assert fg.tensor_get(tensors[name], 7, 55) == f.raw(name).tobytes()[7:62]
+        with pytest.raises(fg.Error, match="no_such"):
+            f.load(cpu, placed={"no_such.weight": repack})
