@@ -292,9 +292,9 @@ pub fn quantize_row_q8_1(x: &[f32], out: &mut [u8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut sum = 0i32;
         for (q, &v) in b[4..].iter_mut().zip(xs) {
-            // `round` is C's `roundf` (halves away from zero); |v·id| ≤ 127 up to rounding and
-            // `as i8` saturates anyway.
-            let qi = (v * id).round() as i8;
+            // C's `roundf` (halves away from zero); |v·id| ≤ 127 up to rounding, and the
+            // conversion saturates anyway.
+            let qi = super::round_to_i8(v * id);
             sum += i32::from(qi);
             *q = qi as u8;
         }

@@ -106,6 +106,22 @@ const _: () = assert!(std::mem::align_of::<BlockQ8_0>() == 2);
 const _: () = assert!(std::mem::size_of::<BlockQ4_0>() == 2 + QK4_0 / 2);
 const _: () = assert!(std::mem::align_of::<BlockQ4_0>() == 2);
 
+/// `v` rounded to the nearest integer, halves away from zero (C's `roundf`), then converted
+/// to `i8` saturating (NaN → 0): exactly `v.round() as i8`, without the `roundf` library call
+/// the baseline x86-64 target makes for `f32::round` (the truncating conversion and the
+/// exact difference `v − trunc(v)` vectorise).
+#[inline(always)]
+pub fn round_to_i8(v: f32) -> i8 {
+    // Saturating, and 0 for NaN (whose comparisons below are false).
+    let t = v as i32;
+    // Exact: the fraction of a float is representable, and |v| ≥ 2²³ has none.
+    let f = v - t as f32;
+    let r = t
+        .saturating_add(i32::from(f >= 0.5))
+        .saturating_sub(i32::from(f <= -0.5));
+    r.clamp(i32::from(i8::MIN), i32::from(i8::MAX)) as i8
+}
+
 impl BlockQ8_0 {
     /// Quantizes 32 values into one block (reference rounding, see the module docs).
     pub fn quantize(x: &[f32; QK8_0]) -> Self {
@@ -114,9 +130,9 @@ impl BlockQ8_0 {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         let mut qs = [0i8; QK8_0];
         for (q, &v) in qs.iter_mut().zip(x) {
-            // `f32::round` rounds half away from zero, like C's `roundf`; |v·id| ≤ 127 up to
-            // rounding, and the `as` conversion saturates anyway.
-            *q = (v * id).round() as i8;
+            // Halves away from zero, like C's `roundf`; |v·id| ≤ 127 up to rounding, and the
+            // conversion saturates anyway.
+            *q = round_to_i8(v * id);
         }
         BlockQ8_0 {
             d: f16::from_f32(d),
@@ -498,6 +514,28 @@ mod tests {
     fn block_sizes() {
         assert_eq!(std::mem::size_of::<BlockQ8_0>(), 34);
         assert_eq!(std::mem::size_of::<BlockQ4_0>(), 18);
+    }
+
+    #[test]
+    fn round_to_i8_is_roundf_then_a_saturating_cast() {
+        let mut x = 0x9E37_79B9u32;
+        let specials = [
+            0.5f32, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 126.5, 127.5, -127.5, -128.5,
+            1e9, -1e9, 3e38, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -0.0, 8388609.0,
+        ];
+        let randoms = (0..200_000).map(|_| {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            f32::from_bits(x)
+        });
+        for v in specials.into_iter().chain(randoms) {
+            assert_eq!(round_to_i8(v), v.round() as i8, "{v:e}");
+        }
+        for i in -300_000..300_000 {
+            let v = i as f32 / 1024.0;
+            assert_eq!(round_to_i8(v), v.round() as i8, "{v}");
+        }
     }
 
     #[test]

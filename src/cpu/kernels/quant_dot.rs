@@ -63,7 +63,7 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
         let id = if d != 0.0 { 1.0 / d } else { 0.0 };
         write_d(block, d);
         for (q, &v) in block[2..].iter_mut().zip(xs) {
-            *q = ((v * id).round() as i8) as u8;
+            *q = crate::quant::round_to_i8(v * id) as u8;
         }
     }
 }
