@@ -47,11 +47,11 @@
 //! ones, Python plug-ins) get one buffer of their own type, and the tensors are copied in.
 
 use std::collections::HashMap;
-use std::sync::Arc;
 use std::fmt;
 use std::fs::File;
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 use crate::alloc::dyn_alloc::align_up;
 use crate::buffer::{Buffer, BufferType, BufferUsage};

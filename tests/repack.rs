@@ -43,7 +43,12 @@ fn q4_1_matrix(rng: &mut Rng, rows: usize, k: usize) -> Vec<u8> {
 }
 
 /// A weight context: one q4_1 matrix allocated in `buft`, holding `data`.
-fn weight(buft: Arc<dyn BufferType>, rows: usize, k: usize, data: &[u8]) -> Result<(Context, Tensor)> {
+fn weight(
+    buft: Arc<dyn BufferType>,
+    rows: usize,
+    k: usize,
+    data: &[u8],
+) -> Result<(Context, Tensor)> {
     let ctx = Context::new(true);
     let w = ctx.new_tensor(DType::Q4_1, &[k, rows])?;
     w.set_name("w");
@@ -67,7 +72,9 @@ fn compute(
     for leaf in graph.leafs() {
         if leaf.name() == "x" {
             let n = leaf.nelements();
-            let values: Vec<f32> = (0..n).map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0).collect();
+            let values: Vec<f32> = (0..n)
+                .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+                .collect();
             leaf.set_f32(&values)?;
         }
         if leaf.name() == "ids" {
@@ -96,7 +103,10 @@ fn the_cpu_device_offers_and_reads_the_repacking_type() {
     assert!(cpu.supports_buft(repack.as_ref()));
     assert!(!repack.is_host());
     assert!(repack::is_repack(repack.as_ref()));
-    assert_eq!(repack.device().map(|d| d.name().to_owned()), Some(cpu.name().to_owned()));
+    assert_eq!(
+        repack.device().map(|d| d.name().to_owned()),
+        Some(cpu.name().to_owned())
+    );
 }
 
 #[test]
@@ -119,7 +129,10 @@ fn bytes_written_in_pieces_read_back_exactly() -> Result<()> {
         repack::stored_view(&w),
         Some(repack::StoredView::Interleaved(..))
     ));
-    assert!(matches!(repack::stored_view(&v), Some(repack::StoredView::Plain(_))));
+    assert!(matches!(
+        repack::stored_view(&v),
+        Some(repack::StoredView::Plain(_))
+    ));
     let mut back = vec![0u8; plain.len()];
     w.read_bytes(0, &mut back)?;
     assert_eq!(back, plain);

@@ -520,8 +520,25 @@ mod tests {
     fn round_to_i8_is_roundf_then_a_saturating_cast() {
         let mut x = 0x9E37_79B9u32;
         let specials = [
-            0.5f32, -0.5, 1.5, -1.5, 2.5, 0.49999997, -0.49999997, 126.5, 127.5, -127.5, -128.5,
-            1e9, -1e9, 3e38, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, -0.0, 8388609.0,
+            0.5f32,
+            -0.5,
+            1.5,
+            -1.5,
+            2.5,
+            0.49999997,
+            -0.49999997,
+            126.5,
+            127.5,
+            -127.5,
+            -128.5,
+            1e9,
+            -1e9,
+            3e38,
+            f32::INFINITY,
+            f32::NEG_INFINITY,
+            f32::NAN,
+            -0.0,
+            8388609.0,
         ];
         let randoms = (0..200_000).map(|_| {
             x ^= x << 13;

@@ -234,6 +234,10 @@ pub(crate) fn flash_attn_ext_with(
     let chunks = n_q.div_ceil(q_chunk);
     let groups = n_head / group.max(1);
     let tasks = chunks * groups * n_seq;
+    let splits = key_splits(att.k.ne[1], att.kb, group * q_chunk.min(n_q));
+    if splits > 1 {
+        return att.split_keys(chunks, groups, q_chunk, splits);
+    }
     par_ranges(tasks, 1, |range| {
         // Taken out of the thread-local for the range: a nested parallel call could otherwise
         // find it borrowed.
@@ -254,6 +258,22 @@ pub(crate) fn flash_attn_ext_with(
         SCRATCH.with(|cell| cell.replace(scratch));
         result
     })
+}
+
+/// Keys per part when a decoding step's keys are split over tasks (a multiple of the key
+/// block is used when that is larger).
+const SPLIT_KEYS: usize = 128;
+
+/// Into how many parts the keys of a task of `task_rows` query rows are split: several for
+/// the few rows of a decoding step (the query heads of one key/value head, too few tasks to
+/// keep every thread busy), one otherwise. It depends on the shape alone, never on the thread
+/// count, so the results do not either.
+fn key_splits(n_kv: usize, kb: usize, task_rows: usize) -> usize {
+    if task_rows > DIRECT_ROWS {
+        return 1;
+    }
+    let per = SPLIT_KEYS.max(kb).next_multiple_of(kb.max(1));
+    n_kv.div_ceil(per.max(1)).max(1)
 }
 
 /// The query rows of one task: every query of `queries` in every head of `heads` (heads that
@@ -284,9 +304,28 @@ impl Attention {
     /// The operands must be valid host tensors of the shapes the op builder checked, and no
     /// other task may touch the output rows of these queries.
     unsafe fn task(&self, s: &mut Scratch, rows: &TaskRows, iq3: usize) -> Result<()> {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            self.accumulate(s, rows, iq3, 0..self.k.ne[1])?;
+            self.store(s, rows, iq3)
+        }
+    }
+
+    /// Runs the query rows of `rows` (sequence `iq3`) over the keys `keys` of their shared
+    /// key/value head, leaving each row's running max, sum and unnormalised output in `s`.
+    ///
+    /// # Safety
+    /// As [`Attention::task`]; nothing is written outside `s`.
+    unsafe fn accumulate(
+        &self,
+        s: &mut Scratch,
+        rows: &TaskRows,
+        iq3: usize,
+        keys: std::ops::Range<usize>,
+    ) -> Result<()> {
         let (q, k, v) = (&self.q, &self.k, &self.v);
         let (d, n_head, n_seq) = (q.ne[0], q.ne[2], q.ne[3]);
-        let (n_kv, dv) = (k.ne[1], v.ne[0]);
+        let dv = v.ne[0];
         let nr = rows.len();
         let ik2 = rows.heads.start / (n_head / k.ne[2].max(1)).max(1);
         let ik3 = iq3 / (n_seq / k.ne[3].max(1)).max(1);
@@ -314,9 +353,9 @@ impl Attention {
         s.sum.clear();
         s.sum.resize(nr, 0.0);
 
-        let mut kb0 = 0;
-        while kb0 < n_kv {
-            let kbn = self.kb.min(n_kv - kb0);
+        let mut kb0 = keys.start;
+        while kb0 < keys.end {
+            let kbn = self.kb.min(keys.end - kb0);
             let kbp = kbn.next_multiple_of(16);
             // SAFETY: the mask segments of these rows and keys lie inside the mask.
             if unsafe { self.block_masked(&mut s.mask, rows, iq3, kb0, kbn)? } {
@@ -477,9 +516,115 @@ impl Attention {
             }
             kb0 += kbn;
         }
+        Ok(())
+    }
 
-        // Normalise and store: output row (head, query, iq3).
-        for r in 0..nr {
+    /// The op with each task's keys split into `splits` parts (see [`key_splits`]): every
+    /// (task, part) runs on its own, leaving its rows' max, sum and unnormalised output in a
+    /// shared table; then each task's parts are merged in part order (rescaled to the
+    /// largest max) and stored.
+    fn split_keys(
+        &self,
+        chunks: usize,
+        groups: usize,
+        q_chunk: usize,
+        splits: usize,
+    ) -> Result<()> {
+        let (n_q, n_head, n_seq) = (self.q.ne[1], self.q.ne[2], self.q.ne[3]);
+        let (n_kv, dv) = (self.k.ne[1], self.v.ne[0]);
+        let group = n_head / groups.max(1);
+        let tasks = chunks * groups * n_seq;
+        let per = n_kv.div_ceil(splits).next_multiple_of(self.kb.max(1));
+        // Per (task, part): DIRECT_ROWS rows of [max, sum, output...].
+        let slot = dv + 2;
+        let part_len = DIRECT_ROWS * slot;
+        let mut table = vec![0f32; tasks * splits * part_len];
+        let table_ptr = super::view::SendPtr(table.as_mut_ptr().cast());
+        let rows_of = |t: usize| {
+            let chunk = t % chunks;
+            let ik2 = (t / chunks) % groups;
+            let q0 = chunk * q_chunk;
+            (
+                TaskRows {
+                    heads: ik2 * group..(ik2 + 1) * group,
+                    queries: q0..(q0 + q_chunk).min(n_q),
+                },
+                t / (chunks * groups),
+            )
+        };
+        par_ranges(tasks * splits, 1, |range| {
+            let base = table_ptr; // the whole SendPtr, not its raw field
+            let mut scratch = SCRATCH.with(RefCell::take);
+            let result = range.into_iter().try_for_each(|i| {
+                let (t, part) = (i / splits, i % splits);
+                let (rows, iq3) = rows_of(t);
+                let keys = (part * per).min(n_kv)..((part + 1) * per).min(n_kv);
+                // SAFETY: the operands are the op's checked host tensors; only the scratch is
+                // written.
+                unsafe { self.accumulate(&mut scratch, &rows, iq3, keys)? };
+                // SAFETY: slot i of the table (part_len floats) is this (task, part)'s alone;
+                // the table outlives the split.
+                let out = unsafe {
+                    std::slice::from_raw_parts_mut(base.0.cast::<f32>().add(i * part_len), part_len)
+                };
+                for r in 0..rows.len() {
+                    let o = &mut out[r * slot..(r + 1) * slot];
+                    o[0] = scratch.max[r];
+                    o[1] = scratch.sum[r];
+                    o[2..].copy_from_slice(&scratch.acc[r * dv..(r + 1) * dv]);
+                }
+                Ok(())
+            });
+            SCRATCH.with(|cell| cell.replace(scratch));
+            result
+        })?;
+        par_ranges(tasks, 1, |range| {
+            let mut scratch = SCRATCH.with(RefCell::take);
+            let result = range.into_iter().try_for_each(|t| {
+                let (rows, iq3) = rows_of(t);
+                let nr = rows.len();
+                let parts = &table[t * splits * part_len..(t + 1) * splits * part_len];
+                scratch.acc.clear();
+                scratch.acc.resize(nr * dv, 0.0);
+                scratch.sum.clear();
+                scratch.sum.resize(nr, 0.0);
+                for r in 0..nr {
+                    let row =
+                        |p: usize| &parts[p * part_len + r * slot..p * part_len + (r + 1) * slot];
+                    let top = (0..splits)
+                        .map(|p| row(p)[0])
+                        .fold(f32::NEG_INFINITY, f32::max);
+                    if top == f32::NEG_INFINITY {
+                        continue; // every key masked: a zero row, as without the split
+                    }
+                    let acc = &mut scratch.acc[r * dv..(r + 1) * dv];
+                    for p in 0..splits {
+                        let part = row(p);
+                        if part[0] == f32::NEG_INFINITY {
+                            continue;
+                        }
+                        let w = math::exp(part[0] - top);
+                        scratch.sum[r] += part[1] * w;
+                        acc.iter_mut()
+                            .zip(&part[2..])
+                            .for_each(|(a, x)| *a += x * w);
+                    }
+                }
+                // SAFETY: task t's output rows are written by this task alone.
+                unsafe { self.store(&mut scratch, &rows, iq3) }
+            });
+            SCRATCH.with(|cell| cell.replace(scratch));
+            result
+        })
+    }
+
+    /// Normalises the rows' outputs in `s` and stores them: output row (head, query, iq3).
+    ///
+    /// # Safety
+    /// No other task may touch the output rows of these queries.
+    unsafe fn store(&self, s: &mut Scratch, rows: &TaskRows, iq3: usize) -> Result<()> {
+        let dv = self.v.ne[0];
+        for r in 0..rows.len() {
             let (h, iq) = rows.at(r);
             let sum = s.sum[r];
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
@@ -1539,10 +1684,14 @@ mod tests {
     #[test]
     fn f16_cache_rows_on_the_direct_path_match_f64_reference() {
         use half::f16;
-        // (d = dv, n_q, n_kv, n_head, n_head_kv): head sizes with and without 8-wide tails
-        for (d, n_q, n_kv, n_head, n_head_kv) in
-            [(64, 1, 300, 9, 3), (24, 2, 130, 4, 2), (13, 1, 40, 3, 1)]
-        {
+        // (d = dv, n_q, n_kv, n_head, n_head_kv): head sizes with and without 8-wide tails;
+        // 300 and 700 keys are split over tasks (3 and 5 parts, the last ones masked)
+        for (d, n_q, n_kv, n_head, n_head_kv) in [
+            (64, 1, 300, 9, 3),
+            (24, 2, 130, 4, 2),
+            (24, 2, 700, 4, 2),
+            (13, 1, 40, 3, 1),
+        ] {
             let mut seed = 11u64;
             let row = n_head_kv * d;
             let mut k16: Vec<f16> = (0..n_kv * row)

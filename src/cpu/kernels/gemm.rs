@@ -226,7 +226,12 @@ impl WeightRows {
                     // is its first stored byte.
                     unsafe {
                         super::interleaved::gather_blocks(ptr, &layout, i0 + r, first, &mut plain);
-                        load_f32(DType::Q4_1, plain.as_ptr(), super::interleaved::BLOCK_BYTES, out)?;
+                        load_f32(
+                            DType::Q4_1,
+                            plain.as_ptr(),
+                            super::interleaved::BLOCK_BYTES,
+                            out,
+                        )?;
                     }
                 }
                 Ok((buf.as_ptr(), kc))

@@ -130,7 +130,10 @@ fn each_block(layout: &Layout, mut f: impl FnMut(usize, [usize; 3])) {
             let sb = group + k * SUPERBLOCK;
             for r in 0..GROUP {
                 let plain = group + r * rb + k * Q4_1_BYTES;
-                f(plain, [sb + 2 * r, sb + 16 + 2 * r, sb + 32 + 16 * slot_of(r)]);
+                f(
+                    plain,
+                    [sb + 2 * r, sb + 16 + 2 * r, sb + 32 + 16 * slot_of(r)],
+                );
             }
         }
     }
@@ -184,7 +187,13 @@ pub fn copy_out(layout: &Layout, stored: &[u8], start: usize, out: &mut [u8]) {
 /// # Safety
 /// `stored` must be valid for reading `layout.bytes()` bytes; `row < layout.rows` and the
 /// blocks must lie inside the row.
-pub unsafe fn gather_blocks(stored: *const u8, layout: &Layout, row: usize, first: usize, out: &mut [u8]) {
+pub unsafe fn gather_blocks(
+    stored: *const u8,
+    layout: &Layout,
+    row: usize,
+    first: usize,
+    out: &mut [u8],
+) {
     let grouped = row < layout.grouped_rows();
     for (i, block) in out.chunks_exact_mut(Q4_1_BYTES).enumerate() {
         let k = first + i;
@@ -195,9 +204,21 @@ pub unsafe fn gather_blocks(stored: *const u8, layout: &Layout, row: usize, firs
             // three fields are copied from their places in it.
             unsafe {
                 let base = stored.add(sb);
-                std::ptr::copy_nonoverlapping(base.add(superblock_offset(r, 0)), block.as_mut_ptr(), 2);
-                std::ptr::copy_nonoverlapping(base.add(superblock_offset(r, 2)), block.as_mut_ptr().add(2), 2);
-                std::ptr::copy_nonoverlapping(base.add(superblock_offset(r, 4)), block.as_mut_ptr().add(4), 16);
+                std::ptr::copy_nonoverlapping(
+                    base.add(superblock_offset(r, 0)),
+                    block.as_mut_ptr(),
+                    2,
+                );
+                std::ptr::copy_nonoverlapping(
+                    base.add(superblock_offset(r, 2)),
+                    block.as_mut_ptr().add(2),
+                    2,
+                );
+                std::ptr::copy_nonoverlapping(
+                    base.add(superblock_offset(r, 4)),
+                    block.as_mut_ptr().add(4),
+                    16,
+                );
             }
         } else {
             // SAFETY: rows past the groups are stored plainly, inside the stored bytes.

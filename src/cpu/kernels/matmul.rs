@@ -16,12 +16,12 @@ use super::dot_tile::{dots_4xc, max_tile_cols};
 use super::gemm::{self, F32Rows};
 use super::gemm_bf16;
 use super::gemm_q8;
+use super::interleaved::Layout as Interleaved;
 use super::par_ranges;
 use super::quant_dot::{
     dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
     dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
-use super::interleaved::Layout as Interleaved;
 use super::view::{read_index, RawTensor, SendPtr};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -742,9 +742,8 @@ pub fn mul_mat_interleaved(
     let nb = k / QK;
     let row_bytes = layout.row_bytes;
     let grouped = layout.grouped_rows();
-    let single = block_dot::dot_fn_with(a.dtype, block_dot::Isa::best()).ok_or_else(|| {
-        Error::UnsupportedOp(format!("MUL_MAT with {} weights", a.dtype.name()))
-    })?;
+    let single = block_dot::dot_fn_with(a.dtype, block_dot::Isa::best())
+        .ok_or_else(|| Error::UnsupportedOp(format!("MUL_MAT with {} weights", a.dtype.name())))?;
     let write = |j: usize, i: usize, v: f32| {
         // SAFETY: (i, j) is an element of dst; tasks own disjoint row ranges.
         unsafe {
