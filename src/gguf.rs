@@ -1263,10 +1263,10 @@ impl GgufFile {
                     for (_, tensor) in &rest {
                         tensor.unbind();
                     }
-                    (self.copy_to(device.buffer_type(), &rest)?, false)
+                    (self.copy_to(device.buffer_type(), &rest, false)?, false)
                 }
             },
-            None => (self.copy_to(device.buffer_type(), &rest)?, false),
+            None => (self.copy_to(device.buffer_type(), &rest, false)?, false),
         };
         log::debug!(
             "{}: {} tensors ({} bytes) on {} {}",
@@ -1351,7 +1351,7 @@ impl GgufFile {
     }
 
     /// Copies the tensors named in `placed` into buffers of their buffer types (one per type),
-    /// then releases the file pages they alone used; returns the buffers.
+    /// releasing the file pages each alone used after its copy; returns the buffers.
     fn copy_placed(
         &self,
         tensors: &[Tensor],
@@ -1369,44 +1369,46 @@ impl GgufFile {
         }
         let mut buffers = Vec::with_capacity(by_type.len());
         for (buft, list) in &by_type {
-            buffers.push(self.copy_to(buft.clone(), list)?);
-        }
-        if let Source::Map { map, .. } = &self.source {
-            // SAFETY: sysconf has no preconditions.
-            let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-                .unwrap_or(4096)
-                .max(1);
-            // Pages wholly inside a copied tensor's bytes: nothing else reads them again.
-            for (_, list) in &by_type {
-                for (info, _) in list {
-                    let start = info.file_offset.div_ceil(page) * page;
-                    let end = (info.file_offset + info.nbytes) / page * page;
-                    if end > start {
-                        // SAFETY: a read-only shared file mapping: dropping its pages changes
-                        // no content (a later read faults them in from the file again), and
-                        // the range lies inside the map (the parser checked the tensor's).
-                        let advised = unsafe {
-                            map.unchecked_advise_range(
-                                memmap2::UncheckedAdvice::DontNeed,
-                                start,
-                                end - start,
-                            )
-                        };
-                        if let Err(e) = advised {
-                            log::debug!("{}: releasing copied pages failed: {e}", self.path);
-                        }
-                    }
-                }
-            }
+            buffers.push(self.copy_to(buft.clone(), list, true)?);
         }
         Ok(buffers)
     }
 
-    /// Allocates buffers of type `buft` for `tensors` and copies their data in.
+    /// Drops from this process's memory the pages of the file's map that lie wholly inside
+    /// `info`'s bytes (a tensor copied elsewhere: nothing reads them again). A failure only
+    /// costs memory, so it is logged.
+    fn release_pages(&self, info: &GgufTensorInfo) {
+        let Source::Map { map, .. } = &self.source else {
+            return;
+        };
+        // SAFETY: sysconf has no preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .unwrap_or(4096)
+            .max(1);
+        let start = info.file_offset.div_ceil(page) * page;
+        let end = (info.file_offset + info.nbytes) / page * page;
+        if end <= start {
+            return;
+        }
+        // SAFETY: a read-only shared file mapping: dropping its pages changes no content (a
+        // later read faults them in from the file again), and the range lies inside the map
+        // (the parser checked the tensor's bytes).
+        let advised = unsafe {
+            map.unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, start, end - start)
+        };
+        if let Err(e) = advised {
+            log::debug!("{}: releasing copied pages failed: {e}", self.path);
+        }
+    }
+
+    /// Allocates buffers of type `buft` for `tensors` and copies their data in; with
+    /// `release`, each tensor's file pages are released right after its copy (see
+    /// [`Self::release_pages`]), so the peak memory holds one tensor twice at most.
     fn copy_to(
         &self,
         buft: Arc<dyn BufferType>,
         tensors: &[(&GgufTensorInfo, &Tensor)],
+        release: bool,
     ) -> Result<Buffer> {
         let alignment = buft.alignment().max(1);
         let max_size = buft.max_size();
@@ -1453,6 +1455,9 @@ impl GgufFile {
         }
         for (info, tensor) in tensors {
             tensor.write_bytes(0, self.data_of(info))?;
+            if release {
+                self.release_pages(info);
+            }
         }
         if parts.len() == 1 {
             Ok(parts.remove(0))
