@@ -1453,10 +1453,34 @@ impl GgufFile {
             }
             parts.push(buffer);
         }
-        for (info, tensor) in tensors {
-            tensor.write_bytes(0, self.data_of(info))?;
-            if release {
-                self.release_pages(info);
+        if release {
+            // Placed tensors are usually repacked on the way in: a few threads share them.
+            let threads = std::thread::available_parallelism()
+                .map_or(1, |n| n.get())
+                .clamp(1, 4)
+                .min(tensors.len().max(1));
+            let per = tensors.len().div_ceil(threads).max(1);
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = tensors
+                    .chunks(per)
+                    .map(|chunk| {
+                        scope.spawn(move || -> Result<()> {
+                            for (info, tensor) in chunk {
+                                tensor.write_bytes(0, self.data_of(info))?;
+                                self.release_pages(info);
+                            }
+                            Ok(())
+                        })
+                    })
+                    .collect();
+                handles.into_iter().try_for_each(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Backend("a copying thread panicked".into())))
+                })
+            })?;
+        } else {
+            for (info, tensor) in tensors {
+                tensor.write_bytes(0, self.data_of(info))?;
             }
         }
         if parts.len() == 1 {
