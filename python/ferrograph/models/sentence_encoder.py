@@ -622,18 +622,24 @@ class SentenceEncoder:
         the attention mask ``real`` (1 on real tokens); the first ``prompt_length`` tokens are
         left out of the pooling (a prompt with ``include_prompt`` false)."""
         b, s = real.shape
-        mask = real.copy()
-        mask[:, :prompt_length] = 0.0
-        if prompt_length and not mask.any(axis=1).all():
-            raise fg.InvalidArgumentError(
-                f"the prompt ({prompt_length} tokens) leaves a sentence with no token to pool "
-                f"within max_seq_length {self.max_seq_length}"
-            )
+        mask = real
+        if prompt_length:
+            mask = real.copy()
+            mask[:, :prompt_length] = 0.0
+            if not mask.any(axis=1).all():
+                raise fg.InvalidArgumentError(
+                    f"the prompt ({prompt_length} tokens) leaves a sentence with no token to "
+                    f"pool within max_seq_length {self.max_seq_length}"
+                )
+        modes = self.pooling_modes
+        # Only what the modes use (a query of one sentence pays for every numpy call).
         counts = np.maximum(mask.sum(axis=1, keepdims=True), np.float32(1e-9))
-        first = np.argmax(mask > 0, axis=1)  # the first pooled token (after a left-out prompt)
-        last = real.sum(axis=1).astype(np.int64) - 1
+        if "cls" in modes or "max" in modes:
+            first = np.argmax(mask > 0, axis=1)  # the first pooled token (after a prompt)
+        if "lasttoken" in modes:
+            last = real.sum(axis=1).astype(np.int64) - 1
         rows: list[npt.NDArray[np.float32]] = []
-        for mode in self.pooling_modes:
+        for mode in modes:
             if mode == "mean":
                 rows.append(mask / counts)
             elif mode == "mean_sqrt_len_tokens":
@@ -649,7 +655,11 @@ class SentenceEncoder:
                 one_hot = np.zeros((b, s), np.float32)
                 one_hot[np.arange(b), last] = 1.0
                 rows.append(one_hot)
-        weights = np.ascontiguousarray(np.stack(rows, axis=1), np.float32) if rows else None
+        weights: npt.NDArray[np.float32] | None = None
+        if len(rows) == 1:
+            weights = np.ascontiguousarray(rows[0][:, None, :], np.float32)
+        elif rows:
+            weights = np.ascontiguousarray(np.stack(rows, axis=1), np.float32)
         index = None
         if "max" in self.pooling_modes:
             own = np.arange(b * s, dtype=np.int32).reshape(b, s)
