@@ -10,9 +10,11 @@
 //! worker to wake up: a job the caller finishes alone is done, so a small graph costs no
 //! hand-over at all, and the chunks (not the threads that run them) fix the results.
 //!
-//! Idle workers spin between jobs (up to `poll` × 2 µs while a computation runs, at most
-//! 20 µs once it has returned), then sleep until the next job. [`Threadpool::pause`] makes
-//! them sleep at once; the next computation resumes the pool, as ggml's does.
+//! Idle workers spin between jobs (up to `poll` × 2 µs while a computation runs, and up to
+//! `poll` × 20 µs after it has returned, counted from its end, so a caller computing one small
+//! graph after another finds them awake), then sleep until the next job. The computing thread
+//! spins as long for the chunks others are finishing before it sleeps. [`Threadpool::pause`]
+//! makes the workers sleep at once; the next computation resumes the pool, as ggml's does.
 
 use std::cell::{Cell, UnsafeCell};
 use std::ops::Range;
@@ -79,7 +81,8 @@ pub struct ThreadpoolParams {
     /// Scheduling priority of the workers.
     pub priority: ThreadPriority,
     /// Busy-wait level before sleeping (0-100): idle workers spin up to `poll` × 2 µs between
-    /// jobs of a computation before they sleep (0: sleep at once).
+    /// jobs of a computation and up to `poll` × 20 µs after it returns before they sleep (0:
+    /// sleep at once).
     pub poll: u32,
     /// Pin each worker to one CPU of the mask (worker `i` to the `i`-th allowed CPU, round
     /// robin) instead of letting every worker run on any CPU of the mask.
@@ -243,16 +246,36 @@ fn set_priority(_priority: ThreadPriority) -> std::io::Result<()> {
     ))
 }
 
-/// How long idle workers keep spinning after a computation has returned (at most): long
-/// enough for a caller computing graph after graph (the scheduler's splits, a batch loop) to
-/// find them awake, short enough not to take a core from whatever runs next.
-const TAIL_SPIN: Duration = Duration::from_micros(20);
+/// Spin time per `poll` level after a computation has returned, counted from its end (poll
+/// 50, the default: 1 ms): long enough for a caller computing graph after graph (one query
+/// after another, with its tokenization and inputs in between; the scheduler's splits) to find
+/// the workers awake instead of paying their wake-up in every call, short enough to give the
+/// core back soon when the calls stop.
+const TAIL_SPIN_PER_POLL: Duration = Duration::from_micros(20);
 
-/// How long the computing thread spins for chunks other threads are finishing before it sleeps
-/// until the last one is done (on a busy machine a worker may lose its core mid-chunk).
+/// The least the computing thread spins for chunks other threads are finishing before it
+/// sleeps until the last one is done (on a busy machine a worker may lose its core mid-chunk).
 const OWNER_SPIN: Duration = Duration::from_micros(30);
 
-/// Spin time per `poll` level while a computation runs (poll 50, the default: 100 µs).
+/// How long a thread spins before its spinning starts yielding the core now and then (see
+/// [`spin_pause`]).
+const YIELD_AFTER: Duration = Duration::from_micros(10);
+
+/// One step of a spin-wait that began at `since`, `spins` steps ago: a pause, and every 64
+/// steps after the first [`YIELD_AFTER`] a yield of the core. On an idle core the yield
+/// returns at once (nothing else is runnable); when the other threads of the computation share
+/// this core (a machine with more runnable threads than cores) it hands the core over, so the
+/// thread being waited for runs now instead of after this one's time slice.
+fn spin_pause(spins: u32, since: Instant) {
+    if spins.is_multiple_of(64) && since.elapsed() >= YIELD_AFTER {
+        std::thread::yield_now();
+    } else {
+        std::hint::spin_loop();
+    }
+}
+
+/// Spin time per `poll` level while a computation runs (poll 50, the default: 100 µs), for the
+/// workers between jobs and for the computing thread waiting for others' chunks.
 const SPIN_PER_POLL: Duration = Duration::from_micros(2);
 
 /// The closure of a job: runs one chunk (a range of item indices).
@@ -286,7 +309,8 @@ struct Shared {
     /// A chunk of the current job failed: the rest are skipped, the error is in `error`.
     failed: AtomicBool,
     error: Mutex<Option<Error>>,
-    /// A computation is running (workers spin up to `spin` between jobs, else [`TAIL_SPIN`]).
+    /// A computation is running (workers spin up to `spin` between jobs, else up to
+    /// `tail_spin` from its end).
     computing: AtomicBool,
     paused: AtomicBool,
     shutdown: AtomicBool,
@@ -299,6 +323,7 @@ struct Shared {
     finish_lock: Mutex<()>,
     finished: Condvar,
     spin: Duration,
+    tail_spin: Duration,
     /// Held by the thread computing on the pool (one computation at a time).
     busy: Mutex<()>,
 }
@@ -404,13 +429,16 @@ impl Shared {
         while let Some(index) = self.claim() {
             self.run_chunk(index);
         }
-        // Chunks other threads took: usually short (they started with this one), so spin a
-        // little, then sleep until the last one is done.
+        // Chunks other threads took: at most one chunk long each (they started before this
+        // thread ran out), so spin as long as a worker would between jobs (a small node's
+        // chunks take tens of microseconds, less than a sleep and wake-up), then sleep until
+        // the last one is done.
         let spin_start = Instant::now();
+        let owner_spin = self.spin.max(OWNER_SPIN);
         let mut spins = 0u32;
         while self.done.load(Ordering::Acquire) < n_chunks {
             spins = spins.wrapping_add(1);
-            if spins.is_multiple_of(64) && spin_start.elapsed() >= OWNER_SPIN {
+            if spins.is_multiple_of(64) && spin_start.elapsed() >= owner_spin {
                 let mut guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
                 self.owner_sleeping.store(true, Ordering::SeqCst);
                 while self.done.load(Ordering::SeqCst) < n_chunks {
@@ -419,7 +447,7 @@ impl Shared {
                 self.owner_sleeping.store(false, Ordering::SeqCst);
                 break;
             }
-            std::hint::spin_loop();
+            spin_pause(spins, spin_start);
         }
         if self.failed.load(Ordering::Relaxed) {
             let error = self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
@@ -449,6 +477,9 @@ fn worker_main(shared: Arc<Shared>) {
     });
     let mut idle_since = Instant::now();
     let mut spins = 0u32;
+    // Whether the last look found a computation running: the tail after it counts from when
+    // this worker sees it end, not from its last chunk (which may be long before the end).
+    let mut saw_computing = false;
     loop {
         if let Some(index) = shared.claim() {
             shared.run_chunk(index);
@@ -461,19 +492,25 @@ fn worker_main(shared: Arc<Shared>) {
         }
         spins = spins.wrapping_add(1);
         if spins.is_multiple_of(64) {
+            let computing = shared.computing.load(Ordering::Relaxed);
+            if saw_computing && !computing {
+                idle_since = Instant::now();
+            }
+            saw_computing = computing;
             let limit = if shared.paused.load(Ordering::Relaxed) {
                 Duration::ZERO
-            } else if shared.computing.load(Ordering::Relaxed) {
+            } else if computing {
                 shared.spin
             } else {
-                shared.spin.min(TAIL_SPIN)
+                shared.tail_spin
             };
             if idle_since.elapsed() >= limit {
                 sleep_until_work(&shared);
                 idle_since = Instant::now();
+                saw_computing = false;
             }
         }
-        std::hint::spin_loop();
+        spin_pause(spins, idle_since);
     }
 }
 
@@ -614,6 +651,7 @@ impl Threadpool {
             finish_lock: Mutex::new(()),
             finished: Condvar::new(),
             spin: SPIN_PER_POLL * params.poll,
+            tail_spin: TAIL_SPIN_PER_POLL * params.poll,
             busy: Mutex::new(()),
         });
         let mut pool = Threadpool {
@@ -1139,8 +1177,8 @@ mod tests {
             let (_, _, result) = visit(&pool, 64, 1, |_| Ok(()));
             result.unwrap();
         }
-        // The tail is 20 µs; a busy machine may leave a spinning worker waiting for a core a
-        // while before it notices, so allow up to 2 s (a worker that never sleeps fails).
+        // The tail is 1 ms (poll 50); a busy machine may leave a spinning worker waiting for a
+        // core a while before it notices, so allow up to 2 s (a worker that never sleeps fails).
         let start = Instant::now();
         loop {
             std::thread::sleep(Duration::from_millis(20));

@@ -503,6 +503,14 @@ impl PyScheduler {
         Ok(())
     }
 
+    /// Whether `graph` is the allocated graph: its inputs may be set and it computed again
+    /// without another `alloc_graph` (False after `reset`, `reserve`, a pin, or once another
+    /// graph was split).
+    fn is_allocated(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<bool> {
+        let graph = graph.inner.clone();
+        self.with(py, |s| s.is_allocated(&graph))
+    }
+
     /// Computes `graph` across the backends and waits. Raises AbortedError when the eval
     /// callback (or an abort callback) cancelled it, and the callback's own exception when it
     /// raised one. With `profile=True`, returns a `Profile` of the run (every node computed on

@@ -214,7 +214,8 @@ impl PyThreadpoolParams {
     }
 
     /// Busy-wait level before sleeping, 0-100: idle workers spin up to poll × 2 µs between
-    /// the jobs of a computation before they sleep (0: sleep at once).
+    /// the jobs of a computation and up to poll × 20 µs after it returns before they sleep
+    /// (0: sleep at once).
     #[getter]
     fn poll(&self) -> u32 {
         self.inner.poll

@@ -765,6 +765,17 @@ impl Scheduler {
         Ok(())
     }
 
+    /// Whether `graph` is the allocated graph: its inputs may be set again and it computed
+    /// again without another [`Scheduler::alloc_graph`] (which would redo the same plan).
+    /// False after a reset, a new reservation or pin, or once another graph was split.
+    pub fn is_allocated(&self, graph: &Graph) -> bool {
+        self.state == State::Allocated
+            && self
+                .instance
+                .as_ref()
+                .is_some_and(|i| same_graph(&i.graph, graph))
+    }
+
     /// Queues the computation of `graph`, allocating it first when nothing is allocated (or
     /// another graph is). After [`Scheduler::reset`], call [`Scheduler::alloc_graph`] first.
     pub fn graph_compute_async(&mut self, graph: &Graph) -> Result<Status> {

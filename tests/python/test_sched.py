@@ -164,6 +164,31 @@ def test_eval_callback_order_and_cancel(cpu: fg.Backend, rng: np.random.Generato
     sched.graph_compute(g)  # usable again
 
 
+def test_is_allocated_lets_a_graph_recompute_with_new_inputs(
+    cpu: fg.Backend, rng: np.random.Generator
+) -> None:
+    g, x, (_, _, y), w1n, w2n, _w = _mlp(rng, cpu)
+    g2, x2, (_, _, y2), w1m, w2m, _w2 = _mlp(rng, cpu)
+    sched = fg.Scheduler([cpu])
+    assert not sched.is_allocated(g)
+    sched.alloc_graph(g)
+    assert sched.is_allocated(g) and not sched.is_allocated(g2)
+    for _ in range(3):  # one input after another, allocated once
+        _compute_checked(
+            sched, g, x, y, rng.standard_normal((4, 8)).astype(np.float32), (w1n, w2n), alloc=False
+        )
+        assert sched.is_allocated(g)
+    sched.alloc_graph(g2)  # another graph: g must be allocated again
+    assert sched.is_allocated(g2) and not sched.is_allocated(g)
+    _compute_checked(
+        sched, g2, x2, y2, rng.standard_normal((4, 8)).astype(np.float32), (w1m, w2m), alloc=False
+    )
+    sched.reset()
+    assert not sched.is_allocated(g2)
+    sched.reserve(g)
+    assert not sched.is_allocated(g)
+
+
 def test_reset_makes_tensors_stale_and_realloc(cpu: fg.Backend, rng: np.random.Generator) -> None:
     g, x, (_, _, y), *_ = _mlp(rng, cpu)
     sched = fg.Scheduler([cpu])

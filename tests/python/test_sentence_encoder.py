@@ -749,6 +749,29 @@ def test_threads_give_the_same_vectors(model_dirs: dict[str, Path]) -> None:
     np.testing.assert_allclose(results[2], results[0], atol=1e-6)
 
 
+def test_one_query_after_another_and_the_stages_of_a_profiled_call(
+    model_dirs: dict[str, Path],
+) -> None:
+    model = SentenceEncoder(model_dirs["v2-gelu-mean-norm"])
+    batched = model.encode(SENTENCES, batch_size=len(SENTENCES))
+    # The same shape twice in a row computes the allocated graph again with the new inputs
+    # (the second call of a sentence, or the next sentence of the same length); shapes
+    # changing in between allocate again. Same bits either way.
+    for order in (SENTENCES, SENTENCES[::-1]):
+        for sentence in order:
+            first = model.encode(sentence)
+            np.testing.assert_array_equal(model.encode(sentence), first)
+            np.testing.assert_allclose(first, batched[SENTENCES.index(sentence)], atol=1e-5)
+    assert model.last_stages is None
+    model.encode(SENTENCES[:3], batch_size=2, profile=True)
+    stages = model.last_stages
+    assert stages is not None and model.last_profile is not None
+    assert set(stages) == {"tokenize", "inputs", "setup", "compute", "output", "total"}
+    assert all(v >= 0 for v in stages.values())
+    assert stages["total"] >= sum(v for k, v in stages.items() if k != "total")
+    assert stages["compute"] >= model.last_profile.node_seconds * 0.5
+
+
 def test_threads_sharing_a_model(model_dirs: dict[str, Path]) -> None:
     import threading
 

@@ -109,6 +109,20 @@ def blas_backend(n_threads: int) -> fg.Backend | None:
     return fg.init_backend("BLAS", n_threads=n_threads)
 
 
+class _Stages:
+    """Adds the time since the previous lap to a stage of ``stages`` (nothing when None)."""
+
+    def __init__(self, stages: dict[str, float] | None) -> None:
+        self.stages = stages
+        self.last = time.perf_counter() if stages is not None else 0.0
+
+    def lap(self, stage: str) -> None:
+        if self.stages is not None:
+            now = time.perf_counter()
+            self.stages[stage] = self.stages.get(stage, 0.0) + now - self.last
+            self.last = now
+
+
 @dataclass
 class ShapeGraph:
     """The graph of one (batch, seq) shape and its input / output tensors.
@@ -243,6 +257,11 @@ class SentenceEncoder:
         self.scheduler = fg.Scheduler(backends)
         self.last_profile: fg.Profile | None = None
         """The per-op profile of the last ``encode(..., profile=True)`` (all its batches)."""
+        self.last_stages: dict[str, float] | None = None
+        """Seconds per stage of the last ``encode(..., profile=True)`` (all its batches):
+        ``tokenize``, ``inputs`` (padding, masks, pooling weights), ``setup`` (allocation and
+        input upload), ``compute`` (the graph runs), ``output`` (reading the embeddings) and
+        ``total`` (the whole call); ``total - compute`` is the per-call cost outside the graph."""
         self._reserved: tuple[int, int] = (0, 0)
         self._graphs: OrderedDict[tuple[int, int], ShapeGraph] = OrderedDict()
         # One scheduler and one compute buffer serve every call: a batch is allocated, filled,
@@ -603,18 +622,24 @@ class SentenceEncoder:
         the attention mask ``real`` (1 on real tokens); the first ``prompt_length`` tokens are
         left out of the pooling (a prompt with ``include_prompt`` false)."""
         b, s = real.shape
-        mask = real.copy()
-        mask[:, :prompt_length] = 0.0
-        if prompt_length and not mask.any(axis=1).all():
-            raise fg.InvalidArgumentError(
-                f"the prompt ({prompt_length} tokens) leaves a sentence with no token to pool "
-                f"within max_seq_length {self.max_seq_length}"
-            )
+        mask = real
+        if prompt_length:
+            mask = real.copy()
+            mask[:, :prompt_length] = 0.0
+            if not mask.any(axis=1).all():
+                raise fg.InvalidArgumentError(
+                    f"the prompt ({prompt_length} tokens) leaves a sentence with no token to "
+                    f"pool within max_seq_length {self.max_seq_length}"
+                )
+        modes = self.pooling_modes
+        # Only what the modes use (a query of one sentence pays for every numpy call).
         counts = np.maximum(mask.sum(axis=1, keepdims=True), np.float32(1e-9))
-        first = np.argmax(mask > 0, axis=1)  # the first pooled token (after a left-out prompt)
-        last = real.sum(axis=1).astype(np.int64) - 1
+        if "cls" in modes or "max" in modes:
+            first = np.argmax(mask > 0, axis=1)  # the first pooled token (after a prompt)
+        if "lasttoken" in modes:
+            last = real.sum(axis=1).astype(np.int64) - 1
         rows: list[npt.NDArray[np.float32]] = []
-        for mode in self.pooling_modes:
+        for mode in modes:
             if mode == "mean":
                 rows.append(mask / counts)
             elif mode == "mean_sqrt_len_tokens":
@@ -630,7 +655,11 @@ class SentenceEncoder:
                 one_hot = np.zeros((b, s), np.float32)
                 one_hot[np.arange(b), last] = 1.0
                 rows.append(one_hot)
-        weights = np.ascontiguousarray(np.stack(rows, axis=1), np.float32) if rows else None
+        weights: npt.NDArray[np.float32] | None = None
+        if len(rows) == 1:
+            weights = np.ascontiguousarray(rows[0][:, None, :], np.float32)
+        elif rows:
+            weights = np.ascontiguousarray(np.stack(rows, axis=1), np.float32)
         index = None
         if "max" in self.pooling_modes:
             own = np.arange(b * s, dtype=np.int32).reshape(b, s)
@@ -644,17 +673,26 @@ class SentenceEncoder:
         return self._run_batch(batch, prompt_length, False)[0]
 
     def _run_batch(
-        self, batch: Batch, prompt_length: int, profile: bool
+        self,
+        batch: Batch,
+        prompt_length: int,
+        profile: bool,
+        stages: dict[str, float] | None = None,
     ) -> tuple[npt.NDArray[np.float32], fg.Profile | None]:
+        clock = _Stages(stages)
         b, s = batch.shape
         real = batch.attention_mask.astype(np.float32)
         mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
         mask = np.ascontiguousarray(np.broadcast_to(mask, (b, 1, s, s)), dtype=np.float32)
         weights, index = self._pool_inputs(real, prompt_length)
+        clock.lap("inputs")
         with self._lock:
             self.reserve(b, s)
             g = self.graph(b, s)
-            self.scheduler.alloc_graph(g.graph)
+            # The same shape as the last batch (one query after another): its plan is still
+            # allocated, so only the inputs change (allocating again would redo the same plan).
+            if not self.scheduler.is_allocated(g.graph):
+                self.scheduler.alloc_graph(g.graph)
             g.input_ids.set(batch.input_ids.reshape(-1))
             g.token_type_ids.set(batch.token_type_ids.reshape(-1))
             g.attn_mask.set(mask)
@@ -662,10 +700,13 @@ class SentenceEncoder:
                 g.pool_weights.set(weights)
             if g.max_index is not None and index is not None:
                 g.max_index.set(index)
+            clock.lap("setup")
             timings = self.scheduler.graph_compute(g.graph, profile=profile)
+            clock.lap("compute")
             result: npt.NDArray[np.float32] = np.array(
                 g.output.numpy(), dtype=np.float32, copy=True
             )
+            clock.lap("output")
         return result, timings
 
     def _check_encodings(self, encodings: Sequence[Any]) -> npt.NDArray[np.int64]:
@@ -791,7 +832,13 @@ class SentenceEncoder:
             report = None
         else:
             report = progress
+        stages: dict[str, float] | None = None
+        if profile:
+            stages = dict.fromkeys(("tokenize", "inputs", "setup", "compute", "output"), 0.0)
+        began = time.perf_counter()
         encodings = self.tokenizer.encode_batch(sentences)
+        if stages is not None:
+            stages["tokenize"] += time.perf_counter() - began
         lengths = self._check_encodings(encodings)
         order = np.argsort(-lengths, kind="stable")
         # the first batch is the largest shape: reserve once for it, the others replay
@@ -803,7 +850,7 @@ class SentenceEncoder:
             seq = self.padded_length(int(lengths[idx[0]]))
             batch = pad([encodings[i] for i in idx], seq)
             if profile:
-                out[idx], timings = self._run_batch(batch, prompt_length, True)
+                out[idx], timings = self._run_batch(batch, prompt_length, True, stages)
                 if timings is not None:
                     total = timings if total is None else total + timings
             else:
@@ -813,6 +860,9 @@ class SentenceEncoder:
                 report(done, n)
         if profile:
             self.last_profile = total
+            if stages is not None:
+                stages["total"] = time.perf_counter() - began
+            self.last_stages = stages
         return out
 
     @property

@@ -68,15 +68,21 @@ pub fn quantize_row_q8_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// Dequantizes q8_0 blocks into `out` (a multiple of 32 values).
-pub fn dequantize_row_q8_0(blocks: &[u8], out: &mut [f32]) {
-    for (ys, block) in out
-        .chunks_exact_mut(QK)
-        .zip(blocks.chunks_exact(Q8_0_BYTES))
-    {
-        let d = read_d(block);
-        for (y, &q) in ys.iter_mut().zip(&block[2..]) {
-            *y = (q as i8) as f32 * d;
+super::simd_fn! {
+    /// Dequantizes q8_0 blocks into `out` (a multiple of 32 values). Compiled 8 lanes wide
+    /// where the CPU has AVX2 (the same products, so the same bits): the weights of products
+    /// with more than a couple of columns are converted a panel at a time, and the 4-lane
+    /// baseline build took 0.17 ns per value against 0.07 (Zen 3), a third of the f32 tiles'
+    /// work at 16 columns.
+    pub fn dequantize_row_q8_0(blocks: &[u8], out: &mut [f32]) {
+        for (ys, block) in out
+            .chunks_exact_mut(QK)
+            .zip(blocks.chunks_exact(Q8_0_BYTES))
+        {
+            let d = read_d(block);
+            for (y, &q) in ys.iter_mut().zip(&block[2..]) {
+                *y = (q as i8) as f32 * d;
+            }
         }
     }
 }
@@ -103,17 +109,19 @@ pub fn quantize_row_q4_0(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// Dequantizes q4_0 blocks into `out`.
-pub fn dequantize_row_q4_0(blocks: &[u8], out: &mut [f32]) {
-    for (ys, block) in out
-        .chunks_exact_mut(QK)
-        .zip(blocks.chunks_exact(Q4_0_BYTES))
-    {
-        let d = read_d(block);
-        for j in 0..QK / 2 {
-            let q = block[2 + j];
-            ys[j] = ((q & 0x0f) as i32 - 8) as f32 * d;
-            ys[j + QK / 2] = ((q >> 4) as i32 - 8) as f32 * d;
+super::simd_fn! {
+    /// Dequantizes q4_0 blocks into `out` (8 lanes wide with AVX2, as q8_0's).
+    pub fn dequantize_row_q4_0(blocks: &[u8], out: &mut [f32]) {
+        for (ys, block) in out
+            .chunks_exact_mut(QK)
+            .zip(blocks.chunks_exact(Q4_0_BYTES))
+        {
+            let d = read_d(block);
+            for j in 0..QK / 2 {
+                let q = block[2 + j];
+                ys[j] = ((q & 0x0f) as i32 - 8) as f32 * d;
+                ys[j + QK / 2] = ((q >> 4) as i32 - 8) as f32 * d;
+            }
         }
     }
 }
@@ -734,6 +742,51 @@ mod tests {
                 (s as f32 / u32::MAX as f32) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// Every quant value under scales of every kind (normal, subnormal, zero, infinite, NaN):
+    /// the dispatched dequantizers (AVX2 where the CPU has it) give the bits of one product
+    /// per value, `q as f32 * d`.
+    #[test]
+    fn dequantized_rows_are_the_products_of_quants_and_scales() {
+        let scales: [u16; 8] = [
+            0x3c00, 0x1234, 0x0001, 0x83ff, 0x0000, 0x7c00, 0xfc00, 0x7e00,
+        ];
+        let (mut q8, mut q4) = (Vec::new(), Vec::new());
+        for (i, d) in scales.iter().enumerate() {
+            for half in 0..8 {
+                q8.extend_from_slice(&d.to_ne_bytes());
+                q8.extend((0..QK).map(|j| (half * QK + j + i) as u8));
+                q4.extend_from_slice(&d.to_ne_bytes());
+                q4.extend((0..QK / 2).map(|j| (half * QK / 2 + j * 7 + i) as u8));
+            }
+        }
+        let n = scales.len() * 8 * QK;
+        let same = |a: f32, b: f32| a.to_bits() == b.to_bits() || (a.is_nan() && b.is_nan());
+        let mut out = vec![0f32; n];
+        dequantize_row_q8_0(&q8, &mut out);
+        for (b, block) in q8.chunks_exact(Q8_0_BYTES).enumerate() {
+            let d = f16::from_bits(u16::from_ne_bytes([block[0], block[1]])).to_f32();
+            for j in 0..QK {
+                let want = f32::from(block[2 + j] as i8) * d;
+                assert!(same(out[b * QK + j], want), "q8_0 block {b} value {j}");
+            }
+        }
+        dequantize_row_q4_0(&q4, &mut out);
+        for (b, block) in q4.chunks_exact(Q4_0_BYTES).enumerate() {
+            let d = f16::from_bits(u16::from_ne_bytes([block[0], block[1]])).to_f32();
+            for j in 0..QK / 2 {
+                let q = block[2 + j];
+                let lo = ((q & 0x0f) as i32 - 8) as f32 * d;
+                let hi = ((q >> 4) as i32 - 8) as f32 * d;
+                assert!(same(out[b * QK + j], lo), "q4_0 block {b} value {j}");
+                assert!(
+                    same(out[b * QK + j + QK / 2], hi),
+                    "q4_0 block {b} value {}",
+                    j + 16
+                );
+            }
+        }
     }
 
     #[test]
