@@ -89,8 +89,8 @@ fn an_output_intermediate_is_never_overwritten() -> Result<()> {
 
 /// How the replayed graph of [`a_replayed_allocation_records_overwrites_again`] is allocated.
 enum Allocator {
-    Graph(GraphAllocator),
-    Sched(Scheduler),
+    Graph(Box<GraphAllocator>),
+    Sched(Box<Scheduler>),
 }
 
 impl Allocator {
@@ -111,8 +111,14 @@ impl Allocator {
 fn a_replayed_allocation_records_overwrites_again() -> Result<()> {
     let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(1)?);
     let allocators = [
-        Allocator::Graph(GraphAllocator::new(CpuBufferType::shared())),
-        Allocator::Sched(Scheduler::new(vec![cpu.clone()], None, 16, false, false)?),
+        Allocator::Graph(Box::new(GraphAllocator::new(CpuBufferType::shared()))),
+        Allocator::Sched(Box::new(Scheduler::new(
+            vec![cpu.clone()],
+            None,
+            16,
+            false,
+            false,
+        )?)),
     ];
     for mut first in allocators {
         let ctx = Context::new(true);

@@ -137,11 +137,14 @@ pub fn record_overwrites_as(graph: &Graph, stand_ins: &[(Tensor, Tensor)]) {
     SweepMemo::default().record(graph, stand_ins);
 }
 
+/// The occupants of one buffer's bytes: start -> (end, tensor position), disjoint intervals.
+type Occupants = BTreeMap<usize, (usize, usize)>;
+
 /// The sweep over `tensors` (given in the order their values are produced, with their bound
 /// ranges `spans`): clears every record, sets the new ones and returns them as positions.
 fn sweep(tensors: &[&Tensor], spans: &[Span]) -> Vec<(usize, usize)> {
-    // Current occupants per buffer (a graph touches few): start -> (end, tensor position).
-    let mut occupants: Vec<(u64, BTreeMap<usize, (usize, usize)>)> = Vec::new();
+    // Current occupants per buffer (a graph touches few).
+    let mut occupants: Vec<(u64, Occupants)> = Vec::new();
     let mut has_overwriter = vec![false; tensors.len()];
     let mut overwrites = Vec::new();
     let mut overlapping: Vec<(usize, usize, usize)> = Vec::new();
