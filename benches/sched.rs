@@ -4,7 +4,19 @@
 //! alloc on a warm scheduler (same graph and rebuilt graph), and one compute of a tiny graph
 //! (the per-compute floor) beside the CPU backend computing it alone (goal: ≤ 3 µs) and a
 //! profiled run, and the encoder computed plain and profiled (`graph_compute_profiled`). The `*_prev_alive` variants keep the previous graph alive until
-//! the timing ends, so freeing its tensors is not counted. ggml's figures for comparison: 14–24 µs split, 26 µs reset+alloc.
+//! the timing ends, so freeing its tensors is not counted.
+//!
+//! The peer is ggml 0.25.3 on the same graph (`benches/ggml_peer/`, run interleaved with this
+//! bench; issue 26). Instructions per call (callgrind, deterministic; before → after, then
+//! ggml): split of a new graph 297 k → 291 k (ggml reset + split 158 k); cached split of a
+//! rebuilt graph 61 k → 44 k (ggml has no cache); reset + alloc of the same graph 859 k →
+//! 318 k, of which 260 k is the zero fill of the two inputs placed in compute memory (ggml
+//! 226 k, no fill); reset + alloc of a rebuilt graph 1036 k → 520 k, fill 290 k (ggml 253 k).
+//! Times from two interleaved rounds on the loaded 2-core Zen 3 VM (µs, round 1 / round 2):
+//! split of a new graph (prev alive) 58.6 → 55.0 / 87.3 → 69.2 (ggml median 36.1 / 19.6);
+//! cached split 17.4 → 12.6 / 30.6 → 19.3; reset + alloc of the same graph 117 → 16.2 /
+//! 165 → 24.9 (ggml 17.9 / 23.5); reset + alloc of a rebuilt graph 185 → 153 / 243 → 111
+//! (ggml 50.4 / 31.2).
 
 use std::sync::Arc;
 

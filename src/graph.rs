@@ -8,10 +8,12 @@
 use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::ops::Op;
 use crate::tensor::Tensor;
+use crate::util::IdMap;
 
 /// Where a tensor sits in a graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,13 +25,22 @@ pub enum Position {
 }
 
 /// A computation graph.
+///
+/// Clones share the node and leaf lists (a clone is one reference count, not one per tensor);
+/// adding to a shared graph copies them first.
 #[derive(Clone, Default)]
 pub struct Graph {
-    nodes: Vec<Tensor>,
-    leafs: Vec<Tensor>,
-    index: HashMap<u64, Position>,
+    body: Arc<Body>,
     /// See [`Graph::epoch`].
     epoch: u64,
+}
+
+/// The tensors of a [`Graph`] and the index from tensor id to position.
+#[derive(Clone, Default)]
+struct Body {
+    nodes: Vec<Tensor>,
+    leafs: Vec<Tensor>,
+    index: IdMap<Position>,
 }
 
 /// Source of graph epochs (0 is the empty graph's).
@@ -59,7 +70,7 @@ impl Graph {
     pub fn expand(&mut self, tensor: &Tensor) {
         // Iterative depth-first post-order: deep graphs must not overflow the stack.
         let mut stack: Vec<(Tensor, usize)> = Vec::new();
-        if self.index.contains_key(&tensor.id()) {
+        if self.body.index.contains_key(&tensor.id()) {
             return;
         }
         stack.push((tensor.clone(), 0));
@@ -69,7 +80,7 @@ impl Graph {
             if next_src < current.srcs().len() {
                 let src = current.srcs()[next_src].clone();
                 stack.push((current, next_src + 1));
-                if !self.index.contains_key(&src.id()) && on_stack.insert(src.id()) {
+                if !self.body.index.contains_key(&src.id()) && on_stack.insert(src.id()) {
                     stack.push((src, 0));
                 }
                 continue;
@@ -80,28 +91,31 @@ impl Graph {
 
     fn push(&mut self, tensor: Tensor) {
         let is_leaf = matches!(tensor.op(), Op::None) && !tensor.is_param();
+        let body = Arc::make_mut(&mut self.body);
+        let id = tensor.id();
         let position = if is_leaf {
-            self.leafs.push(tensor.clone());
-            Position::Leaf(self.leafs.len() - 1)
+            body.leafs.push(tensor);
+            Position::Leaf(body.leafs.len() - 1)
         } else {
-            self.nodes.push(tensor.clone());
-            Position::Node(self.nodes.len() - 1)
+            body.nodes.push(tensor);
+            Position::Node(body.nodes.len() - 1)
         };
-        self.index.insert(tensor.id(), position);
+        body.index.insert(id, position);
         self.epoch = next_epoch();
     }
 
     /// Appends one node without visiting its operands (ggml's `graph_add_node`).
     pub fn add_node(&mut self, tensor: &Tensor) -> Result<()> {
-        if self.index.contains_key(&tensor.id()) {
+        if self.body.index.contains_key(&tensor.id()) {
             return Err(Error::InvalidArgument(format!(
                 "{} is already in the graph",
                 tensor.label()
             )));
         }
-        self.nodes.push(tensor.clone());
-        self.index
-            .insert(tensor.id(), Position::Node(self.nodes.len() - 1));
+        let body = Arc::make_mut(&mut self.body);
+        body.nodes.push(tensor.clone());
+        body.index
+            .insert(tensor.id(), Position::Node(body.nodes.len() - 1));
         self.epoch = next_epoch();
         Ok(())
     }
@@ -109,15 +123,16 @@ impl Graph {
     /// Appends one leaf without visiting anything (for graphs assembled by hand, such as the
     /// scheduler's internal graph).
     pub fn add_leaf(&mut self, tensor: &Tensor) -> Result<()> {
-        if self.index.contains_key(&tensor.id()) {
+        if self.body.index.contains_key(&tensor.id()) {
             return Err(Error::InvalidArgument(format!(
                 "{} is already in the graph",
                 tensor.label()
             )));
         }
-        self.leafs.push(tensor.clone());
-        self.index
-            .insert(tensor.id(), Position::Leaf(self.leafs.len() - 1));
+        let body = Arc::make_mut(&mut self.body);
+        body.leafs.push(tensor.clone());
+        body.index
+            .insert(tensor.id(), Position::Leaf(body.leafs.len() - 1));
         self.epoch = next_epoch();
         Ok(())
     }
@@ -133,79 +148,84 @@ impl Graph {
 
     /// The computed tensors, in execution order.
     pub fn nodes(&self) -> &[Tensor] {
-        &self.nodes
+        &self.body.nodes
     }
 
     /// The tensors no op computes (weights, inputs, constants).
     pub fn leafs(&self) -> &[Tensor] {
-        &self.leafs
+        &self.body.leafs
     }
 
     /// Number of nodes.
     pub fn n_nodes(&self) -> usize {
-        self.nodes.len()
+        self.body.nodes.len()
     }
 
     /// Number of leafs.
     pub fn n_leafs(&self) -> usize {
-        self.leafs.len()
+        self.body.leafs.len()
     }
 
     /// The node at `i`; negative indices count from the end (`-1` is the last node).
     pub fn node(&self, i: isize) -> Result<&Tensor> {
-        let n = self.nodes.len() as isize;
+        let n = self.body.nodes.len() as isize;
         let index = if i < 0 { n + i } else { i };
         if index < 0 || index >= n {
             return Err(Error::OutOfBounds(format!(
                 "node index {i} outside a graph of {n} nodes"
             )));
         }
-        Ok(&self.nodes[index as usize])
+        Ok(&self.body.nodes[index as usize])
     }
 
     /// Where `tensor` is in the graph, if it is.
     pub fn position(&self, tensor: &Tensor) -> Option<Position> {
-        self.index.get(&tensor.id()).copied()
+        self.body.index.get(&tensor.id()).copied()
     }
 
     /// Whether `tensor` is in the graph.
     pub fn contains(&self, tensor: &Tensor) -> bool {
-        self.index.contains_key(&tensor.id())
+        self.body.index.contains_key(&tensor.id())
     }
 
     /// The first node or leaf with this name.
     pub fn get_tensor(&self, name: &str) -> Option<&Tensor> {
-        self.nodes
+        self.body
+            .nodes
             .iter()
-            .chain(self.leafs.iter())
+            .chain(self.body.leafs.iter())
             .find(|t| t.name() == name)
     }
 
     /// A graph of the nodes `start..end` only (no leafs), as ggml's graph view.
     pub fn view(&self, start: usize, end: usize) -> Result<Graph> {
-        if start > end || end > self.nodes.len() {
+        if start > end || end > self.body.nodes.len() {
             return Err(Error::OutOfBounds(format!(
                 "node range {start}..{end} outside a graph of {} nodes",
-                self.nodes.len()
+                self.body.nodes.len()
             )));
         }
-        let mut graph = Graph::new();
-        for tensor in &self.nodes[start..end] {
-            graph.nodes.push(tensor.clone());
-            graph
-                .index
-                .insert(tensor.id(), Position::Node(graph.nodes.len() - 1));
+        let mut body = Body::default();
+        for tensor in &self.body.nodes[start..end] {
+            body.nodes.push(tensor.clone());
+            body.index
+                .insert(tensor.id(), Position::Node(body.nodes.len() - 1));
         }
-        if !graph.nodes.is_empty() {
-            graph.epoch = next_epoch();
-        }
-        Ok(graph)
+        let epoch = if body.nodes.is_empty() {
+            0
+        } else {
+            next_epoch()
+        };
+        Ok(Graph {
+            body: Arc::new(body),
+            epoch,
+        })
     }
 
     /// For each node, how many nodes of this graph use it as an operand.
     pub fn consumer_counts(&self) -> HashMap<u64, usize> {
         let mut counts = HashMap::new();
-        for node in &self.nodes {
+        for node in &self.body.nodes {
             for src in node.srcs() {
                 *counts.entry(src.id()).or_insert(0) += 1;
             }
@@ -232,7 +252,7 @@ impl Graph {
                 t.op().display_name()
             )
         };
-        for leaf in &self.leafs {
+        for leaf in &self.body.leafs {
             let colour = if leaf.is_input() {
                 "lightblue"
             } else {
@@ -245,7 +265,7 @@ impl Graph {
                 label(leaf)
             );
         }
-        for node in &self.nodes {
+        for node in &self.body.nodes {
             let colour = if node.is_output() {
                 "gold"
             } else if node.is_view() {
@@ -260,7 +280,7 @@ impl Graph {
                 label(node)
             );
         }
-        for node in &self.nodes {
+        for node in &self.body.nodes {
             for (i, src) in node.srcs().iter().enumerate() {
                 if self.contains(src) {
                     let _ = writeln!(out, "  t{} -> t{} [label=\"{i}\"];", src.id(), node.id());
@@ -277,10 +297,10 @@ impl fmt::Display for Graph {
         writeln!(
             f,
             "Graph: {} nodes, {} leafs",
-            self.nodes.len(),
-            self.leafs.len()
+            self.body.nodes.len(),
+            self.body.leafs.len()
         )?;
-        for (i, node) in self.nodes.iter().enumerate() {
+        for (i, node) in self.body.nodes.iter().enumerate() {
             let srcs: Vec<String> = node.srcs().iter().map(|s| format!("#{}", s.id())).collect();
             writeln!(
                 f,
@@ -294,7 +314,7 @@ impl fmt::Display for Graph {
                 if node.is_output() { " (output)" } else { "" }
             )?;
         }
-        for (i, leaf) in self.leafs.iter().enumerate() {
+        for (i, leaf) in self.body.leafs.iter().enumerate() {
             writeln!(
                 f,
                 "  leaf {i:>4}: #{:<5} {:<5} {:<16} {}{}",
@@ -314,8 +334,8 @@ impl fmt::Debug for Graph {
         write!(
             f,
             "Graph(nodes={}, leafs={})",
-            self.nodes.len(),
-            self.leafs.len()
+            self.body.nodes.len(),
+            self.body.leafs.len()
         )
     }
 }

@@ -495,7 +495,9 @@ impl Tensor {
                     s.generation = generation;
                     self.0.bound_generation.store(generation, Ordering::Release);
                     drop(storage);
-                    self.note_bound();
+                    // Same bytes: the recorded overwriter (if any) still stands, so the
+                    // layout epoch is left alone and a replayed plan can skip its sweep.
+                    self.0.bound_at.store(tick(), Ordering::Release);
                     return Ok(());
                 }
             }
@@ -537,6 +539,8 @@ impl Tensor {
         *storage = None;
         self.0.bound_buffer.store(0, Ordering::Release);
         self.0.bound_generation.store(0, Ordering::Release);
+        drop(storage);
+        crate::alloc::overwrites::note_layout_changed();
     }
 
     /// The id of the buffer this tensor itself is bound to ([`Tensor::bind`]), or `None`.
@@ -794,9 +798,12 @@ impl Tensor {
             .max(node.computed_at.load(Ordering::Acquire))
     }
 
+    /// The tensor was bound to a new place: a fresh value clock, no recorded overwriter, and a
+    /// new layout epoch (see `alloc::overwrites`, "Replays").
     fn note_bound(&self) {
         self.0.bound_at.store(tick(), Ordering::Release);
         *lock(&self.0.overwritten_by) = None;
+        crate::alloc::overwrites::note_layout_changed();
     }
 
     /// Records that the tensor's bytes (a view's source's) were written from outside a
@@ -814,6 +821,15 @@ impl Tensor {
     /// some of its bytes (set by the graph allocator; cleared when the tensor is bound again).
     pub(crate) fn set_overwritten_by(&self, later: &Tensor) {
         *lock(&self.0.overwritten_by) = Some(Arc::downgrade(&later.0));
+    }
+
+    /// The recorded overwriting node, if it is still alive (for tests).
+    #[cfg(test)]
+    pub(crate) fn overwritten_by(&self) -> Option<Tensor> {
+        lock(&self.0.overwritten_by)
+            .as_ref()
+            .and_then(Weak::upgrade)
+            .map(Tensor)
     }
 
     /// Forgets a recorded overwriting node (before the allocator records them afresh).

@@ -10,8 +10,10 @@ use ferrograph::cpu::backend::CpuBackend;
 use ferrograph::dtype::DType;
 use ferrograph::graph::Graph;
 use ferrograph::ops::{self, UnaryOp};
+use ferrograph::sched::Scheduler;
 use ferrograph::tensor::Tensor;
 use ferrograph::{Error, Result};
+use std::sync::Arc;
 
 fn stale_message(t: &Tensor) -> String {
     match t.check_current() {
@@ -82,5 +84,74 @@ fn an_output_intermediate_is_never_overwritten() -> Result<()> {
     m.check_current()?;
     z.check_current()?;
     assert_eq!(m.to_f32_vec()?, vec![2.0; 8]);
+    Ok(())
+}
+
+/// How the replayed graph of [`a_replayed_allocation_records_overwrites_again`] is allocated.
+enum Allocator {
+    Graph(Box<GraphAllocator>),
+    Sched(Box<Scheduler>),
+}
+
+impl Allocator {
+    fn alloc(&mut self, graph: &Graph) -> Result<()> {
+        match self {
+            Allocator::Graph(galloc) => galloc.alloc_graph(graph),
+            Allocator::Sched(sched) => sched.alloc_graph(graph),
+        }
+    }
+}
+
+/// Allocating the same graph again with the same plan may skip recording overwrites (a decode
+/// loop replays one graph per step), but not after another graph's allocation changed what is
+/// recorded on a shared tensor: here a second graph reading the intermediate `m` records that
+/// nothing of its own overwrites `m`, and the replay of the first graph must record again
+/// that its in-place node does.
+#[test]
+fn a_replayed_allocation_records_overwrites_again() -> Result<()> {
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(1)?);
+    let allocators = [
+        Allocator::Graph(Box::new(GraphAllocator::new(CpuBufferType::shared()))),
+        Allocator::Sched(Box::new(Scheduler::new(
+            vec![cpu.clone()],
+            None,
+            16,
+            false,
+            false,
+        )?)),
+    ];
+    for mut first in allocators {
+        let ctx = Context::new(true);
+        let x = ctx.new_tensor(DType::F32, &[4])?;
+        x.set_input();
+        let m = ops::scale(&ctx, &x, 3.0, 0.0)?;
+        m.set_name("m");
+        // neg takes m's memory in place.
+        let z = ops::unary(&ctx, &ops::unary(&ctx, &m, UnaryOp::Neg)?, UnaryOp::Relu)?;
+        z.set_output();
+        let graph = Graph::build(std::slice::from_ref(&z));
+        let step = |first: &mut Allocator| -> Result<()> {
+            first.alloc(&graph)?;
+            x.set_f32(&[1.0, -1.0, 2.0, -2.0])?;
+            cpu.graph_compute(&graph)?;
+            assert_eq!(z.to_f32_vec()?, vec![0.0, 3.0, 0.0, 6.0]);
+            assert!(stale_message(&m).contains("tensor 'm'"));
+            Ok(())
+        };
+        step(&mut first)?;
+        // The same graph again, nothing in between.
+        step(&mut first)?;
+        // Another graph over m, in its own memory: nothing of it overwrites m.
+        let y = ops::scale(&ctx, &m, 1.0, 0.0)?;
+        y.set_output();
+        let other = Graph::build(std::slice::from_ref(&y));
+        let mut second = GraphAllocator::new(CpuBufferType::shared());
+        second.alloc_graph(&other)?;
+        cpu.graph_compute(&other)?;
+        m.check_current()?;
+        // The replay must record m's overwriter again.
+        step(&mut first)?;
+        step(&mut first)?;
+    }
     Ok(())
 }

@@ -58,6 +58,7 @@ use crate::util::IdMap;
 use std::sync::Arc;
 
 use crate::alloc::dyn_alloc::{align_up, DynAllocator};
+use crate::alloc::overwrites::SweepMemo;
 use crate::alloc::plan::{BufferPlan, MemoryPlan, TensorPlan};
 use crate::buffer::{same_buffer_type, Buffer, BufferType, BufferUsage};
 use crate::error::{Error, Result};
@@ -145,6 +146,8 @@ pub struct GraphAllocator {
     slots: Vec<Slot>,
     stored: Option<StoredPlan>,
     poison: bool,
+    /// The last overwrite sweep, skipped when a replay would repeat it.
+    sweep: SweepMemo,
 }
 
 /// Per-tensor planning state (ggml's hash node).
@@ -396,6 +399,7 @@ impl GraphAllocator {
             slots,
             stored: None,
             poison: false,
+            sweep: SweepMemo::default(),
         }
     }
 
@@ -712,6 +716,16 @@ impl GraphAllocator {
     /// places (leafs and outside sources without live memory of their own, e.g. after their
     /// buffer was freed) are zero-filled, so one read before it is set reads zeros.
     pub fn alloc_graph(&mut self, graph: &Graph) -> Result<()> {
+        self.alloc_graph_with(graph, false)?;
+        // Which tensors later nodes overwrite: reads of them after a compute raise.
+        self.sweep.record(graph, &[]);
+        Ok(())
+    }
+
+    /// [`GraphAllocator::alloc_graph`] without recording overwrites: for a caller that
+    /// records them itself, about other tensors (the scheduler's shadows stand for the
+    /// caller's nodes).
+    pub(crate) fn alloc_graph_unrecorded(&mut self, graph: &Graph) -> Result<()> {
         self.alloc_graph_with(graph, false)
     }
 
@@ -719,7 +733,7 @@ impl GraphAllocator {
     /// changed its flags or its binding outside this allocator's buffers since `graph` was
     /// last planned or allocated here (the scheduler does, for the graph it allocated last):
     /// when the plan's last match is this very graph (same epoch), the match is not checked
-    /// again.
+    /// again. Overwrites are not recorded (as [`GraphAllocator::alloc_graph_unrecorded`]).
     pub(crate) fn alloc_graph_unchanged(&mut self, graph: &Graph) -> Result<()> {
         self.alloc_graph_with(graph, true)
     }
@@ -786,8 +800,6 @@ impl GraphAllocator {
             }
             self.bind(node, &entry.place, &our_buffers)?;
         }
-        // Which tensors later nodes overwrite: reads of them after a compute raise.
-        super::record_overwrites(graph);
         Ok(())
     }
 

@@ -5,11 +5,119 @@
 //! a compute that intermediate's bytes hold the later node's value. Recording the overwriting
 //! node on the tensor ([`Tensor::check_current`]) lets a read notice; the cost is paid once
 //! per allocation, not per compute.
+//!
+//! # Replays
+//!
+//! A graph allocated again with the same plan (a decode loop replaying one graph per step)
+//! would get the same records, so an allocator keeps a [`SweepMemo`] and skips the sweep when
+//! nothing it depends on can have changed. What a sweep records depends only on the graph's
+//! tensors (fixed by the graph's epoch) and on their bound byte ranges; the records themselves
+//! are changed only by sweeps and by binding a tensor to a new place. Both bump one process
+//! wide counter, the *layout epoch* ([`note_layout_changed`]); a memo is valid while the graph
+//! is the one it swept and the counter still reads what it read right after that sweep.
+//! Binding a tensor again to the place it already has (a replayed plan) changes neither its
+//! byte range nor its record, so it does not bump the counter. Any other sweep in between (of
+//! another graph sharing a tensor or the memory) or any tensor moved anywhere invalidates
+//! every memo: coarse, but never wrong.
+//!
+//! A rebuilt graph of the same plan (new tensors, same places) has another epoch, but the
+//! sweep's result — which position overwrites which — is a function of the bound byte ranges
+//! in order and nothing else. The memo keeps the ranges and that result of its last sweep; when
+//! the ranges read now are the same, the result is applied to the new tensors without the
+//! sweep (one lock per tensor to read its range, instead of ordered-map work).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::graph::Graph;
 use crate::tensor::Tensor;
+
+/// The layout epoch (see the module documentation, "Replays").
+static LAYOUT_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+/// Bumps the layout epoch: a tensor's bound byte range or its recorded overwriter changed
+/// (called by [`Tensor::bind`] for a new place, [`Tensor::unbind`], and every sweep).
+pub(crate) fn note_layout_changed() {
+    LAYOUT_EPOCH.fetch_add(1, Ordering::AcqRel);
+}
+
+/// A tensor's own bound byte range: `(buffer id, offset, nbytes)`; `None` for views and
+/// unbound tensors.
+type Span = Option<(u64, usize, usize)>;
+
+/// What an allocator's last sweep covered, to skip or replay an identical one (module
+/// documentation, "Replays").
+#[derive(Debug, Default, Clone)]
+pub(crate) struct SweepMemo {
+    /// `(graph epoch, layout epoch right after the sweep)`; `None` before any.
+    last: Option<(u64, u64)>,
+    /// The byte ranges the last sweep saw, in sweep order.
+    spans: Vec<Span>,
+    /// Its result: `(position, position of the first later tensor over its bytes)`.
+    overwrites: Vec<(usize, usize)>,
+}
+
+/// How [`SweepMemo::record`] got the records right.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Recorded {
+    /// The same graph, nothing moved since its last sweep: the records stand.
+    Kept,
+    /// The same byte ranges as the last sweep: its result applied to these tensors.
+    Replayed,
+    /// A full sweep.
+    Swept,
+}
+
+impl SweepMemo {
+    /// Records the overwrites of `graph` exactly as [`record_overwrites_as`] does, reusing
+    /// this memo's last sweep when it is the same graph with nothing moved since, or the same
+    /// byte ranges (module documentation, "Replays"). `stand_ins` must be tied to the graph:
+    /// the same graph epoch always comes with the same stand-ins.
+    pub(crate) fn record(&mut self, graph: &Graph, stand_ins: &[(Tensor, Tensor)]) -> Recorded {
+        let epoch = graph.epoch();
+        let before = LAYOUT_EPOCH.load(Ordering::Acquire);
+        if epoch != 0 && self.last == Some((epoch, before)) {
+            return Recorded::Kept;
+        }
+        let originals: HashMap<u64, &Tensor>;
+        let tensors: Vec<&Tensor> = if stand_ins.is_empty() {
+            graph.leafs().iter().chain(graph.nodes()).collect()
+        } else {
+            originals = stand_ins.iter().map(|(o, s)| (s.id(), o)).collect();
+            graph
+                .leafs()
+                .iter()
+                .chain(graph.nodes())
+                .map(|t| originals.get(&t.id()).copied().unwrap_or(t))
+                .collect()
+        };
+        let same_spans = self.spans.len() == tensors.len()
+            && tensors
+                .iter()
+                .zip(&self.spans)
+                .all(|(t, span)| t.bound_span() == *span);
+        let how = if same_spans {
+            for t in &tensors {
+                t.clear_overwritten_by();
+            }
+            for &(occupant, later) in &self.overwrites {
+                tensors[occupant].set_overwritten_by(tensors[later]);
+            }
+            Recorded::Replayed
+        } else {
+            self.spans.clear();
+            self.spans.extend(tensors.iter().map(|t| t.bound_span()));
+            self.overwrites = sweep(&tensors, &self.spans);
+            Recorded::Swept
+        };
+        note_layout_changed();
+        // One bump is ours; any other meanwhile (another thread's binding or sweep) leaves the
+        // epoch memo empty rather than trusting a mixed state. The ranges stay valid keys.
+        let after = LAYOUT_EPOCH.load(Ordering::Acquire);
+        self.last = (after == before + 1 && epoch != 0).then_some((epoch, after));
+        how
+    }
+}
 
 /// Records, on every leaf and node of `graph` bound to memory, the first later tensor of the
 /// graph whose bytes overlap its own (replacing what was recorded before).
@@ -18,7 +126,7 @@ use crate::tensor::Tensor;
 /// occupant of every byte as disjoint intervals: a tensor placed over occupied bytes is the
 /// overwriter of their occupants. O(n log n) for n tensors, whatever the overlaps.
 pub fn record_overwrites(graph: &Graph) {
-    record_in_order(graph.leafs().iter().chain(graph.nodes()).collect());
+    record_overwrites_as(graph, &[]);
 }
 
 /// [`record_overwrites`] for a graph some of whose tensors stand in for others bound to the
@@ -26,46 +134,54 @@ pub fn record_overwrites(graph: &Graph) {
 /// as its original, so what is recorded is about the caller's tensors, and the copies the
 /// scheduler placed between them count as the later tensors they are.
 pub fn record_overwrites_as(graph: &Graph, stand_ins: &[(Tensor, Tensor)]) {
-    let original: HashMap<u64, &Tensor> = stand_ins.iter().map(|(o, s)| (s.id(), o)).collect();
-    let tensors = graph
-        .leafs()
-        .iter()
-        .chain(graph.nodes())
-        .map(|t| original.get(&t.id()).copied().unwrap_or(t))
-        .collect();
-    record_in_order(tensors);
+    SweepMemo::default().record(graph, stand_ins);
 }
 
-/// The sweep over `tensors`, given in the order their values are produced.
-fn record_in_order(tensors: Vec<&Tensor>) {
-    // Current occupants per buffer: start -> (end, tensor index).
-    let mut occupants: HashMap<u64, BTreeMap<usize, (usize, usize)>> = HashMap::new();
+/// The occupants of one buffer's bytes: start -> (end, tensor position), disjoint intervals.
+type Occupants = BTreeMap<usize, (usize, usize)>;
+
+/// The sweep over `tensors` (given in the order their values are produced, with their bound
+/// ranges `spans`): clears every record, sets the new ones and returns them as positions.
+fn sweep(tensors: &[&Tensor], spans: &[Span]) -> Vec<(usize, usize)> {
+    // Current occupants per buffer (a graph touches few).
+    let mut occupants: Vec<(u64, Occupants)> = Vec::new();
     let mut has_overwriter = vec![false; tensors.len()];
-    for t in &tensors {
+    let mut overwrites = Vec::new();
+    let mut overlapping: Vec<(usize, usize, usize)> = Vec::new();
+    for t in tensors {
         t.clear_overwritten_by();
     }
-    for (index, tensor) in tensors.iter().enumerate() {
-        let Some((buffer, start, len)) = tensor.bound_span() else {
+    for (index, (tensor, span)) in tensors.iter().zip(spans).enumerate() {
+        let Some((buffer, start, len)) = *span else {
             continue;
         };
         if len == 0 {
             continue;
         }
         let end = start.saturating_add(len);
-        let map = occupants.entry(buffer).or_default();
+        let k = match occupants.iter().position(|(id, _)| *id == buffer) {
+            Some(k) => k,
+            None => {
+                occupants.push((buffer, BTreeMap::new()));
+                occupants.len() - 1
+            }
+        };
+        let map = &mut occupants[k].1;
         // Occupants overlapping [start, end): disjoint intervals sorted by start, so walk back
         // from the last one starting before `end` until one ends at or before `start`.
-        let overlapping: Vec<(usize, usize, usize)> = map
-            .range(..end)
-            .rev()
-            .take_while(|(_, &(e, _))| e > start)
-            .map(|(&s, &(e, i))| (s, e, i))
-            .collect();
-        for (s, e, occupant) in overlapping {
+        overlapping.clear();
+        overlapping.extend(
+            map.range(..end)
+                .rev()
+                .take_while(|(_, &(e, _))| e > start)
+                .map(|(&s, &(e, i))| (s, e, i)),
+        );
+        for &(s, e, occupant) in &overlapping {
             map.remove(&s);
             if occupant != index && !has_overwriter[occupant] {
                 tensors[occupant].set_overwritten_by(tensor);
                 has_overwriter[occupant] = true;
+                overwrites.push((occupant, index));
             }
             if s < start {
                 map.insert(s, (start, occupant));
@@ -75,5 +191,60 @@ fn record_in_order(tensors: Vec<&Tensor>) {
             }
         }
         map.insert(start, (end, index));
+    }
+    overwrites
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::alloc::GraphAllocator;
+    use crate::buffer::CpuBufferType;
+    use crate::context::Context;
+    use crate::dtype::DType;
+    use crate::ops::{self, UnaryOp};
+
+    /// x -> m = 3x -> neg (in place over m) -> relu, allocated; returns the graph and `m`.
+    fn chain(galloc: &mut GraphAllocator) -> (Graph, Tensor, Context) {
+        let ctx = Context::new(true);
+        let x = ctx.new_tensor(DType::F32, &[4]).unwrap();
+        x.set_input();
+        let m = ops::scale(&ctx, &x, 3.0, 0.0).unwrap();
+        let z = ops::unary(
+            &ctx,
+            &ops::unary(&ctx, &m, UnaryOp::Neg).unwrap(),
+            UnaryOp::Relu,
+        );
+        let z = z.unwrap();
+        z.set_output();
+        let graph = Graph::build(std::slice::from_ref(&z));
+        galloc.alloc_graph(&graph).unwrap();
+        (graph, m, ctx)
+    }
+
+    fn overwriter(t: &Tensor) -> Option<u64> {
+        t.overwritten_by().map(|later| later.id())
+    }
+
+    /// The same graph is kept or replayed, a rebuilt graph with the same places replayed, and
+    /// either way the records are a full sweep's.
+    #[test]
+    fn replays_record_what_a_sweep_records() {
+        let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+        let (graph, m, _ctx) = chain(&mut galloc);
+        let mut memo = SweepMemo::default();
+        assert_eq!(memo.record(&graph, &[]), Recorded::Swept);
+        let expected = overwriter(&m);
+        assert!(expected.is_some(), "m is overwritten in place");
+        // Another thread's binding may turn Kept into Replayed; never a sweep.
+        assert_ne!(memo.record(&graph, &[]), Recorded::Swept);
+        assert_eq!(overwriter(&m), expected);
+
+        let (rebuilt, m2, _ctx2) = chain(&mut galloc);
+        assert_eq!(memo.record(&rebuilt, &[]), Recorded::Replayed);
+        let fresh = overwriter(&m2);
+        record_overwrites(&rebuilt);
+        assert_eq!(overwriter(&m2), fresh);
+        assert!(fresh.is_some() && fresh != expected);
     }
 }

@@ -164,9 +164,10 @@ pub(crate) fn assign(oracle: &mut Oracle<'_>) -> Result<Vec<Option<Assignment>>>
     let mut assigned: Assigned = vec![None; oracle.input.topo.len()];
     assign_pinned(oracle, &mut assigned)?;
     assign_from_tensors(oracle, &mut assigned)?;
-    let nodes: Vec<usize> = (0..oracle.input.topo.n_nodes)
-        .filter(|&i| !is_view_op(&oracle.input.graph.nodes()[i]))
-        .collect();
+    let mut nodes: Vec<usize> = Vec::with_capacity(oracle.input.topo.n_nodes);
+    nodes.extend(
+        (0..oracle.input.topo.n_nodes).filter(|&i| !is_view_op(&oracle.input.graph.nodes()[i])),
+    );
     expand(oracle, &mut assigned, &nodes);
     assign_by_operands(oracle, &mut assigned, &nodes);
     assign_leftovers(oracle, &mut assigned)?;

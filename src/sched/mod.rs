@@ -44,6 +44,7 @@ mod topology;
 
 use std::sync::Arc;
 
+use crate::alloc::overwrites::SweepMemo;
 use crate::alloc::GraphAllocator;
 use crate::backend::Backend;
 use crate::buffer::{Buffer, BufferType, BufferUsage};
@@ -131,6 +132,8 @@ pub struct Scheduler {
     buft_ok: Vec<Vec<bool>>,
     backend_names: Vec<String>,
     galloc: GraphAllocator,
+    /// The last overwrite sweep, skipped when a replay would repeat it.
+    sweep: SweepMemo,
     reserved_core: Option<Arc<PlanCore>>,
     n_copies: usize,
     cur_copy: usize,
@@ -240,6 +243,7 @@ impl Scheduler {
             buft_ok,
             backend_names,
             galloc,
+            sweep: SweepMemo::default(),
             reserved_core: None,
             n_copies: 1,
             cur_copy: 0,
@@ -737,7 +741,7 @@ impl Scheduler {
         let first_try = if self.unchanged {
             self.galloc.alloc_graph_unchanged(graph)
         } else {
-            self.galloc.alloc_graph(graph)
+            self.galloc.alloc_graph_unrecorded(graph)
         };
         if let Err(first) = first_try {
             log::debug!("scheduler: re-reserving after allocation failed ({first})");
@@ -745,7 +749,7 @@ impl Scheduler {
             self.galloc
                 .reserve_n(graph, &internal.node_ids, &internal.leaf_ids)?;
             self.reserved_core = Some(inst.core.clone());
-            self.galloc.alloc_graph(graph)?;
+            self.galloc.alloc_graph_unrecorded(graph)?;
         }
         let own = self.own_buffer_ids();
         for (original, shadow) in &internal.bindings {
@@ -759,9 +763,11 @@ impl Scheduler {
         }
         // The caller's tensors now share the shadows' memory: record which ones later nodes
         // or copies overwrite, so reading them after a compute raises instead of returning
-        // other bytes.
+        // other bytes. A replay of the graph swept last, with nothing moved since, keeps the
+        // records that sweep left (`alloc::overwrites`, "Replays"). The internal graph's epoch
+        // stands for its bindings: both are built together, once per slot.
         let allocated = internal.graph.as_ref().unwrap_or(&inst.graph);
-        crate::alloc::record_overwrites_as(allocated, &internal.bindings);
+        self.sweep.record(allocated, &internal.bindings);
         Ok(())
     }
 

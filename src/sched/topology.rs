@@ -136,8 +136,12 @@ impl Topology {
         let mut buffers: Vec<BufInfo> = Vec::new();
         let mut buf: Vec<u32> = Vec::with_capacity(total);
         let mut snap = Vec::with_capacity(total);
-        for u in 0..total {
-            let t = self.tensor(graph, u);
+        let tensors = graph
+            .nodes()
+            .iter()
+            .chain(graph.leafs())
+            .chain(&self.extras);
+        for t in tensors {
             let s = Snap::of(t, own_buffers);
             snap.push(s);
             // Views are never bound; a live foreign binding is the only case to look at.
@@ -317,8 +321,12 @@ impl Topology {
         words.push(self.n_leafs as u64);
         words.push(self.extras.len() as u64);
         let mut ops = Vec::with_capacity(self.n_nodes);
-        for u in 0..self.len() {
-            let t = self.tensor(graph, u);
+        let tensors = graph
+            .nodes()
+            .iter()
+            .chain(graph.leafs())
+            .chain(&self.extras);
+        for (u, t) in tensors.enumerate() {
             if u < self.n_nodes {
                 ops.push(t.op().clone());
                 words.push(self.src_start[u + 1] as u64 - self.src_start[u] as u64);
@@ -405,36 +413,61 @@ pub(crate) struct Signature {
 }
 
 /// Tensor id → unified index while a topology is built. Tensor ids come from one counter, so
-/// a graph's nodes and leafs usually occupy a narrow id range: that range is a dense table
-/// (no hashing); ids outside it (or every id, for a graph whose ids are scattered) go to a
-/// hash map.
+/// a graph's tensors fall into a few narrow id ranges (the nodes made together, the weights made
+/// together long before): each such cluster is a dense table (no hashing); ids outside them go
+/// to a hash map.
 struct UnifiedIndex {
-    base: u64,
-    dense: Vec<u32>,
+    /// Dense tables over disjoint id ranges, the largest first.
+    windows: Vec<Window>,
     sparse: IdMap<u32>,
 }
+
+/// Unified indices of the ids `base..base + slots.len()` ([`NONE`]: not seen yet).
+struct Window {
+    base: u64,
+    slots: Vec<u32>,
+}
+
+/// Ids further apart than this start a new cluster (so a table holds at most this many slots
+/// per tensor).
+const CLUSTER_GAP: u64 = 16;
+
+/// Clusters of fewer tensors than this are left to the hash map.
+const MIN_CLUSTER: usize = 8;
+
+/// Tables kept at most (each lookup tries them in turn).
+const MAX_WINDOWS: usize = 4;
 
 impl UnifiedIndex {
     /// Indexes `graph`'s nodes, then leafs, in unified order.
     fn new(graph: &Graph) -> UnifiedIndex {
-        let tensors = || graph.nodes().iter().chain(graph.leafs());
-        let count = graph.n_nodes() + graph.n_leafs();
-        let (lo, hi) = tensors().fold((u64::MAX, 0), |(lo, hi), t| {
-            (lo.min(t.id()), hi.max(t.id()))
-        });
+        let (nodes, leafs) = (graph.nodes(), graph.leafs());
+        let mut ids: Vec<u64> = nodes.iter().chain(leafs).map(Tensor::id).collect();
+        ids.sort(); // adaptive: nodes and leafs come in a few ascending runs
+        let mut clusters: Vec<(u64, u64, usize)> = Vec::new();
+        let mut first = 0;
+        for i in 1..=ids.len() {
+            if i == ids.len() || ids[i] - ids[i - 1] > CLUSTER_GAP {
+                if i - first >= MIN_CLUSTER {
+                    clusters.push((ids[first], ids[i - 1], i - first));
+                }
+                first = i;
+            }
+        }
+        clusters.sort_unstable_by_key(|&(_, _, n)| std::cmp::Reverse(n));
+        clusters.truncate(MAX_WINDOWS);
+        let windows = clusters
+            .into_iter()
+            .map(|(lo, hi, _)| Window {
+                base: lo,
+                slots: vec![NONE; (hi - lo + 1) as usize],
+            })
+            .collect();
         let mut index = UnifiedIndex {
-            base: lo,
-            dense: Vec::new(),
+            windows,
             sparse: IdMap::default(),
         };
-        // Dense when the table is at most a few times the tensor count.
-        let span = hi.saturating_sub(lo).saturating_add(1);
-        if count > 0 && span <= 4 * count as u64 + 256 {
-            index.dense = vec![NONE; span as usize];
-        } else {
-            index.sparse.reserve(count);
-        }
-        for (u, t) in tensors().enumerate() {
+        for (u, t) in nodes.iter().chain(leafs).enumerate() {
             index.get_or_insert(t.id(), || u as u32);
         }
         index
@@ -442,17 +475,17 @@ impl UnifiedIndex {
 
     /// The index of `id`, inserting `make()` when it has none yet.
     fn get_or_insert(&mut self, id: u64, make: impl FnOnce() -> u32) -> u32 {
-        let slot = id
-            .checked_sub(self.base)
-            .and_then(|k| self.dense.get_mut(k as usize));
-        match slot {
-            Some(slot) => {
+        for window in &mut self.windows {
+            let slot = id
+                .checked_sub(window.base)
+                .and_then(|k| window.slots.get_mut(usize::try_from(k).ok()?));
+            if let Some(slot) = slot {
                 if *slot == NONE {
                     *slot = make();
                 }
-                *slot
+                return *slot;
             }
-            None => *self.sparse.entry(id).or_insert_with(make),
         }
+        *self.sparse.entry(id).or_insert_with(make)
     }
 }

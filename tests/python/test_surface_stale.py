@@ -100,6 +100,30 @@ def test_an_overwritten_intermediate_raises(runner: Runner) -> None:
         np.testing.assert_array_equal(x.numpy(), np.arange(4) - 2)
 
 
+def test_a_replayed_allocation_keeps_detecting_overwrites(runner: Runner) -> None:
+    """The same graph allocated again (a decode loop) may reuse what its last allocation
+    recorded, but not after another graph's allocation recorded something else about m."""
+    x, m, z, g = _chain()
+
+    def step() -> None:
+        runner.alloc(g)
+        x.set(np.arange(4, dtype=np.float32) - 2)
+        runner.compute(g)
+        np.testing.assert_array_equal(z.numpy(), [6, 3, 0, 0])
+        with pytest.raises(fg.StaleTensorError, match=r"tensor 'm'.*later step"):
+            m.numpy()
+
+    step()
+    step()
+    # Another graph reading m, in its own memory: nothing of it overwrites m.
+    with fg.Context():
+        y = fg.ops.scale(m, 1.0).set_output()
+    other = fg.Graph.build(y)
+    fg.GraphAllocator(fg.cpu_buffer_type()).alloc_graph(other)
+    step()
+    step()
+
+
 def test_set_output_keeps_the_value(runner: Runner) -> None:
     x, m, z, g = _chain(keep_m=True)
     runner.alloc(g)
