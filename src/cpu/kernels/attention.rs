@@ -1151,6 +1151,11 @@ mod f16c {
     /// `s[r][j] = q[r] · k[j]` for the query rows `q` (`d` apart, at most 8) and `kbn` f16
     /// key rows at `k` (`k_stride` values apart); `s` rows are `kbp` apart.
     ///
+    /// Each score is its own 8-lane accumulation over the head in order, summed by [`hsum`],
+    /// plus the tail in order; the row count is a compile-time constant (registers, not a
+    /// stack array) and several keys go through at once, so the accumulations are independent
+    /// chains instead of one FMA latency after another.
+    ///
     /// # Safety
     /// AVX2, FMA and F16C; the `kbn` key rows of `d` values are readable; `s` holds the
     /// rows' `kbp`-wide segments.
@@ -1165,34 +1170,85 @@ mod f16c {
     ) {
         let rows = q.len() / d.max(1);
         assert!(rows <= super::DIRECT_ROWS && s.len() >= rows * kbp && kbn <= kbp);
+        let args = (q, d, k, k_stride, kbn, kbp);
+        // SAFETY: forwarded from the caller; `rows` is the row count of `q` and `s`.
+        unsafe {
+            match rows {
+                0 => {}
+                1 => scores_rows::<1, 4>(args, s),
+                2 => scores_rows::<2, 4>(args, s),
+                3 => scores_rows::<3, 4>(args, s),
+                4 => scores_rows::<4, 2>(args, s),
+                5 => scores_rows::<5, 2>(args, s),
+                6 => scores_rows::<6, 2>(args, s),
+                7 => scores_rows::<7, 1>(args, s),
+                _ => scores_rows::<8, 1>(args, s),
+            }
+        }
+    }
+
+    /// [`scores`] for `R` rows, `J` keys at a time (then one at a time for the rest).
+    ///
+    /// # Safety
+    /// As [`scores`], with `q` holding exactly `R` rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn scores_rows<const R: usize, const J: usize>(
+        (q, d, k, k_stride, kbn, kbp): (&[f32], usize, *const u16, usize, usize, usize),
+        s: &mut [f32],
+    ) {
         let whole = d / 8 * 8;
-        for j in 0..kbn {
-            // SAFETY: key row j lies inside the rows the caller vouches for.
-            let kr = unsafe { k.add(j * k_stride) };
-            let mut acc = [_mm256_setzero_ps(); super::DIRECT_ROWS];
-            for i in (0..whole).step_by(8) {
-                // SAFETY: elements i..i + 8 of the key row and of each query row exist.
-                let kv = unsafe { load8(kr.add(i)) };
-                for (r, a) in acc.iter_mut().enumerate().take(rows) {
-                    // SAFETY: query row r holds elements i..i + 8; the load is unaligned.
-                    let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(r * d + i)) };
-                    *a = _mm256_fmadd_ps(qv, kv, *a);
+        // One group of `JJ` keys from key `j0` (a macro, not a closure: a closure would not
+        // inherit the target features).
+        macro_rules! keys {
+            ($jj:expr, $j0:expr) => {{
+                let j0 = $j0;
+                let mut acc = [[_mm256_setzero_ps(); $jj]; R];
+                for i in (0..whole).step_by(8) {
+                    let mut kv = [_mm256_setzero_ps(); $jj];
+                    for (jj, v) in kv.iter_mut().enumerate() {
+                        // SAFETY: elements i..i + 8 of key row j0 + jj exist (caller).
+                        *v = unsafe { load8(k.add((j0 + jj) * k_stride + i)) };
+                    }
+                    for (r, row) in acc.iter_mut().enumerate() {
+                        // SAFETY: query row r holds elements i..i + 8; the load is unaligned.
+                        let qv = unsafe { _mm256_loadu_ps(q.as_ptr().add(r * d + i)) };
+                        for (a, v) in row.iter_mut().zip(&kv) {
+                            *a = _mm256_fmadd_ps(qv, *v, *a);
+                        }
+                    }
                 }
-            }
-            for (r, a) in acc.iter().enumerate().take(rows) {
-                let mut dot = hsum(*a);
-                for i in whole..d {
-                    // SAFETY: element i of the key row exists.
-                    dot += q[r * d + i] * unsafe { load1(kr.add(i)) };
+                for (r, row) in acc.iter().enumerate() {
+                    for (jj, a) in row.iter().enumerate() {
+                        let kr = k.wrapping_add((j0 + jj) * k_stride);
+                        let mut dot = hsum(*a);
+                        for i in whole..d {
+                            // SAFETY: element i of key row j0 + jj exists.
+                            dot += q[r * d + i] * unsafe { load1(kr.add(i)) };
+                        }
+                        s[r * kbp + j0 + jj] = dot;
+                    }
                 }
-                s[r * kbp + j] = dot;
-            }
+            }};
+        }
+        let mut j = 0;
+        while j + J <= kbn {
+            keys!(J, j);
+            j += J;
+        }
+        while j < kbn {
+            keys!(1, j);
+            j += 1;
         }
     }
 
     /// `acc[r][e] += Σ_{j<kbn} p[r][j] · v[j][e]` for the probability rows of `p` (`kbp`
     /// apart; as many as `acc` holds rows of `dv`) and `kbn` f16 value rows at `v`
     /// (`v_stride` values apart).
+    ///
+    /// Each output element is its own sum over the keys in order; the row count is a
+    /// compile-time constant and several 8-wide output chunks go through at once (independent
+    /// FMA chains).
     ///
     /// # Safety
     /// AVX2, FMA and F16C; the `kbn` value rows of `dv` values are readable.
@@ -1207,32 +1263,81 @@ mod f16c {
     ) {
         let rows = acc.len() / dv.max(1);
         assert!(rows <= super::DIRECT_ROWS && p.len() >= rows * kbp && kbn <= kbp);
+        let args = (p, kbp, v, v_stride, kbn, dv);
+        // SAFETY: forwarded from the caller; `rows` is the row count of `acc`.
+        unsafe {
+            match rows {
+                0 => {}
+                1 => values_rows::<1, 4>(args, acc),
+                2 => values_rows::<2, 4>(args, acc),
+                3 => values_rows::<3, 2>(args, acc),
+                4 => values_rows::<4, 2>(args, acc),
+                5 => values_rows::<5, 1>(args, acc),
+                6 => values_rows::<6, 1>(args, acc),
+                7 => values_rows::<7, 1>(args, acc),
+                _ => values_rows::<8, 1>(args, acc),
+            }
+        }
+    }
+
+    /// [`values`] for `R` rows, `E` output chunks of 8 at a time (then one at a time).
+    ///
+    /// # Safety
+    /// As [`values`], with `acc` holding exactly `R` rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn values_rows<const R: usize, const E: usize>(
+        (p, kbp, v, v_stride, kbn, dv): (&[f32], usize, *const u16, usize, usize, usize),
+        acc: &mut [f32],
+    ) {
         let whole = dv / 8 * 8;
-        // Output chunks of 8 outside, keys inside: each row's chunk stays in a register for
-        // the whole block.
-        for e in (0..whole).step_by(8) {
-            let mut sums = [_mm256_setzero_ps(); super::DIRECT_ROWS];
-            for (r, sum) in sums.iter_mut().enumerate().take(rows) {
-                // SAFETY: acc row r holds elements e..e + 8; the load is unaligned.
-                *sum = unsafe { _mm256_loadu_ps(acc.as_ptr().add(r * dv + e)) };
-            }
-            for j in 0..kbn {
-                // SAFETY: elements e..e + 8 of value row j exist (caller).
-                let vv = unsafe { load8(v.add(j * v_stride + e)) };
-                for (r, sum) in sums.iter_mut().enumerate().take(rows) {
-                    *sum = _mm256_fmadd_ps(_mm256_set1_ps(p[r * kbp + j]), vv, *sum);
+        macro_rules! chunks {
+            ($ee:expr, $e0:expr) => {{
+                let e0 = $e0;
+                let mut sums = [[_mm256_setzero_ps(); $ee]; R];
+                for (r, row) in sums.iter_mut().enumerate() {
+                    for (c, sum) in row.iter_mut().enumerate() {
+                        // SAFETY: acc row r holds elements e0 + 8c..+8; the load is unaligned.
+                        *sum = unsafe { _mm256_loadu_ps(acc.as_ptr().add(r * dv + e0 + 8 * c)) };
+                    }
                 }
-            }
-            for (r, sum) in sums.iter().enumerate().take(rows) {
-                // SAFETY: acc row r holds elements e..e + 8; the store is unaligned.
-                unsafe { _mm256_storeu_ps(acc.as_mut_ptr().add(r * dv + e), *sum) };
-            }
+                for j in 0..kbn {
+                    let mut vv = [_mm256_setzero_ps(); $ee];
+                    for (c, x) in vv.iter_mut().enumerate() {
+                        // SAFETY: elements e0 + 8c..+8 of value row j exist (caller).
+                        *x = unsafe { load8(v.add(j * v_stride + e0 + 8 * c)) };
+                    }
+                    for (r, row) in sums.iter_mut().enumerate() {
+                        let pr = _mm256_set1_ps(p[r * kbp + j]);
+                        for (sum, x) in row.iter_mut().zip(&vv) {
+                            *sum = _mm256_fmadd_ps(pr, *x, *sum);
+                        }
+                    }
+                }
+                for (r, row) in sums.iter().enumerate() {
+                    for (c, sum) in row.iter().enumerate() {
+                        // SAFETY: as above; the store is unaligned.
+                        unsafe {
+                            _mm256_storeu_ps(acc.as_mut_ptr().add(r * dv + e0 + 8 * c), *sum)
+                        };
+                    }
+                }
+            }};
+        }
+        let mut e = 0;
+        while e + 8 * E <= whole {
+            chunks!(E, e);
+            e += 8 * E;
+        }
+        while e < whole {
+            chunks!(1, e);
+            e += 8;
         }
         for e in whole..dv {
             for j in 0..kbn {
                 // SAFETY: element e of value row j exists (caller).
                 let x = unsafe { load1(v.add(j * v_stride + e)) };
-                for r in 0..rows {
+                for r in 0..R {
                     acc[r * dv + e] += p[r * kbp + j] * x;
                 }
             }
