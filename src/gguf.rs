@@ -1357,7 +1357,7 @@ impl GgufFile {
         tensors: &[Tensor],
         placed: &HashMap<String, Arc<dyn BufferType>>,
     ) -> Result<Vec<Buffer>> {
-        let mut by_type: Vec<(Arc<dyn BufferType>, Vec<(&GgufTensorInfo, &Tensor)>)> = Vec::new();
+        let mut by_type: Vec<(Arc<dyn BufferType>, Vec<TensorPair<'_>>)> = Vec::new();
         for (info, tensor) in self.tensors.iter().zip(tensors) {
             let Some(buft) = placed.get(&info.name) else {
                 continue;
@@ -1490,6 +1490,9 @@ impl GgufFile {
         }
     }
 }
+
+/// A tensor's entry in the file and the tensor made for it.
+type TensorPair<'a> = (&'a GgufTensorInfo, &'a Tensor);
 
 /// The tensors of a GGUF file bound to a device ([`GgufFile::load`]).
 #[derive(Debug, Clone)]

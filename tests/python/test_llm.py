@@ -382,7 +382,9 @@ def test_gguf_load_places_named_tensors(tmp_path: Path) -> None:
     path = tmp_path / "p.gguf"
     write_tiny_model(path, seed=2, dtype="q4_1")
     cpu = fg.init_backend("CPU")
-    repack = next(b for b in fg.reg_by_name("CPU").extra_buffer_types() if b.name == "CPU_REPACK")
+    cpu_reg = fg.reg_by_name("CPU")
+    assert cpu_reg is not None
+    repack = next(b for b in cpu_reg.extra_buffer_types() if b.name == "CPU_REPACK")
     assert not repack.is_host
     with fg.gguf.GGUFFile(path) as f:
         name = next(i.name for i in f.tensors if i.dtype.name == "q4_1" and i.n_dims == 2)

@@ -369,10 +369,9 @@ class LLM:
         """The matrices the CPU's repacking buffer type interleaves (q4_1 rows of whole
         32-value blocks, at least 8 rows), mapped to that type; the token embedding (read by
         row lookups, not products) stays in place."""
-        repack = next(
-            (b for b in fg.reg_by_name("CPU").extra_buffer_types() if b.name == "CPU_REPACK"),
-            None,
-        )
+        cpu = fg.reg_by_name("CPU")
+        extra = cpu.extra_buffer_types() if cpu is not None else []
+        repack = next((b for b in extra if b.name == "CPU_REPACK"), None)
         if repack is None:
             return {}
         return {

@@ -449,6 +449,13 @@ mod tests {
     }
 
     #[test]
+    fn slots_and_rows_are_inverse() {
+        for (t, &r) in SLOT_ROWS.iter().enumerate() {
+            assert_eq!(slot_of(r), t);
+        }
+    }
+
+    #[test]
     fn only_q4_1_rows_of_whole_blocks_interleave() {
         assert!(Layout::new(DType::Q4_1, 64, 3).is_some());
         assert!(Layout::new(DType::Q4_1, 48, 8).is_none());

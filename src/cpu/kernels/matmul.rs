@@ -313,7 +313,7 @@ fn run_tile(
                     let out = &mut abuf[ii * k..(ii + 1) * k];
                     match interleaved {
                         // SAFETY: row i of the whole interleaved matrix `a` (read-only).
-                        Some(layout) => unsafe { load_interleaved_row(&a, layout, i, out)? },
+                        Some(layout) => unsafe { load_interleaved_row(a, layout, i, out)? },
                         // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only).
                         None => unsafe { a.load_row(i, i02, i03, out)? },
                     }
