@@ -219,7 +219,8 @@ impl WeightRows {
             }
             WeightRows::Interleaved { ptr, layout } => {
                 buf.resize(nr * kc, 0.0);
-                let (first, blocks) = (pc / super::interleaved::BLOCK_VALUES, kc.div_ceil(32));
+                let values = super::interleaved::BLOCK_VALUES;
+                let (first, blocks) = (pc / values, kc.div_ceil(values));
                 let mut plain = vec![0u8; blocks * super::interleaved::BLOCK_BYTES];
                 for (r, out) in buf.chunks_exact_mut(kc).enumerate() {
                     // SAFETY: the blocks of row i0 + r exist in the matrix (caller) and `ptr`
