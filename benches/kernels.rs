@@ -11,11 +11,11 @@ use std::time::Duration;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use ferrograph::context::Context;
 use ferrograph::cpu::backend::default_n_threads;
-use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use ferrograph::cpu::{compute_graph, ComputeOptions};
 use ferrograph::dtype::DType;
 use ferrograph::graph::Graph;
 use ferrograph::ops::{self, UnaryOp};
+use ferrograph::pool::{Threadpool, ThreadpoolParams};
 use ferrograph::tensor::Tensor;
 use ferrograph::Result;
 

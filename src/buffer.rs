@@ -5,7 +5,6 @@
 //! *generation* changes whenever its contents are released (`reset`, `free`), so a tensor bound
 //! before that point is detected as stale instead of reading reused memory.
 
-use std::alloc::{self, Layout};
 use std::fmt;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
@@ -13,29 +12,9 @@ use std::sync::Arc;
 
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::host::{host_fill, host_read, host_write};
+pub use crate::host::{ForeignHostMemory, HostMemory, HOST_ALIGNMENT, HUGE_PAGE};
 use crate::tensor::Tensor;
-
-/// Alignment of host buffers in bytes (enough for any SIMD load on the supported ISAs).
-pub const HOST_ALIGNMENT: usize = 64;
-
-/// Host buffers of at least this many bytes are huge-page aligned and advised to use huge pages.
-pub const HUGE_PAGE: usize = 2 << 20;
-
-/// Asks the kernel to back `len` bytes at `ptr` with transparent huge pages (advice only: a
-/// refusal changes nothing but speed).
-fn advise_huge_pages(ptr: *mut u8, len: usize) {
-    #[cfg(target_os = "linux")]
-    {
-        // SAFETY: madvise only reads the address range, which belongs to a live allocation
-        // of `len` bytes; MADV_HUGEPAGE does not change the memory's contents or validity.
-        let rc = unsafe { libc::madvise(ptr.cast::<libc::c_void>(), len, libc::MADV_HUGEPAGE) };
-        if rc != 0 {
-            log::debug!("madvise(MADV_HUGEPAGE) of {len} bytes was refused");
-        }
-    }
-    #[cfg(not(target_os = "linux"))]
-    let _ = (ptr, len);
-}
 
 /// What a buffer holds; the scheduler treats weight buffers specially.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -92,7 +71,7 @@ pub trait BufferType: Send + Sync + fmt::Debug {
         None
     }
     /// Whether buffers of this type spread each tensor's rows over several devices (a
-    /// [`SplitBufferType`](crate::split::SplitBufferType)): such a tensor can be read only by
+    /// the row-split buffer type): such a tensor can be read only by
     /// a backend that runs the op on every part, never copied whole to another backend.
     fn is_split(&self) -> bool {
         false
@@ -221,107 +200,6 @@ impl BufferMemory for MultiMemory {
     }
 }
 
-/// Aligned host memory owned by a buffer.
-pub struct HostMemory {
-    ptr: NonNull<u8>,
-    size: usize,
-    layout: Option<Layout>,
-}
-
-// SAFETY: the memory is a plain byte allocation owned by this value; concurrent access is
-// governed by the graph order (see `ARCHITECTURE.md`), the same contract as any host buffer.
-unsafe impl Send for HostMemory {}
-// SAFETY: as above; the struct itself holds no thread-affine state.
-unsafe impl Sync for HostMemory {}
-
-impl HostMemory {
-    /// Allocates `size` zeroed bytes aligned to `align` (a power of two).
-    ///
-    /// Allocations of [`HUGE_PAGE`] bytes or more are aligned to a huge page and, on Linux,
-    /// advised to use transparent huge pages before they are first touched: large weight and
-    /// compute buffers then cost far fewer TLB misses (measured: tensor copies and big matrix
-    /// products run at memory speed instead of page-walk speed).
-    pub fn new(size: usize, align: usize) -> Result<Self> {
-        if size == 0 {
-            return Ok(Self {
-                ptr: NonNull::<u64>::dangling().cast(),
-                size: 0,
-                layout: None,
-            });
-        }
-        let huge = size >= HUGE_PAGE;
-        let align = if huge { align.max(HUGE_PAGE) } else { align };
-        let layout = Layout::from_size_align(size, align).map_err(|e| {
-            Error::Alloc(format!(
-                "cannot lay out {size} bytes aligned to {align}: {e}"
-            ))
-        })?;
-        let raw = if huge {
-            // SAFETY: the layout has a non-zero size, checked above.
-            let raw = unsafe { alloc::alloc(layout) };
-            if !raw.is_null() {
-                advise_huge_pages(raw, size);
-                // SAFETY: `raw` points at `size` writable bytes just allocated; zeroing them
-                // after the advice lets the first touch fault in huge pages.
-                unsafe { std::ptr::write_bytes(raw, 0, size) };
-            }
-            raw
-        } else {
-            // SAFETY: the layout has a non-zero size, checked above.
-            unsafe { alloc::alloc_zeroed(layout) }
-        };
-        let ptr = NonNull::new(raw).ok_or_else(|| {
-            Error::alloc_failed(
-                format!("host allocation of {size} bytes failed"),
-                size,
-                None,
-                "CPU",
-            )
-        })?;
-        Ok(Self {
-            ptr,
-            size,
-            layout: Some(layout),
-        })
-    }
-}
-
-impl Drop for HostMemory {
-    fn drop(&mut self) {
-        if let Some(layout) = self.layout {
-            // SAFETY: `ptr` came from `alloc_zeroed` with this exact layout and is freed once.
-            unsafe { alloc::dealloc(self.ptr.as_ptr(), layout) };
-        }
-    }
-}
-
-/// Copies `data` to `base + offset`.
-///
-/// # Safety
-/// `base + offset .. + data.len()` must be writable memory that `data` does not overlap.
-unsafe fn host_write(base: NonNull<u8>, offset: usize, data: &[u8]) {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), base.as_ptr().add(offset), data.len()) }
-}
-
-/// Copies `out.len()` bytes from `base + offset` into `out`.
-///
-/// # Safety
-/// `base + offset .. + out.len()` must be readable memory that `out` does not overlap.
-unsafe fn host_read(base: NonNull<u8>, offset: usize, out: &mut [u8]) {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::ptr::copy_nonoverlapping(base.as_ptr().add(offset), out.as_mut_ptr(), out.len()) }
-}
-
-/// Sets `len` bytes at `base + offset` to `value`.
-///
-/// # Safety
-/// `base + offset .. + len` must be writable memory.
-unsafe fn host_fill(base: NonNull<u8>, offset: usize, len: usize, value: u8) {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::ptr::write_bytes(base.as_ptr().add(offset), value, len) }
-}
-
 /// Implements [`BufferMemory`] for a host-memory type with fields `ptr: NonNull<u8>` valid for
 /// reads and writes of `size: usize` bytes while the value lives ([`HostMemory`] owns its
 /// allocation; [`ForeignHostMemory`]'s creator guarantees it, see its `new`).
@@ -360,45 +238,6 @@ macro_rules! host_buffer_memory {
 }
 
 host_buffer_memory!(HostMemory);
-
-/// Host memory owned by someone else (a numpy array, a memory map), optionally kept alive by
-/// an owner object stored beside it.
-pub struct ForeignHostMemory {
-    ptr: NonNull<u8>,
-    size: usize,
-    _owner: Option<Box<dyn std::any::Any + Send + Sync>>,
-}
-
-// SAFETY: the creator guarantees the memory stays valid while this value lives (see `new`);
-// access follows the same rules as `HostMemory`.
-unsafe impl Send for ForeignHostMemory {}
-// SAFETY: as above.
-unsafe impl Sync for ForeignHostMemory {}
-
-impl ForeignHostMemory {
-    /// Wraps `size` bytes at `ptr`; `owner` (if any) is dropped with the buffer.
-    ///
-    /// # Safety
-    /// `ptr` must be valid for reads and writes of `size` bytes until this value (and so the
-    /// owner) is dropped, and nothing else may free it meanwhile.
-    pub unsafe fn new(
-        ptr: *mut u8,
-        size: usize,
-        owner: Option<Box<dyn std::any::Any + Send + Sync>>,
-    ) -> Result<Self> {
-        let ptr = if size == 0 {
-            NonNull::<u64>::dangling().cast()
-        } else {
-            NonNull::new(ptr)
-                .ok_or_else(|| Error::InvalidArgument("host pointer is null".into()))?
-        };
-        Ok(Self {
-            ptr,
-            size,
-            _owner: owner,
-        })
-    }
-}
 
 host_buffer_memory!(ForeignHostMemory);
 
@@ -655,9 +494,20 @@ impl BufferType for CpuBufferType {
         true
     }
 
+    /// The device that computes on host memory, once its crate has announced it
+    /// ([`set_host_device`]; the CPU device does on creation, and the registry creates it).
     fn device(&self) -> Option<Arc<dyn Device>> {
-        Some(crate::cpu::backend::CpuDevice::shared())
+        HOST_DEVICE.get().cloned()
     }
+}
+
+/// The device behind [`CpuBufferType`]: host memory is described here, below every device, so
+/// the CPU device (a layer up) announces itself instead of being named.
+static HOST_DEVICE: std::sync::OnceLock<Arc<dyn Device>> = std::sync::OnceLock::new();
+
+/// Announces the device that owns host memory (the CPU device; the first call wins).
+pub fn set_host_device(device: Arc<dyn Device>) {
+    let _ = HOST_DEVICE.set(device);
 }
 
 /// A CPU buffer over `size` bytes of host memory the caller owns (ggml's `cpu_buffer_from_ptr`).

@@ -93,19 +93,7 @@ pub struct BackendParams {
     pub extra: Vec<(String, String)>,
 }
 
-/// The most threads a backend or thread pool may be asked for (ggml's `GGML_MAX_N_THREADS`):
-/// a larger count is a mistake (it would try to start that many OS threads), not a request.
-pub const MAX_THREADS: usize = 512;
-
-/// Checks a thread count: 1 to [`MAX_THREADS`].
-pub fn check_n_threads(n_threads: usize) -> Result<usize> {
-    if n_threads == 0 || n_threads > MAX_THREADS {
-        return Err(Error::InvalidArgument(format!(
-            "n_threads must be between 1 and {MAX_THREADS}, got {n_threads}"
-        )));
-    }
-    Ok(n_threads)
-}
+pub use crate::pool::{check_n_threads, MAX_THREADS};
 
 /// Whether `key` can name a backend parameter: an ASCII letter or `_` first, then letters,
 /// digits, `_`, `-` or `.`.

@@ -32,7 +32,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result, Status};
 use crate::graph::Graph;
 use crate::ops::{self, Op};
-use crate::registry::Registration;
+use crate::registration::Registration;
 use crate::tensor::Tensor;
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -30,10 +30,25 @@ use crate::buffer::Buffer;
 use crate::context::{Context, ContextInner};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::host::{RawTensor, SendPtr};
 use crate::ops::Op;
 
-/// Tensors have at most this many dimensions.
-pub const MAX_DIMS: usize = 4;
+pub use crate::host::MAX_DIMS;
+
+/// The layout epoch: a process-wide counter bumped whenever a tensor's bound byte range or its
+/// recorded overwriter changes (a bind to a new place, an unbind, an allocator's sweep). The
+/// allocators' overwrite records (`alloc::overwrites`) stay valid while it reads the same.
+static LAYOUT_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+/// Bumps the layout epoch (see [`layout_epoch`]).
+pub(crate) fn note_layout_changed() {
+    LAYOUT_EPOCH.fetch_add(1, Ordering::AcqRel);
+}
+
+/// The layout epoch's current value.
+pub(crate) fn layout_epoch() -> u64 {
+    LAYOUT_EPOCH.load(Ordering::Acquire)
+}
 
 /// Flag bits of a tensor's role in a graph.
 pub mod flags {
@@ -540,7 +555,7 @@ impl Tensor {
         self.0.bound_buffer.store(0, Ordering::Release);
         self.0.bound_generation.store(0, Ordering::Release);
         drop(storage);
-        crate::alloc::overwrites::note_layout_changed();
+        note_layout_changed();
     }
 
     /// The id of the buffer this tensor itself is bound to ([`Tensor::bind`]), or `None`.
@@ -803,7 +818,7 @@ impl Tensor {
     fn note_bound(&self) {
         self.0.bound_at.store(tick(), Ordering::Release);
         *lock(&self.0.overwritten_by) = None;
-        crate::alloc::overwrites::note_layout_changed();
+        note_layout_changed();
     }
 
     /// Records that the tensor's bytes (a view's source's) were written from outside a
@@ -983,5 +998,18 @@ impl fmt::Debug for Tensor {
 impl fmt::Display for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Debug::fmt(self, f)
+    }
+}
+
+impl RawTensor {
+    /// The view of an allocated host tensor (the storage error otherwise).
+    pub fn new(tensor: &Tensor) -> Result<RawTensor> {
+        let ptr = tensor.host_ptr()?;
+        Ok(RawTensor {
+            ptr: SendPtr(ptr),
+            dtype: tensor.dtype(),
+            ne: tensor.ne(),
+            nb: tensor.nb(),
+        })
     }
 }

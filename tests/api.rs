@@ -46,9 +46,11 @@ impl BufferType for ShapePadded {
 
 #[test]
 fn cpu_buffer_type_belongs_to_the_cpu_device() {
+    // Host memory is described below the devices; the CPU device announces itself as its
+    // owner when it is created (here, by the registry).
+    let cpu = registry::dev_by_name("CPU").unwrap();
     let device = CpuBufferType::shared().device().expect("a device");
     assert_eq!(device.name(), "CPU");
-    let cpu = registry::dev_by_name("CPU").unwrap();
     assert!(Arc::ptr_eq(&cpu.buffer_type(), &CpuBufferType::shared()));
     assert!(
         ShapePadded.device().is_none(),

@@ -158,7 +158,7 @@ fn host_pointer_buffers_and_events() {
 #[test]
 fn shared_threadpools_and_direct_compute() {
     use ferrograph::cpu::backend::graph_compute_with_ctx;
-    use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
+    use ferrograph::pool::{Threadpool, ThreadpoolParams};
     let pool = Threadpool::new(&ThreadpoolParams::new(2)).unwrap();
     let first = CpuBackend::new(1).unwrap();
     let second = CpuBackend::new(1).unwrap();

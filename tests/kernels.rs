@@ -7,12 +7,12 @@ use std::sync::Arc;
 
 use ferrograph::buffer::alloc_cpu_buffer;
 use ferrograph::context::Context;
-use ferrograph::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use ferrograph::cpu::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
 use ferrograph::dtype::DType;
 use ferrograph::error::{Error, Result, Status};
 use ferrograph::graph::Graph;
 use ferrograph::ops::{self, CustomOp, GluOp, RopeMode, RopeParams, UnaryOp};
+use ferrograph::pool::{Threadpool, ThreadpoolParams};
 use ferrograph::tensor::Tensor;
 use half::f16;
 

@@ -27,19 +27,10 @@
 //! sweep (one lock per tensor to read its range, instead of ordered-map work).
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::graph::Graph;
 use crate::tensor::Tensor;
-
-/// The layout epoch (see the module documentation, "Replays").
-static LAYOUT_EPOCH: AtomicU64 = AtomicU64::new(1);
-
-/// Bumps the layout epoch: a tensor's bound byte range or its recorded overwriter changed
-/// (called by [`Tensor::bind`] for a new place, [`Tensor::unbind`], and every sweep).
-pub(crate) fn note_layout_changed() {
-    LAYOUT_EPOCH.fetch_add(1, Ordering::AcqRel);
-}
+use crate::tensor::{layout_epoch, note_layout_changed};
 
 /// A tensor's own bound byte range: `(buffer id, offset, nbytes)`; `None` for views and
 /// unbound tensors.
@@ -75,7 +66,7 @@ impl SweepMemo {
     /// the same graph epoch always comes with the same stand-ins.
     pub(crate) fn record(&mut self, graph: &Graph, stand_ins: &[(Tensor, Tensor)]) -> Recorded {
         let epoch = graph.epoch();
-        let before = LAYOUT_EPOCH.load(Ordering::Acquire);
+        let before = layout_epoch();
         if epoch != 0 && self.last == Some((epoch, before)) {
             return Recorded::Kept;
         }
@@ -113,7 +104,7 @@ impl SweepMemo {
         note_layout_changed();
         // One bump is ours; any other meanwhile (another thread's binding or sweep) leaves the
         // epoch memo empty rather than trusting a mixed state. The ranges stay valid keys.
-        let after = LAYOUT_EPOCH.load(Ordering::Acquire);
+        let after = layout_epoch();
         self.last = (after == before + 1 && epoch != 0).then_some((epoch, after));
         how
     }

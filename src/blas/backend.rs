@@ -8,15 +8,15 @@ use super::gemm;
 use super::library::{self, BlasLibrary};
 use crate::backend::{Backend, Guid};
 use crate::buffer::BufferType;
-use crate::cpu::backend::default_n_threads;
-use crate::cpu::kernels::view::RawTensor;
-use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::dtype::DType;
 use crate::error::{Error, Result, Status};
 use crate::graph::Graph;
+use crate::host::RawTensor;
 use crate::ops::Op;
-use crate::registry::{Extension, Registration};
+use crate::pool::default_n_threads;
+use crate::pool::{Threadpool, ThreadpoolParams};
+use crate::registration::{Extension, Registration};
 use crate::tensor::Tensor;
 
 /// The BLAS backend's GUID.
@@ -203,7 +203,7 @@ impl BlasBackend {
 
     /// Sets the thread count (ggml's `set_n_threads` for BLAS).
     pub fn set_n_threads(&self, n_threads: usize) -> Result<()> {
-        crate::cpu::threadpool::resize_pool(&self.pool, n_threads, "BLAS")
+        crate::pool::resize_pool(&self.pool, n_threads, "BLAS")
     }
 
     /// This backend's size threshold for matrix products.

@@ -3,13 +3,14 @@
 //! Weights that are not f32 (f16, bf16, q8_0, q4_0) are converted to dense f32 rows first,
 //! in parallel on the backend's pool; f32 weights with 4-byte-aligned rows are read in place.
 
+use crate::cpu::RowIo;
 use rayon::prelude::*;
 use rayon::ThreadPool;
 
 use super::library::{BlasLibrary, GemmCall};
-use crate::cpu::kernels::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::host::RawTensor;
 
 fn layout_error(what: &str, detail: &str) -> Error {
     Error::UnsupportedOp(format!("the BLAS backend cannot read {what}: {detail}"))

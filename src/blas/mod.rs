@@ -32,7 +32,7 @@ pub use backend::{
 pub use library::{find_library, BlasLibrary, BLAS_LIB_ENV, DEFAULT_CANDIDATES, DISABLE_VALUES};
 
 use crate::error::Result;
-use crate::registry::Registration;
+use crate::registration::Registration;
 
 /// The BLAS registration (zero devices when no BLAS library is found).
 pub fn registration() -> Arc<dyn Registration> {

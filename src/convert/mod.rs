@@ -45,8 +45,8 @@ use std::sync::OnceLock;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::cpu::threadpool;
 use crate::error::Result;
+use crate::pool;
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64;
@@ -405,9 +405,9 @@ fn run_row<S: Sync, D: Send>(
         kernel(src, dst, nt);
         return Ok(());
     }
-    let in_computation = threadpool::in_computation();
+    let in_computation = pool::in_computation();
     let threads = if in_computation {
-        threadpool::current_num_threads()
+        pool::current_num_threads()
     } else {
         rayon::current_num_threads()
     };
@@ -426,7 +426,7 @@ fn run_row<S: Sync, D: Send>(
     }
     let out = SendMutPtr(dst.as_mut_ptr());
     // The pool returns a chunk's panic as an error.
-    threadpool::run_chunks(n, chunk, &|range: Range<usize>| {
+    pool::run_chunks(n, chunk, &|range: Range<usize>| {
         // The whole wrapper, not its raw field (closures capture fields on their own).
         let out = &out;
         // SAFETY: `dst` holds `n` elements and stays mutably borrowed for this call; the chunks'

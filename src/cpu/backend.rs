@@ -7,12 +7,12 @@ use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 use crate::backend::{Backend, GraphPlan, Guid};
 use crate::cpu::compute::{self, ComputeOptions};
 use crate::cpu::sysinfo;
-use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::error::{Error, Result, Status};
 use crate::event::{Event, HostEvent};
 use crate::graph::Graph;
-use crate::registry::{AbortCallback, Extension, Registration};
+use crate::pool::{Threadpool, ThreadpoolParams};
+use crate::registration::{AbortCallback, Extension, Registration};
 use crate::tensor::Tensor;
 
 /// The CPU backend's GUID.
@@ -33,10 +33,7 @@ pub fn set_global_abort_callback(callback: Option<AbortCallback>) {
     *global_abort().write().unwrap_or_else(|p| p.into_inner()) = callback;
 }
 
-/// The default thread count: the usable hardware threads.
-pub fn default_n_threads() -> usize {
-    std::thread::available_parallelism().map_or(1, |n| n.get())
-}
+pub use crate::pool::default_n_threads;
 
 /// The host CPU as a device.
 #[derive(Debug, Default)]
@@ -46,7 +43,13 @@ impl CpuDevice {
     /// The shared instance.
     pub fn shared() -> Arc<CpuDevice> {
         static DEVICE: OnceLock<Arc<CpuDevice>> = OnceLock::new();
-        DEVICE.get_or_init(|| Arc::new(CpuDevice)).clone()
+        DEVICE
+            .get_or_init(|| {
+                let device = Arc::new(CpuDevice);
+                crate::buffer::set_host_device(device.clone());
+                device
+            })
+            .clone()
     }
 }
 
@@ -154,7 +157,7 @@ impl CpuBackend {
 
     /// Replaces the pool with one of `n_threads` workers (no-op if unchanged).
     pub fn set_n_threads(&self, n_threads: usize) -> Result<()> {
-        crate::cpu::threadpool::resize_pool(&self.pool, n_threads, "CPU")
+        crate::pool::resize_pool(&self.pool, n_threads, "CPU")
     }
 
     /// Runs computations on `threadpool` (which other backends may share).

@@ -7,11 +7,11 @@
 use super::kernels::{
     attention, binary, copy, custom, matmul, norm, reduce, rope, softmax, unary, view::RawTensor,
 };
-use super::threadpool::Threadpool;
 use crate::dtype::DType;
 use crate::error::{Error, Result, Status};
 use crate::graph::Graph;
 use crate::ops::Op;
+use crate::pool::Threadpool;
 use crate::tensor::Tensor;
 
 /// Options of a CPU compute call.

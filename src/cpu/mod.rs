@@ -10,10 +10,10 @@ pub mod repack;
 #[cfg_attr(not(test), allow(dead_code))]
 pub(crate) mod kernels;
 pub mod sysinfo;
-pub mod threadpool;
 pub mod type_traits;
 
 pub use compute::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
+pub use kernels::view::RowIo;
 
 /// Prepares the CPU backend (ggml's `cpu_init`): probes the CPU features and chooses the
 /// conversion path now rather than on first use. Optional and idempotent.
@@ -23,6 +23,6 @@ pub fn cpu_init() {
 }
 
 /// The CPU backend registration (always present in the registry).
-pub fn registration() -> std::sync::Arc<dyn crate::registry::Registration> {
+pub fn registration() -> std::sync::Arc<dyn crate::registration::Registration> {
     std::sync::Arc::new(backend::CpuRegistration)
 }

@@ -50,7 +50,7 @@ pub(crate) fn holds_core_lock() -> bool {
 /// Whether this thread is inside a callback, or is a compute worker (which only runs Python
 /// code as part of a computation that some other thread is waiting for).
 fn must_not_wait() -> bool {
-    CALLBACK_DEPTH.with(Cell::get) > 0 || crate::cpu::threadpool::in_computation()
+    CALLBACK_DEPTH.with(Cell::get) > 0 || crate::pool::in_computation()
 }
 
 /// Marks the current thread as running a Python callback for as long as it lives.

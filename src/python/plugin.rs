@@ -24,7 +24,7 @@ use crate::buffer::{Buffer, BufferMemory, BufferType};
 use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::error::{Error, Result, Status};
 use crate::graph::Graph;
-use crate::registry::Registration;
+use crate::registration::Registration;
 use crate::tensor::Tensor;
 
 /// Why a call into a plugin failed: the plugin raised, or it returned something the

@@ -9,9 +9,9 @@ use super::dtype::DTypeArg;
 use super::errors::invalid;
 use crate::convert;
 use crate::cpu::features::{self, CpuFeatures, NumaStrategy};
-use crate::cpu::threadpool::{ThreadPriority, ThreadpoolParams};
 use crate::cpu::type_traits::type_traits;
 use crate::error::Error;
+use crate::pool::{ThreadPriority, ThreadpoolParams};
 
 /// The library version (`Cargo.toml`'s).
 #[pyfunction]

@@ -13,9 +13,9 @@ use super::graph::PyGraph;
 use super::lock::CallbackScope;
 use super::tensor::PyTensor;
 use crate::cpu::backend::as_cpu;
-use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
 use crate::error::Error;
 use crate::graph_copy::{self as copying, GraphCopy};
+use crate::pool::{Threadpool, ThreadpoolParams};
 
 /// The Python name of `obj`'s type (`"int"`, `"list"`), for messages.
 pub(crate) fn type_name(obj: &Bound<'_, PyAny>) -> String {

@@ -26,7 +26,7 @@ use crate::device::{BackendParams, Device, DeviceCaps, DeviceType};
 use crate::error::{Error, Result, Status};
 use crate::event::Event;
 use crate::graph::Graph;
-use crate::registry::Registration;
+use crate::registration::Registration;
 use crate::tensor::Tensor;
 
 /// The remote backend implementation's GUID.

@@ -22,6 +22,7 @@
 //! is within 1e-5 (absolute) of an f64 reference on data in [−1, 1] (tests). Tasks do not
 //! depend on the thread count, so neither do the results.
 
+use super::view::RowIo;
 use std::cell::RefCell;
 
 use super::math;

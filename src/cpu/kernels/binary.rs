@@ -6,6 +6,7 @@
 //! writing it, so the result may alias the first operand.
 
 use super::copy;
+use super::view::RowIo;
 use super::view::{RawTensor, SendPtr};
 use super::{par_ranges, row_grain, simd_fn};
 use crate::dtype::DType;

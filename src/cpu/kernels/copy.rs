@@ -5,6 +5,7 @@
 //! (quantized destinations are quantized row by row with ggml's reference rounding). When the
 //! shapes differ (CONT to a new shape) elements map by their flat logical index.
 
+use super::view::RowIo;
 use super::view::{load_f32, read_index, store_f32, RawTensor};
 use super::{par_ranges, row_grain};
 use crate::dtype::DType;

@@ -25,6 +25,7 @@
 //! path only where AMX runs; elsewhere bf16 weights go through the f32 GEMM (widened exactly,
 //! f32 activations), which is faster than emulating the tiles.
 
+use super::view::RowIo;
 use std::cell::RefCell;
 
 use super::par_ranges;

@@ -18,6 +18,7 @@
 //! `dw · da` is one rounded f32 product and `fma` rounds once. The AVX-512 VNNI kernel, the
 //! portable kernel and the portable kernel compiled for AVX2 therefore agree bit for bit.
 
+use super::view::RowIo;
 use std::cell::RefCell;
 
 use super::par_ranges;

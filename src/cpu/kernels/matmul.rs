@@ -9,6 +9,7 @@
 //! into tiles of weight rows × activation rows; each task converts its f16/bf16 weight rows
 //! to f32 once and reuses them for all its columns.
 
+use super::view::RowIo;
 use std::ops::Range;
 
 use super::block_dot;

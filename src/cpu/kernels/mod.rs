@@ -60,7 +60,7 @@ pub(crate) use simd_fn;
 
 use crate::error::Result;
 
-pub(crate) use crate::cpu::threadpool::current_num_threads;
+pub(crate) use crate::pool::current_num_threads;
 
 /// Elements a task should handle at least, so scheduling costs stay small.
 pub(crate) const MIN_TASK_ELEMENTS: usize = 16 * 1024;
@@ -88,7 +88,7 @@ where
     if n_chunks <= 1 || threads == 1 {
         return f(0..n);
     }
-    crate::cpu::threadpool::run_chunks(n, chunk, &f)
+    crate::pool::run_chunks(n, chunk, &f)
 }
 
 /// Runs `f(r, row, buf)` for every `row_len`-element row `r` of `out` (its length a multiple of
@@ -124,7 +124,7 @@ where
 /// Test support shared by the kernel unit tests.
 #[cfg(test)]
 pub(crate) mod testing {
-    use crate::cpu::threadpool::{Threadpool, ThreadpoolParams};
+    use crate::pool::{Threadpool, ThreadpoolParams};
 
     /// Thread counts kernel results are compared at.
     pub const THREAD_COUNTS: [usize; 3] = [1, 2, 3];

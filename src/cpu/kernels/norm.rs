@@ -5,6 +5,7 @@
 
 use super::math::{sum_f64, sum_sq_f64};
 use super::view::RawTensor;
+use super::view::RowIo;
 use super::{par_ranges, row_grain, simd_fn};
 use crate::error::Result;
 

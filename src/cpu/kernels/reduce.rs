@@ -4,6 +4,7 @@
 //! so they are exact for every non-quantized dtype.
 
 use super::view::RawTensor;
+use super::view::RowIo;
 use super::{par_ranges, row_grain};
 use crate::error::Result;
 

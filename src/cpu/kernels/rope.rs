@@ -5,6 +5,7 @@
 //! `theta_i = pos · freq_base^(−2i/n_dims) / freq_factor_i`; dimensions past `n_dims` are
 //! copied. Rows are read before they are written, so ROPE may run in place.
 
+use super::view::RowIo;
 use std::f32::consts::PI;
 
 use super::view::{read_index, RawTensor};

@@ -11,6 +11,7 @@
 
 use super::math;
 use super::view::RawTensor;
+use super::view::RowIo;
 use super::{par_ranges, row_grain, simd_fn};
 use crate::error::{Error, Result};
 use crate::ops::{GluOp, Op, UnaryOp};

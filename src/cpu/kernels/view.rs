@@ -2,7 +2,7 @@
 //!
 //! A [`RawTensor`] is a tensor's host address with its dtype, shape and byte strides. Kernels
 //! compute addresses with [`RawTensor::offset`] and read or write whole rows through
-//! [`RawTensor::load_row`] / [`RawTensor::store_row`], which convert any supported dtype
+//! [`RowIo::load_row`] / [`RowIo::store_row`], which convert any supported dtype
 //! (f32, f16, bf16, i8, i16, i32, i64, q8_0, q4_0) to and from f32 and follow `nb[0]`.
 
 use half::{bf16, f16};
@@ -11,108 +11,31 @@ use super::quant_dot;
 use crate::convert;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::tensor::{Tensor, MAX_DIMS};
+pub use crate::host::{RawTensor, SendPtr};
 
-/// A raw host pointer that may cross threads. Kernels guarantee that tasks write disjoint
-/// bytes, which is what makes sharing it sound.
-#[derive(Clone, Copy, Debug)]
-pub struct SendPtr(pub *mut u8);
-
-// SAFETY: the pointer is only dereferenced by kernels that split work so that no two tasks
-// write the same bytes and no task reads bytes another task writes during the same op.
-unsafe impl Send for SendPtr {}
-// SAFETY: as above; shared access is only ever read-only or to disjoint regions.
-unsafe impl Sync for SendPtr {}
-
-/// A tensor's host memory with its layout.
-#[derive(Clone, Copy, Debug)]
-pub struct RawTensor {
-    /// Address of the first element.
-    pub ptr: SendPtr,
-    /// Element type.
-    pub dtype: DType,
-    /// Elements per dimension (ggml order).
-    pub ne: [usize; MAX_DIMS],
-    /// Byte strides per dimension (for quantized types `nb[0]` is the block size in bytes).
-    pub nb: [usize; MAX_DIMS],
-}
-
-impl RawTensor {
-    /// The view of an allocated host tensor (the storage error otherwise).
-    pub fn new(tensor: &Tensor) -> Result<RawTensor> {
-        let ptr = tensor.host_ptr()?;
-        Ok(RawTensor {
-            ptr: SendPtr(ptr),
-            dtype: tensor.dtype(),
-            ne: tensor.ne(),
-            nb: tensor.nb(),
-        })
-    }
-
-    /// Number of rows (product of `ne[1..]`).
-    pub fn nrows(&self) -> usize {
-        self.ne[1] * self.ne[2] * self.ne[3]
-    }
-
-    /// Total number of elements.
-    pub fn nelements(&self) -> usize {
-        self.ne.iter().product()
-    }
-
-    /// The (i1, i2, i3) coordinates of flat row `r`.
-    pub fn row_coords(&self, r: usize) -> (usize, usize, usize) {
-        let i1 = r % self.ne[1];
-        let i2 = (r / self.ne[1]) % self.ne[2];
-        let i3 = r / (self.ne[1] * self.ne[2]);
-        (i1, i2, i3)
-    }
-
-    /// Byte offset of row (i1, i2, i3).
-    pub fn row_offset(&self, i1: usize, i2: usize, i3: usize) -> usize {
-        i1 * self.nb[1] + i2 * self.nb[2] + i3 * self.nb[3]
-    }
-
-    /// Byte offset of element (i0, i1, i2, i3); `i0` must be block-aligned for quantized types.
-    pub fn offset(&self, i0: usize, i1: usize, i2: usize, i3: usize) -> usize {
-        i0 / self.dtype.block_size() * self.nb[0] + self.row_offset(i1, i2, i3)
-    }
-
-    /// Address `offset` bytes past the first element.
-    ///
-    /// # Safety
-    /// `offset` must lie within the tensor's span.
-    pub unsafe fn at(&self, offset: usize) -> *mut u8 {
-        // SAFETY: guaranteed by the caller.
-        unsafe { self.ptr.0.add(offset) }
-    }
-
-    /// Whether the elements of each row are adjacent.
-    pub fn dense_rows(&self) -> bool {
-        self.ne[0] <= 1 || self.dtype.is_quantized() || self.nb[0] == self.dtype.type_size()
-    }
-
-    /// Whether the whole tensor is laid out densely in logical order.
-    pub fn is_contiguous(&self) -> bool {
-        let mut expected = self.dtype.type_size();
-        let block = self.dtype.block_size();
-        for i in 0..MAX_DIMS {
-            if self.ne[i] != 1 && self.nb[i] != expected {
-                return false;
-            }
-            expected *= if i == 0 {
-                self.ne[0] / block
-            } else {
-                self.ne[i]
-            };
-        }
-        true
-    }
-
+/// Row reads and writes in f32 for a host tensor view, converting from and to its dtype (with
+/// the kernels' conversions): the CPU kernels' and the BLAS backend's access to rows.
+pub trait RowIo {
     /// Reads row (i1, i2, i3) into `out` as f32 (`out.len()` elements from the row start).
     ///
     /// # Safety
     /// The row must lie within the tensor, and no other task may write it concurrently.
-    pub unsafe fn load_row(&self, i1: usize, i2: usize, i3: usize, out: &mut [f32]) -> Result<()> {
+    unsafe fn load_row(&self, i1: usize, i2: usize, i3: usize, out: &mut [f32]) -> Result<()>;
+
+    /// Writes `src` (f32) into row (i1, i2, i3), converting to the dtype.
+    ///
+    /// # Safety
+    /// The row must lie within the tensor, and no other task may read or write it
+    /// concurrently.
+    unsafe fn store_row(&self, i1: usize, i2: usize, i3: usize, src: &[f32]) -> Result<()>;
+}
+
+impl RowIo for RawTensor {
+    /// Reads row (i1, i2, i3) into `out` as f32 (`out.len()` elements from the row start).
+    ///
+    /// # Safety
+    /// The row must lie within the tensor, and no other task may write it concurrently.
+    unsafe fn load_row(&self, i1: usize, i2: usize, i3: usize, out: &mut [f32]) -> Result<()> {
         // SAFETY: the row is inside the tensor (caller), so its address and `out.len()`
         // elements at stride `nb[0]` are readable.
         unsafe {
@@ -130,7 +53,7 @@ impl RawTensor {
     /// # Safety
     /// The row must lie within the tensor, and no other task may read or write it
     /// concurrently.
-    pub unsafe fn store_row(&self, i1: usize, i2: usize, i3: usize, src: &[f32]) -> Result<()> {
+    unsafe fn store_row(&self, i1: usize, i2: usize, i3: usize, src: &[f32]) -> Result<()> {
         // SAFETY: as for `load_row`, with exclusive access to the row.
         unsafe {
             store_f32(

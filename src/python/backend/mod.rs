@@ -144,14 +144,14 @@ pub(crate) fn raise_callback_error(_py: Python<'_>, backends: &[Arc<dyn Backend>
 pub(crate) fn python_abort_callback(
     callable: Py<PyAny>,
     slot: &'static ErrorSlot,
-) -> crate::registry::AbortCallback {
+) -> crate::registration::AbortCallback {
     abort_callback_into(callable, move |err| slot.store(err))
 }
 
 fn abort_callback_into(
     callable: Py<PyAny>,
     keep: impl Fn(PyErr) + Send + Sync + 'static,
-) -> crate::registry::AbortCallback {
+) -> crate::registration::AbortCallback {
     Arc::new(move || {
         Python::attach(|py| {
             let _scope = CallbackScope::enter();

@@ -1,10 +1,12 @@
-//! Persistent CPU thread pools (ggml's threadpool API) that the computing thread joins.
+//! Persistent thread pools (ggml's threadpool API) that the computing thread joins: the
+//! parallel-for below every layer that splits work (the CPU kernels, row conversions, BLAS),
+//! with the thread-count rules ([`MAX_THREADS`], [`check_n_threads`], [`default_n_threads`]).
 //!
 //! A [`Threadpool`] of `n_threads` threads starts `n_threads - 1` workers that live until the
 //! last handle is dropped; several CPU backends may share one. The thread that computes on the
 //! pool ([`Threadpool::run`], used by `compute_graph`) is its thread 0 for the call: it walks
 //! the graph and runs each node's kernel itself. A kernel splitting its work
-//! ([`par_ranges`](crate::cpu::kernels)) publishes a job (a closure and a count of fixed
+//! (`par_ranges` in the CPU kernels) publishes a job (a closure and a count of fixed
 //! chunks); every thread, the caller included, claims chunks through one atomic counter until
 //! none is left, and the caller waits for the chunks others took. Nothing ever waits for a
 //! worker to wake up: a job the caller finishes alone is done, so a small graph costs no
@@ -25,6 +27,25 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
+
+/// The most threads a backend or thread pool may be asked for (ggml's `GGML_MAX_N_THREADS`):
+/// a larger count is a mistake (it would try to start that many OS threads), not a request.
+pub const MAX_THREADS: usize = 512;
+
+/// Checks a thread count: 1 to [`MAX_THREADS`].
+pub fn check_n_threads(n_threads: usize) -> Result<usize> {
+    if n_threads == 0 || n_threads > MAX_THREADS {
+        return Err(Error::InvalidArgument(format!(
+            "n_threads must be between 1 and {MAX_THREADS}, got {n_threads}"
+        )));
+    }
+    Ok(n_threads)
+}
+
+/// The default thread count: the usable hardware threads.
+pub fn default_n_threads() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
 
 /// Scheduling priority of pool threads (ggml's `ggml_sched_priority`), applied to each worker
 /// when it starts; a priority the OS refuses (raising one needs privileges) is recorded in
@@ -88,7 +109,7 @@ pub struct ThreadpoolParams {
     /// robin) instead of letting every worker run on any CPU of the mask.
     pub strict_cpu: bool,
     /// The CPUs the workers may run on (`cpumask[c]` for CPU `c`); empty or all false means
-    /// every CPU the process may use. At most [`crate::device::MAX_THREADS`] entries.
+    /// every CPU the process may use. At most [`MAX_THREADS`] entries.
     pub cpumask: Vec<bool>,
     /// Start paused.
     pub paused: bool,
@@ -96,7 +117,7 @@ pub struct ThreadpoolParams {
 
 impl Default for ThreadpoolParams {
     fn default() -> Self {
-        ThreadpoolParams::new(crate::cpu::backend::default_n_threads())
+        ThreadpoolParams::new(default_n_threads())
     }
 }
 
@@ -139,17 +160,17 @@ impl ThreadpoolParams {
     /// Checks the ranges: 1 to MAX_THREADS threads, poll at most 100, a mask of at most
     /// MAX_THREADS CPUs.
     pub fn check(&self) -> Result<()> {
-        crate::device::check_n_threads(self.n_threads)?;
+        check_n_threads(self.n_threads)?;
         if self.poll > 100 {
             return Err(Error::InvalidArgument(format!(
                 "poll must be 0 to 100, got {}",
                 self.poll
             )));
         }
-        if self.cpumask.len() > crate::device::MAX_THREADS {
+        if self.cpumask.len() > MAX_THREADS {
             return Err(Error::InvalidArgument(format!(
                 "a CPU mask has at most {} entries, got {}",
-                crate::device::MAX_THREADS,
+                MAX_THREADS,
                 self.cpumask.len()
             )));
         }
@@ -163,7 +184,7 @@ fn place_current_thread(index: usize, params: &ThreadpoolParams) -> Vec<String> 
     let mut refused = Vec::new();
     let mut cpus = params.allowed_cpus();
     if params.strict_cpu && cpus.is_empty() {
-        cpus = (0..crate::cpu::backend::default_n_threads()).collect();
+        cpus = (0..default_n_threads()).collect();
     }
     if params.strict_cpu && !cpus.is_empty() {
         cpus = vec![cpus[index % cpus.len()]];
@@ -742,7 +763,7 @@ impl Threadpool {
     }
 
     /// Runs `f` on the calling thread as the pool's thread 0, resuming the pool first: splits
-    /// of work inside `f` ([`par_ranges`](crate::cpu::kernels)) run on all of the pool's
+    /// of work inside `f` (`par_ranges` in the CPU kernels) run on all of the pool's
     /// threads. One computation runs on a pool at a time; another thread's call waits for it.
     ///
     /// Nested calls never wait: from inside `f` on the same pool, `f` runs as part of the
@@ -910,10 +931,10 @@ pub(crate) fn resize_pool(
     who: &str,
 ) -> Result<()> {
     // Checked before the lock and whatever the current size: 1 to MAX_THREADS.
-    if crate::device::check_n_threads(n_threads).is_err() {
+    if check_n_threads(n_threads).is_err() {
         return Err(Error::InvalidArgument(format!(
             "a {who} backend needs 1 to {} threads, got {n_threads}",
-            crate::device::MAX_THREADS
+            MAX_THREADS
         )));
     }
     let mut pool = slot.lock().unwrap_or_else(|p| p.into_inner());
