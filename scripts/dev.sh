@@ -5,7 +5,7 @@
 #   bash scripts/dev.sh embed "a sentence" "another"   # the main job: MiniLM embeddings
 #   bash scripts/dev.sh generate "a prompt"             # text from the packaged SmolLM2 (GGUF)
 #   bash scripts/dev.sh demo        # a small graph computed and checked against numpy
-#   bash scripts/dev.sh test        # every test: Rust (cargo test) and Python (pytest)
+#   bash scripts/dev.sh test        # every test: Rust (cargo test --workspace) and Python (pytest)
 #   bash scripts/dev.sh bench       # benchmarks: cargo bench + benches/*.py
 #   bash scripts/dev.sh lint        # cargo fmt --check, clippy, ruff, mypy
 set -euo pipefail
@@ -93,7 +93,9 @@ case "${1:-}" in
     install_test_deps
     # The loadable BLAS backend library that tests/dynload.rs loads at run time.
     cargo build -q -p ferrograph-blas
-    cargo test -q
+    # Every crate of the workspace but the bindings (a Rust test binary of those would have to
+    # link libpython; they are tested from Python below).
+    cargo test -q --workspace --exclude ferrograph-python
     # The Rust examples (built by cargo test); each checks its own result.
     for example in cpu_graph scheduler load_backend; do
       cargo run -q --example "$example" >/dev/null
@@ -117,8 +119,7 @@ case "${1:-}" in
   lint)
     setup
     cargo fmt --all -- --check
-    cargo clippy -q --all-targets -- -D warnings
-    cargo clippy -q --all-targets --features python -- -D warnings
+    cargo clippy -q --workspace --all-targets -- -D warnings
     ruff check python tests benches examples
     ruff format --check python tests benches examples
     mypy python/ferrograph

@@ -1,9 +1,13 @@
 //! ferrograph: ggml's backend layer in Rust.
 //!
-//! The crate is layered bottom-up (`docs/ARCHITECTURE.md` in the repository has the map):
-//! [`dtype`] and [`convert`] describe element types and convert between them, [`tensor`],
-//! [`ops`] and [`graph`] describe computations, [`buffer`] holds memory, and [`cpu`] computes
-//! graphs on the host.
+//! This crate is the public face of a workspace whose crates are its layers
+//! (`docs/ARCHITECTURE.md` in the repository has the map): `ferrograph-base` (element types
+//! and conversions, tensors, ops, graphs, buffers, the device/backend/event interfaces,
+//! allocators, the scheduler, GGUF files), `ferrograph-cpu` (the CPU backend) and
+//! `ferrograph-backends` (BLAS, the row-split buffer type, remote devices, backend libraries
+//! loaded at run time, the global registry). Each of their modules is re-exported here under the
+//! same name, so `ferrograph::tensor::Tensor` and `ferrograph::cpu::CpuBackend` name the same
+//! items wherever they live.
 //!
 //! The main types are re-exported at the root. A graph on the CPU (the README's example):
 //!
@@ -24,38 +28,17 @@
 //!     Ok(())
 //! }
 //! ```
-#![deny(missing_docs, unsafe_op_in_unsafe_fn)]
-#![deny(clippy::undocumented_unsafe_blocks)]
+#![deny(missing_docs)]
 
-pub mod alloc;
-pub mod backend;
-pub mod blas;
-pub mod buffer;
-pub mod context;
-pub mod convert;
-pub mod cpu;
-pub mod device;
-pub mod dtype;
-pub mod dynload;
-pub mod error;
-pub mod event;
-pub mod gguf;
-pub mod graph;
-pub mod graph_copy;
-pub mod host;
-pub mod ops;
-pub mod pool;
-pub mod quant;
-pub mod registration;
-pub mod registry;
-pub mod remote;
-pub mod sched;
-pub mod split;
-pub mod tensor;
-pub mod util;
-
-#[cfg(feature = "python")]
-mod python;
+// The base layer (ggml-base).
+pub use ferrograph_base::{
+    alloc, backend, buffer, context, convert, device, dtype, error, event, gguf, graph, graph_copy,
+    host, ops, pool, quant, registration, sched, tensor, util,
+};
+// The CPU backend (ggml-cpu).
+pub use ferrograph_cpu as cpu;
+// The backends beside the CPU, and the registry over all of them.
+pub use ferrograph_backends::{blas, dynload, export_backend, registry, remote, row_split};
 
 pub use error::{Error, Result, Status};
 
@@ -73,8 +56,8 @@ pub use graph_copy::GraphCopy;
 pub use ops::{Op, UnaryOp};
 pub use pool::{Threadpool, ThreadpoolParams};
 pub use registration::{Extension, Registration};
+pub use row_split::{SplitBackend, SplitBufferType, SplitDevice, SplitWeight};
 pub use sched::Scheduler;
-pub use split::{SplitBackend, SplitBufferType, SplitDevice, SplitWeight};
 pub use tensor::Tensor;
 
 /// The library's version, as in `Cargo.toml`.

@@ -215,13 +215,14 @@ impl ferrograph::Registration for SplitCpus {
 
 #[test]
 fn split_rows_cover_the_matrix_in_proportion() {
-    let split = ferrograph::split::SplitBufferType::new(&SplitCpus(3), &[1.0, 2.0, 1.0]).unwrap();
+    let split =
+        ferrograph::row_split::SplitBufferType::new(&SplitCpus(3), &[1.0, 2.0, 1.0]).unwrap();
     assert_eq!(split.row_ranges(8), vec![0..2, 2..6, 6..8]);
     assert_eq!(split.row_ranges(1), vec![0..0, 0..1, 1..1]);
-    let equal = ferrograph::split::SplitBufferType::new(&SplitCpus(3), &[]).unwrap();
+    let equal = ferrograph::row_split::SplitBufferType::new(&SplitCpus(3), &[]).unwrap();
     assert_eq!(equal.row_ranges(9), vec![0..3, 3..6, 6..9]);
     for bad in [&[1.0, 1.0][..], &[1.0, -1.0, 1.0], &[f32::NAN, 1.0, 1.0]] {
-        assert!(ferrograph::split::SplitBufferType::new(&SplitCpus(3), bad).is_err());
+        assert!(ferrograph::row_split::SplitBufferType::new(&SplitCpus(3), bad).is_err());
     }
 }
 
@@ -251,7 +252,7 @@ fn row_split_mul_mat_equals_the_unsplit_one() {
     let expected = y.to_f32_vec().unwrap();
 
     for shares in [&[1.0f32, 1.0, 1.0][..], &[3.0, 0.0, 1.0], &[0.0, 0.0, 0.0]] {
-        let split = ferrograph::split::SplitBufferType::new(&SplitCpus(3), shares).unwrap();
+        let split = ferrograph::row_split::SplitBufferType::new(&SplitCpus(3), shares).unwrap();
         let weight = split.alloc_weight(DType::F32, k, rows).unwrap();
         let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
         weight.set_bytes(&bytes).unwrap();
@@ -264,7 +265,7 @@ fn row_split_mul_mat_equals_the_unsplit_one() {
         // Each part computes whole dot products exactly as the unsplit kernel does.
         assert_eq!(got, expected, "{shares:?}");
     }
-    let split = ferrograph::split::SplitBufferType::new(&SplitCpus(2), &[]).unwrap();
+    let split = ferrograph::row_split::SplitBufferType::new(&SplitCpus(2), &[]).unwrap();
     let weight = split.alloc_weight(DType::F32, k, rows).unwrap();
     assert!(weight.set_bytes(&[0u8; 3]).is_err());
     assert!(weight.mul_mat(&x[..5], n).is_err());
@@ -275,11 +276,11 @@ fn split_over_a_list_of_devices() {
     // Devices need not share a registration (remote servers are one registration each).
     let cpu: Arc<dyn ferrograph::Device> = ferrograph::CpuDevice::shared();
     let devices = vec![cpu.clone(), Arc::new(NamedCpu("SPLITCPU9".into())) as _];
-    let split =
-        ferrograph::split::SplitBufferType::from_devices("mixed", devices, &[1.0, 1.0]).unwrap();
+    let split = ferrograph::row_split::SplitBufferType::from_devices("mixed", devices, &[1.0, 1.0])
+        .unwrap();
     assert_eq!(split.registration(), "mixed");
     assert_eq!(split.row_ranges(4), vec![0..2, 2..4]);
-    let err = ferrograph::split::SplitBufferType::from_devices("none", Vec::new(), &[]);
+    let err = ferrograph::row_split::SplitBufferType::from_devices("none", Vec::new(), &[]);
     assert!(err.unwrap_err().to_string().contains("no devices"));
     let (k, rows) = (8, 5);
     let w: Vec<f32> = (0..k * rows).map(|i| i as f32 * 0.25 - 3.0).collect();

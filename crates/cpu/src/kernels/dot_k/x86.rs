@@ -1,0 +1,508 @@
+//! AVX2 + FMA + F16C versions of the K-quant dot products.
+//!
+//! Each kernel computes the portable definition's exact integer sums of a super-block with
+//! `vpmaddubsw` (unsigned bytes × signed bytes, adjacent pairs summed to i16) and
+//! `vpmaddwd` (i16 × group scale, adjacent pairs summed to i32), reduces them to scalars,
+//! and then runs the very same f32 steps ([`super::step`], [`super::step_min`]) on them, so
+//! the results are bit-identical to the portable functions.
+//!
+//! # Why the i16 stages are exact
+//!
+//! `vpmaddubsw` saturates each pair sum `a₀·b₀ + a₁·b₁` to i16 (`a` unsigned, `b` signed);
+//! the bounds below (with `|y| ≤ 128`, any q8_K byte) keep every pair inside `±32767`:
+//!
+//! | kernel | unsigned operand `a`                | signed `b` | worst pair          |
+//! |--------|-------------------------------------|------------|---------------------|
+//! | q2_K   | 2-bit quant, `0..=3`                | `y`        | `2·3·128 = 768`     |
+//! | q3_K   | low bits `0..=3`; offset `0` or `4` | `y`        | `2·4·128 = 1024`    |
+//! | q4_K   | nibble `0..=15`                     | `y`        | `2·15·128 = 3840`   |
+//! | q5_K   | `0..=31`                            | `y`        | `2·31·128 = 7936`   |
+//! | q6_K   | `0..=63`; the offset `32`           | `y`        | `2·63·128 = 16128`  |
+//! | iq4_xs | `|y|`, `0..=128`                    | `±kvalue`  | `2·128·127 = 32512` |
+//!
+//! q3_K and q6_K subtract their offsets as a second `vpmaddubsw` of the same activations
+//! (`(ql − 4·(1 − h))·y` as `ql·y − (4·(1 − h))·y`; `(q − 32)·y` as `q·y − 32·y`); the i16
+//! difference is exact because the true pair sums `|(q − o)·y|` stay below `2·32·128 = 8192`.
+//! iq4_xs has signed table values on both sides; the sign moves onto the table value
+//! (`vpsignb(k, y)`, `|k| ≤ 127` so the negation is exact) and the magnitude of `y` becomes
+//! the unsigned operand (`vpabsb(−128)` is the byte `0x80`, read as 128 by `vpmaddubsw`).
+//! `vpmaddwd` with group scales (`|sc| ≤ 128`) then forms exact i32 pairs, and every i32
+//! partial sum is bounded by the definition's bounds (module docs of [`super`]).
+//!
+//! The group sums `bsum` of q2_K, q4_K and q5_K are widened with `vpmaddwd` against the
+//! minimums (never added as i16, which could wrap for inconsistent bsums).
+//!
+//! # Throughput
+//!
+//! A mat-vec product streams each weight row once, so the kernels aim at the memory
+//! bandwidth of one core: the weight row is prefetched [`PREFETCH_BYTES`] ahead (without
+//! it the loads of a super-block waited on memory between bursts of arithmetic, about 75% of
+//! a plain streaming read), group scales reach the lanes by one `vpshufb` each, and the
+//! per-super-block reduction to scalars is one `vphaddd` tree. Measured on one Zen 3 core of
+//! a shared 2-core VM (`bench_mat_vec_bandwidth`, 4096 × 14336 weights, GB/s of weight bytes
+//! against a plain read of the same bytes at about 7–8 GB/s): q4_K, q5_K, q6_K and iq4_xs
+//! run at 85–95% of the read, q2_K and q3_K (the densest layouts, about one instruction per
+//! weight byte) at 70–85%; from cache the kernels do 8.5 (q2_K, q3_K, iq4_xs) to 15 GB/s.
+
+use std::arch::x86_64::*;
+
+use super::{step, step_min};
+use crate::kernels::quant_dot::has_avx2_fma;
+use crate::quant::kquants::{
+    IQ4_XS_BYTES, KVALUES_IQ4NL, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+    Q8_K_BYTES,
+};
+
+/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
+pub(super) fn supported() -> bool {
+    use std::sync::OnceLock;
+    static HAS: OnceLock<bool> = OnceLock::new();
+    *HAS.get_or_init(|| has_avx2_fma() && is_x86_feature_detected!("f16c"))
+}
+
+/// The 32 bytes of `b` at `at` (checked; `at` is a constant at every call, so the check
+/// folds away).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
+    assert!(at + 32 <= N);
+    // SAFETY: the 32 bytes at `at` lie inside `b` (checked above); loadu has no alignment
+    // requirement.
+    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
+}
+
+/// The 16 bytes of `b` at `at` (checked as [`ld256`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ld128<const N: usize>(b: &[u8; N], at: usize) -> __m128i {
+    assert!(at + 16 <= N);
+    // SAFETY: the 16 bytes at `at` lie inside `b` (checked above).
+    unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) }
+}
+
+/// How far ahead of the super-block being computed the weight row is prefetched, in bytes.
+/// The hardware prefetchers alone left the kernels well below a plain streaming read when
+/// the weights come from memory: with compute between the loads, too few lines were in
+/// flight.
+const PREFETCH_BYTES: usize = 1024;
+
+/// Asks for the cache lines `PREFETCH_BYTES` past the start of `bx` (a prefetch never
+/// faults, so addresses past the end of the row are harmless).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn prefetch_ahead<const N: usize>(bx: &[u8; N]) {
+    let p = bx.as_ptr().wrapping_add(PREFETCH_BYTES);
+    let mut off = 0;
+    while off < N {
+        // A hint only: the pointer is computed with wrapping arithmetic and never read through.
+        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
+        off += 64;
+    }
+}
+
+/// The little-endian u32 at byte `at` of `b`.
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The q8_K scale of a super-block.
+#[inline(always)]
+fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
+    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
+}
+
+/// Two adjacent f16 values (the low and high halves of `bits`) as f32, exactly.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_pair(bits: u32) -> (f32, f32) {
+    let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
+    (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
+}
+
+/// One f16 value as f32, exactly.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn f16_one(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
+/// The sum of the 8 i32 lanes (wrapping adds; exact because the kernels' sums are bounded).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// The lane sums of `a` and of `b`, reduced together.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum2(a: __m256i, b: __m256i) -> (i32, i32) {
+    // [a01 a23 b01 b23 | a45 a67 b45 b67]
+    let t = _mm256_hadd_epi32(a, b);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256::<1>(t));
+    let s = _mm_hadd_epi32(s, s);
+    (_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s))
+}
+
+/// `vpshufb` patterns that broadcast i16 word `2t` of a 128-bit lane to the low lane and
+/// word `2t + 1` to the high lane: the scales of the two 16-value groups covered by 32
+/// consecutive values (the low 128 bits of a `vpmaddubsw` result hold the first 16 values).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn pair_patterns() -> [__m256i; 4] {
+    std::array::from_fn(|t| {
+        let word = |k: usize| ((2 * k) | ((2 * k + 1) << 8)) as i16;
+        _mm256_setr_m128i(_mm_set1_epi16(word(2 * t)), _mm_set1_epi16(word(2 * t + 1)))
+    })
+}
+
+/// 16 i16 group scales (groups `0..16`) split into the two halves of a super-block, each
+/// broadcast to both 128-bit lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn halves(sc16: __m256i) -> [__m256i; 2] {
+    [
+        _mm256_permute4x64_epi64::<0x44>(sc16),
+        _mm256_permute4x64_epi64::<0xEE>(sc16),
+    ]
+}
+
+/// q2_K · q8_K ([`super::dot_q2_k`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q2_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q2_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let m3 = _mm256_set1_epi8(3);
+    let low = _mm_set1_epi8(0x0F);
+    let pairs = pair_patterns();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
+        let s = ld128(bx, 0);
+        let sc = halves(_mm256_cvtepu8_epi16(_mm_and_si128(s, low)));
+        let m16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16::<4>(s), low));
+        // m_g · bsum_g, widened to i32 by the multiply-add.
+        let mins = _mm256_madd_epi16(m16, ld256(by, 260));
+        let mut sumi = _mm256_setzero_si256();
+        for (h, sc_h) in sc.iter().enumerate() {
+            let mut qv = ld256(bx, 16 + 32 * h);
+            for (t, pattern) in pairs.iter().enumerate() {
+                let q = _mm256_and_si256(qv, m3);
+                qv = _mm256_srli_epi16::<2>(qv);
+                let p = _mm256_maddubs_epi16(q, ld256(by, 4 + 128 * h + 32 * t));
+                let s = _mm256_shuffle_epi8(*sc_h, *pattern);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+            }
+        }
+        let (isum, msum) = hsum2(sumi, mins);
+        let (d, dmin) = f16_pair(u32_at(bx, 80));
+        acc = step_min(acc, d, dmin, q8_d(by), isum, msum);
+    }
+    acc
+}
+
+/// q3_K · q8_K ([`super::dot_q3_k`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q3_k(x: &[u8], y: &[u8]) -> f32 {
+    const K1: u32 = 0x0303_0303;
+    const K2: u32 = 0x0f0f_0f0f;
+    let (xb, _) = x.as_chunks::<Q3_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let m3 = _mm256_set1_epi8(3);
+    let four = _mm256_set1_epi8(4);
+    let ones = _mm256_set1_epi8(-1);
+    let pairs = pair_patterns();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
+        // The 16 six-bit scales: bytes g of s0..s3 are groups g, 4 + g, 8 + g, 12 + g.
+        let (a0, a1, t) = (u32_at(bx, 96), u32_at(bx, 100), u32_at(bx, 104));
+        let s0 = (a0 & K2) | ((t & K1) << 4);
+        let s1 = (a1 & K2) | (((t >> 2) & K1) << 4);
+        let s2 = ((a0 >> 4) & K2) | (((t >> 4) & K1) << 4);
+        let s3 = ((a1 >> 4) & K2) | (((t >> 6) & K1) << 4);
+        let sc8 = _mm_sub_epi8(
+            _mm_setr_epi32(s0 as i32, s1 as i32, s2 as i32, s3 as i32),
+            _mm_set1_epi8(32),
+        );
+        let sc = halves(_mm256_cvtepi8_epi16(sc8));
+        // Inverted high bits: after k right shifts, bit 0 of each byte is "bit k clear".
+        let mut nh = _mm256_xor_si256(ld256(bx, 0), ones);
+        let mut sumi = _mm256_setzero_si256();
+        for (h, sc_h) in sc.iter().enumerate() {
+            let mut qv = ld256(bx, 32 + 32 * h);
+            for (t, pattern) in pairs.iter().enumerate() {
+                let ql = _mm256_and_si256(qv, m3);
+                qv = _mm256_srli_epi16::<2>(qv);
+                let offset = _mm256_and_si256(_mm256_slli_epi16::<2>(nh), four);
+                nh = _mm256_srli_epi16::<1>(nh);
+                let yv = ld256(by, 4 + 128 * h + 32 * t);
+                let p = _mm256_sub_epi16(
+                    _mm256_maddubs_epi16(ql, yv),
+                    _mm256_maddubs_epi16(offset, yv),
+                );
+                let s = _mm256_shuffle_epi8(*sc_h, *pattern);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+            }
+        }
+        let d = f16_one(u16::from_le_bytes([bx[108], bx[109]]));
+        acc = step(acc, d, q8_d(by), hsum(sumi));
+    }
+    acc
+}
+
+/// The 8 scales and 8 minimums of a q4_K / q5_K super-block (scale bytes at 4..16) as
+/// `(the 8 scale bytes in both 128-bit lanes, minimums as i16 each repeated twice)`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn k4_scales(bx: &[u8]) -> (__m256i, __m256i) {
+    let (a, b, c) = (u32_at(bx, 4), u32_at(bx, 8), u32_at(bx, 12));
+    let sc_lo = a & 0x3f3f_3f3f;
+    let m_lo = b & 0x3f3f_3f3f;
+    let sc_hi = (c & 0x0f0f_0f0f) | ((a >> 2) & 0x3030_3030);
+    let m_hi = ((c >> 4) & 0x0f0f_0f0f) | ((b >> 2) & 0x3030_3030);
+    let sc8 = _mm256_set1_epi64x((u64::from(sc_hi) << 32 | u64::from(sc_lo)) as i64);
+    let m16 = _mm_cvtepu8_epi16(_mm_setr_epi32(m_lo as i32, m_hi as i32, 0, 0));
+    let mdup = _mm256_setr_m128i(_mm_unpacklo_epi16(m16, m16), _mm_unpackhi_epi16(m16, m16));
+    (sc8, mdup)
+}
+
+/// `vpshufb` patterns that turn 8 bytes (in both 128-bit lanes) into 16 copies of byte `k`
+/// zero-extended to i16 (one shuffle per group scale, where a broadcast of an i16 word would
+/// cost two).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn byte_word_patterns() -> [__m256i; 8] {
+    std::array::from_fn(|k| _mm256_set1_epi16((k as i16) | (0x80 << 8)))
+}
+
+/// q4_K · q8_K ([`super::dot_q4_k`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q4_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q4_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let low = _mm256_set1_epi8(0x0F);
+    let words = byte_word_patterns();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
+        let (scales, mdup) = k4_scales(bx);
+        // m_g · (bsum_2g + bsum_2g+1), widened to i32 by the multiply-add.
+        let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..4 {
+            let q = ld256(bx, 16 + 32 * j);
+            let lo = _mm256_and_si256(q, low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), low);
+            let p0 = _mm256_maddubs_epi16(lo, ld256(by, 4 + 64 * j));
+            let p1 = _mm256_maddubs_epi16(hi, ld256(by, 36 + 64 * j));
+            let s0 = _mm256_shuffle_epi8(scales, words[2 * j]);
+            let s1 = _mm256_shuffle_epi8(scales, words[2 * j + 1]);
+            sumi = _mm256_add_epi32(
+                sumi,
+                _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)),
+            );
+        }
+        let (isum, msum) = hsum2(sumi, mins);
+        let (d, dmin) = f16_pair(u32_at(bx, 0));
+        acc = step_min(acc, d, dmin, q8_d(by), isum, msum);
+    }
+    acc
+}
+
+/// q5_K · q8_K ([`super::dot_q5_k`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q5_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q5_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let low = _mm256_set1_epi8(0x0F);
+    let bit4 = _mm256_set1_epi8(0x10);
+    let words = byte_word_patterns();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
+        let (scales, mdup) = k4_scales(bx);
+        let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
+        // After j right shifts by 2, bits 0 and 1 of each byte are the high bits of chunk j.
+        let mut hb = ld256(bx, 16);
+        let mut sumi = _mm256_setzero_si256();
+        for j in 0..4 {
+            let q = ld256(bx, 48 + 32 * j);
+            let lo = _mm256_or_si256(
+                _mm256_and_si256(q, low),
+                _mm256_and_si256(_mm256_slli_epi16::<4>(hb), bit4),
+            );
+            let hi = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srli_epi16::<4>(q), low),
+                _mm256_and_si256(_mm256_slli_epi16::<3>(hb), bit4),
+            );
+            hb = _mm256_srli_epi16::<2>(hb);
+            let p0 = _mm256_maddubs_epi16(lo, ld256(by, 4 + 64 * j));
+            let p1 = _mm256_maddubs_epi16(hi, ld256(by, 36 + 64 * j));
+            let s0 = _mm256_shuffle_epi8(scales, words[2 * j]);
+            let s1 = _mm256_shuffle_epi8(scales, words[2 * j + 1]);
+            sumi = _mm256_add_epi32(
+                sumi,
+                _mm256_add_epi32(_mm256_madd_epi16(p0, s0), _mm256_madd_epi16(p1, s1)),
+            );
+        }
+        let (isum, msum) = hsum2(sumi, mins);
+        let (d, dmin) = f16_pair(u32_at(bx, 0));
+        acc = step_min(acc, d, dmin, q8_d(by), isum, msum);
+    }
+    acc
+}
+
+/// q6_K · q8_K ([`super::dot_q6_k`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q6_k(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q6_K_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let low = _mm256_set1_epi8(0x0F);
+    let top = _mm256_set1_epi8(0x30);
+    let m32 = _mm256_set1_epi8(32);
+    let pairs = pair_patterns();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
+        let sc = halves(_mm256_cvtepi8_epi16(ld128(bx, 192)));
+        let mut sumi = _mm256_setzero_si256();
+        for (h, sc_h) in sc.iter().enumerate() {
+            let ql0 = ld256(bx, 64 * h);
+            let ql1 = ld256(bx, 64 * h + 32);
+            let qh = ld256(bx, 128 + 32 * h);
+            // The four runs of 32 values of this half, as 6-bit numbers (0..=63).
+            let q = [
+                _mm256_or_si256(
+                    _mm256_and_si256(ql0, low),
+                    _mm256_and_si256(_mm256_slli_epi16::<4>(qh), top),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(ql1, low),
+                    _mm256_and_si256(_mm256_slli_epi16::<2>(qh), top),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low),
+                    _mm256_and_si256(qh, top),
+                ),
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low),
+                    _mm256_and_si256(_mm256_srli_epi16::<2>(qh), top),
+                ),
+            ];
+            for (t, (qt, pattern)) in q.iter().zip(&pairs).enumerate() {
+                let yv = ld256(by, 4 + 128 * h + 32 * t);
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(*qt, yv), _mm256_maddubs_epi16(m32, yv));
+                let s = _mm256_shuffle_epi8(*sc_h, *pattern);
+                sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
+            }
+        }
+        let d = f16_one(u16::from_le_bytes([bx[208], bx[209]]));
+        acc = step(acc, d, q8_d(by), hsum(sumi));
+    }
+    acc
+}
+
+/// Eight unsigned 6-bit scale bytes (in `v`) minus 32, as i16 words.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq4_scale_words(v: u64) -> __m128i {
+    _mm_cvtepi8_epi16(_mm_sub_epi8(_mm_cvtsi64_si128(v as i64), _mm_set1_epi8(32)))
+}
+
+/// iq4_xs · q8_K ([`super::dot_iq4_xs`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn iq4_xs(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<IQ4_XS_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let low = _mm256_set1_epi8(0x0F);
+    let table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
+        KVALUES_IQ4NL[0],
+        KVALUES_IQ4NL[1],
+        KVALUES_IQ4NL[2],
+        KVALUES_IQ4NL[3],
+        KVALUES_IQ4NL[4],
+        KVALUES_IQ4NL[5],
+        KVALUES_IQ4NL[6],
+        KVALUES_IQ4NL[7],
+        KVALUES_IQ4NL[8],
+        KVALUES_IQ4NL[9],
+        KVALUES_IQ4NL[10],
+        KVALUES_IQ4NL[11],
+        KVALUES_IQ4NL[12],
+        KVALUES_IQ4NL[13],
+        KVALUES_IQ4NL[14],
+        KVALUES_IQ4NL[15],
+    ));
+    let pairs: [__m256i; 4] = std::array::from_fn(|j| {
+        let word = |k: usize| ((2 * k) | ((2 * k + 1) << 8)) as i16;
+        _mm256_setr_m128i(
+            _mm_set1_epi16(word(2 * j)),
+            _mm_set1_epi16(word((2 * j + 7) % 8)),
+        )
+    });
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx);
+        // Spread the 8 low nibbles and the 8 two-bit high parts of the scales into bytes.
+        let mut lo = u64::from(u32_at(bx, 4));
+        lo = (lo | (lo << 16)) & 0x0000_FFFF_0000_FFFF;
+        lo = (lo | (lo << 8)) & 0x00FF_00FF_00FF_00FF;
+        lo = (lo | (lo << 4)) & 0x0F0F_0F0F_0F0F_0F0F;
+        let mut hi = u64::from(u16::from_le_bytes([bx[2], bx[3]]));
+        hi = (hi | (hi << 24)) & 0x0000_00FF_0000_00FF;
+        hi = (hi | (hi << 12)) & 0x000F_000F_000F_000F;
+        hi = (hi | (hi << 6)) & 0x0303_0303_0303_0303;
+        // The 8 scales minus 32 as i16 words: the low lane in order, the high lane rotated
+        // by two words (word w is scale (w + 2) % 8), so that one `vpshufb` per pair of groups
+        // picks scale 2j in the low lane and 2j + 1 in the high lane (with the same order in
+        // both lanes, the compiler turns the byte shuffle into two slower word shuffles).
+        let u = lo | (hi << 4);
+        let scales = _mm256_setr_m128i(iq4_scale_words(u), iq4_scale_words(u.rotate_right(16)));
+        let mut sumi = _mm256_setzero_si256();
+        for (j, pattern) in pairs.iter().enumerate() {
+            // Groups 2j and 2j + 1, 16 bytes each: low nibbles are their values 0..16, high
+            // nibbles their values 16..32. The activations are regrouped to match, so each
+            // product vector holds group 2j in its low lane and group 2j + 1 in its high lane.
+            let q = ld256(bx, 8 + 32 * j);
+            let klo = _mm256_shuffle_epi8(table, _mm256_and_si256(q, low));
+            let khi = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16::<4>(q), low));
+            let (ya, yb) = (ld256(by, 4 + 64 * j), ld256(by, 36 + 64 * j));
+            let ylo = _mm256_permute2x128_si256::<0x20>(ya, yb);
+            let yhi = _mm256_permute2x128_si256::<0x31>(ya, yb);
+            let plo = _mm256_maddubs_epi16(_mm256_abs_epi8(ylo), _mm256_sign_epi8(klo, ylo));
+            let phi = _mm256_maddubs_epi16(_mm256_abs_epi8(yhi), _mm256_sign_epi8(khi, yhi));
+            let s = _mm256_shuffle_epi8(scales, *pattern);
+            sumi = _mm256_add_epi32(
+                sumi,
+                _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)),
+            );
+        }
+        let d = f16_one(u16::from_le_bytes([bx[0], bx[1]]));
+        acc = step(acc, d, q8_d(by), hsum(sumi));
+    }
+    acc
+}

@@ -1,0 +1,246 @@
+//! The CPU's repacking buffer type (ggml's "extra" buffer types): host memory in which weight
+//! matrices the CPU has a faster kernel for are stored in that kernel's layout.
+//!
+//! A tensor bound in a [`RepackBufferType`] buffer whose rows can be interleaved
+//! ([`interleaved::supported`]: q4_1 rows of whole blocks, a plain 2-D matrix) is laid out as
+//! [`interleaved`] describes from the moment it is bound; every other tensor is stored plainly.
+//! The layout is a permutation of whole block fields, so writes and reads of any byte range
+//! go through the mapping and return exactly the plain bytes: a weight can be set piece by
+//! piece, read back, copied to another device, and nothing can go stale. The memory has no
+//! host pointer for others to use ([`BufferType::is_host`] is false), so only the CPU backend,
+//! which knows the layout ([`stored_view`]), reads it directly: its matrix product uses the
+//! interleaved kernel, and any other op gets a plain copy of the operand.
+//!
+//! The CPU device offers the type as its extra buffer type (`dev_get_extra_bufts`); the GGUF
+//! loader places a language model's matrices in it when asked.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, OnceLock, RwLock};
+
+use crate::buffer::{Buffer, BufferMemory, BufferType, HostMemory, HOST_ALIGNMENT};
+use crate::device::Device;
+use crate::error::{Error, Result};
+use crate::kernels::interleaved::Layout;
+use crate::tensor::Tensor;
+
+/// The name of the repacking buffer type.
+pub const NAME: &str = "CPU_REPACK";
+
+/// The buffer type whose buffers store interleavable weights interleaved (see the module doc).
+#[derive(Debug, Default)]
+pub struct RepackBufferType;
+
+impl RepackBufferType {
+    /// The shared instance.
+    pub fn shared() -> Arc<dyn BufferType> {
+        static INSTANCE: OnceLock<Arc<RepackBufferType>> = OnceLock::new();
+        INSTANCE.get_or_init(|| Arc::new(RepackBufferType)).clone()
+    }
+}
+
+impl BufferType for RepackBufferType {
+    fn name(&self) -> &str {
+        NAME
+    }
+
+    fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer> {
+        let memory = RepackMemory {
+            host: HostMemory::new(size, HOST_ALIGNMENT)?,
+            layouts: RwLock::new(Vec::new()),
+        };
+        Ok(Buffer::new(Box::new(memory), self))
+    }
+
+    fn alignment(&self) -> usize {
+        HOST_ALIGNMENT
+    }
+
+    fn is_host(&self) -> bool {
+        false
+    }
+
+    fn device(&self) -> Option<Arc<dyn Device>> {
+        Some(crate::backend::CpuDevice::shared())
+    }
+}
+
+/// Whether `buffer_type` is the repacking type.
+pub fn is_repack(buffer_type: &dyn BufferType) -> bool {
+    buffer_type.name() == NAME && !buffer_type.is_host()
+}
+
+/// The layout `tensor` would get in a repacking buffer, if it is interleaved there: a whole,
+/// contiguous 2-D matrix (not a view) of an interleavable type with at least one group.
+pub fn layout_for(tensor: &Tensor) -> Option<Layout> {
+    let ne = tensor.ne();
+    if tensor.view_src().is_some() || !tensor.is_contiguous() || ne[2] != 1 || ne[3] != 1 {
+        return None;
+    }
+    Layout::new(tensor.dtype(), ne[0], ne[1]).filter(|l| l.grouped_rows() > 0)
+}
+
+/// The memory of a repacking buffer: host bytes plus the interleaved tensors' places.
+struct RepackMemory {
+    host: HostMemory,
+    /// `(offset, layout)` of each interleaved tensor, sorted by offset, not overlapping.
+    layouts: RwLock<Vec<(usize, Layout)>>,
+}
+
+impl RepackMemory {
+    fn layouts(&self) -> std::sync::RwLockReadGuard<'_, Vec<(usize, Layout)>> {
+        self.layouts.read().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Calls `f(offset, len, Some((tensor offset, layout)))` for each piece of
+    /// `offset..offset + len` inside an interleaved tensor and `f(offset, len, None)` for each
+    /// plain piece, in order.
+    fn for_pieces(
+        &self,
+        offset: usize,
+        len: usize,
+        mut f: impl FnMut(usize, usize, Option<(usize, &Layout)>),
+    ) {
+        let layouts = self.layouts();
+        let end = offset + len;
+        let mut at = offset;
+        for (start, layout) in layouts.iter() {
+            let stop = start + layout.bytes();
+            if stop <= at {
+                continue;
+            }
+            if *start >= end {
+                break;
+            }
+            if *start > at {
+                f(at, start - at, None);
+                at = *start;
+            }
+            let piece_end = stop.min(end);
+            f(at, piece_end - at, Some((*start, layout)));
+            at = piece_end;
+        }
+        if at < end {
+            f(at, end - at, None);
+        }
+    }
+
+    /// The `len` bytes at `offset` of the memory.
+    ///
+    /// # Safety
+    /// `offset + len` must not exceed the size, and no other thread may touch these bytes
+    /// while the slice lives (the host-buffer contract: graph order decides who touches what).
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn region(&self, offset: usize, len: usize) -> &mut [u8] {
+        match self.host.host_ptr() {
+            // SAFETY: the host memory owns `size` bytes at `ptr` for its whole life; the range
+            // lies inside them and is the caller's alone for the slice's life.
+            Some(ptr) => unsafe { std::slice::from_raw_parts_mut(ptr.as_ptr().add(offset), len) },
+            None => &mut [],
+        }
+    }
+}
+
+impl BufferMemory for RepackMemory {
+    fn size(&self) -> usize {
+        self.host.size()
+    }
+
+    fn host_ptr(&self) -> Option<NonNull<u8>> {
+        None
+    }
+
+    fn write(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.for_pieces(offset, data.len(), |at, n, tensor| {
+            let src = &data[at - offset..at - offset + n];
+            match tensor {
+                Some((start, layout)) => {
+                    // SAFETY: the interleaved tensor lies inside the memory (it was bound
+                    // there); writers of a buffer's bytes are ordered by the caller.
+                    let stored = unsafe { self.region(start, layout.bytes()) };
+                    crate::kernels::interleaved::copy_in(layout, stored, at - start, src);
+                }
+                // SAFETY: `Buffer` checked the range; as above.
+                None => unsafe { self.region(at, n) }.copy_from_slice(src),
+            }
+        });
+        Ok(())
+    }
+
+    fn read(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.for_pieces(offset, out.len(), |at, n, tensor| {
+            let dst = &mut out[at - offset..at - offset + n];
+            match tensor {
+                Some((start, layout)) => {
+                    // SAFETY: as in `write`; the bytes are only read.
+                    let stored = unsafe { self.region(start, layout.bytes()) };
+                    crate::kernels::interleaved::copy_out(layout, stored, at - start, dst);
+                }
+                // SAFETY: as in `write`; the bytes are only read.
+                None => dst.copy_from_slice(unsafe { self.region(at, n) }),
+            }
+        });
+        Ok(())
+    }
+
+    fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
+        // A permutation of equal bytes is the same bytes: fill in place.
+        self.host.fill(offset, len, value)
+    }
+
+    fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
+        let end = offset
+            .checked_add(tensor.nbytes())
+            .ok_or_else(|| Error::OutOfBounds("tensor range overflows".into()))?;
+        let mut layouts = self.layouts.write().unwrap_or_else(|p| p.into_inner());
+        // The range's old tenants are gone; its bytes now follow the new tensor's layout.
+        layouts.retain(|(start, l)| start + l.bytes() <= offset || *start >= end);
+        if tensor.view_src().is_none() {
+            if let Some(layout) = layout_for(tensor) {
+                let at = layouts.partition_point(|(start, _)| *start < offset);
+                layouts.insert(at, (offset, layout));
+            }
+        }
+        Ok(())
+    }
+
+    fn as_any(&self) -> Option<&dyn std::any::Any> {
+        Some(self)
+    }
+}
+
+/// How the CPU backend sees a tensor stored in a repacking buffer.
+pub enum StoredView {
+    /// Stored plainly at this host address.
+    Plain(*mut u8),
+    /// The whole interleaved matrix at this host address.
+    Interleaved(*mut u8, Layout),
+    /// Part of an interleaved matrix (a view): readable only through a plain copy.
+    Mapped,
+}
+
+/// Where and how `tensor` is stored, if its memory is a repacking buffer's (`None` for any
+/// other memory).
+pub fn stored_view(tensor: &Tensor) -> Option<StoredView> {
+    let storage = tensor.storage().ok()?;
+    let offset = storage.offset;
+    let memory = storage
+        .buffer
+        .memory()
+        .as_any()?
+        .downcast_ref::<RepackMemory>()?;
+    let base = memory.host.host_ptr()?.as_ptr();
+    let end = offset + tensor.nbytes();
+    let layouts = memory.layouts();
+    let covering = layouts
+        .iter()
+        .find(|(start, l)| *start < end.max(offset + 1) && offset < start + l.bytes());
+    // SAFETY: `offset + nbytes` lies inside the buffer (checked when the tensor was bound).
+    let at = unsafe { base.add(offset) };
+    Some(match covering {
+        None => StoredView::Plain(at),
+        Some((start, layout)) if *start == offset && Some(*layout) == layout_for(tensor) => {
+            StoredView::Interleaved(at, *layout)
+        }
+        Some(_) => StoredView::Mapped,
+    })
+}

@@ -1,0 +1,65 @@
+//! PyO3 bindings: the native module `ferrograph._core`.
+//!
+//! The Python package `python/ferrograph/` wraps this module; users import `ferrograph`, not
+//! `_core`. Each concept has its own file: errors, dtypes, conversions, tensors, contexts,
+//! graphs, op builders, logging and system information.
+//!
+//! No Rust panic crosses into Python: the places where kernels or user callbacks run go
+//! through [`errors::guard`], which turns a panic into `ferrograph.Error`.
+
+use pyo3::prelude::*;
+
+mod alloc;
+mod backend;
+mod context;
+mod convert;
+mod dtype;
+mod dynload;
+mod errors;
+mod gguf;
+mod graph;
+mod lock;
+mod log;
+mod ops;
+mod plugin;
+mod profile;
+mod raised;
+mod remote;
+mod sched;
+mod split;
+mod system;
+mod tensor;
+mod tensor_raw;
+mod utils;
+
+/// The native module `ferrograph._core`.
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add("__version__", ferrograph::VERSION)?;
+    ferrograph_base::error::python::set_converter(errors::convert_error);
+    errors::register(m)?;
+    dtype::register(m)?;
+    convert::register(m)?;
+    system::register(m)?;
+    m.add_class::<tensor::PyTensor>()?;
+    m.add_class::<context::PyContext>()?;
+    m.add_class::<graph::PyGraph>()?;
+    backend::register(m)?;
+    tensor_raw::register(m)?;
+    alloc::register(m)?;
+    plugin::register(m)?;
+    dynload::register(m)?;
+    sched::register(m)?;
+    profile::register(m)?;
+    remote::register(m)?;
+    split::register(m)?;
+    gguf::register(m)?;
+    utils::register(m)?;
+    let ops_module = PyModule::new(py, "ops")?;
+    ops::register(&ops_module)?;
+    m.add_submodule(&ops_module)?;
+    log::register(m)?;
+    log::install();
+    Ok(())
+}
