@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes tests/data/kquant_blocks.bin, the reference data of the K-quant codec tests
-(src/quant/kquants/tests.rs), and, given ggml's shared library, also
+(crates/base/src/quant/kquants/tests.rs), and, given ggml's shared library, also
 tests/data/kquant_ggml_quantized.bin.
 
 Needs numpy and the `gguf` package (gguf-py). Run from the repository root:

@@ -219,7 +219,7 @@ fn load_use_unload_and_discover_the_blas_library() {
     let seen = take_records();
     assert!(
         seen.iter()
-            .any(|(_, target, msg)| target == "ferrograph::dynload::__export"
+            .any(|(_, target, msg)| target == "ferrograph_backends::dynload::__export"
                 && msg.contains("created registration BLAS")),
         "no forwarded record from the library in {seen:?}"
     );

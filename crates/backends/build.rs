@@ -4,7 +4,7 @@
 //!
 //! A backend library hands the loader Rust trait objects and receives Rust structures, whose
 //! layout is only the same for the same crate sources built by the same compiler for the
-//! same target. Both sides embed these values (see `src/dynload.rs`), and the loader refuses
+//! same target. Both sides embed these values (see `crates/backends/src/dynload.rs`), and the loader refuses
 //! a library whose values differ, e.g. one built before the sources last changed.
 
 use std::env;

@@ -1,5 +1,5 @@
 """Type stubs for the native module ``ferrograph._core`` (written by hand; keep in sync with
-``src/python/``)."""
+``crates/python/src/``)."""
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence

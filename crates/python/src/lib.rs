@@ -26,7 +26,7 @@ mod profile;
 mod raised;
 mod remote;
 mod sched;
-mod split;
+mod row_split;
 mod system;
 mod tensor;
 mod tensor_raw;
@@ -53,7 +53,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     sched::register(m)?;
     profile::register(m)?;
     remote::register(m)?;
-    split::register(m)?;
+    row_split::register(m)?;
     gguf::register(m)?;
     utils::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;

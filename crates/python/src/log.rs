@@ -61,8 +61,19 @@ thread_local! {
 }
 
 /// The Python logger name for a Rust log target.
+///
+/// The workspace's crates log under their own names (`ferrograph_base::sched`,
+/// `ferrograph_cpu::compute`); Python sees the public module paths (`ferrograph.sched`,
+/// `ferrograph.cpu.compute`), as `ferrograph::` re-exports them.
 pub(crate) fn logger_name(target: &str) -> String {
-    let dotted = target.replace("::", ".");
+    let public = [
+        ("ferrograph_base::", "ferrograph::"),
+        ("ferrograph_cpu::", "ferrograph::cpu::"),
+        ("ferrograph_backends::", "ferrograph::"),
+    ]
+    .iter()
+    .find_map(|(krate, path)| target.strip_prefix(krate).map(|rest| format!("{path}{rest}")));
+    let dotted = public.as_deref().unwrap_or(target).replace("::", ".");
     if dotted == "ferrograph" || dotted.starts_with("ferrograph.") {
         dotted
     } else {

@@ -1,4 +1,4 @@
-//! Python bindings of the split buffer type (`src/split.rs`): a buffer type whose tensors'
+//! Python bindings of the split buffer type (`crates/backends/src/row_split.rs`): a buffer type whose tensors'
 //! rows are spread over several devices, its device and backend (through the inherited
 //! `BufferType.device`), and the stand-alone row-split product of `SplitWeight`.
 
