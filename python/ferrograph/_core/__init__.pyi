@@ -465,6 +465,36 @@ def remote_connect(
     request_timeout: float = 600.0,
     direct_copies: bool = True,
 ) -> list[Device]: ...
+def remote_open(
+    endpoint: str,
+    token: str | None = None,
+    *,
+    connect_timeout: float = 5.0,
+    heartbeat: float = 0.5,
+    dead_after: float = 3.0,
+    request_timeout: float = 600.0,
+    direct_copies: bool = True,
+) -> RemoteConnection: ...
+
+@final
+class RemoteConnection:
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def devices(self) -> list[Device]: ...
+    @property
+    def lost(self) -> str | None: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> RemoteConnection: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> bool: ...
 
 @final
 class RemoteServer:
