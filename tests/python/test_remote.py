@@ -285,6 +285,33 @@ def test_minilm_layers_split_over_two_servers_equal_local(
 
 
 @needs_minilm
+def test_place_layers_is_a_method_of_the_encoder(
+    servers: list[fg.remote.ServerProcess],
+) -> None:
+    from ferrograph.models import minilm
+
+    sentences = ["A cat sits on the mat.", "Il pleut depuis ce matin."]
+    model = minilm.MiniLM(n_threads=1, weights_dtype="f16")
+    assert model.backends == [model.backend] and model.layer_homes == [0] * 6
+    assert model.placed_weights == []
+    local = model.encode(sentences)
+    with pytest.raises(fg.InvalidArgumentError, match="at least one device"):
+        model.place_layers([])
+    devices = [fg.remote.connect(s.address, token=TOKEN)[0] for s in servers]
+    homes = model.place_layers(devices)
+    assert homes == model.layer_homes == [1, 1, 1, 2, 2, 2]
+    assert len(model.backends) == 3 and model.backends[0] is model.backend
+    assert [b.name for b in model.backends[1:]] == [d.name for d in devices]
+    assert len(model.placed_weights) == 2
+    np.testing.assert_allclose(model.encode(sentences), local, atol=1e-5)
+    assert {d.name for d in devices} <= {s["backend"] for s in model.split_plan.splits}
+    # the function form documented in the README calls the method
+    other = minilm.MiniLM(n_threads=1, weights_dtype="f16")
+    assert fg.distributed.place_layers(other, devices[:1]) == [1] * 6 == other.layer_homes
+    np.testing.assert_allclose(other.encode(sentences), local, atol=1e-5)
+
+
+@needs_minilm
 def test_embed_cli_with_remote_prints_the_local_similarities(
     servers: list[fg.remote.ServerProcess],
 ) -> None:
