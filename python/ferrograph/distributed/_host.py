@@ -22,9 +22,8 @@ class ServerHost:
 
     A keeper thread starts the server (:func:`ferrograph._server_process.start_server`: it
     reads the ``host:port`` the server prints first, then drains its output into the actor's
-    log); when the server exits without :meth:`stop` having been
-    called, the keeper ends the actor's process, so Ray sees the actor die (and restarts it
-    when ``max_restarts`` allows).
+    log); when the server exits without :meth:`stop` having been called, the keeper ends the
+    actor's process, so Ray sees the actor die (and restarts it when ``max_restarts`` allows).
     """
 
     def __init__(
@@ -81,6 +80,9 @@ class ServerHost:
         proc = started.process
         self._proc = proc
         self.pid = proc.pid
+        if self._stopping.is_set():  # __init__ gave up waiting and stopped before it started
+            self.stop()
+            return
         bound, _, port = started.address.rpartition(":")
         # a server bound to every interface is reached at its node's address
         wildcard = bound in ("0.0.0.0", "[::]", "::")
