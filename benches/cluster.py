@@ -187,7 +187,6 @@ def bench_weights_upload(n_servers: int, repeat: int) -> None:
     client uploads every weight over TCP, vs ``Cluster.preload_weights`` through the object
     store first (the client's writes of 1 MiB or more then send only their hashes)."""
     import ferrograph as fg
-    from ferrograph.distributed import place_layers
     from ferrograph.models import MiniLM
 
     times: dict[str, list[float]] = {"tcp": [], "object store": []}
@@ -199,7 +198,7 @@ def bench_weights_upload(n_servers: int, repeat: int) -> None:
                 start = time.perf_counter()
                 if way == "object store":
                     cluster.preload_weights(model)
-                place_layers(model, servers)
+                model.place_layers(servers)
                 times[way].append(time.perf_counter() - start)
                 del model, servers
     tcp, store = min(times["tcp"]), min(times["object store"])

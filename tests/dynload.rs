@@ -218,9 +218,10 @@ fn load_use_unload_and_discover_the_blas_library() {
     // The library's own log records reach this process's logger.
     let seen = take_records();
     assert!(
-        seen.iter()
-            .any(|(_, target, msg)| target == "ferrograph_backends::dynload::__export"
-                && msg.contains("created registration BLAS")),
+        seen.iter().any(
+            |(_, target, msg)| target == "ferrograph_backends::dynload::__export"
+                && msg.contains("created registration BLAS")
+        ),
         "no forwarded record from the library in {seen:?}"
     );
 

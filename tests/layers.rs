@@ -64,7 +64,10 @@ const CRATE_DEPS: &[(&str, &[&str])] = &[
     ("crates/base", &[]),
     ("crates/cpu", &["ferrograph-base"]),
     ("crates/backends", &["ferrograph-base", "ferrograph-cpu"]),
-    (".", &["ferrograph-base", "ferrograph-cpu", "ferrograph-backends"]),
+    (
+        ".",
+        &["ferrograph-base", "ferrograph-cpu", "ferrograph-backends"],
+    ),
     ("crates/python", &["ferrograph", "ferrograph-base"]),
 ];
 
@@ -223,5 +226,8 @@ fn the_reference_reader_sees_paths_and_groups() {
         referenced(code, "crate::"),
         ["tensor", "dtype", "ops", "buffer"]
     );
-    assert_eq!(code_of("a // crate::x\n#[cfg(test)]\nmod t { crate::y }"), "a ");
+    assert_eq!(
+        code_of("a // crate::x\n#[cfg(test)]\nmod t { crate::y }"),
+        "a "
+    );
 }

@@ -265,9 +265,7 @@ def embed(args: argparse.Namespace, devices: list[Any] | None = None) -> int:
         if args.model is not None:
             model = models.SentenceEncoder(args.model, max_seq_length=args.max_length, **options)
             if devices:
-                from .distributed import place_layers
-
-                place_layers(model, devices)
+                model.place_layers(devices)
         else:
             if devices is not None:
                 options["devices"] = devices

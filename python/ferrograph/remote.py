@@ -8,24 +8,36 @@ it keys a Noise handshake (mutual authentication, then encrypted traffic) and ne
 server that dies or hangs makes calls on its devices raise :class:`ferrograph.DeviceLostError`
 within a few seconds.
 
+:func:`connect` returns the devices alone (the connection closes when the last of them, their
+buffers and backends is gone); :func:`open_connection` returns a :class:`RemoteConnection`
+handle with the same devices and a :meth:`RemoteConnection.close` that ends the connection at
+once, whoever still holds its devices.
+
 >>> import ferrograph as fg
 >>> with fg.remote.spawn_server(token="s3cret") as server:   # doctest: +SKIP
 ...     devices = fg.remote.connect(server.address, token="s3cret")
+...     with fg.remote.open_connection(server.address, token="s3cret") as conn:
+...         backend = conn.devices[0].init_backend()
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
-import threading
 from types import TracebackType
-from typing import IO
 
-from ._core import Device, RemoteServer, remote_connect
+from ._core import Device, RemoteConnection, RemoteServer, remote_connect, remote_open
+from ._server_process import start_server
 
-__all__ = ["RemoteServer", "ServerProcess", "connect", "spawn_server"]
+__all__ = [
+    "RemoteConnection",
+    "RemoteServer",
+    "ServerProcess",
+    "connect",
+    "open_connection",
+    "spawn_server",
+]
 
 logger = logging.getLogger("ferrograph.remote")
 
@@ -50,6 +62,35 @@ def connect(
     :class:`ferrograph.BackendError` when the server cannot be reached.
     """
     return remote_connect(
+        endpoint,
+        token,
+        connect_timeout=connect_timeout,
+        heartbeat=heartbeat,
+        dead_after=dead_after,
+        request_timeout=request_timeout,
+        direct_copies=direct_copies,
+    )
+
+
+def open_connection(
+    endpoint: str,
+    token: str | None = None,
+    *,
+    connect_timeout: float = 5.0,
+    heartbeat: float = 0.5,
+    dead_after: float = 3.0,
+    request_timeout: float = 600.0,
+    direct_copies: bool = True,
+) -> RemoteConnection:
+    """Connects like :func:`connect` but returns the connection: a :class:`RemoteConnection`
+    whose ``devices`` are the server's devices and whose ``close()`` ends the connection.
+
+    After ``close()`` (idempotent; also on leaving a ``with`` block) every call on its devices,
+    their buffers and backends raises :class:`ferrograph.DeviceLostError` at once, including one
+    blocked waiting for the server, and so does reading ``devices``; the server frees the
+    connection's buffers and goes on serving its other clients. Raises like :func:`connect`.
+    """
+    return remote_open(
         endpoint,
         token,
         connect_timeout=connect_timeout,
@@ -118,37 +159,35 @@ def spawn_server(
 
     The token is handed over in the child's environment (not on its command line, where other
     users could read it). ``peers`` (``"ip:port"`` addresses) are the only servers the new one
-    pushes to for direct server-to-server copies. Raises :class:`RuntimeError` if the server
-    does not start within ``timeout`` seconds.
+    pushes to for direct server-to-server copies. The server's later output goes to this
+    module's logger at debug level.
+
+    Raises
+    ------
+    ferrograph.InvalidArgumentError
+        For a ``port`` outside 0-65535, an ``n_threads`` below 1, a ``timeout`` that is not a
+        positive number or a malformed ``peers`` entry.
+    ferrograph.BackendError
+        If the server does not start: it cannot be run, it exits first (the port is taken,
+        the host cannot be bound, ...; the message quotes its stderr) or it prints no address
+        within ``timeout`` seconds. ``BackendError`` is a ``RuntimeError``, what this function
+        raised before.
     """
-    args = [sys.executable, "-m", "ferrograph", "serve", "--host", host, "--port", str(port)]
-    if n_threads is not None:
-        args += ["--threads", str(n_threads)]
-    if peers:
-        args += ["--peers", ",".join(peers)]
-    env = dict(os.environ, FERROGRAPH_TOKEN=token)
-    process = subprocess.Popen(
-        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
-    )
-    first_line: list[str] = []
-    reader = threading.Thread(
-        target=lambda: first_line.append(process.stdout.readline() if process.stdout else ""),
-        daemon=True,
-    )
-    reader.start()
-    reader.join(timeout)
-    address = first_line[0].strip() if first_line else ""
-    if not address:
-        process.kill()
-        _, err = process.communicate()
-        raise RuntimeError(f"the device server did not start: {err.strip()}")
-    logger.info("device server %s started (pid %d)", address, process.pid)
+    pid = [0]
 
-    def drain(stream: IO[str] | None) -> None:
-        # Keeps the child from blocking on a full pipe; its messages go to our log.
-        for line in stream or ():
-            logger.debug("server %s: %s", address, line.rstrip())
+    def echo(line: str) -> None:
+        logger.debug("server pid %d: %s", pid[0], line)
 
-    for stream in (process.stdout, process.stderr):
-        threading.Thread(target=drain, args=(stream,), daemon=True).start()
-    return ServerProcess(process, address)
+    started = start_server(
+        token,
+        command=[sys.executable, "-m", "ferrograph", "serve"],
+        host=host,
+        port=port,
+        n_threads=n_threads,
+        peers=peers,
+        timeout=timeout,
+        echo=echo,
+    )
+    pid[0] = started.process.pid
+    logger.info("device server %s started (pid %d)", started.address, started.process.pid)
+    return ServerProcess(started.process, started.address)

@@ -769,7 +769,7 @@ def _cases() -> list[Case]:
         logging.getLogger("ferrograph").addHandler(H())
         logging.getLogger("ferrograph").setLevel(1)
         logging.raiseExceptions = False
-        fg._core._log_for_test("ferrograph.x", "info", "m")
+        fg._core._testing.log("ferrograph.x", "info", "m")
         """,
         "ok",
     )
@@ -1625,13 +1625,13 @@ def _cases() -> list[Case]:
         "abort_slots_do_not_grow",
         """
         gc.collect()
-        before = fg._core._abort_slot_count()
+        before = fg._core._testing.abort_slot_count()
         for i in range(300):
             b = fg.init_backend("CPU", n_threads=1)
             b.set_abort_callback(lambda: False)
             del b
         gc.collect()
-        after = fg._core._abort_slot_count()
+        after = fg._core._testing.abort_slot_count()
         assert after <= before + 1, (before, after)
         """,
         "ok",
@@ -1906,7 +1906,7 @@ def test_classifier_sees_crashes_hangs_and_panics() -> None:
         Case("probe/signal", "probe", "import ctypes; ctypes.string_at(0)", "ok"),
         Case("probe/hang", "probe", "time.sleep(60)", "ok"),
         Case("probe/wrong", "probe", "raise KeyError('x')", "ValueError"),
-        Case("probe/ok", "probe", "fg._core._raise_error('Shape', 'x')", "ShapeError"),
+        Case("probe/ok", "probe", "fg._core._testing.raise_error('Shape', 'x')", "ShapeError"),
     ]
     results = run_cases(probes, timeout=3.0)
     assert {k: v[0] for k, v in results.items()} == {

@@ -241,10 +241,10 @@ def log_callback_reset() -> Any:
 def test_log_callback_receives_level_and_text(log_callback_reset: None) -> None:
     got: list[tuple[int, str]] = []
     fg.set_log_callback(lambda level, text: got.append((level, text)))
-    fg._core._log_for_test("ferrograph::api_test", "warn", "hello callback")
+    fg._core._testing.log("ferrograph::api_test", "warn", "hello callback")
     assert (30, "hello callback") in got
     fg.set_log_callback(None)
-    fg._core._log_for_test("ferrograph::api_test", "warn", "not seen")
+    fg._core._testing.log("ferrograph::api_test", "warn", "not seen")
     assert all(text != "not seen" for _, text in got)
     with pytest.raises(fg.ArgumentTypeError):
         fg.set_log_callback(42)  # type: ignore[arg-type]
@@ -260,7 +260,7 @@ def test_log_callback_exception_goes_to_unraisablehook(
         raise KeyError("from the log callback")
 
     fg.set_log_callback(broken)
-    fg._core._log_for_test("ferrograph::api_test", "error", "boom")
+    fg._core._testing.log("ferrograph::api_test", "error", "boom")
     assert any(isinstance(e, KeyError) for e in seen)
 
 
@@ -284,7 +284,7 @@ def test_log_callback_never_runs_under_a_core_lock(
     try:
         fg.set_log_callback(callback)
         sched.alloc_graph(graph)
-        fg._core._log_for_test("ferrograph::api_test", "info", "after")
+        fg._core._testing.log("ferrograph::api_test", "info", "after")
     finally:
         fg.set_log_callback(None)
     assert results and all(isinstance(r, int) for r in results), results

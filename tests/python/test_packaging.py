@@ -95,7 +95,9 @@ def test_the_wheel_is_abi3_for_python_3_10_on(wheel: Path) -> None:
         tags = archive.read(next(n for n in names if n.endswith(".dist-info/WHEEL")))
     assert "ferrograph/_core.abi3.so" in names
     assert any(n.endswith("licenses/LICENSE") for n in names)
-    assert "ferrograph/_core.pyi" in names and "ferrograph/py.typed" in names
+    # the stub package of the extension module and its _testing submodule
+    assert "ferrograph/_core/__init__.pyi" in names and "ferrograph/_core/_testing.pyi" in names
+    assert "ferrograph/py.typed" in names
     text = metadata.decode()
     assert "Provides-Extra: models" in text and "Requires-Python: >=3.10" in text
     assert re.search(r"Requires-Dist: safetensors.*extra == .models.", text)

@@ -164,6 +164,85 @@ def test_a_dead_or_hung_server_raises_device_lost(how: str) -> None:
                 os.kill(server.pid, signal.SIGCONT)
 
 
+def test_close_ends_one_connection_and_the_server_serves_the_others(
+    servers: list[fg.remote.ServerProcess],
+) -> None:
+    address = servers[0].address
+    conn = fg.remote.open_connection(address, token=TOKEN)
+    assert conn.endpoint == address and not conn.closed and conn.lost is None
+    assert "open" in repr(conn)
+    device = conn.devices[0]
+    assert device.name == f"CPU@{address}"
+    ctx = fg.Context()
+    t = ctx.new_tensor(fg.float32, (4, 8))
+    buffer = fg.alloc_ctx_tensors(ctx, device.init_backend())
+    assert buffer is not None
+    t.set(np.ones((4, 8), np.float32))
+    np.testing.assert_array_equal(t.numpy(), 1.0)
+    bystander = fg.remote.connect(address, token=TOKEN)[0].init_backend()
+
+    conn.close()
+    conn.close()  # closing again is fine
+    assert conn.closed and conn.lost == "closed by the client"
+    assert "closed" in repr(conn)
+    with pytest.raises(fg.DeviceLostError, match="closed by the client"):
+        _ = conn.devices
+    with pytest.raises(fg.DeviceLostError):
+        device.init_backend()
+    with pytest.raises(fg.DeviceLostError):
+        t.numpy()
+
+    # the server goes on serving its other client, and new ones
+    for backend in (bystander, fg.remote.connect(address, token=TOKEN)[0].init_backend()):
+        other_ctx = fg.Context()
+        u = other_ctx.new_tensor(fg.float32, (3,))
+        other_buffer = fg.alloc_ctx_tensors(other_ctx, backend)
+        assert other_buffer is not None
+        u.set(np.array([1, 2, 3], np.float32))
+        np.testing.assert_array_equal(u.numpy(), [1, 2, 3])
+
+
+def test_close_wakes_a_compute_waiting_on_the_server(
+    servers: list[fg.remote.ServerProcess],
+) -> None:
+    with fg.remote.open_connection(servers[1].address, token=TOKEN) as conn:
+        backend = conn.devices[0].init_backend()
+        graph, _buffer = _slow_remote_graph(backend)
+        outcome: list[BaseException | str] = []
+
+        def run() -> None:
+            try:
+                for _ in range(50):
+                    backend.graph_compute(graph)
+                outcome.append("finished")
+            except BaseException as error:
+                outcome.append(error)
+
+        thread = threading.Thread(target=run, daemon=True)
+        thread.start()
+        time.sleep(0.3)
+        assert thread.is_alive(), outcome
+        closed = time.monotonic()
+        conn.close()
+        thread.join(5)
+        assert not thread.is_alive(), "the compute did not end when its connection closed"
+        assert time.monotonic() - closed < 1.0
+        assert isinstance(outcome[0], fg.DeviceLostError), outcome
+    assert conn.closed  # and leaving the block closed it again, harmlessly
+
+
+def test_spawn_server_failures_are_fg_errors(servers: list[fg.remote.ServerProcess]) -> None:
+    taken = int(servers[0].address.rpartition(":")[2])
+    with pytest.raises(fg.BackendError, match="did not start") as info:
+        fg.remote.spawn_server(TOKEN, port=taken, timeout=30)
+    assert isinstance(info.value, fg.Error) and isinstance(info.value, RuntimeError)
+    with pytest.raises(fg.BackendError, match="token is required"):
+        fg.remote.spawn_server("", timeout=30)
+    for bad in ({"port": -1}, {"port": 70000}, {"n_threads": 0}, {"timeout": 0}):
+        with pytest.raises(fg.InvalidArgumentError):
+            fg.remote.spawn_server(TOKEN, **bad)  # type: ignore[arg-type]
+
+
 def _cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "ferrograph", *args],
@@ -203,6 +282,33 @@ def test_minilm_layers_split_over_two_servers_equal_local(
     assert cosine.min() >= 0.99999, cosine
     names = {s["backend"] for s in model.split_plan.splits}
     assert {d.name for d in devices} <= names, names
+
+
+@needs_minilm
+def test_place_layers_is_a_method_of_the_encoder(
+    servers: list[fg.remote.ServerProcess],
+) -> None:
+    from ferrograph.models import minilm
+
+    sentences = ["A cat sits on the mat.", "Il pleut depuis ce matin."]
+    model = minilm.MiniLM(n_threads=1, weights_dtype="f16")
+    assert model.backends == [model.backend] and model.layer_homes == [0] * 6
+    assert model.placed_weights == []
+    local = model.encode(sentences)
+    with pytest.raises(fg.InvalidArgumentError, match="at least one device"):
+        model.place_layers([])
+    devices = [fg.remote.connect(s.address, token=TOKEN)[0] for s in servers]
+    homes = model.place_layers(devices)
+    assert homes == model.layer_homes == [1, 1, 1, 2, 2, 2]
+    assert len(model.backends) == 3 and model.backends[0] is model.backend
+    assert [b.name for b in model.backends[1:]] == [d.name for d in devices]
+    assert len(model.placed_weights) == 2
+    np.testing.assert_allclose(model.encode(sentences), local, atol=1e-5)
+    assert {d.name for d in devices} <= {s["backend"] for s in model.split_plan.splits}
+    # the function form documented in the README calls the method
+    other = minilm.MiniLM(n_threads=1, weights_dtype="f16")
+    assert fg.distributed.place_layers(other, devices[:1]) == [1] * 6 == other.layer_homes
+    np.testing.assert_allclose(other.encode(sentences), local, atol=1e-5)
 
 
 @needs_minilm

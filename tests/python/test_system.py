@@ -30,7 +30,7 @@ VARIANTS = {
 def test_each_rust_error_maps_to_its_class(variant: str) -> None:
     cls, builtin = VARIANTS[variant]
     with pytest.raises(cls) as info:
-        _core._raise_error(variant, "message")
+        _core._testing.raise_error(variant, "message")
     assert isinstance(info.value, fg.Error) and isinstance(info.value, builtin)
     assert type(info.value) is cls
 
@@ -42,13 +42,26 @@ def test_error_class_names_are_exported() -> None:
 
 def test_panics_become_fg_errors() -> None:
     with pytest.raises(fg.Error, match="deliberate test panic"):
-        _core._panic_for_test()
+        _core._testing.panic()
+
+
+def test_the_test_hooks_are_a_submodule_of_core() -> None:
+    import importlib
+
+    import ferrograph._core._testing as by_path
+    from ferrograph._core import _testing
+
+    assert _testing is by_path is importlib.import_module("ferrograph._core._testing")
+    assert _testing.__name__ == "ferrograph._core._testing"
+    assert {"panic", "log", "raise_error", "abort_slot_count"} <= set(dir(_testing))
+    for old in ("_panic_for_test", "_log_for_test", "_raise_error", "_abort_slot_count"):
+        assert not hasattr(_core, old), old
 
 
 def test_rust_logs_reach_python_logging(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.DEBUG, logger="ferrograph"):
-        _core._log_for_test("ferrograph::cpu::compute", "info", "hello from rust")
-        _core._log_for_test("ferrograph::sched", "debug", "planned 3 splits")
+        _core._testing.log("ferrograph::cpu::compute", "info", "hello from rust")
+        _core._testing.log("ferrograph::sched", "debug", "planned 3 splits")
     records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
     assert ("ferrograph.cpu.compute", logging.INFO, "hello from rust") in records
     assert ("ferrograph.sched", logging.DEBUG, "planned 3 splits") in records
@@ -56,12 +69,12 @@ def test_rust_logs_reach_python_logging(caplog: pytest.LogCaptureFixture) -> Non
 
 def test_log_levels_filter(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.WARNING, logger="ferrograph"):
-        _core._log_for_test("ferrograph::x", "info", "dropped")
+        _core._testing.log("ferrograph::x", "info", "dropped")
     assert not [r for r in caplog.records if r.getMessage() == "dropped"]
     fg.set_log_level("error")
     try:
         with caplog.at_level(logging.DEBUG, logger="ferrograph"):
-            _core._log_for_test("ferrograph::x", "warn", "also dropped")
+            _core._testing.log("ferrograph::x", "warn", "also dropped")
         assert not [r for r in caplog.records if r.getMessage() == "also dropped"]
     finally:
         fg.set_log_level("debug")

@@ -239,7 +239,7 @@ def test_trace_logging_during_scheduler_work_from_two_threads() -> None:
             s.reserve(g)
             s.graph_compute(g)
         hammer(work, [lambda: s.plan, lambda: s.n_splits])
-        fg._core._log_for_test("ferrograph.test", "info", "marker")
+        fg._core._testing.log("ferrograph.test", "info", "marker")
         assert "marker" in records
         """
     )

@@ -200,7 +200,7 @@ pub(crate) fn error_class_names() -> Vec<&'static str> {
 /// mapping: "Shape", "DType", "Alloc", "UnsupportedOp", "Backend", "OutOfBounds", "Stale",
 /// "NotAllocated", "Aborted", "InvalidArgument", "ArgumentType", "Busy", "DeviceLost", "Gguf").
 #[pyfunction]
-pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
+fn raise_error(variant: &str, message: &str) -> PyResult<()> {
     let m = message.to_owned();
     let err = match variant {
         "Shape" => Error::Shape(m),
@@ -223,8 +223,8 @@ pub(crate) fn _raise_error(variant: &str, message: &str) -> PyResult<()> {
 }
 
 /// A function that panics inside [`guard`] (for the test that panics become `fg.Error`).
-#[pyfunction]
-pub(crate) fn _panic_for_test() -> PyResult<()> {
+#[pyfunction(name = "panic")]
+fn panic_in_guard() -> PyResult<()> {
     guard("a test", || -> ferrograph::Result<()> {
         panic!("deliberate test panic")
     })?;
@@ -234,7 +234,12 @@ pub(crate) fn _panic_for_test() -> PyResult<()> {
 /// Registers the helper functions.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(error_class_names, m)?)?;
-    m.add_function(wrap_pyfunction!(_raise_error, m)?)?;
-    m.add_function(wrap_pyfunction!(_panic_for_test, m)?)?;
+    Ok(())
+}
+
+/// Registers the test hooks (`raise_error`, `panic`) in `ferrograph._core._testing`.
+pub(crate) fn register_testing(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(raise_error, m)?)?;
+    m.add_function(wrap_pyfunction!(panic_in_guard, m)?)?;
     Ok(())
 }

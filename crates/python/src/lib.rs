@@ -25,8 +25,8 @@ mod plugin;
 mod profile;
 mod raised;
 mod remote;
-mod sched;
 mod row_split;
+mod sched;
 mod system;
 mod tensor;
 mod tensor_raw;
@@ -61,5 +61,24 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_submodule(&ops_module)?;
     log::register(m)?;
     log::install();
+    register_testing(m)?;
+    Ok(())
+}
+
+/// The submodule `ferrograph._core._testing`: hooks for the test suite (a panic inside the
+/// guard, a Rust log record, each error variant raised, the abort-slot count), kept out of
+/// `_core`'s own namespace. It is entered in `sys.modules` too, so both
+/// `from ferrograph._core import _testing` and `import ferrograph._core._testing` work.
+fn register_testing(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    const NAME: &str = "ferrograph._core._testing";
+    let testing = PyModule::new(py, NAME)?;
+    errors::register_testing(&testing)?;
+    log::register_testing(&testing)?;
+    backend::register_testing(&testing)?;
+    m.add("_testing", &testing)?;
+    py.import("sys")?
+        .getattr("modules")?
+        .set_item(NAME, &testing)?;
     Ok(())
 }

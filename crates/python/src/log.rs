@@ -72,7 +72,11 @@ pub(crate) fn logger_name(target: &str) -> String {
         ("ferrograph_backends::", "ferrograph::"),
     ]
     .iter()
-    .find_map(|(krate, path)| target.strip_prefix(krate).map(|rest| format!("{path}{rest}")));
+    .find_map(|(krate, path)| {
+        target
+            .strip_prefix(krate)
+            .map(|rest| format!("{path}{rest}"))
+    });
     let dotted = public.as_deref().unwrap_or(target).replace("::", ".");
     if dotted == "ferrograph" || dotted.starts_with("ferrograph.") {
         dotted
@@ -256,8 +260,8 @@ fn set_log_callback(py: Python<'_>, callback: Option<Py<PyAny>>) -> PyResult<()>
 /// Emits one Rust log record (`target` like `"ferrograph::cpu::compute"`), for tests and for
 /// checking a logging setup. The interpreter is released while the record is logged, as it is
 /// during real work.
-#[pyfunction]
-fn _log_for_test(py: Python<'_>, target: &str, level: &str, message: &str) -> PyResult<()> {
+#[pyfunction(name = "log")]
+fn log_for_test(py: Python<'_>, target: &str, level: &str, message: &str) -> PyResult<()> {
     let level = match level.to_ascii_lowercase().as_str() {
         "error" => Level::Error,
         "warn" | "warning" => Level::Warn,
@@ -276,6 +280,11 @@ fn _log_for_test(py: Python<'_>, target: &str, level: &str, message: &str) -> Py
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_log_level, m)?)?;
     m.add_function(wrap_pyfunction!(set_log_callback, m)?)?;
-    m.add_function(wrap_pyfunction!(_log_for_test, m)?)?;
+    Ok(())
+}
+
+/// Registers the test hook `log` in `ferrograph._core._testing`.
+pub(crate) fn register_testing(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(log_for_test, m)?)?;
     Ok(())
 }

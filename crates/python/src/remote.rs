@@ -1,4 +1,5 @@
-//! Remote devices from Python: `remote_connect` (a client's devices of one server) and
+//! Remote devices from Python: `remote_connect` (a client's devices of one server),
+//! `remote_open` with its `RemoteConnection` handle (the same devices, plus `close()`) and
 //! `RemoteServer` (a device server running in this process).
 
 use std::sync::{Arc, Mutex};
@@ -9,7 +10,8 @@ use pyo3::prelude::*;
 use super::backend::PyDevice;
 use super::errors::invalid;
 use ferrograph::device::Device;
-use ferrograph::remote::{self, ClientSettings, Server, ServerConfig};
+use ferrograph::error::Error;
+use ferrograph::remote::{self, ClientSettings, RemoteRegistration, Server, ServerConfig};
 
 fn seconds(value: f64, what: &str) -> PyResult<Duration> {
     if value.is_finite() && value > 0.0 && value < 1e9 {
@@ -19,6 +21,40 @@ fn seconds(value: f64, what: &str) -> PyResult<Duration> {
             "{what} must be a positive number of seconds, got {value}"
         )))
     }
+}
+
+#[allow(clippy::too_many_arguments)] // the keyword arguments of the Python functions below
+fn open_registration(
+    py: Python<'_>,
+    endpoint: &str,
+    token: Option<&str>,
+    connect_timeout: f64,
+    heartbeat: f64,
+    dead_after: f64,
+    request_timeout: f64,
+    direct_copies: bool,
+) -> PyResult<Arc<RemoteRegistration>> {
+    let settings = ClientSettings {
+        connect_timeout: seconds(connect_timeout, "connect_timeout")?,
+        heartbeat: seconds(heartbeat, "heartbeat")?,
+        dead_after: seconds(dead_after, "dead_after")?,
+        request_timeout: seconds(request_timeout, "request_timeout")?,
+        direct_copies,
+    };
+    if settings.dead_after <= settings.heartbeat {
+        return Err(invalid("dead_after must be longer than heartbeat"));
+    }
+    Ok(py.detach(|| remote::connect(endpoint, token.map(str::as_bytes), settings))?)
+}
+
+fn devices_of(registration: &RemoteRegistration) -> Vec<PyDevice> {
+    registration
+        .remote_devices()
+        .iter()
+        .map(|d| PyDevice {
+            inner: d.clone() as Arc<dyn Device>,
+        })
+        .collect()
 }
 
 /// Connects to the device server at `endpoint` (`"host:port"`) and returns its devices.
@@ -42,25 +78,123 @@ pub(crate) fn remote_connect(
     request_timeout: f64,
     direct_copies: bool,
 ) -> PyResult<Vec<PyDevice>> {
-    let settings = ClientSettings {
-        connect_timeout: seconds(connect_timeout, "connect_timeout")?,
-        heartbeat: seconds(heartbeat, "heartbeat")?,
-        dead_after: seconds(dead_after, "dead_after")?,
-        request_timeout: seconds(request_timeout, "request_timeout")?,
+    let registration = open_registration(
+        py,
+        endpoint,
+        token,
+        connect_timeout,
+        heartbeat,
+        dead_after,
+        request_timeout,
         direct_copies,
-    };
-    if settings.dead_after <= settings.heartbeat {
-        return Err(invalid("dead_after must be longer than heartbeat"));
+    )?;
+    Ok(devices_of(&registration))
+}
+
+/// Connects like `remote_connect` but returns the connection itself, a `RemoteConnection`.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)] // keyword arguments of a Python function
+#[pyo3(signature = (endpoint, token = None, *, connect_timeout = 5.0, heartbeat = 0.5, dead_after = 3.0, request_timeout = 600.0, direct_copies = true))]
+pub(crate) fn remote_open(
+    py: Python<'_>,
+    endpoint: &str,
+    token: Option<&str>,
+    connect_timeout: f64,
+    heartbeat: f64,
+    dead_after: f64,
+    request_timeout: f64,
+    direct_copies: bool,
+) -> PyResult<PyRemoteConnection> {
+    let registration = open_registration(
+        py,
+        endpoint,
+        token,
+        connect_timeout,
+        heartbeat,
+        dead_after,
+        request_timeout,
+        direct_copies,
+    )?;
+    Ok(PyRemoteConnection { registration })
+}
+
+/// One client connection to a device server (from `ferrograph.remote.open_connection`).
+///
+/// `devices` are the server's devices over this connection. `close()` ends the connection at
+/// once, as if the server had gone: every later call on its devices, their buffers and
+/// backends (including one blocked waiting for a reply) raises `DeviceLostError`, and the
+/// server frees what this connection held. Closing again does nothing. Other connections
+/// to the same server are not affected. As a context manager it closes on exit.
+#[pyclass(name = "RemoteConnection", module = "ferrograph._core", frozen)]
+pub(crate) struct PyRemoteConnection {
+    registration: Arc<RemoteRegistration>,
+}
+
+#[pymethods]
+impl PyRemoteConnection {
+    /// The `"host:port"` connected to.
+    #[getter]
+    fn endpoint(&self) -> String {
+        self.registration.endpoint().to_owned()
     }
-    let registration =
-        py.detach(|| remote::connect(endpoint, token.map(str::as_bytes), settings))?;
-    Ok(registration
-        .remote_devices()
-        .iter()
-        .map(|d| PyDevice {
-            inner: d.clone() as Arc<dyn Device>,
-        })
-        .collect())
+
+    /// The server's devices over this connection; `DeviceLostError` once it is closed or lost.
+    #[getter]
+    fn devices(&self) -> PyResult<Vec<PyDevice>> {
+        if let Some(reason) = self.registration.lost() {
+            return Err(Error::DeviceLost(format!(
+                "server {}: {reason}",
+                self.registration.endpoint()
+            ))
+            .into());
+        }
+        Ok(devices_of(&self.registration))
+    }
+
+    /// Why the connection ended (`"closed by the client"` after `close()`), or `None` while
+    /// it is open.
+    #[getter]
+    fn lost(&self) -> Option<String> {
+        self.registration.lost()
+    }
+
+    /// Whether the connection has ended (closed here, or the server lost).
+    #[getter]
+    fn closed(&self) -> bool {
+        self.registration.lost().is_some()
+    }
+
+    /// Closes the connection (idempotent); its devices raise `DeviceLostError` from now on.
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.registration.close());
+    }
+
+    fn __enter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        _exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> bool {
+        self.close(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        let state = match self.registration.lost() {
+            None => "open".to_owned(),
+            Some(reason) => format!("closed: {reason}"),
+        };
+        format!(
+            "RemoteConnection(endpoint='{}', devices={}, {state})",
+            self.registration.endpoint(),
+            self.registration.remote_devices().len()
+        )
+    }
 }
 
 /// A device server running in this process (threads in the background).
@@ -216,6 +350,8 @@ impl PyRemoteServer {
 /// Registers the remote functions and classes.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(remote_connect, m)?)?;
+    m.add_function(wrap_pyfunction!(remote_open, m)?)?;
+    m.add_class::<PyRemoteConnection>()?;
     m.add_class::<PyRemoteServer>()?;
     Ok(())
 }

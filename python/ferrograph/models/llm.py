@@ -43,6 +43,7 @@ import ferrograph as fg
 from .llm_tokenizer import GGUFTokenizer, StreamDecoder
 from .sampling import Sampler, SamplingParams
 from .settings import ModelNotFoundError, UnsupportedModelError
+from .weights import copy_weights
 
 __all__ = [
     "LLM",
@@ -355,8 +356,6 @@ class LLM:
             if part[0] == "blk" and part[1].isdigit() and int(part[1]) < cfg.n_layer:
                 layer = int(part[1])
                 moved.setdefault(self.layer_homes[layer], []).append(name)
-        from ..distributed import copy_weights
-
         self._placed = copy_weights(self.weights, moved, self.backends)
         logger.info(
             "layers of %s over %s: %s",

@@ -152,8 +152,8 @@ class MiniLM(SentenceEncoder):
         encoder layers over: with ``k`` devices, consecutive runs of about ``6 / k`` layers
         each go to one device, whose weights are uploaded to it once. Embeddings, pooling and
         normalisation stay on the local backend; the scheduler copies activations between
-        them. A device may also be given as a backend opened on it
-        (:func:`ferrograph.distributed.place_layers`).
+        them. A device may also be given as a backend opened on it. The same as calling
+        :meth:`~SentenceEncoder.place_layers` after loading.
 
     Raises
     ------
@@ -190,9 +190,7 @@ class MiniLM(SentenceEncoder):
             bucket_lengths=bucket_lengths,
         )
         if devices:
-            from ..distributed import place_layers
-
-            place_layers(self, devices)
+            self.place_layers(devices)
 
     @property
     def max_length(self) -> int:

@@ -71,7 +71,7 @@ from .tokenization import (
     special_token_ids,
     tokenize,
 )
-from .weights import load_weights, weights_dtype_name
+from .weights import copy_weights, load_weights, weights_dtype_name
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -254,7 +254,16 @@ class SentenceEncoder:
             accelerator = blas_backend(self.n_threads)
             if accelerator is not None:
                 backends.insert(0, accelerator)
+        self._local_backends = list(backends)
         self.scheduler = fg.Scheduler(backends)
+        self.backends: list[fg.Backend] = [self.backend]
+        """The backends holding weights: the model's own first, then one per device given to
+        :meth:`place_layers`."""
+        self.layer_homes: list[int] = [0] * self.config.num_hidden_layers
+        """Per encoder layer, the index into :attr:`backends` of the backend holding its
+        weights (all 0 until :meth:`place_layers`)."""
+        self.placed_weights: list[tuple[fg.Context, fg.Buffer]] = []
+        """The (context, buffer) pairs holding the weights :meth:`place_layers` copied."""
         self.last_profile: fg.Profile | None = None
         """The per-op profile of the last ``encode(..., profile=True)`` (all its batches)."""
         self.last_stages: dict[str, float] | None = None
@@ -599,6 +608,53 @@ class SentenceEncoder:
             self.scheduler = scheduler
             self._graphs.clear()
             self._reserved = (0, 0)
+
+    def place_layers(self, devices: Sequence[fg.Device | fg.Backend]) -> list[int]:
+        """Spreads the encoder layers over ``devices`` (devices, e.g. the remote ones of
+        :func:`ferrograph.remote.connect` or :attr:`ferrograph.distributed.Cluster.devices`, or
+        backends opened on them); returns :attr:`layer_homes`.
+
+        With ``k`` devices, consecutive runs of about ``n_layers / k`` layers go to one device
+        each: their weights are copied once into a weights buffer on that device, so the
+        scheduler runs those layers there. Embeddings, pooling and normalisation stay on the
+        model's own backend; the scheduler copies activations between the devices. Sets
+        :attr:`backends` (the local backend first, then one per device), :attr:`layer_homes`
+        (per layer, an index into :attr:`backends`), :attr:`placed_weights` and a new
+        scheduler (:meth:`set_scheduler`). ``MiniLM(devices=...)`` calls it.
+
+        Raises
+        ------
+        ferrograph.InvalidArgumentError
+            If ``devices`` is empty.
+        ferrograph.DeviceLostError
+            If a remote device's server is gone.
+        ferrograph.AllocationError
+            If a device gives no buffer for the weights.
+        """
+        if not devices:
+            raise fg.InvalidArgumentError("place_layers needs at least one device")
+        backends = [self.backend] + [
+            d if isinstance(d, fg.Backend) else d.init_backend() for d in devices
+        ]
+        n_layers, k = self.config.num_hidden_layers, len(devices)
+        homes = [1 + i * k // n_layers for i in range(n_layers)]
+        moved: dict[int, list[str]] = {}
+        for name in self.weights:
+            if name.startswith("encoder.layer."):
+                moved.setdefault(homes[int(name.split(".")[2])], []).append(name)
+        with self._lock:
+            # the copies keep the devices' weights alive with the model
+            self.placed_weights = copy_weights(self.weights, moved, backends)
+            self.backends = backends
+            self.layer_homes = homes
+            self.set_scheduler(fg.Scheduler([*backends[1:], *self._local_backends]))
+        logger.info(
+            "layers of %s over %s: %s",
+            type(self).__name__,
+            [b.name for b in backends[1:]],
+            homes,
+        )
+        return list(homes)
 
     # ----- running -----
 

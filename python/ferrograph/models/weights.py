@@ -27,6 +27,7 @@ __all__ = [
     "WEIGHT_DTYPES",
     "LoadedWeights",
     "MissingDependencyError",
+    "copy_weights",
     "dense_shapes",
     "expected_shapes",
     "load_dense_state",
@@ -319,3 +320,36 @@ def load_weights(
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
     return LoadedWeights(ctx, buffer, tensors)
+
+
+def copy_weights(
+    weights: dict[str, fg.Tensor], moved: dict[int, list[str]], backends: Sequence[fg.Backend]
+) -> list[tuple[fg.Context, fg.Buffer]]:
+    """Copies the named tensors of ``weights`` into a weights buffer on ``backends[home]``
+    for each ``home, names`` of ``moved``, and points ``weights`` at the copies. Returns the
+    (context, buffer) pairs that keep the copies alive.
+
+    What a model's layer placement does with its layers' weights
+    (:meth:`ferrograph.models.SentenceEncoder.place_layers`, ``LLM(devices=...)``).
+
+    Raises
+    ------
+    ferrograph.AllocationError
+        If a backend gives no buffer.
+    """
+    placed = []
+    for home, names in sorted(moved.items()):
+        ctx = fg.Context()
+        copies = {}
+        for name in names:
+            old = weights[name]
+            copies[name] = ctx.new_tensor(old.dtype, old.shape, name=name)
+        buffer = fg.alloc_ctx_tensors(ctx, backends[home])
+        if buffer is None:
+            raise fg.AllocationError(f"no weights buffer on {backends[home].name}")
+        buffer.usage = fg.BufferUsage.WEIGHTS
+        for name, copy in copies.items():
+            fg.tensor_copy(weights[name], copy)
+        weights.update(copies)
+        placed.append((ctx, buffer))
+    return placed

@@ -100,7 +100,7 @@ fn backend_abort_slot(backend: &Arc<dyn Backend>) -> Arc<ErrorSlot> {
 }
 
 /// How many per-backend abort slots are alive (for leak tests).
-#[pyfunction(name = "_abort_slot_count")]
+#[pyfunction]
 fn abort_slot_count() -> usize {
     let mut slots = BACKEND_ABORT_ERRORS
         .lock()
@@ -503,9 +503,14 @@ impl PyEvent {
     }
 }
 
+/// Registers the test hook `abort_slot_count` in `ferrograph._core._testing`.
+pub(crate) fn register_testing(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(abort_slot_count, m)?)?;
+    Ok(())
+}
+
 /// Registers the classes and functions.
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_function(wrap_pyfunction!(abort_slot_count, m)?)?;
     m.add_class::<PyBackend>()?;
     m.add_class::<PyGraphPlan>()?;
     m.add_class::<PyEvent>()?;

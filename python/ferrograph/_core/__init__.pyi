@@ -1,5 +1,10 @@
 """Type stubs for the native module ``ferrograph._core`` (written by hand; keep in sync with
-``crates/python/src/``)."""
+``crates/python/src/``).
+
+A stub package (this ``_core/__init__.pyi`` beside ``_core/_testing.pyi``) types the extension
+module ``ferrograph/_core.abi3.so`` and its submodule ``_testing``: at run time the directory
+holds no ``__init__.py``, so Python imports the extension module; type checkers read the stubs.
+"""
 
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -10,8 +15,9 @@ import numpy as np
 import numpy.typing as npt
 from typing_extensions import disjoint_base
 
-from .dtypes import DType
-from .gguf import GGUFTensors
+from ..dtypes import DType
+from ..gguf import GGUFTensors
+from . import _testing as _testing
 
 DTypeLike: TypeAlias = DType | str | type | np.dtype[Any]
 Shape: TypeAlias = int | Sequence[int]
@@ -20,8 +26,6 @@ __version__: str
 
 # ----- errors -----
 def error_class_names() -> list[str]: ...
-def _raise_error(variant: str, message: str) -> None: ...
-def _panic_for_test() -> None: ...
 
 # ----- dtypes -----
 def dtype_info(dtype: DTypeLike) -> tuple[str, str | None, int, int, bool]: ...
@@ -90,7 +94,6 @@ class ThreadpoolParams:
 def threadpool_params_default(n_threads: int) -> ThreadpoolParams: ...
 def threadpool_params_init(params: ThreadpoolParams, n_threads: int) -> None: ...
 def threadpool_params_match(a: ThreadpoolParams, b: ThreadpoolParams) -> bool: ...
-def _log_for_test(target: str, level: str, message: str) -> None: ...
 
 # ----- tensors, contexts, graphs -----
 @final
@@ -462,6 +465,36 @@ def remote_connect(
     request_timeout: float = 600.0,
     direct_copies: bool = True,
 ) -> list[Device]: ...
+def remote_open(
+    endpoint: str,
+    token: str | None = None,
+    *,
+    connect_timeout: float = 5.0,
+    heartbeat: float = 0.5,
+    dead_after: float = 3.0,
+    request_timeout: float = 600.0,
+    direct_copies: bool = True,
+) -> RemoteConnection: ...
+
+@final
+class RemoteConnection:
+    @property
+    def endpoint(self) -> str: ...
+    @property
+    def devices(self) -> list[Device]: ...
+    @property
+    def lost(self) -> str | None: ...
+    @property
+    def closed(self) -> bool: ...
+    def close(self) -> None: ...
+    def __enter__(self) -> RemoteConnection: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+        /,
+    ) -> bool: ...
 
 @final
 class RemoteServer:
