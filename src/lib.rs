@@ -2,8 +2,8 @@
 //!
 //! The crate is layered bottom-up (`docs/ARCHITECTURE.md` in the repository has the map):
 //! [`dtype`] and [`convert`] describe element types and convert between them, [`tensor`],
-//! [`ops`] and [`graph`] describe computations, [`buffer`] holds memory, and [`cpu`] computes
-//! graphs on the host.
+//! [`op`] (the op IR), [`ops`] (its validating builders) and [`graph`] describe computations,
+//! [`buffer`] holds memory, and [`cpu`] computes graphs on the host.
 //!
 //! The main types are re-exported at the root. A graph on the CPU (the README's example):
 //!
@@ -42,6 +42,7 @@ pub mod event;
 pub mod gguf;
 pub mod graph;
 pub mod graph_copy;
+pub mod op;
 pub mod ops;
 pub mod quant;
 pub mod registry;
@@ -68,7 +69,7 @@ pub use dtype::DType;
 pub use event::Event;
 pub use graph::Graph;
 pub use graph_copy::GraphCopy;
-pub use ops::{Op, UnaryOp};
+pub use op::{Op, UnaryOp};
 pub use registry::{Extension, Registration};
 pub use sched::Scheduler;
 pub use split::{SplitBackend, SplitBufferType, SplitDevice, SplitWeight};

@@ -30,7 +30,7 @@ use crate::buffer::Buffer;
 use crate::context::{Context, ContextInner};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::Op;
+use crate::op::Op;
 
 /// Tensors have at most this many dimensions.
 pub const MAX_DIMS: usize = 4;
