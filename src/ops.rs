@@ -1680,7 +1680,9 @@ pub(crate) mod tests {
         let a = c.new_tensor(DType::F32, &[8, 4]).unwrap();
         let huge = usize::MAX / 2 + 1;
         // Empty, but with strides that would overflow.
-        assert!(c.new_tensor(DType::F32, &[1 << 40, 1 << 40, 1 << 40, 0]).is_err());
+        assert!(c
+            .new_tensor(DType::F32, &[1 << 40, 1 << 40, 1 << 40, 0])
+            .is_err());
         assert!(reshape(&c, &a, &[huge, 2]).is_err());
         assert!(reshape(&c, &a, &[1 << 32, 1 << 32, 0]).is_err());
         assert!(cont_shape(&c, &a, &[huge, 4]).is_err());
