@@ -33,7 +33,7 @@
 // The base layer (ggml-base).
 pub use ferrograph_base::{
     alloc, backend, buffer, context, convert, device, dtype, error, event, gguf, graph, graph_copy,
-    host, ops, pool, quant, registration, sched, tensor, util,
+    host, op, ops, pool, quant, registration, sched, tensor, util,
 };
 // The CPU backend (ggml-cpu).
 pub use ferrograph_cpu as cpu;
@@ -53,7 +53,7 @@ pub use dtype::DType;
 pub use event::Event;
 pub use graph::Graph;
 pub use graph_copy::GraphCopy;
-pub use ops::{Op, UnaryOp};
+pub use op::{Op, UnaryOp};
 pub use pool::{Threadpool, ThreadpoolParams};
 pub use registration::{Extension, Registration};
 pub use row_split::{SplitBackend, SplitBufferType, SplitDevice, SplitWeight};

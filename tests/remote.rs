@@ -18,14 +18,14 @@ use ferrograph::dtype::DType;
 use ferrograph::error::Error;
 use ferrograph::graph::Graph;
 use ferrograph::graph_copy::compare_graph_backend;
-use ferrograph::ops::{self, UnaryOp};
+use ferrograph::ops::{self, GluOp, Op, RopeMode, RopeParams, UnaryOp};
 use ferrograph::remote::protocol::{
     decode_meta, encode_meta, Command, ErrorReply, FrameHeader, FrameLimits, Reply, Request,
     HEADER_LEN, PROTOCOL_VERSION,
 };
 use ferrograph::remote::secure::{client_handshake, Role};
 use ferrograph::remote::weight_cache::{content_hash, ENTRY_OVERHEAD};
-use ferrograph::remote::wire::{build_graph, GraphDesc, GraphLimits, OpDesc, TensorDesc};
+use ferrograph::remote::wire::{build_graph, GraphDesc, GraphLimits, TensorDesc};
 use ferrograph::remote::{connect, ClientSettings, RemoteRegistration, Server, ServerConfig};
 use ferrograph::sched::Scheduler;
 use ferrograph::tensor::Tensor;
@@ -491,9 +491,8 @@ fn wrong_token_version_or_build_is_refused() {
     assert!(ok.unwrap().devices.iter().any(|d| d.name == "CPU"));
 }
 
-fn leaf(dtype: u8, ne: [u64; 4], binding: Option<(u64, u64)>) -> TensorDesc {
-    let size = [4u64, 2, 2, 1, 2, 4, 8, 34, 18][dtype as usize];
-    let nb0 = size;
+fn leaf(dtype: DType, ne: [u64; 4], binding: Option<(u64, u64)>) -> TensorDesc {
+    let nb0 = dtype.type_size() as u64;
     TensorDesc {
         dtype,
         ne,
@@ -504,7 +503,7 @@ fn leaf(dtype: u8, ne: [u64; 4], binding: Option<(u64, u64)>) -> TensorDesc {
             nb0 * ne[0] * ne[1] * ne[2],
         ],
         ndim: 4,
-        op: OpDesc::None,
+        op: Some(Op::None),
         srcs: vec![],
         view: None,
         binding,
@@ -531,9 +530,9 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     let Reply::Buffer { handle, .. } = decode_meta(&m).unwrap() else {
         panic!("no buffer")
     };
-    let a = leaf(0, [4, 4, 1, 1], Some((handle, 0)));
-    let mut sum = leaf(0, [4, 4, 1, 1], Some((handle, 128)));
-    sum.op = OpDesc::Add;
+    let a = leaf(DType::F32, [4, 4, 1, 1], Some((handle, 0)));
+    let mut sum = leaf(DType::F32, [4, 4, 1, 1], Some((handle, 128)));
+    sum.op = Some(Op::Add);
     sum.srcs = vec![0, 0];
     let good = GraphDesc {
         tensors: vec![a.clone(), sum.clone()],
@@ -570,8 +569,8 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     g.tensors[1].ne = [4, 5, 1, 1];
     bad_cases.push(("shape that the op does not give", g));
     let mut g = good.clone();
-    g.tensors[1].op = OpDesc::MulMat;
-    g.tensors[0].dtype = 5;
+    g.tensors[1].op = Some(Op::MulMat);
+    g.tensors[0].dtype = DType::I32;
     bad_cases.push(("dtype the op refuses", g));
     let mut g = good.clone();
     g.tensors[0].nb = [u64::MAX / 2, 1, 1, 1];
@@ -583,11 +582,11 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     g.nodes = vec![1, 1];
     bad_cases.push(("node twice", g));
     let mut g = good.clone();
-    g.tensors[0].op = OpDesc::External;
+    g.tensors[0].op = None;
     g.tensors[0].nb = [4, u64::MAX / 3, 16, 16];
     bad_cases.push(("overflowing strides", g));
     let mut g = good.clone();
-    g.tensors[0].op = OpDesc::External;
+    g.tensors[0].op = None;
     g.tensors[0].nb = [4, 0, 16, 16];
     bad_cases.push(("overlapping rows", g));
     for (i, (what, desc)) in bad_cases.into_iter().enumerate() {
@@ -651,40 +650,116 @@ fn graphs_are_validated_and_invalidated_with_their_buffers() {
     assert!(ok.is_ok());
 }
 
-fn arb_op() -> impl Strategy<Value = OpDesc> {
+/// A count or size parameter: small, or large enough to overflow whatever it drives.
+fn arb_count() -> impl Strategy<Value = usize> {
     prop_oneof![
-        Just(OpDesc::None),
-        Just(OpDesc::External),
-        Just(OpDesc::Add),
-        Just(OpDesc::MulMat),
-        Just(OpDesc::GetRows),
-        Just(OpDesc::Reshape),
-        Just(OpDesc::View),
-        Just(OpDesc::Transpose),
-        Just(OpDesc::Cont),
-        Just(OpDesc::Cpy),
-        Just(OpDesc::SetRows),
-        any::<[u8; 4]>().prop_map(OpDesc::Permute),
-        any::<f32>().prop_map(OpDesc::Norm),
-        any::<u8>().prop_map(OpDesc::Unary),
-        (any::<f32>(), any::<f32>())
-            .prop_map(|(scale, max_bias)| OpDesc::SoftMax { scale, max_bias }),
-        (any::<u64>(), any::<u64>(), any::<u64>(), any::<u64>()).prop_map(
-            |(nb1, nb2, nb3, offset)| OpDesc::Acc {
-                nb1,
+        0usize..8,
+        Just(usize::MAX),
+        Just(1usize << 62),
+        Just(1usize << 40)
+    ]
+}
+
+fn arb_f32() -> impl Strategy<Value = f32> {
+    prop_oneof![
+        any::<f32>(),
+        Just(f32::NAN),
+        Just(f32::INFINITY),
+        Just(-1.0f32),
+        Just(0.0f32)
+    ]
+}
+
+/// Any op but a custom one (which no decoder produces), with hostile parameters among the
+/// plausible ones; `None` is an external tensor.
+fn arb_op() -> impl Strategy<Value = Option<Op>> {
+    let plain = prop::sample::select(vec![
+        Op::None,
+        Op::Dup,
+        Op::Add,
+        Op::Sub,
+        Op::Mul,
+        Op::Div,
+        Op::Add1,
+        Op::Sqr,
+        Op::Sqrt,
+        Op::Log,
+        Op::Sin,
+        Op::Cos,
+        Op::Sum,
+        Op::SumRows,
+        Op::Mean,
+        Op::Argmax,
+        Op::Repeat,
+        Op::MulMat,
+        Op::MulMatId,
+        Op::OutProd,
+        Op::Cpy,
+        Op::Cont,
+        Op::Reshape,
+        Op::View,
+        Op::Transpose,
+        Op::GetRows,
+        Op::SetRows,
+    ]);
+    let with_params = prop_oneof![
+        [arb_count(), arb_count(), arb_count(), arb_count()].prop_map(|a| Op::Permute { axes: a }),
+        arb_f32().prop_map(|eps| Op::Norm { eps }),
+        arb_f32().prop_map(|eps| Op::RmsNorm { eps }),
+        arb_f32().prop_map(|eps| Op::L2Norm { eps }),
+        (arb_count(), arb_f32()).prop_map(|(n_groups, eps)| Op::GroupNorm { n_groups, eps }),
+        prop::sample::select(UnaryOp::ALL.to_vec()).prop_map(Op::Unary),
+        arb_f32().prop_map(|negative_slope| Op::LeakyRelu { negative_slope }),
+        (
+            prop::sample::select(vec![GluOp::Reglu, GluOp::Geglu, GluOp::Swiglu]),
+            any::<bool>()
+        )
+            .prop_map(|(op, swapped)| Op::Glu { op, swapped }),
+        (arb_f32(), arb_f32()).prop_map(|(scale, max_bias)| Op::SoftMax { scale, max_bias }),
+        (arb_f32(), arb_f32()).prop_map(|(s, b)| Op::Scale { s, b }),
+        (arb_f32(), arb_f32()).prop_map(|(min, max)| Op::Clamp { min, max }),
+        arb_count().prop_map(|n_past| Op::DiagMaskInf { n_past }),
+        (arb_count(), arb_count(), arb_count(), arb_count()).prop_map(|(nb1, nb2, nb3, offset)| {
+            Op::Acc {
+                nb1: nb1 * 4,
                 nb2,
                 nb3,
-                offset
+                offset,
             }
-        ),
-        (any::<f32>(), any::<f32>(), any::<f32>()).prop_map(|(scale, max_bias, logit_softcap)| {
-            OpDesc::FlashAttnExt {
+        }),
+        (arb_f32(), arb_f32(), arb_f32()).prop_map(|(scale, max_bias, logit_softcap)| {
+            Op::FlashAttnExt {
                 scale,
                 max_bias,
                 logit_softcap,
             }
         }),
-        any::<u8>().prop_map(|dim| OpDesc::Concat { dim }),
+        arb_count().prop_map(|dim| Op::Concat { dim }),
+        (
+            arb_count(),
+            any::<bool>(),
+            arb_count(),
+            arb_f32(),
+            arb_f32()
+        )
+            .prop_map(|(n_dims, neox, n_ctx_orig, freq_base, beta_fast)| {
+                let mode = if neox {
+                    RopeMode::Neox
+                } else {
+                    RopeMode::Normal
+                };
+                Op::Rope(RopeParams {
+                    n_ctx_orig,
+                    freq_base,
+                    beta_fast,
+                    ..RopeParams::new(n_dims, mode)
+                })
+            }),
+    ];
+    prop_oneof![
+        1 => Just(None),
+        4 => plain.prop_map(Some),
+        4 => with_params.prop_map(Some),
     ]
 }
 
@@ -694,7 +769,7 @@ fn arb_dim() -> impl Strategy<Value = u64> {
 
 fn arb_tensor() -> impl Strategy<Value = TensorDesc> {
     (
-        0u8..11,
+        prop::sample::select(DType::ALL.to_vec()),
         [arb_dim(), arb_dim(), arb_dim(), arb_dim()],
         [arb_dim(), arb_dim(), arb_dim(), arb_dim()],
         0u8..6,

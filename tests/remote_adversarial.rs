@@ -20,10 +20,11 @@ use ferrograph::context::Context;
 use ferrograph::dtype::DType;
 use ferrograph::graph::Graph;
 use ferrograph::ops;
+use ferrograph::ops::Op;
 use ferrograph::remote::protocol::{decode_meta, Command, ErrorReply, Reply, Request};
 use ferrograph::remote::secure::Role;
 use ferrograph::remote::weight_cache::content_hash;
-use ferrograph::remote::wire::{Describer, GraphDesc, OpDesc, TensorDesc};
+use ferrograph::remote::wire::{Describer, GraphDesc, TensorDesc};
 use ferrograph::remote::{Server, ServerConfig};
 
 const TOKEN: &[u8] = b"adversarial-token-0123456789abcdef";
@@ -104,11 +105,11 @@ fn alloc(raw: &mut Raw, id: u64, size: u64) -> u64 {
 
 fn f32_leaf(ne: [u64; 4], binding: (u64, u64)) -> TensorDesc {
     TensorDesc {
-        dtype: 0,
+        dtype: DType::F32,
         ne,
         nb: [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1] * ne[2]],
         ndim: 4,
-        op: OpDesc::None,
+        op: Some(Op::None),
         srcs: vec![],
         view: None,
         binding: Some(binding),
@@ -138,13 +139,13 @@ fn group_norm_with_huge_n_groups_is_refused_at_once() {
         |srv| {
             let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
             let h = alloc(&mut raw, 1, 256);
-            for n_groups in [1u64 << 63, u64::MAX, 4] {
+            for n_groups in [1usize << 63, usize::MAX, 4] {
                 let x = f32_leaf([4, 3, 1, 1], (h, 0));
                 let mut y = f32_leaf([4, 3, 1, 1], (h, 64));
-                y.op = OpDesc::GroupNorm {
+                y.op = Some(Op::GroupNorm {
                     n_groups,
                     eps: 1e-5,
-                };
+                });
                 y.srcs = vec![0];
                 let desc = GraphDesc {
                     tensors: vec![x, y],
@@ -153,7 +154,7 @@ fn group_norm_with_huge_n_groups_is_refused_at_once() {
                 };
                 let compute = Request::Compute {
                     device: 0,
-                    graph: n_groups,
+                    graph: n_groups as u64,
                     desc: Some(desc),
                 };
                 let start = Instant::now();

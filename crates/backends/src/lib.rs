@@ -7,7 +7,7 @@
 // The lower crates' modules under their own names, so paths read `crate::tensor::Tensor` and
 // `crate::cpu::CpuBackend` here as they do in the crates that define them.
 use ferrograph_base::{
-    alloc, backend, buffer, context, device, dtype, error, event, graph, host, ops, pool,
+    alloc, backend, buffer, context, device, dtype, error, event, graph, host, op, ops, pool,
     registration, tensor,
 };
 use ferrograph_cpu as cpu;

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use crate::buffer::{alloc_cpu_buffer, Buffer, HOST_ALIGNMENT};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::ops::Op;
+use crate::op::Op;
 use crate::tensor::{Tensor, TensorSpec, MAX_DIMS};
 
 /// Host memory chunks of a context that allocates its tensors.

@@ -15,8 +15,14 @@ use crate::{convert, quant};
 
 /// The element type of a tensor.
 // Variants keep ggml's spelling of its types (q2_K, iq4_nl), which users search for.
+//
+// Serialised (the remote devices' wire) as ggml's type id, checked when decoded: an id that
+// names no type of ferrograph is an error.
 #[allow(non_camel_case_types)]
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, serde::Serialize, serde::Deserialize,
+)]
+#[serde(into = "u32", try_from = "u32")]
 pub enum DType {
     /// 32-bit IEEE float.
     F32,
@@ -67,8 +73,7 @@ pub enum DType {
 }
 
 impl DType {
-    /// Every type, in declaration order. New types are appended: a type's position here is its
-    /// number on the remote devices' wire.
+    /// Every type, in declaration order.
     pub const ALL: [DType; 21] = [
         DType::F32,
         DType::F16,
@@ -452,6 +457,23 @@ impl DType {
     }
 }
 
+impl From<DType> for u32 {
+    /// ggml's id of the type ([`DType::ggml_type_id`]).
+    fn from(dtype: DType) -> u32 {
+        dtype.ggml_type_id()
+    }
+}
+
+impl TryFrom<u32> for DType {
+    type Error = Error;
+
+    /// The type with ggml's id `id` ([`DType::from_ggml_type_id`]): an error for an id
+    /// ferrograph does not implement or ggml does not define.
+    fn try_from(id: u32) -> Result<DType> {
+        DType::from_ggml_type_id(id)
+    }
+}
+
 impl fmt::Display for DType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.name())
@@ -520,5 +542,18 @@ mod tests {
         let err = DType::from_ggml_type_id(16).unwrap_err().to_string();
         assert!(err.contains("iq2_xxs"), "{err}");
         assert!(DType::from_ggml_type_id(9999).is_err());
+    }
+
+    #[test]
+    fn serialised_as_ggml_ids_and_checked_when_decoded() {
+        for dt in DType::ALL {
+            let bytes = postcard::to_stdvec(&dt).unwrap();
+            assert_eq!(bytes, postcard::to_stdvec(&dt.ggml_type_id()).unwrap());
+            assert_eq!(postcard::from_bytes::<DType>(&bytes).unwrap(), dt);
+        }
+        for id in [16u32, 9999, u32::MAX] {
+            let bytes = postcard::to_stdvec(&id).unwrap();
+            assert!(postcard::from_bytes::<DType>(&bytes).is_err(), "{id}");
+        }
     }
 }

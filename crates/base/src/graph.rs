@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::error::{Error, Result};
-use crate::ops::Op;
+use crate::op::Op;
 use crate::tensor::Tensor;
 use crate::util::IdMap;
 

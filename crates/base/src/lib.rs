@@ -22,6 +22,7 @@ pub mod gguf;
 pub mod graph;
 pub mod graph_copy;
 pub mod host;
+pub mod op;
 pub mod ops;
 pub mod pool;
 pub mod quant;

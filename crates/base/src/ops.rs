@@ -1,10 +1,13 @@
-//! The closed set of ops, their parameters, and builders that validate shapes and dtypes.
+//! Builders that validate shapes and dtypes, over the op IR of [`crate::op`].
+//!
+//! The op set and its parameter types live in [`crate::op`] and are re-exported here, so
+//! `ops::Op`, `ops::UnaryOp` and the rest keep their paths. [`rebuild`] maps an [`Op`] value
+//! back to its builder call (the remote server rebuilds every tensor it is sent with it).
 //!
 //! Builders follow ggml's semantics and argument order (`mul_mat(a, b)` computes `b · aᵀ` in
 //! numpy terms) and return a new tensor recorded in the given context. Every builder checks its
 //! operands and returns [`Error::Shape`] or [`Error::DType`] naming the tensors and their shapes.
 
-use std::fmt;
 use std::sync::Arc;
 
 use crate::context::Context;
@@ -12,469 +15,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::{contiguous_strides, Tensor, TensorSpec, MAX_DIMS};
 
-/// Element-wise functions of one operand.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum UnaryOp {
-    /// |x|
-    Abs,
-    /// sign(x) (0 at 0)
-    Sgn,
-    /// −x
-    Neg,
-    /// 1 if x > 0 else 0
-    Step,
-    /// tanh(x)
-    Tanh,
-    /// x if x > 0 else eˣ − 1
-    Elu,
-    /// max(x, 0)
-    Relu,
-    /// 1 / (1 + e⁻ˣ)
-    Sigmoid,
-    /// GELU, tanh approximation
-    Gelu,
-    /// GELU, exact (erf) form
-    GeluErf,
-    /// GELU, sigmoid approximation x·σ(1.702x)
-    GeluQuick,
-    /// x·σ(x)
-    Silu,
-    /// x·min(max(x + 3, 0), 6) / 6
-    Hardswish,
-    /// min(max(x + 3, 0), 6) / 6
-    Hardsigmoid,
-    /// eˣ
-    Exp,
-}
-
-impl UnaryOp {
-    /// Every unary op.
-    pub const ALL: [UnaryOp; 15] = [
-        UnaryOp::Abs,
-        UnaryOp::Sgn,
-        UnaryOp::Neg,
-        UnaryOp::Step,
-        UnaryOp::Tanh,
-        UnaryOp::Elu,
-        UnaryOp::Relu,
-        UnaryOp::Sigmoid,
-        UnaryOp::Gelu,
-        UnaryOp::GeluErf,
-        UnaryOp::GeluQuick,
-        UnaryOp::Silu,
-        UnaryOp::Hardswish,
-        UnaryOp::Hardsigmoid,
-        UnaryOp::Exp,
-    ];
-
-    /// The upper-case name (`"GELU_ERF"`).
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::Abs => "ABS",
-            UnaryOp::Sgn => "SGN",
-            UnaryOp::Neg => "NEG",
-            UnaryOp::Step => "STEP",
-            UnaryOp::Tanh => "TANH",
-            UnaryOp::Elu => "ELU",
-            UnaryOp::Relu => "RELU",
-            UnaryOp::Sigmoid => "SIGMOID",
-            UnaryOp::Gelu => "GELU",
-            UnaryOp::GeluErf => "GELU_ERF",
-            UnaryOp::GeluQuick => "GELU_QUICK",
-            UnaryOp::Silu => "SILU",
-            UnaryOp::Hardswish => "HARDSWISH",
-            UnaryOp::Hardsigmoid => "HARDSIGMOID",
-            UnaryOp::Exp => "EXP",
-        }
-    }
-}
-
-/// Gated linear units: `act(x) · g`, where `x` and `g` are the two halves of a row (fused
-/// form) or two tensors (split form).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum GluOp {
-    /// ReLU gate.
-    Reglu,
-    /// GELU (tanh) gate.
-    Geglu,
-    /// SiLU gate.
-    Swiglu,
-}
-
-impl GluOp {
-    /// The upper-case name.
-    pub fn name(self) -> &'static str {
-        match self {
-            GluOp::Reglu => "REGLU",
-            GluOp::Geglu => "GEGLU",
-            GluOp::Swiglu => "SWIGLU",
-        }
-    }
-
-    /// The activation applied to the gated half.
-    pub fn activation(self) -> UnaryOp {
-        match self {
-            GluOp::Reglu => UnaryOp::Relu,
-            GluOp::Geglu => UnaryOp::Gelu,
-            GluOp::Swiglu => UnaryOp::Silu,
-        }
-    }
-}
-
-/// Rotary position embedding modes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum RopeMode {
-    /// Rotate adjacent pairs (x₀, x₁).
-    Normal,
-    /// Rotate pairs split across halves (x₀, x_{n/2}) as GPT-NeoX does.
-    Neox,
-}
-
-/// Parameters of [`Op::Rope`].
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct RopeParams {
-    /// Number of leading dimensions rotated (even, ≤ `ne[0]`).
-    pub n_dims: usize,
-    /// Pair layout.
-    pub mode: RopeMode,
-    /// Context length the model was trained with (YaRN).
-    pub n_ctx_orig: usize,
-    /// Base of the rotation frequencies (e.g. 10000).
-    pub freq_base: f32,
-    /// Position scaling (1 = none).
-    pub freq_scale: f32,
-    /// YaRN extrapolation mix (0 = off).
-    pub ext_factor: f32,
-    /// Magnitude scale.
-    pub attn_factor: f32,
-    /// YaRN ramp start (rotations).
-    pub beta_fast: f32,
-    /// YaRN ramp end (rotations).
-    pub beta_slow: f32,
-}
-
-impl RopeParams {
-    /// Plain RoPE over `n_dims` dimensions with the usual defaults.
-    pub fn new(n_dims: usize, mode: RopeMode) -> Self {
-        RopeParams {
-            n_dims,
-            mode,
-            n_ctx_orig: 0,
-            freq_base: 10000.0,
-            freq_scale: 1.0,
-            ext_factor: 0.0,
-            attn_factor: 1.0,
-            beta_fast: 32.0,
-            beta_slow: 1.0,
-        }
-    }
-}
-
-/// A user-defined op computed on the host (ggml's MAP_CUSTOM family).
-pub trait CustomOp: Send + Sync {
-    /// A short name for dumps and errors.
-    fn name(&self) -> &str;
-    /// Computes `dst` from `srcs`; all are allocated host tensors when called.
-    fn compute(&self, dst: &Tensor, srcs: &[Tensor]) -> Result<()>;
-}
-
-/// A shared custom op.
-#[derive(Clone)]
-pub struct CustomOpRef(pub Arc<dyn CustomOp>);
-
-impl fmt::Debug for CustomOpRef {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CustomOp({})", self.0.name())
-    }
-}
-
-impl PartialEq for CustomOpRef {
-    fn eq(&self, other: &Self) -> bool {
-        Arc::ptr_eq(&self.0, &other.0)
-    }
-}
-
-/// The operation that produces a tensor, with its parameters.
-#[derive(Debug, Clone, PartialEq)]
-pub enum Op {
-    /// A leaf: no computation.
-    None,
-    /// Copy into a new tensor of the same layout.
-    Dup,
-    /// Add with broadcasting of the second operand.
-    Add,
-    /// Subtract with broadcasting.
-    Sub,
-    /// Multiply with broadcasting.
-    Mul,
-    /// Divide with broadcasting.
-    Div,
-    /// Add a one-element tensor.
-    Add1,
-    /// Add `b` into a strided region of a copy of `a`.
-    Acc {
-        /// Region stride of dimension 1 in bytes.
-        nb1: usize,
-        /// Region stride of dimension 2 in bytes.
-        nb2: usize,
-        /// Region stride of dimension 3 in bytes.
-        nb3: usize,
-        /// Region start in bytes.
-        offset: usize,
-    },
-    /// x².
-    Sqr,
-    /// √x.
-    Sqrt,
-    /// ln x.
-    Log,
-    /// sin x.
-    Sin,
-    /// cos x.
-    Cos,
-    /// Sum of all elements.
-    Sum,
-    /// Sum of each row.
-    SumRows,
-    /// Mean of each row.
-    Mean,
-    /// Index of each row's maximum.
-    Argmax,
-    /// Tile `a` to the shape of `b`.
-    Repeat,
-    /// Join along a dimension.
-    Concat {
-        /// ggml-order dimension joined along.
-        dim: usize,
-    },
-    /// An element-wise function.
-    Unary(UnaryOp),
-    /// x if x > 0 else slope·x.
-    LeakyRelu {
-        /// Slope for negative inputs.
-        negative_slope: f32,
-    },
-    /// Gated linear unit (one operand: fused halves; two: split form).
-    Glu {
-        /// The gate's activation.
-        op: GluOp,
-        /// Fused form: the activation applies to the second half instead of the first.
-        swapped: bool,
-    },
-    /// Normalise each row to zero mean and unit variance.
-    Norm {
-        /// Added to the variance.
-        eps: f32,
-    },
-    /// Divide each row by its root mean square.
-    RmsNorm {
-        /// Added to the mean square.
-        eps: f32,
-    },
-    /// Normalise groups of channels (dimension 2).
-    GroupNorm {
-        /// Number of groups.
-        n_groups: usize,
-        /// Added to the variance.
-        eps: f32,
-    },
-    /// Divide each row by its L2 norm.
-    L2Norm {
-        /// Lower bound of the norm.
-        eps: f32,
-    },
-    /// Matrix product `b · aᵀ` per batch.
-    MulMat,
-    /// Mixture-of-experts matrix product selected by expert ids.
-    MulMatId,
-    /// Outer product summed over dimension 1.
-    OutProd,
-    /// `x·s + b`.
-    Scale {
-        /// Multiplier.
-        s: f32,
-        /// Bias.
-        b: f32,
-    },
-    /// Copy `a` into `b`'s memory (result is a view of `b`).
-    Cpy,
-    /// Make a contiguous copy.
-    Cont,
-    /// Same memory, new contiguous shape.
-    Reshape,
-    /// Same memory, explicit shape, strides and offset.
-    View,
-    /// Same memory, dimensions reordered.
-    Permute {
-        /// `axes[i]` is where source dimension `i` goes.
-        axes: [usize; MAX_DIMS],
-    },
-    /// Same memory, dimensions 0 and 1 swapped.
-    Transpose,
-    /// Gather rows by index.
-    GetRows,
-    /// Scatter rows by index into the destination (result is a view of it).
-    SetRows,
-    /// Set elements above the diagonal (offset by `n_past`) to −∞.
-    DiagMaskInf {
-        /// Columns visible beyond the diagonal.
-        n_past: usize,
-    },
-    /// Softmax of each row of `a·scale + mask (+ ALiBi)`.
-    SoftMax {
-        /// Input scale.
-        scale: f32,
-        /// ALiBi maximum bias (0 = off).
-        max_bias: f32,
-    },
-    /// Rotary position embedding.
-    Rope(RopeParams),
-    /// Clamp to [min, max].
-    Clamp {
-        /// Lower bound.
-        min: f32,
-        /// Upper bound.
-        max: f32,
-    },
-    /// Fused attention `softmax(q·kᵀ·scale + mask) · v`.
-    FlashAttnExt {
-        /// Scale of q·kᵀ.
-        scale: f32,
-        /// ALiBi maximum bias (0 = off).
-        max_bias: f32,
-        /// Soft cap of the logits (0 = off).
-        logit_softcap: f32,
-    },
-    /// A user-defined host computation.
-    Custom(CustomOpRef),
-}
-
-impl Op {
-    /// The upper-case name (`"MUL_MAT"`, `"UNARY"`, ...).
-    pub fn name(&self) -> &'static str {
-        match self {
-            Op::None => "NONE",
-            Op::Dup => "DUP",
-            Op::Add => "ADD",
-            Op::Sub => "SUB",
-            Op::Mul => "MUL",
-            Op::Div => "DIV",
-            Op::Add1 => "ADD1",
-            Op::Acc { .. } => "ACC",
-            Op::Sqr => "SQR",
-            Op::Sqrt => "SQRT",
-            Op::Log => "LOG",
-            Op::Sin => "SIN",
-            Op::Cos => "COS",
-            Op::Sum => "SUM",
-            Op::SumRows => "SUM_ROWS",
-            Op::Mean => "MEAN",
-            Op::Argmax => "ARGMAX",
-            Op::Repeat => "REPEAT",
-            Op::Concat { .. } => "CONCAT",
-            Op::Unary(_) => "UNARY",
-            Op::LeakyRelu { .. } => "LEAKY_RELU",
-            Op::Glu { .. } => "GLU",
-            Op::Norm { .. } => "NORM",
-            Op::RmsNorm { .. } => "RMS_NORM",
-            Op::GroupNorm { .. } => "GROUP_NORM",
-            Op::L2Norm { .. } => "L2_NORM",
-            Op::MulMat => "MUL_MAT",
-            Op::MulMatId => "MUL_MAT_ID",
-            Op::OutProd => "OUT_PROD",
-            Op::Scale { .. } => "SCALE",
-            Op::Cpy => "CPY",
-            Op::Cont => "CONT",
-            Op::Reshape => "RESHAPE",
-            Op::View => "VIEW",
-            Op::Permute { .. } => "PERMUTE",
-            Op::Transpose => "TRANSPOSE",
-            Op::GetRows => "GET_ROWS",
-            Op::SetRows => "SET_ROWS",
-            Op::DiagMaskInf { .. } => "DIAG_MASK_INF",
-            Op::SoftMax { .. } => "SOFT_MAX",
-            Op::Rope(_) => "ROPE",
-            Op::Clamp { .. } => "CLAMP",
-            Op::FlashAttnExt { .. } => "FLASH_ATTN_EXT",
-            Op::Custom(_) => "CUSTOM",
-        }
-    }
-
-    /// A name that includes the unary / GLU sub-op (`"GELU"` rather than `"UNARY"`).
-    pub fn display_name(&self) -> String {
-        match self {
-            Op::Unary(u) => u.name().to_owned(),
-            Op::Glu { op, .. } => op.name().to_owned(),
-            Op::Custom(c) => format!("CUSTOM({})", c.0.name()),
-            other => other.name().to_owned(),
-        }
-    }
-
-    /// Ops that only reinterpret memory and need no kernel work.
-    pub fn is_view_op(&self) -> bool {
-        matches!(
-            self,
-            Op::Reshape | Op::View | Op::Permute { .. } | Op::Transpose
-        )
-    }
-
-    /// Whether the op's output may share memory with its first operand: each output element
-    /// depends only on input elements at the same position or the same row, read before written.
-    pub fn can_inplace(&self) -> bool {
-        matches!(
-            self,
-            Op::Scale { .. }
-                | Op::DiagMaskInf { .. }
-                | Op::Add
-                | Op::Add1
-                | Op::Sub
-                | Op::Mul
-                | Op::Div
-                | Op::Sqr
-                | Op::Sqrt
-                | Op::Log
-                | Op::Sin
-                | Op::Cos
-                | Op::Clamp { .. }
-                | Op::Unary(_)
-                | Op::LeakyRelu { .. }
-                | Op::Rope(_)
-                | Op::RmsNorm { .. }
-                | Op::SoftMax { .. }
-        )
-    }
-
-    /// A short text of the op's parameters, for dumps (`""` when there are none).
-    pub fn params_text(&self) -> String {
-        match self {
-            Op::Acc {
-                nb1,
-                nb2,
-                nb3,
-                offset,
-            } => format!("nb=({nb1},{nb2},{nb3}) offset={offset}"),
-            Op::Concat { dim } => format!("dim={dim}"),
-            Op::LeakyRelu { negative_slope } => format!("slope={negative_slope}"),
-            Op::Glu { swapped, .. } => format!("swapped={swapped}"),
-            Op::Norm { eps } | Op::RmsNorm { eps } | Op::L2Norm { eps } => format!("eps={eps}"),
-            Op::GroupNorm { n_groups, eps } => format!("groups={n_groups} eps={eps}"),
-            Op::Scale { s, b } => format!("s={s} b={b}"),
-            Op::Permute { axes } => format!("axes={axes:?}"),
-            Op::DiagMaskInf { n_past } => format!("n_past={n_past}"),
-            Op::SoftMax { scale, max_bias } => format!("scale={scale} max_bias={max_bias}"),
-            Op::Rope(p) => format!("n_dims={} mode={:?} base={}", p.n_dims, p.mode, p.freq_base),
-            Op::Clamp { min, max } => format!("min={min} max={max}"),
-            Op::FlashAttnExt {
-                scale,
-                max_bias,
-                logit_softcap,
-            } => {
-                format!("scale={scale} max_bias={max_bias} softcap={logit_softcap}")
-            }
-            _ => String::new(),
-        }
-    }
-}
+pub use crate::op::{CustomOp, CustomOpRef, GluOp, Op, RopeMode, RopeParams, UnaryOp};
 
 // ----- helpers -----
 
@@ -563,6 +104,7 @@ fn new_view(
     srcs: Vec<Tensor>,
 ) -> Result<Tensor> {
     check_view_layout(&op, src, &ne, &nb, offset)?;
+    check_span(src.dtype(), &ne, &nb, op.name())?;
     ctx.create(TensorSpec {
         dtype: src.dtype(),
         ne,
@@ -572,6 +114,89 @@ fn new_view(
         srcs,
         view: Some((src.clone(), offset)),
     })
+}
+
+/// The bytes a tensor of this dtype, shape and strides spans (as
+/// [`span_bytes`](crate::tensor::span_bytes) counts them), or an error when strides make that
+/// overflow or exceed `isize::MAX`: strides that come from a caller are checked with it before
+/// any tensor is made of them.
+pub(crate) fn check_span(
+    dtype: DType,
+    ne: &[usize; MAX_DIMS],
+    nb: &[usize; MAX_DIMS],
+    what: &str,
+) -> Result<usize> {
+    if ne.contains(&0) {
+        return Ok(0);
+    }
+    let block = dtype.block_size();
+    let (first, start) = if block == 1 {
+        (0, Some(dtype.type_size()))
+    } else {
+        (1, ne[0].checked_mul(nb[0]).map(|x| x / block))
+    };
+    let span = (first..MAX_DIMS).try_fold(start, |acc, i| {
+        Some(acc.and_then(|acc| (ne[i] - 1).checked_mul(nb[i])?.checked_add(acc)))
+    });
+    match span.flatten() {
+        Some(bytes) if bytes <= isize::MAX as usize => Ok(bytes),
+        _ => Err(Error::Shape(format!(
+            "{what}: strides {nb:?} of shape {ne:?} overflow"
+        ))),
+    }
+}
+
+/// Checks explicit strides for a tensor that may be written: the span they give must be
+/// computable without overflow, quantized rows must be dense blocks (their kernels read whole
+/// blocks), and no two elements may share bytes (kernels write such tensors from several
+/// threads).
+pub fn check_strides(
+    dtype: DType,
+    ne: &[usize; MAX_DIMS],
+    nb: &[usize; MAX_DIMS],
+    what: &str,
+) -> Result<()> {
+    crate::tensor::check_shape(dtype, ne, what)?;
+    if dtype.is_quantized() && nb[0] != dtype.type_size() {
+        return Err(Error::Shape(format!(
+            "{what}: quantized ({dtype}) rows must be dense, got element stride {}",
+            nb[0]
+        )));
+    }
+    let span = (0..MAX_DIMS).try_fold(dtype.type_size(), |acc, i| {
+        ne[i]
+            .saturating_sub(1)
+            .checked_mul(nb[i])
+            .and_then(|x| acc.checked_add(x))
+    });
+    if span.is_none_or(|s| s > isize::MAX as usize) {
+        return Err(Error::Shape(format!(
+            "{what}: strides {nb:?} of shape {ne:?} overflow"
+        )));
+    }
+    let mut dims: Vec<(usize, usize)> = (0..MAX_DIMS)
+        .map(|i| {
+            let n = if i == 0 {
+                ne[0] / dtype.block_size()
+            } else {
+                ne[i]
+            };
+            (n, nb[i])
+        })
+        .filter(|&(n, _)| n > 1)
+        .collect();
+    dims.sort_by_key(|&(_, stride)| stride);
+    let mut extent = dtype.type_size();
+    for (n, stride) in dims {
+        if stride < extent {
+            return Err(Error::Shape(format!(
+                "{what}: strides {nb:?} of shape {ne:?} make elements overlap"
+            )));
+        }
+        // No overflow: the span check above bounds every (n - 1) * stride and their sum.
+        extent += (n - 1) * stride;
+    }
+    Ok(())
 }
 
 fn require_float(op: &str, t: &Tensor) -> Result<()> {
@@ -688,6 +313,7 @@ pub fn cont(ctx: &Context, a: &Tensor) -> Result<Tensor> {
 /// A contiguous copy of `a` with a new ggml-order shape of the same element count.
 pub fn cont_shape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
     let full = full_ne(ne, "CONT")?;
+    crate::tensor::check_shape(a.dtype(), &full, "CONT")?;
     if full.iter().product::<usize>() != a.nelements() {
         return Err(Error::Shape(format!(
             "CONT: cannot give {} the shape {ne:?}",
@@ -711,6 +337,8 @@ fn full_ne(ne: &[usize], op: &str) -> Result<[usize; MAX_DIMS]> {
 /// The same memory with a new ggml-order shape; `a` must be contiguous.
 pub fn reshape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
     let full = full_ne(ne, "RESHAPE")?;
+    // First: the element count below must not overflow.
+    crate::tensor::check_shape(a.dtype(), &full, "RESHAPE")?;
     if !a.is_contiguous() {
         return Err(Error::Shape(format!(
             "RESHAPE: {} is not contiguous; use cont first",
@@ -725,7 +353,6 @@ pub fn reshape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
             full.iter().product::<usize>()
         )));
     }
-    crate::tensor::check_shape(a.dtype(), &full, "RESHAPE")?;
     let nb = contiguous_strides(a.dtype(), &full);
     new_view(ctx, a, full, nb, ne.len(), 0, Op::Reshape, vec![a.clone()])
 }
@@ -753,7 +380,9 @@ pub fn view(
     let mut nb = contiguous_strides(a.dtype(), &full);
     nb[1..ne.len()].copy_from_slice(strides);
     for i in ne.len()..MAX_DIMS {
-        nb[i] = nb[i - 1] * full[i - 1];
+        // Dimensions of one element: their stride never addresses anything, so a caller's
+        // huge last stride saturates here instead of overflowing.
+        nb[i] = nb[i - 1].saturating_mul(full[i - 1]);
     }
     new_view(
         ctx,
@@ -979,7 +608,10 @@ pub fn acc(
              {element}-byte f32 element"
         )));
     }
-    let region = crate::tensor::span_bytes(DType::F32, &b.ne(), &[4, nb1, nb2, nb3]);
+    // The kernel adds into the region from several threads: it must not overflow or overlap.
+    let region_nb = [element, nb1, nb2, nb3];
+    check_strides(DType::F32, &b.ne(), &region_nb, "ACC region")?;
+    let region = check_span(DType::F32, &b.ne(), &region_nb, "ACC region")?;
     if offset
         .checked_add(region)
         .is_none_or(|end| end > a.nbytes())
@@ -1399,6 +1031,12 @@ pub fn mul_mat_id(ctx: &Context, experts: &Tensor, b: &Tensor, ids: &Tensor) -> 
 /// Sets elements with column > row + `n_past` to −∞ (per matrix).
 pub fn diag_mask_inf(ctx: &Context, a: &Tensor, n_past: usize) -> Result<Tensor> {
     require_dtype("DIAG_MASK_INF", a, &[DType::F32])?;
+    // The kernel adds row numbers to n_past: bounded so that the sum cannot overflow.
+    if n_past > isize::MAX as usize {
+        return Err(Error::InvalidArgument(format!(
+            "DIAG_MASK_INF: n_past {n_past} is larger than any tensor"
+        )));
+    }
     elementwise(ctx, a, Op::DiagMaskInf { n_past })
 }
 
@@ -1631,12 +1269,448 @@ pub fn custom(
     )
 }
 
+// ----- rebuilding -----
+
+/// What a rebuilt tensor is asked to look like. Most ops decide their result from their
+/// operands; the ones that take it from the caller read it here: a leaf ([`Op::None`]: dtype
+/// and shape), [`Op::Cont`] and [`Op::Reshape`] (shape), [`Op::View`] (shape, strides and
+/// offset) and [`Op::Custom`] (dtype and shape). The others ignore it; a caller that must
+/// trust the result compares it with the layout afterwards.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Layout {
+    /// Element type.
+    pub dtype: DType,
+    /// Elements per dimension, ggml order (dimensions from `ndim` on are 1).
+    pub ne: [usize; MAX_DIMS],
+    /// Byte strides, ggml order.
+    pub nb: [usize; MAX_DIMS],
+    /// Dimensions the user sees (1 to 4).
+    pub ndim: usize,
+    /// For a view, its byte offset from the start of the tensor whose memory it shares (the
+    /// root of a chain of views, as [`Tensor::view_offset`] reports it).
+    pub view_offset: usize,
+}
+
+impl Layout {
+    /// The layout of an existing tensor.
+    pub fn of(t: &Tensor) -> Layout {
+        Layout {
+            dtype: t.dtype(),
+            ne: t.ne(),
+            nb: t.nb(),
+            ndim: t.ndim(),
+            view_offset: t.view_offset(),
+        }
+    }
+}
+
+/// `srcs` when the op takes one of the `allowed` operand counts, else an error.
+fn operands<'a>(op: &Op, srcs: &'a [Tensor], allowed: &[usize]) -> Result<&'a [Tensor]> {
+    if allowed.contains(&srcs.len()) {
+        Ok(srcs)
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "{} takes {} operands, got {}",
+            op.name(),
+            allowed
+                .iter()
+                .map(|n| n.to_string())
+                .collect::<Vec<_>>()
+                .join(" or "),
+            srcs.len()
+        )))
+    }
+}
+
+/// Makes the tensor `op` computes from `srcs` by calling its builder, so everything a builder
+/// checks (operand counts, dtypes, shapes, parameters) is checked again. `layout` supplies what
+/// the op takes from its caller rather than its operands (see [`Layout`]). The one place that
+/// maps an [`Op`] value to builder calls: a new op does not compile until it is handled here.
+pub fn rebuild(ctx: &Context, op: &Op, srcs: &[Tensor], layout: &Layout) -> Result<Tensor> {
+    let ndim = layout.ndim;
+    if !(1..=MAX_DIMS).contains(&ndim) {
+        return Err(Error::Shape(format!(
+            "{}: ndim {ndim} is outside 1..={MAX_DIMS}",
+            op.name()
+        )));
+    }
+    let shape = &layout.ne[..ndim];
+    let one = |srcs: &[Tensor]| operands(op, srcs, &[1]).map(|s| s[0].clone());
+    let two = |srcs: &[Tensor]| operands(op, srcs, &[2]).map(|s| (s[0].clone(), s[1].clone()));
+    match *op {
+        Op::None => {
+            operands(op, srcs, &[0])?;
+            ctx.new_tensor(layout.dtype, shape)
+        }
+        Op::Dup => dup(ctx, &one(srcs)?),
+        Op::Add => two(srcs).and_then(|(a, b)| add(ctx, &a, &b)),
+        Op::Sub => two(srcs).and_then(|(a, b)| sub(ctx, &a, &b)),
+        Op::Mul => two(srcs).and_then(|(a, b)| mul(ctx, &a, &b)),
+        Op::Div => two(srcs).and_then(|(a, b)| div(ctx, &a, &b)),
+        Op::Add1 => two(srcs).and_then(|(a, b)| add1(ctx, &a, &b)),
+        Op::Acc {
+            nb1,
+            nb2,
+            nb3,
+            offset,
+        } => two(srcs).and_then(|(a, b)| acc(ctx, &a, &b, nb1, nb2, nb3, offset)),
+        Op::Sqr => sqr(ctx, &one(srcs)?),
+        Op::Sqrt => sqrt(ctx, &one(srcs)?),
+        Op::Log => log(ctx, &one(srcs)?),
+        Op::Sin => sin(ctx, &one(srcs)?),
+        Op::Cos => cos(ctx, &one(srcs)?),
+        Op::Sum => sum(ctx, &one(srcs)?),
+        Op::SumRows => sum_rows(ctx, &one(srcs)?),
+        Op::Mean => mean(ctx, &one(srcs)?),
+        Op::Argmax => argmax(ctx, &one(srcs)?),
+        Op::Repeat => two(srcs).and_then(|(a, b)| repeat(ctx, &a, &b)),
+        Op::Concat { dim } => two(srcs).and_then(|(a, b)| concat(ctx, &a, &b, dim)),
+        Op::Unary(u) => unary(ctx, &one(srcs)?, u),
+        Op::LeakyRelu { negative_slope } => leaky_relu(ctx, &one(srcs)?, negative_slope),
+        Op::Glu {
+            op: glu_op,
+            swapped,
+        } => match operands(op, srcs, &[1, 2])? {
+            [a] => glu(ctx, a, glu_op, swapped),
+            [a, b] if !swapped => glu_split(ctx, a, b, glu_op),
+            _ => Err(Error::InvalidArgument(format!(
+                "{}: a split gated unit cannot be swapped",
+                glu_op.name()
+            ))),
+        },
+        Op::Norm { eps } => norm(ctx, &one(srcs)?, eps),
+        Op::RmsNorm { eps } => rms_norm(ctx, &one(srcs)?, eps),
+        Op::GroupNorm { n_groups, eps } => group_norm(ctx, &one(srcs)?, n_groups, eps),
+        Op::L2Norm { eps } => l2_norm(ctx, &one(srcs)?, eps),
+        Op::MulMat => two(srcs).and_then(|(a, b)| mul_mat(ctx, &a, &b)),
+        Op::MulMatId => {
+            let s = operands(op, srcs, &[3])?;
+            mul_mat_id(ctx, &s[0], &s[1], &s[2])
+        }
+        Op::OutProd => two(srcs).and_then(|(a, b)| out_prod(ctx, &a, &b)),
+        Op::Scale { s, b } => scale(ctx, &one(srcs)?, s, b),
+        Op::Cpy => two(srcs).and_then(|(a, b)| cpy(ctx, &a, &b)),
+        Op::Cont => cont_shape(ctx, &one(srcs)?, shape),
+        Op::Reshape => reshape(ctx, &one(srcs)?, shape),
+        Op::View => {
+            let a = one(srcs)?;
+            // The layout's offset is from the root; the builder takes it from its operand.
+            let offset = layout
+                .view_offset
+                .checked_sub(a.view_offset())
+                .ok_or_else(|| {
+                    Error::Shape(format!(
+                        "VIEW: offset {} lies before its operand's own offset {}",
+                        layout.view_offset,
+                        a.view_offset()
+                    ))
+                })?;
+            view(ctx, &a, shape, &layout.nb[1..ndim], offset)
+        }
+        Op::Permute { axes } => permute(ctx, &one(srcs)?, axes),
+        Op::Transpose => transpose(ctx, &one(srcs)?),
+        Op::GetRows => two(srcs).and_then(|(a, b)| get_rows(ctx, &a, &b)),
+        Op::SetRows => {
+            let s = operands(op, srcs, &[3])?;
+            set_rows(ctx, &s[0], &s[1], &s[2])
+        }
+        Op::DiagMaskInf { n_past } => diag_mask_inf(ctx, &one(srcs)?, n_past),
+        Op::SoftMax { scale, max_bias } => {
+            let s = operands(op, srcs, &[1, 2])?;
+            soft_max(ctx, &s[0], s.get(1), scale, max_bias)
+        }
+        Op::Rope(params) => {
+            let s = operands(op, srcs, &[2, 3])?;
+            rope(ctx, &s[0], &s[1], s.get(2), params)
+        }
+        Op::Clamp { min, max } => clamp(ctx, &one(srcs)?, min, max),
+        Op::FlashAttnExt {
+            scale,
+            max_bias,
+            logit_softcap,
+        } => {
+            let s = operands(op, srcs, &[3, 4])?;
+            flash_attn_ext(
+                ctx,
+                &s[0],
+                &s[1],
+                &s[2],
+                s.get(3),
+                scale,
+                max_bias,
+                logit_softcap,
+            )
+        }
+        Op::Custom(ref c) => custom(ctx, c.0.clone(), srcs, layout.dtype, shape),
+    }
+}
+
+/// One tensor of each op, for tests that walk the whole op set (the local [`rebuild`], the
+/// remote wire's round trip). Built with the tests, or with the feature `samples` (which the
+/// crates above turn on for their own tests).
+#[cfg(any(test, feature = "samples"))]
+pub mod samples {
+    use super::*;
+
+    /// The number of `Op` variants: [`variant`]'s arms.
+    pub const N_VARIANTS: usize = 44;
+
+    /// A number per `Op` variant. No wildcard: a new op does not compile until it is numbered
+    /// here (and [`one_of_each`] then fails until it builds one).
+    pub fn variant(op: &Op) -> usize {
+        match op {
+            Op::None => 0,
+            Op::Dup => 1,
+            Op::Add => 2,
+            Op::Sub => 3,
+            Op::Mul => 4,
+            Op::Div => 5,
+            Op::Add1 => 6,
+            Op::Acc { .. } => 7,
+            Op::Sqr => 8,
+            Op::Sqrt => 9,
+            Op::Log => 10,
+            Op::Sin => 11,
+            Op::Cos => 12,
+            Op::Sum => 13,
+            Op::SumRows => 14,
+            Op::Mean => 15,
+            Op::Argmax => 16,
+            Op::Repeat => 17,
+            Op::Concat { .. } => 18,
+            Op::Unary(_) => 19,
+            Op::LeakyRelu { .. } => 20,
+            Op::Glu { .. } => 21,
+            Op::Norm { .. } => 22,
+            Op::RmsNorm { .. } => 23,
+            Op::GroupNorm { .. } => 24,
+            Op::L2Norm { .. } => 25,
+            Op::MulMat => 26,
+            Op::MulMatId => 27,
+            Op::OutProd => 28,
+            Op::Scale { .. } => 29,
+            Op::Cpy => 30,
+            Op::Cont => 31,
+            Op::Reshape => 32,
+            Op::View => 33,
+            Op::Permute { .. } => 34,
+            Op::Transpose => 35,
+            Op::GetRows => 36,
+            Op::SetRows => 37,
+            Op::DiagMaskInf { .. } => 38,
+            Op::SoftMax { .. } => 39,
+            Op::Rope(_) => 40,
+            Op::Clamp { .. } => 41,
+            Op::FlashAttnExt { .. } => 42,
+            Op::Custom(_) => 43,
+        }
+    }
+
+    struct Negate;
+
+    impl CustomOp for Negate {
+        fn name(&self) -> &str {
+            "negate"
+        }
+
+        fn compute(&self, _dst: &Tensor, _srcs: &[Tensor]) -> Result<()> {
+            Ok(())
+        }
+    }
+
+    /// Small tensors built by every builder (some ops more than once, with and without their
+    /// optional operands), in dependency order; the last one is a custom op.
+    pub fn one_of_each(c: &Context) -> Vec<Tensor> {
+        let t = |dtype: DType, ne: &[usize]| c.new_tensor(dtype, ne).unwrap();
+        let f = t(DType::F32, &[8, 4, 2]);
+        let m = t(DType::F32, &[8, 4]);
+        let row = t(DType::F32, &[8]);
+        let one = t(DType::F32, &[1]);
+        let small = t(DType::F32, &[2, 2]);
+        let w = t(DType::F16, &[8, 3]);
+        let experts = t(DType::Q8_0, &[32, 3, 2]);
+        let acts = t(DType::F32, &[32, 1, 4]);
+        let ids = t(DType::I32, &[2, 4]);
+        let cols = t(DType::F32, &[5, 4]);
+        let f16 = t(DType::F16, &[8, 4, 2]);
+        let idx = t(DType::I32, &[3]);
+        let idx64 = t(DType::I64, &[3]);
+        let table = t(DType::F16, &[8, 10]);
+        let rows = t(DType::F32, &[8, 3]);
+        let mask = t(DType::F16, &[8, 4]);
+        let x = t(DType::F32, &[8, 2, 3]);
+        let freqs = t(DType::F32, &[4]);
+        let q = t(DType::F32, &[8, 3, 2, 1]);
+        let k = t(DType::F16, &[8, 5, 2, 1]);
+        let v = t(DType::F16, &[8, 5, 2, 1]);
+        let kv_mask = t(DType::F16, &[5, 3]);
+        let mut out = vec![f.clone()];
+        let mut push = |r: Result<Tensor>| out.push(r.unwrap());
+        push(dup(c, &f));
+        push(add(c, &f, &row));
+        push(sub(c, &f, &row));
+        push(mul(c, &f, &row));
+        push(div(c, &f, &row));
+        push(add1(c, &f, &one));
+        push(acc(c, &f, &small, 32, 128, 128, 4));
+        push(sqr(c, &f));
+        push(sqrt(c, &f));
+        push(log(c, &f));
+        push(sin(c, &f));
+        push(cos(c, &f));
+        push(sum(c, &f));
+        push(sum_rows(c, &f));
+        push(mean(c, &f));
+        push(argmax(c, &m));
+        push(repeat(c, &row, &f));
+        push(concat(c, &f, &f, 2));
+        push(unary(c, &f, UnaryOp::GeluErf));
+        push(leaky_relu(c, &f, 0.1));
+        push(glu(c, &f, GluOp::Swiglu, true));
+        push(glu_split(c, &f, &f, GluOp::Geglu));
+        push(norm(c, &f, 1e-5));
+        push(rms_norm(c, &f, 1e-6));
+        push(group_norm(c, &f, 2, 1e-5));
+        push(l2_norm(c, &f, 1e-12));
+        push(mul_mat(c, &w, &f));
+        push(mul_mat_id(c, &experts, &acts, &ids));
+        push(out_prod(c, &m, &cols));
+        push(scale(c, &f, 2.0, 0.5));
+        push(cpy(c, &f, &f16));
+        let mt = transpose(c, &m).unwrap();
+        push(Ok(mt.clone()));
+        push(cont(c, &mt));
+        push(cont_shape(c, &mt, &[16, 2]));
+        push(reshape(c, &f, &[32, 2]));
+        let half = view(c, &f, &[8, 2], &[32], 32).unwrap();
+        push(Ok(half.clone()));
+        push(view(c, &half, &[4], &[], 48));
+        push(permute(c, &f, [2, 0, 1, 3]));
+        push(get_rows(c, &m, &idx));
+        push(set_rows(c, &table, &rows, &idx64));
+        push(diag_mask_inf(c, &f, 1));
+        push(soft_max(c, &f, Some(&mask), 0.5, 0.0));
+        push(soft_max(c, &f, None, 1.0, 0.0));
+        let mut params = RopeParams::new(8, RopeMode::Neox);
+        params.n_ctx_orig = 4096;
+        params.ext_factor = 1.0;
+        push(rope(c, &x, &idx, Some(&freqs), params));
+        push(rope(
+            c,
+            &x,
+            &idx,
+            None,
+            RopeParams::new(4, RopeMode::Normal),
+        ));
+        push(clamp(c, &f, -1.0, 1.0));
+        push(flash_attn_ext(
+            c,
+            &q,
+            &k,
+            &v,
+            Some(&kv_mask),
+            0.35,
+            0.0,
+            0.0,
+        ));
+        push(flash_attn_ext(c, &q, &k, &v, None, 0.35, 0.0, 30.0));
+        push(custom(c, Arc::new(Negate), &[f], DType::F32, &[4]));
+        out
+    }
+}
+
 #[cfg(test)]
 mod tests {
+    use super::samples::*;
     use super::*;
 
     fn ctx() -> Context {
         Context::new(true)
+    }
+
+    #[test]
+    fn rebuild_reproduces_every_op() {
+        let (c, again) = (ctx(), ctx());
+        let originals = one_of_each(&c);
+        let mut covered = [false; N_VARIANTS];
+        for t in &originals {
+            covered[variant(t.op())] = true;
+            let r = rebuild(&again, t.op(), t.srcs(), &Layout::of(t)).unwrap();
+            let what = t.op().display_name();
+            assert_eq!(r.op(), t.op(), "{what}");
+            assert_eq!(Layout::of(&r), Layout::of(t), "{what}");
+            assert_eq!(r.ndim(), t.ndim(), "{what}");
+            assert_eq!(r.srcs(), t.srcs(), "{what}");
+            assert_eq!(r.view_src(), t.view_src(), "{what}");
+        }
+        let missing: Vec<usize> = (0..N_VARIANTS).filter(|&i| !covered[i]).collect();
+        assert!(missing.is_empty(), "variants without a sample: {missing:?}");
+    }
+
+    #[test]
+    fn rebuild_checks_operand_counts_and_layouts() {
+        let c = ctx();
+        let a = c.new_tensor(DType::F32, &[4, 3]).unwrap();
+        let layout = Layout::of(&a);
+        for (op, srcs) in [
+            (Op::Add, vec![a.clone()]),
+            (Op::Dup, vec![]),
+            (Op::None, vec![a.clone()]),
+            (Op::MulMatId, vec![a.clone(), a.clone()]),
+            (
+                Op::Rope(RopeParams::new(4, RopeMode::Normal)),
+                vec![a.clone(); 4],
+            ),
+        ] {
+            let err = rebuild(&c, &op, &srcs, &layout).unwrap_err();
+            assert!(err.to_string().contains("operands"), "{err}");
+        }
+        for ndim in [0, 5, usize::MAX] {
+            let bad = Layout { ndim, ..layout };
+            assert!(rebuild(&c, &Op::Reshape, std::slice::from_ref(&a), &bad).is_err());
+        }
+        let glu_swapped = Op::Glu {
+            op: GluOp::Reglu,
+            swapped: true,
+        };
+        assert!(rebuild(&c, &glu_swapped, &[a.clone(), a.clone()], &layout).is_err());
+        // A view's offset before its operand's own is refused, not wrapped.
+        let v = view(&c, &a, &[4], &[], 16).unwrap();
+        let before = Layout {
+            view_offset: 8,
+            ..Layout::of(&v)
+        };
+        assert!(rebuild(&c, &Op::View, &[v], &before).is_err());
+    }
+
+    #[test]
+    fn hostile_sizes_are_errors_not_overflows() {
+        let c = ctx();
+        let a = c.new_tensor(DType::F32, &[8, 4]).unwrap();
+        let huge = usize::MAX / 2 + 1;
+        // Empty, but with strides that would overflow.
+        assert!(c
+            .new_tensor(DType::F32, &[1 << 40, 1 << 40, 1 << 40, 0])
+            .is_err());
+        assert!(reshape(&c, &a, &[huge, 2]).is_err());
+        assert!(reshape(&c, &a, &[1 << 32, 1 << 32, 0]).is_err());
+        assert!(cont_shape(&c, &a, &[huge, 4]).is_err());
+        assert!(view(&c, &a, &[2, 2], &[usize::MAX], 0).is_err());
+        assert!(view(&c, &a, &[2, 3], &[huge], 0).is_err());
+        assert!(diag_mask_inf(&c, &a, usize::MAX).is_err());
+        let b = c.new_tensor(DType::F32, &[2, 2]).unwrap();
+        for (nb1, nb2) in [(usize::MAX - 3, 0), (0, 0), (4, 64)] {
+            // Overflowing or overlapping regions.
+            assert!(acc(&c, &a, &b, nb1, nb2, nb2, 0).is_err(), "{nb1} {nb2}");
+        }
+        assert!(permute(&c, &a, [usize::MAX, 0, 1, 2]).is_err());
+        assert!(concat(&c, &a, &a, usize::MAX).is_err());
+        let pos = c.new_tensor(DType::I32, &[1]).unwrap();
+        let x = c.new_tensor(DType::F32, &[8, 2, 1]).unwrap();
+        for n_dims in [0, 3, 10, usize::MAX] {
+            let p = RopeParams::new(n_dims, RopeMode::Normal);
+            assert!(rope(&c, &x, &pos, None, p).is_err(), "{n_dims}");
+        }
     }
 
     #[test]

@@ -31,7 +31,7 @@ use crate::context::{Context, ContextInner};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::host::{RawTensor, SendPtr};
-use crate::ops::Op;
+use crate::op::Op;
 
 pub use crate::host::MAX_DIMS;
 
@@ -183,7 +183,11 @@ pub fn check_shape(dtype: DType, ne: &[usize; MAX_DIMS], what: &str) -> Result<(
             dtype.block_size()
         )));
     }
-    let elements = ne.iter().try_fold(1usize, |acc, &n| acc.checked_mul(n));
+    // Zero dimensions left out: an empty tensor's strides are still products of the others.
+    let elements = ne
+        .iter()
+        .filter(|&&n| n != 0)
+        .try_fold(1usize, |acc, &n| acc.checked_mul(n));
     let bytes = elements.and_then(|n| n.checked_mul(dtype.type_size()));
     if bytes.is_none_or(|b| b > isize::MAX as usize) {
         return Err(Error::Shape(format!("{what}: shape {ne:?} is too large")));

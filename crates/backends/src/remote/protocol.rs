@@ -31,7 +31,7 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, ErrorKind, Result};
 
 /// The protocol version; a client and server of different versions refuse each other.
-pub const PROTOCOL_VERSION: u32 = 2;
+pub const PROTOCOL_VERSION: u32 = 3;
 
 /// The first four bytes of every frame.
 pub const MAGIC: [u8; 4] = *b"FGRD";

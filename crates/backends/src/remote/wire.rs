@@ -1,13 +1,16 @@
 //! Graphs and tensors on the wire, and the server's validator that rebuilds them.
 //!
 //! A [`GraphDesc`] lists tensors in dependency order (every operand and view source before its
-//! users) with 64-bit shapes, strides and offsets, the op and its parameters, and for tensors
-//! that own memory the (buffer handle, offset) they are bound to. Nothing on the wire is
-//! trusted: [`build_graph`] re-creates every tensor with the crate's own op builders (which
-//! check operand counts, dtypes and shapes), then insists that the result has exactly the
-//! dtype, shape, strides and view offset the wire claimed, binds owners through
+//! users) with 64-bit shapes, strides and offsets, the op itself (the op IR of [`crate::op`],
+//! serialised by serde like the rest of the metadata) and for tensors that own memory the
+//! (buffer handle, offset) they are bound to. Nothing on the wire is trusted: [`build_graph`]
+//! re-creates every tensor with [`ops::rebuild`], i.e. with the crate's own op builders (which
+//! check operand counts, dtypes, shapes and parameters), then insists that the result has
+//! exactly the dtype, shape, strides and view offset the wire claimed, binds owners through
 //! [`Tensor::bind`] (bounds and alignment checked) to buffers looked up in the session's own
-//! table, and only accepts node lists that are in dependency order.
+//! table, and only accepts node lists that are in dependency order. What stays here is what only
+//! the wire has: tensors it reads but does not compute (layout and memory only), strides it
+//! states explicitly, bindings to the session's buffers, and the bounds on how much it may ask.
 
 use std::cell::Cell;
 use std::collections::{HashMap, HashSet};
@@ -19,130 +22,29 @@ use crate::context::Context;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::graph::Graph;
-use crate::ops::{self, GluOp, Op, RopeMode, RopeParams, UnaryOp};
+use crate::op::Op;
+use crate::ops::{self, Layout};
 use crate::tensor::{flags, Tensor, TensorSpec, MAX_DIMS};
-
-/// Element types by wire number: `DType::ALL`, whose order is append-only for this reason.
-const DTYPES: [DType; DType::ALL.len()] = DType::ALL;
-
-const GLU_OPS: [GluOp; 3] = [GluOp::Reglu, GluOp::Geglu, GluOp::Swiglu];
-
-fn dtype_code(dtype: DType) -> u8 {
-    DTYPES.iter().position(|&d| d == dtype).unwrap_or(0) as u8
-}
-
-fn dtype_from_code(code: u8) -> Result<DType> {
-    DTYPES
-        .get(code as usize)
-        .copied()
-        .ok_or_else(|| Error::DType(format!("unknown dtype number {code}")))
-}
 
 fn bad(message: String) -> Error {
     Error::InvalidArgument(message)
 }
 
-/// An op and its parameters.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[allow(missing_docs)]
-pub enum OpDesc {
-    /// A tensor this graph does not compute but reads (a previous split's result, an input
-    /// copied earlier): its layout as is, bound to memory or a view of an earlier tensor.
-    External,
-    None,
-    Dup,
-    Add,
-    Sub,
-    Mul,
-    Div,
-    Add1,
-    Acc {
-        nb1: u64,
-        nb2: u64,
-        nb3: u64,
-        offset: u64,
-    },
-    Sqr,
-    Sqrt,
-    Log,
-    Sin,
-    Cos,
-    Sum,
-    SumRows,
-    Mean,
-    Argmax,
-    Repeat,
-    Concat {
-        dim: u8,
-    },
-    Unary(u8),
-    LeakyRelu(f32),
-    Glu {
-        op: u8,
-        swapped: bool,
-    },
-    Norm(f32),
-    RmsNorm(f32),
-    GroupNorm {
-        n_groups: u64,
-        eps: f32,
-    },
-    L2Norm(f32),
-    MulMat,
-    MulMatId,
-    OutProd,
-    Scale {
-        s: f32,
-        b: f32,
-    },
-    Cpy,
-    Cont,
-    Reshape,
-    View,
-    Permute([u8; 4]),
-    Transpose,
-    GetRows,
-    SetRows,
-    DiagMaskInf(u64),
-    SoftMax {
-        scale: f32,
-        max_bias: f32,
-    },
-    Rope {
-        n_dims: u64,
-        neox: bool,
-        n_ctx_orig: u64,
-        freq_base: f32,
-        freq_scale: f32,
-        ext_factor: f32,
-        attn_factor: f32,
-        beta_fast: f32,
-        beta_slow: f32,
-    },
-    Clamp {
-        min: f32,
-        max: f32,
-    },
-    FlashAttnExt {
-        scale: f32,
-        max_bias: f32,
-        logit_softcap: f32,
-    },
-}
-
 /// One tensor.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct TensorDesc {
-    /// Element type (wire number).
-    pub dtype: u8,
+    /// Element type (on the wire: ggml's type id, checked when decoded).
+    pub dtype: DType,
     /// Elements per dimension, ggml order.
     pub ne: [u64; MAX_DIMS],
     /// Byte strides, ggml order.
     pub nb: [u64; MAX_DIMS],
     /// Dimensions the user sees.
     pub ndim: u8,
-    /// The op.
-    pub op: OpDesc,
+    /// The op computing the tensor, with its parameters; `None` for an *external* tensor: one
+    /// this graph reads but does not compute (a previous split's result, an input copied
+    /// earlier), described by its layout and memory only, bound or a view of an earlier tensor.
+    pub op: Option<Op>,
     /// Operands: indices of earlier tensors.
     pub srcs: Vec<u32>,
     /// The viewed tensor (an earlier index) and the byte offset into it, for views.
@@ -227,103 +129,13 @@ pub struct GraphDesc {
     pub leafs: Vec<u32>,
 }
 
-fn op_desc(op: &Op) -> Result<OpDesc> {
-    let f = |x: usize| x as u64;
-    Ok(match op {
-        Op::None => OpDesc::None,
-        Op::Dup => OpDesc::Dup,
-        Op::Add => OpDesc::Add,
-        Op::Sub => OpDesc::Sub,
-        Op::Mul => OpDesc::Mul,
-        Op::Div => OpDesc::Div,
-        Op::Add1 => OpDesc::Add1,
-        &Op::Acc {
-            nb1,
-            nb2,
-            nb3,
-            offset,
-        } => OpDesc::Acc {
-            nb1: f(nb1),
-            nb2: f(nb2),
-            nb3: f(nb3),
-            offset: f(offset),
-        },
-        Op::Sqr => OpDesc::Sqr,
-        Op::Sqrt => OpDesc::Sqrt,
-        Op::Log => OpDesc::Log,
-        Op::Sin => OpDesc::Sin,
-        Op::Cos => OpDesc::Cos,
-        Op::Sum => OpDesc::Sum,
-        Op::SumRows => OpDesc::SumRows,
-        Op::Mean => OpDesc::Mean,
-        Op::Argmax => OpDesc::Argmax,
-        Op::Repeat => OpDesc::Repeat,
-        &Op::Concat { dim } => OpDesc::Concat { dim: dim as u8 },
-        Op::Unary(u) => OpDesc::Unary(UnaryOp::ALL.iter().position(|x| x == u).unwrap_or(0) as u8),
-        &Op::LeakyRelu { negative_slope } => OpDesc::LeakyRelu(negative_slope),
-        &Op::Glu { op, swapped } => OpDesc::Glu {
-            op: GLU_OPS.iter().position(|&x| x == op).unwrap_or(0) as u8,
-            swapped,
-        },
-        &Op::Norm { eps } => OpDesc::Norm(eps),
-        &Op::RmsNorm { eps } => OpDesc::RmsNorm(eps),
-        &Op::GroupNorm { n_groups, eps } => OpDesc::GroupNorm {
-            n_groups: f(n_groups),
-            eps,
-        },
-        &Op::L2Norm { eps } => OpDesc::L2Norm(eps),
-        Op::MulMat => OpDesc::MulMat,
-        Op::MulMatId => OpDesc::MulMatId,
-        Op::OutProd => OpDesc::OutProd,
-        &Op::Scale { s, b } => OpDesc::Scale { s, b },
-        Op::Cpy => OpDesc::Cpy,
-        Op::Cont => OpDesc::Cont,
-        Op::Reshape => OpDesc::Reshape,
-        Op::View => OpDesc::View,
-        Op::Permute { axes } => OpDesc::Permute(axes.map(|a| a as u8)),
-        Op::Transpose => OpDesc::Transpose,
-        Op::GetRows => OpDesc::GetRows,
-        Op::SetRows => OpDesc::SetRows,
-        &Op::DiagMaskInf { n_past } => OpDesc::DiagMaskInf(f(n_past)),
-        &Op::SoftMax { scale, max_bias } => OpDesc::SoftMax { scale, max_bias },
-        Op::Rope(p) => OpDesc::Rope {
-            n_dims: f(p.n_dims),
-            neox: p.mode == RopeMode::Neox,
-            n_ctx_orig: f(p.n_ctx_orig),
-            freq_base: p.freq_base,
-            freq_scale: p.freq_scale,
-            ext_factor: p.ext_factor,
-            attn_factor: p.attn_factor,
-            beta_fast: p.beta_fast,
-            beta_slow: p.beta_slow,
-        },
-        &Op::Clamp { min, max } => OpDesc::Clamp { min, max },
-        &Op::FlashAttnExt {
-            scale,
-            max_bias,
-            logit_softcap,
-        } => OpDesc::FlashAttnExt {
-            scale,
-            max_bias,
-            logit_softcap,
-        },
-        Op::Custom(c) => {
-            return Err(Error::UnsupportedOp(format!(
-                "custom op {} runs Python or Rust code of this process and cannot be sent to a \
-                 remote device",
-                c.0.name()
-            )))
-        }
-    })
-}
-
 /// Maps a tensor's memory to (server buffer handle, offset); `None` leaves it unbound.
 pub type Resolver<'a> = dyn Fn(&Tensor) -> Result<Option<(u64, u64)>> + 'a;
 
 /// Builds descriptions of tensors on the client side.
 ///
 /// Tensors of the graph (its nodes and leafs) are described with their op and operands;
-/// anything else they read is [`OpDesc::External`]: its layout and memory only, so a split
+/// anything else they read is *external* (`op: None`): its layout and memory only, so a split
 /// never drags its predecessors' history onto the wire.
 pub struct Describer<'a> {
     desc: GraphDesc,
@@ -390,16 +202,18 @@ impl<'a> Describer<'a> {
             };
             let i = u32::try_from(self.desc.tensors.len())
                 .map_err(|_| bad("graph has too many tensors".into()))?;
+            let op = if member {
+                t.op().check_portable()?;
+                Some(t.op().clone())
+            } else {
+                None
+            };
             self.desc.tensors.push(TensorDesc {
-                dtype: dtype_code(t.dtype()),
+                dtype: t.dtype(),
                 ne: t.ne().map(|x| x as u64),
                 nb: t.nb().map(|x| x as u64),
                 ndim: t.ndim() as u8,
-                op: if member {
-                    op_desc(t.op())?
-                } else {
-                    OpDesc::External
-                },
+                op,
                 srcs,
                 view,
                 binding,
@@ -449,53 +263,10 @@ fn to_usize(x: u64, what: &str) -> Result<usize> {
     usize::try_from(x).map_err(|_| bad(format!("{what} {x} does not fit this machine")))
 }
 
-/// Checks explicit strides: the span they give must be computable without overflow, elements
-/// must not overlap, and quantized rows must be dense blocks (their kernels read whole blocks).
-fn check_strides(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) -> Result<()> {
-    crate::tensor::check_shape(dtype, ne, "external tensor")?;
-    if dtype.is_quantized() && nb[0] != dtype.type_size() {
-        return Err(bad(format!(
-            "quantized ({dtype}) rows must be dense, got element stride {}",
-            nb[0]
-        )));
-    }
-    let span = (0..MAX_DIMS).try_fold(dtype.type_size(), |acc, i| {
-        ne[i]
-            .saturating_sub(1)
-            .checked_mul(nb[i])
-            .and_then(|x| acc.checked_add(x))
-    });
-    if span.is_none_or(|s| s > isize::MAX as usize) {
-        return Err(bad(format!("strides {nb:?} of shape {ne:?} overflow")));
-    }
-    // No two elements may share bytes: kernels write such tensors from several threads.
-    let mut dims: Vec<(usize, usize)> = (0..MAX_DIMS)
-        .map(|i| {
-            let n = if i == 0 {
-                ne[0] / dtype.block_size()
-            } else {
-                ne[i]
-            };
-            (n, nb[i])
-        })
-        .filter(|&(n, _)| n > 1)
-        .collect();
-    dims.sort_by_key(|&(_, stride)| stride);
-    let mut extent = dtype.type_size();
-    for (n, stride) in dims {
-        if stride < extent {
-            return Err(bad(format!(
-                "strides {nb:?} of shape {ne:?} make elements overlap"
-            )));
-        }
-        extent += (n - 1) * stride;
-    }
-    Ok(())
-}
-
-/// Re-creates one tensor with the op builders from already built operands.
+/// Re-creates one tensor from already built operands: an external tensor from its layout, any
+/// other through [`ops::rebuild`], then checks that the result is exactly what the wire said.
 fn build_tensor(ctx: &Context, t: &TensorDesc, built: &[Tensor]) -> Result<Tensor> {
-    let dtype = dtype_from_code(t.dtype)?;
+    let dtype = t.dtype;
     let ndim = t.ndim as usize;
     if !(1..=MAX_DIMS).contains(&ndim) {
         return Err(bad(format!("ndim {ndim} is outside 1..={MAX_DIMS}")));
@@ -511,50 +282,24 @@ fn build_tensor(ctx: &Context, t: &TensorDesc, built: &[Tensor]) -> Result<Tenso
             "shape {ne:?} has dimensions beyond ndim {ndim}"
         )));
     }
-    let src = |k: usize| -> Result<&Tensor> {
-        let i = *t
-            .srcs
-            .get(k)
-            .ok_or_else(|| bad(format!("{:?} is missing operand {k}", t.op)))?;
+    let earlier = |i: u32, what: &str| -> Result<Tensor> {
         built
             .get(i as usize)
-            .ok_or_else(|| bad(format!("operand index {i} does not name an earlier tensor")))
+            .cloned()
+            .ok_or_else(|| bad(format!("{what} {i} does not name an earlier tensor")))
     };
-    let n_srcs = |allowed: &[usize]| -> Result<()> {
-        if allowed.contains(&t.srcs.len()) {
-            Ok(())
-        } else {
-            Err(bad(format!(
-                "{:?} takes {allowed:?} operands, got {}",
-                t.op,
-                t.srcs.len()
-            )))
-        }
+    let view = match t.view {
+        Some((v, offset)) => Some((earlier(v, "view source")?, to_usize(offset, "view offset")?)),
+        None => None,
     };
-    let opt = |k: usize| -> Result<Option<&Tensor>> {
-        if t.srcs.len() > k {
-            src(k).map(Some)
-        } else {
-            Ok(None)
-        }
-    };
-    let u = |x: u64, what: &str| to_usize(x, what);
     let result = match &t.op {
-        OpDesc::External => {
-            n_srcs(&[0])?;
-            check_strides(dtype, &ne, &nb)?;
+        None => {
+            if !t.srcs.is_empty() {
+                return Err(bad("an external tensor has no operands".into()));
+            }
             // Any strides: the span they give is checked against the viewed tensor here, or
             // against the buffer when bound.
-            let view = match t.view {
-                Some((v, offset)) => Some((
-                    built
-                        .get(v as usize)
-                        .ok_or_else(|| bad(format!("view source {v} is not an earlier tensor")))?
-                        .clone(),
-                    u(offset, "view offset")?,
-                )),
-                None => None,
-            };
+            ops::check_strides(dtype, &ne, &nb, "external tensor")?;
             ctx.create(TensorSpec {
                 dtype,
                 ne,
@@ -562,234 +307,28 @@ fn build_tensor(ctx: &Context, t: &TensorDesc, built: &[Tensor]) -> Result<Tenso
                 ndim,
                 op: Op::None,
                 srcs: Vec::new(),
-                view,
+                view: view.clone(),
             })?
         }
-        OpDesc::None => {
-            n_srcs(&[0])?;
-            if t.view.is_some() {
-                return Err(bad("a leaf cannot be a view".into()));
+        Some(op) => {
+            if matches!(op, Op::View) {
+                // The only op whose strides come from the wire: checked like an external
+                // tensor's (a view may be an operand a kernel writes through).
+                ops::check_strides(dtype, &ne, &nb, "VIEW")?;
             }
-            ctx.new_tensor(dtype, &ne[..ndim])?
-        }
-        OpDesc::Dup => {
-            n_srcs(&[1])?;
-            ops::dup(ctx, src(0)?)?
-        }
-        OpDesc::Add | OpDesc::Sub | OpDesc::Mul | OpDesc::Div => {
-            n_srcs(&[2])?;
-            let (a, b) = (src(0)?, src(1)?);
-            match t.op {
-                OpDesc::Add => ops::add(ctx, a, b)?,
-                OpDesc::Sub => ops::sub(ctx, a, b)?,
-                OpDesc::Mul => ops::mul(ctx, a, b)?,
-                _ => ops::div(ctx, a, b)?,
-            }
-        }
-        OpDesc::Add1 => {
-            n_srcs(&[2])?;
-            ops::add1(ctx, src(0)?, src(1)?)?
-        }
-        &OpDesc::Acc {
-            nb1,
-            nb2,
-            nb3,
-            offset,
-        } => {
-            n_srcs(&[2])?;
-            let region = [4, u(nb1, "stride")?, u(nb2, "stride")?, u(nb3, "stride")?];
-            check_strides(DType::F32, &src(1)?.ne(), &region)?;
-            ops::acc(
-                ctx,
-                src(0)?,
-                src(1)?,
-                region[1],
-                region[2],
-                region[3],
-                u(offset, "offset")?,
-            )?
-        }
-        OpDesc::Sqr | OpDesc::Sqrt | OpDesc::Log | OpDesc::Sin | OpDesc::Cos => {
-            n_srcs(&[1])?;
-            let a = src(0)?;
-            match t.op {
-                OpDesc::Sqr => ops::sqr(ctx, a)?,
-                OpDesc::Sqrt => ops::sqrt(ctx, a)?,
-                OpDesc::Log => ops::log(ctx, a)?,
-                OpDesc::Sin => ops::sin(ctx, a)?,
-                _ => ops::cos(ctx, a)?,
-            }
-        }
-        OpDesc::Sum | OpDesc::SumRows | OpDesc::Mean | OpDesc::Argmax => {
-            n_srcs(&[1])?;
-            let a = src(0)?;
-            match t.op {
-                OpDesc::Sum => ops::sum(ctx, a)?,
-                OpDesc::SumRows => ops::sum_rows(ctx, a)?,
-                OpDesc::Mean => ops::mean(ctx, a)?,
-                _ => ops::argmax(ctx, a)?,
-            }
-        }
-        OpDesc::Repeat => {
-            n_srcs(&[2])?;
-            ops::repeat(ctx, src(0)?, src(1)?)?
-        }
-        &OpDesc::Concat { dim } => {
-            n_srcs(&[2])?;
-            ops::concat(ctx, src(0)?, src(1)?, dim as usize)?
-        }
-        &OpDesc::Unary(code) => {
-            n_srcs(&[1])?;
-            let op = *UnaryOp::ALL
-                .get(code as usize)
-                .ok_or_else(|| bad(format!("unknown unary op {code}")))?;
-            ops::unary(ctx, src(0)?, op)?
-        }
-        &OpDesc::LeakyRelu(slope) => {
-            n_srcs(&[1])?;
-            ops::leaky_relu(ctx, src(0)?, slope)?
-        }
-        &OpDesc::Glu { op, swapped } => {
-            n_srcs(&[1, 2])?;
-            let op = *GLU_OPS
-                .get(op as usize)
-                .ok_or_else(|| bad(format!("unknown GLU op {op}")))?;
-            match opt(1)? {
-                None => ops::glu(ctx, src(0)?, op, swapped)?,
-                Some(b) if !swapped => ops::glu_split(ctx, src(0)?, b, op)?,
-                Some(_) => return Err(bad("a split GLU cannot be swapped".into())),
-            }
-        }
-        &OpDesc::Norm(eps) => {
-            n_srcs(&[1])?;
-            ops::norm(ctx, src(0)?, eps)?
-        }
-        &OpDesc::RmsNorm(eps) => {
-            n_srcs(&[1])?;
-            ops::rms_norm(ctx, src(0)?, eps)?
-        }
-        &OpDesc::GroupNorm { n_groups, eps } => {
-            n_srcs(&[1])?;
-            ops::group_norm(ctx, src(0)?, u(n_groups, "n_groups")?, eps)?
-        }
-        &OpDesc::L2Norm(eps) => {
-            n_srcs(&[1])?;
-            ops::l2_norm(ctx, src(0)?, eps)?
-        }
-        OpDesc::MulMat => {
-            n_srcs(&[2])?;
-            ops::mul_mat(ctx, src(0)?, src(1)?)?
-        }
-        OpDesc::MulMatId => {
-            n_srcs(&[3])?;
-            ops::mul_mat_id(ctx, src(0)?, src(1)?, src(2)?)?
-        }
-        OpDesc::OutProd => {
-            n_srcs(&[2])?;
-            ops::out_prod(ctx, src(0)?, src(1)?)?
-        }
-        &OpDesc::Scale { s, b } => {
-            n_srcs(&[1])?;
-            ops::scale(ctx, src(0)?, s, b)?
-        }
-        OpDesc::Cpy => {
-            n_srcs(&[2])?;
-            ops::cpy(ctx, src(0)?, src(1)?)?
-        }
-        OpDesc::Cont => {
-            n_srcs(&[1])?;
-            ops::cont_shape(ctx, src(0)?, &ne[..ndim])?
-        }
-        OpDesc::Reshape => {
-            n_srcs(&[1])?;
-            ops::reshape(ctx, src(0)?, &ne[..ndim])?
-        }
-        OpDesc::View => {
-            n_srcs(&[1])?;
-            check_strides(dtype, &ne, &nb)?;
-            let a = src(0)?;
-            let (_, offset) = t
-                .view
-                .ok_or_else(|| bad("a VIEW needs a view source".into()))?;
-            // The wire offset is from the root; the builder takes it from the operand.
-            let offset = u(offset, "view offset")?
-                .checked_sub(a.view_offset())
-                .ok_or_else(|| bad("view offset before its operand's".into()))?;
-            ops::view(ctx, a, &ne[..ndim], &nb[1..ndim], offset)?
-        }
-        OpDesc::Permute(axes) => {
-            n_srcs(&[1])?;
-            ops::permute(ctx, src(0)?, axes.map(|a| a as usize))?
-        }
-        OpDesc::Transpose => {
-            n_srcs(&[1])?;
-            ops::transpose(ctx, src(0)?)?
-        }
-        OpDesc::GetRows => {
-            n_srcs(&[2])?;
-            ops::get_rows(ctx, src(0)?, src(1)?)?
-        }
-        OpDesc::SetRows => {
-            n_srcs(&[3])?;
-            ops::set_rows(ctx, src(0)?, src(1)?, src(2)?)?
-        }
-        &OpDesc::DiagMaskInf(n_past) => {
-            n_srcs(&[1])?;
-            ops::diag_mask_inf(ctx, src(0)?, u(n_past, "n_past")?)?
-        }
-        &OpDesc::SoftMax { scale, max_bias } => {
-            n_srcs(&[1, 2])?;
-            ops::soft_max(ctx, src(0)?, opt(1)?, scale, max_bias)?
-        }
-        &OpDesc::Rope {
-            n_dims,
-            neox,
-            n_ctx_orig,
-            freq_base,
-            freq_scale,
-            ext_factor,
-            attn_factor,
-            beta_fast,
-            beta_slow,
-        } => {
-            n_srcs(&[2, 3])?;
-            let params = RopeParams {
-                n_dims: u(n_dims, "n_dims")?,
-                mode: if neox {
-                    RopeMode::Neox
-                } else {
-                    RopeMode::Normal
-                },
-                n_ctx_orig: u(n_ctx_orig, "n_ctx_orig")?,
-                freq_base,
-                freq_scale,
-                ext_factor,
-                attn_factor,
-                beta_fast,
-                beta_slow,
+            let srcs = t
+                .srcs
+                .iter()
+                .map(|&i| earlier(i, "operand index"))
+                .collect::<Result<Vec<_>>>()?;
+            let layout = Layout {
+                dtype,
+                ne,
+                nb,
+                ndim,
+                view_offset: view.as_ref().map_or(0, |(_, offset)| *offset),
             };
-            ops::rope(ctx, src(0)?, src(1)?, opt(2)?, params)?
-        }
-        &OpDesc::Clamp { min, max } => {
-            n_srcs(&[1])?;
-            ops::clamp(ctx, src(0)?, min, max)?
-        }
-        &OpDesc::FlashAttnExt {
-            scale,
-            max_bias,
-            logit_softcap,
-        } => {
-            n_srcs(&[3, 4])?;
-            ops::flash_attn_ext(
-                ctx,
-                src(0)?,
-                src(1)?,
-                src(2)?,
-                opt(3)?,
-                scale,
-                max_bias,
-                logit_softcap,
-            )?
+            ops::rebuild(ctx, op, &srcs, &layout)?
         }
     };
     // The builder decided dtype, shape, strides and view; the wire must agree exactly.
@@ -807,14 +346,11 @@ fn build_tensor(ctx: &Context, t: &TensorDesc, built: &[Tensor]) -> Result<Tenso
             nb
         )));
     }
-    match (&t.view, result.view_src()) {
+    match (&view, result.view_src()) {
         (None, None) => {}
-        (Some((v, offset)), Some(root)) => {
-            let claimed = built
-                .get(*v as usize)
-                .ok_or_else(|| bad(format!("view source {v} is not an earlier tensor")))?;
+        (Some((claimed, offset)), Some(root)) => {
             let claimed_root = claimed.view_src().unwrap_or(claimed);
-            if !claimed_root.same(root) || result.view_offset() as u64 != *offset {
+            if !claimed_root.same(root) || result.view_offset() != *offset {
                 return Err(bad(format!(
                     "{} views another tensor or offset than the request said",
                     result.op().name()
@@ -915,7 +451,7 @@ pub fn build_graph(
             )));
         }
         last_node = Some(i);
-        if desc.tensors[i as usize].op == OpDesc::External {
+        if desc.tensors[i as usize].op.is_none() {
             return Err(bad(format!("node {i} is an external tensor")));
         }
         in_graph[i as usize] = true;
@@ -936,4 +472,182 @@ pub fn build_graph(
         buffers,
         context,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ops::samples::one_of_each;
+    use crate::remote::protocol::{decode_meta, encode_meta};
+    use proptest::prelude::*;
+
+    fn unbound(_: &Tensor) -> Result<Option<(u64, u64)>> {
+        Ok(None)
+    }
+
+    fn no_buffers(h: u64) -> Result<Buffer> {
+        Err(bad(format!("no buffer {h}")))
+    }
+
+    const LIMITS: GraphLimits = GraphLimits { max_tensors: 256 };
+
+    #[test]
+    fn every_op_survives_the_wire() {
+        let ctx = Context::new(true);
+        let originals = one_of_each(&ctx);
+        let (custom, portable) = originals.split_last().unwrap();
+        for t in portable {
+            let what = t.op().display_name();
+            let desc = Describer::new(&unbound).single(t).unwrap();
+            let bytes = encode_meta(&desc).unwrap();
+            let decoded: GraphDesc = decode_meta(&bytes).unwrap();
+            assert_eq!(decoded, desc, "{what}");
+            let built = build_graph(&decoded, &no_buffers, false, LIMITS)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let r = &built.graph.nodes()[0];
+            assert_eq!(r.op(), t.op(), "{what}");
+            assert_eq!(r.dtype(), t.dtype(), "{what}");
+            assert_eq!((r.ne(), r.ndim()), (t.ne(), t.ndim()), "{what}");
+            assert_eq!(r.is_view(), t.is_view(), "{what}");
+            assert_eq!(r.view_offset(), t.view_offset(), "{what}");
+            for (a, b) in r.srcs().iter().zip(t.srcs()) {
+                assert_eq!((a.dtype(), a.ne()), (b.dtype(), b.ne()), "{what}");
+            }
+        }
+        // A custom op stays home, with an error that says why.
+        let err = Describer::new(&unbound).single(custom).err().unwrap();
+        assert!(
+            err.to_string()
+                .contains("custom ops cannot be sent to a remote device"),
+            "{err}"
+        );
+        assert!(encode_meta(custom.op()).is_err());
+    }
+
+    /// One bound graph of every portable op, encoded, and the buffer it is bound to.
+    fn valid_frame() -> (Vec<u8>, Buffer) {
+        let ctx = Context::new(true);
+        let mut tensors = one_of_each(&ctx);
+        tensors.pop(); // the custom op
+        let next = Cell::new(0u64);
+        let resolve = |t: &Tensor| {
+            let at = next.get();
+            next.set(at + (t.nbytes() as u64).div_ceil(64) * 64);
+            Ok(Some((0, at)))
+        };
+        let desc = Describer::new(&resolve)
+            .graph(&Graph::build(&tensors))
+            .unwrap();
+        let buffer = crate::buffer::alloc_cpu_buffer(next.get() as usize).unwrap();
+        (encode_meta(&desc).unwrap(), buffer)
+    }
+
+    /// Decodes and rebuilds `bytes` as the server does; any outcome but a panic is fine.
+    fn decode_and_build(bytes: &[u8], buffer: &Buffer) -> Result<()> {
+        let desc: GraphDesc = with_decode_limit(LIMITS.max_tensors, || decode_meta(bytes))?;
+        let lookup = |h: u64| {
+            if h == 0 {
+                Ok(buffer.clone())
+            } else {
+                no_buffers(h)
+            }
+        };
+        build_graph(&desc, &lookup, false, LIMITS)?;
+        build_graph(&desc, &lookup, true, LIMITS).map(|_| ())
+    }
+
+    #[test]
+    fn the_valid_frame_is_accepted() {
+        let (bytes, buffer) = valid_frame();
+        decode_and_build(&bytes, &buffer).unwrap();
+    }
+
+    #[test]
+    fn unknown_dtypes_and_ops_are_decode_errors() {
+        let (bytes, buffer) = valid_frame();
+        let desc: GraphDesc = decode_meta(&bytes).unwrap();
+        // The first tensor's dtype is its first byte after the list's length (one byte).
+        assert_eq!(bytes[1], DType::F32.ggml_type_id() as u8);
+        for id in [16u8, 99, 127] {
+            let mut b = bytes.clone();
+            b[1] = id;
+            let err = decode_and_build(&b, &buffer).unwrap_err();
+            assert!(err.to_string().contains("malformed"), "{err}");
+        }
+        // An op number past the last portable op (the custom op's, and beyond).
+        let mut t = desc.tensors[0].clone();
+        t.op = None;
+        let external = encode_meta(&t).unwrap();
+        t.op = Some(Op::Dup);
+        let mut one = encode_meta(&t).unwrap();
+        // Where the two differ is the option's tag; the op's number follows it.
+        let tag = (0..external.len())
+            .find(|&i| external[i] != one[i])
+            .unwrap();
+        let at = tag + 1;
+        assert_eq!(one[at], 1, "DUP is op 1");
+        for n in [43u8, 44, 127] {
+            one[at] = n;
+            assert!(decode_meta::<TensorDesc>(&one).is_err(), "op {n}");
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Set(usize, u8),
+        Flip(usize, u8),
+        Insert(usize, u8),
+        Remove(usize),
+        Truncate(usize),
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        prop_oneof![
+            (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Set(i, b)),
+            (any::<usize>(), 0u8..8).prop_map(|(i, bit)| Mutation::Flip(i, bit)),
+            (any::<usize>(), any::<u8>()).prop_map(|(i, b)| Mutation::Insert(i, b)),
+            any::<usize>().prop_map(Mutation::Remove),
+            any::<usize>().prop_map(Mutation::Truncate),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// Random bytes decode to an error or to a graph that is rebuilt or refused.
+        #[test]
+        fn random_bytes_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..400)) {
+            let buffer = crate::buffer::alloc_cpu_buffer(4096).unwrap();
+            let _ = decode_and_build(&bytes, &buffer);
+        }
+
+        /// A valid frame with a few bytes changed, inserted or removed: still never a panic.
+        #[test]
+        fn mutated_frames_never_panic(mutations in prop::collection::vec(mutation(), 1..5)) {
+            let (mut bytes, buffer) = valid_frame();
+            for m in mutations {
+                let n = bytes.len().max(1);
+                match m {
+                    Mutation::Set(i, b) => {
+                        if let Some(x) = bytes.get_mut(i % n) {
+                            *x = b;
+                        }
+                    }
+                    Mutation::Flip(i, bit) => {
+                        if let Some(x) = bytes.get_mut(i % n) {
+                            *x ^= 1 << bit;
+                        }
+                    }
+                    Mutation::Insert(i, b) => bytes.insert(i % (bytes.len() + 1), b),
+                    Mutation::Remove(i) => {
+                        if !bytes.is_empty() {
+                            bytes.remove(i % n);
+                        }
+                    }
+                    Mutation::Truncate(i) => bytes.truncate(i % n),
+                }
+            }
+            let _ = decode_and_build(&bytes, &buffer);
+        }
+    }
 }
