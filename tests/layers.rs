@@ -21,8 +21,9 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
             &["error", "util", "pool"],
             &["quant", "dtype", "convert"],
             &["host"],
-            &["op"],
+            // The op IR and the objects name each other: a custom op computes on tensors.
             &[
+                "op",
                 "tensor",
                 "context",
                 "graph",
@@ -43,9 +44,10 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
         &[
             &["features", "sysinfo"],
             &["kernels"],
-            &["type_traits", "compute"],
-            // The repacking buffer type belongs to the CPU device, which offers it.
-            &["repack", "backend"],
+            &["type_traits"],
+            // The backend: its node loop, the repacking buffer type (which the node loop reads
+            // and the device offers), the device and backend themselves.
+            &["compute", "repack", "backend"],
         ],
     ),
     (
