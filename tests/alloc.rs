@@ -30,7 +30,7 @@ impl BufferType for FakeBuft {
     }
     fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer> {
         if size > self.max {
-            return Err(Error::Alloc(format!("{size} > max {}", self.max)));
+            return Err(Error::alloc(format!("{size} > max {}", self.max)));
         }
         Ok(Buffer::new(Box::new(HostMemory::new(size, 64)?), self))
     }
@@ -116,7 +116,7 @@ fn tensor_larger_than_max_size_is_an_error() {
     let mut galloc = GraphAllocator::new(fake(8, 16));
     let err = galloc.reserve(&graph).unwrap_err();
     assert!(
-        matches!(err, Error::Alloc(ref m) if m.contains("maximum")),
+        matches!(err, Error::AllocFailed { message: ref m, .. } if m.contains("maximum")),
         "{err}"
     );
     assert!(galloc.alloc_graph(&graph).is_err());
@@ -357,7 +357,7 @@ fn several_buffer_types_and_external_tensors() {
     let graph2 = Graph::build(&[bigger]);
     let err = galloc.alloc_graph(&graph2).unwrap_err();
     assert!(
-        matches!(err, Error::Alloc(ref m) if m.contains("reserve_n")),
+        matches!(err, Error::AllocFailed { message: ref m, .. } if m.contains("reserve_n")),
         "{err}"
     );
 

@@ -128,7 +128,10 @@ fn tensor_transfers_and_copies() {
     let mut out = vec![0u8; 16];
     backend.get_tensor_async(&src, 0, &mut out).unwrap();
     assert_eq!(out, bytes);
-    assert!(matches!(tensor_copy(&src, &other), Err(Error::Shape(_))));
+    assert!(matches!(
+        tensor_copy(&src, &other),
+        Err(Error::ShapeMismatch { .. })
+    ));
     assert!(matches!(
         src.write_bytes(12, &[0u8; 8]),
         Err(e) if e.kind() == ferrograph::error::ErrorKind::OutOfBounds

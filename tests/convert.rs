@@ -485,7 +485,7 @@ fn threaded_path_matches_scalar() {
 
 fn assert_shape_err(r: ferrograph::Result<()>, a: usize, b: usize) {
     match r {
-        Err(Error::Shape(msg)) => {
+        Err(Error::ShapeMismatch { message: msg, .. }) => {
             assert!(
                 msg.contains(&a.to_string()) && msg.contains(&b.to_string()),
                 "message should name both lengths: {msg}"

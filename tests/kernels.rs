@@ -1516,7 +1516,7 @@ fn get_rows_and_set_rows() {
     let out = ops::get_rows(&c, &table, &ids).unwrap();
     assert!(matches!(
         compute_with(&out, false),
-        Err(Error::OutOfBounds(_))
+        Err(Error::OutOfRange { .. })
     ));
 
     for (dtype, index_type) in [

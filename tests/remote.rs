@@ -228,7 +228,7 @@ fn copies_in_every_direction() {
     // Out of range reads are refused by the tensor (before the wire) and by the server.
     assert!(matches!(
         on_a.read_bytes(4 * n - 2, &mut four),
-        Err(Error::OutOfBounds(_))
+        Err(Error::OutOfRange { .. })
     ));
     drop(host_buf);
 }

@@ -165,7 +165,7 @@ pub fn reg_count() -> usize {
 pub fn reg_get(index: usize) -> Result<Arc<dyn Registration>> {
     let state = read();
     state.registrations.get(index).cloned().ok_or_else(|| {
-        Error::OutOfBounds(format!(
+        Error::out_of_bounds(format!(
             "registration index {index} out of {}",
             state.registrations.len()
         ))
@@ -195,7 +195,7 @@ pub fn dev_count() -> usize {
 pub fn dev_get(index: usize) -> Result<Arc<dyn Device>> {
     let state = read();
     state.devices.get(index).cloned().ok_or_else(|| {
-        Error::OutOfBounds(format!(
+        Error::out_of_bounds(format!(
             "device index {index} out of {}",
             state.devices.len()
         ))

@@ -392,7 +392,7 @@ impl BufferMemory for SplitMemory {
     fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
         let ne = tensor.ne();
         if !tensor.is_contiguous() || ne[2] != 1 || ne[3] != 1 {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "a {} buffer splits matrices by rows: {} must be a contiguous 2-D tensor, got \
                  shape {:?}",
                 self.buft.name,
@@ -639,7 +639,7 @@ fn mul_mat_parts(
     let (xne, dne) = (x.ne(), dst.ne());
     if !x.is_contiguous() || xne[0] != weight.ne[0] || dne != [weight.ne[1], xne[1], xne[2], xne[3]]
     {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "a split MUL_MAT of a {:?} weight needs contiguous activations of {} values per \
              row and a result of shape [{}, ...]; got {:?} and {:?}",
             weight.ne,
@@ -748,7 +748,7 @@ impl SplitWeight {
     pub fn set_bytes(&self, data: &[u8]) -> Result<()> {
         if data.len() != self.parts.nbytes {
             let [row_len, nrows] = self.ne();
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "a {} weight of {nrows} rows of {row_len} needs {} bytes, got {}",
                 self.dtype().name(),
                 self.parts.nbytes,
@@ -765,7 +765,7 @@ impl SplitWeight {
     pub fn mul_mat(&self, x: &[f32], n_cols: usize) -> Result<Vec<f32>> {
         let [row_len, nrows] = self.ne();
         if row_len.checked_mul(n_cols) != Some(x.len()) {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "x must hold {n_cols} columns of {row_len} values, got {} values",
                 x.len()
             )));

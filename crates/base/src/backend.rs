@@ -89,7 +89,7 @@ pub trait Backend: Send + Sync {
     /// Prepares `graph` for repeated computation.
     fn graph_plan_create(&self, graph: &Graph) -> Result<Box<dyn GraphPlan>> {
         let _ = graph;
-        Err(Error::UnsupportedOp(format!(
+        Err(Error::unsupported(format!(
             "backend {} has no graph plans",
             self.name()
         )))
@@ -136,7 +136,7 @@ impl fmt::Debug for dyn Backend {
 /// from or into host memory where one side is host, else through a host bounce buffer.
 pub fn tensor_copy(src: &Tensor, dst: &Tensor) -> Result<()> {
     if !src.same_layout(dst) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "cannot copy {src:?} into {dst:?}: dtype, shape and strides must match"
         )));
     }
@@ -183,7 +183,7 @@ pub fn tensor_copy_async(
     dst: &Tensor,
 ) -> Result<()> {
     if !src.same_layout(dst) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "cannot copy {src:?} into {dst:?}: dtype, shape and strides must match"
         )));
     }

@@ -579,9 +579,9 @@ mod tests {
         assert!(matches!(
             buffer.write(15, &[1, 2]),
             Err(Error::OutOfRange {
-                offset: 15,
-                size: 2,
-                limit: 16,
+                offset: Some(15),
+                size: Some(2),
+                limit: Some(16),
                 ..
             })
         ));

@@ -78,7 +78,7 @@ impl Default for Context {
 /// Converts a numpy-order shape to ggml's `ne` (fastest first), padded with ones.
 pub fn ne_from_shape(shape: &[usize]) -> Result<[usize; MAX_DIMS]> {
     if shape.len() > MAX_DIMS {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "shape {shape:?} has {} dimensions; at most {MAX_DIMS} are supported",
             shape.len()
         )));
@@ -196,7 +196,7 @@ impl Context {
     /// A new leaf tensor with ggml-order dimensions `ne` (1 to 4 entries, fastest first).
     pub fn new_tensor(&self, dtype: DType, ne: &[usize]) -> Result<Tensor> {
         if ne.is_empty() || ne.len() > MAX_DIMS {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "a tensor needs 1 to {MAX_DIMS} dimensions, got {}",
                 ne.len()
             )));

@@ -199,14 +199,14 @@ impl DType {
     pub fn row_size(self, n: usize) -> Result<usize> {
         let block = self.block_size();
         if !n.is_multiple_of(block) {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "a row of {n} elements is not a whole number of {} blocks of {block}",
                 self.name()
             )));
         }
         (n / block)
             .checked_mul(self.type_size())
-            .ok_or_else(|| Error::Shape(format!("a row of {n} {} elements overflows", self.name())))
+            .ok_or_else(|| Error::shape(format!("a row of {n} {} elements overflows", self.name())))
     }
 
     /// Parses any accepted spelling: ggml's (`"f16"`), numpy's (`"float16"`), and a few common
@@ -252,7 +252,7 @@ impl DType {
     pub fn row_to_f32(self, src: &[u8], dst: &mut [f32]) -> Result<()> {
         let expected = self.row_size(dst.len())?;
         if src.len() != expected {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "{} row of {} elements needs {expected} bytes, got {}",
                 self.name(),
                 dst.len(),
@@ -322,7 +322,7 @@ impl DType {
     pub fn row_from_f32(self, src: &[f32], dst: &mut [u8]) -> Result<()> {
         let expected = self.row_size(src.len())?;
         if dst.len() != expected {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "{} row of {} elements needs {expected} bytes, got {}",
                 self.name(),
                 src.len(),
@@ -389,7 +389,7 @@ impl DType {
 /// The error for a block type without a byte codec (every type has one; kept as an error
 /// rather than a panic so a future type cannot crash a caller).
 fn no_codec(dtype: DType) -> Error {
-    Error::UnsupportedOp(format!("no row conversion for {}", dtype.name()))
+    Error::unsupported(format!("no row conversion for {}", dtype.name()))
 }
 
 /// ggml's numbering of its types (`enum ggml_type`), as GGUF files store them.

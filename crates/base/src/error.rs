@@ -12,25 +12,12 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Everything that can go wrong in ferrograph.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum Error {
-    /// Shapes do not fit together (an op's operands, a view, a copy, a numpy array).
-    #[error("shape error: {0}")]
-    Shape(String),
     /// An element type that an operation does not accept.
     #[error("dtype error: {0}")]
     DType(String),
-    /// Memory could not be provided: a buffer too small, a size above a maximum, a failed
-    /// allocation.
-    #[error("allocation error: {0}")]
-    Alloc(String),
-    /// An op (or op/dtype combination) that a device or kernel does not implement.
-    #[error("unsupported op: {0}")]
-    UnsupportedOp(String),
     /// A backend, device or registry failure (unknown name, failed library load, ...).
     #[error("backend error: {0}")]
     Backend(String),
-    /// A read or write outside the bounds of a tensor or buffer.
-    #[error("out of bounds: {0}")]
-    OutOfBounds(String),
     /// A tensor whose memory was released (buffer freed or reset, allocator reset).
     #[error("stale tensor: {0}")]
     Stale(String),
@@ -56,52 +43,57 @@ pub enum Error {
     #[error("device lost: {0}")]
     DeviceLost(String),
 
-    // The variants below are the main failures with their facts. Each is of the same kind
-    // (and Python class) as the message-only variant named in its doc: match on
-    // [`Error::kind`] to treat both alike. Build them with [`Error::alloc_failed`],
-    // [`Error::op_unsupported`], [`Error::out_of_range`] and [`Error::shapes_mismatch`].
-    /// An allocation that could not be served ([`ErrorKind::Alloc`]).
+    // The variants below carry the facts of the failure where the code that fails knows them
+    // (None or empty where it does not). Build them with [`Error::alloc_failed`],
+    // [`Error::op_unsupported`], [`Error::out_of_range`] and [`Error::shapes_mismatch`], or
+    // with only a message: [`Error::alloc`], [`Error::unsupported`], [`Error::out_of_bounds`],
+    // [`Error::shape`].
+    /// Memory could not be provided: a buffer too small, a size above a maximum, a failed
+    /// allocation ([`ErrorKind::Alloc`]).
     #[error("allocation error: {message}")]
     AllocFailed {
         /// What failed, in words.
         message: String,
-        /// Bytes asked for.
-        requested: usize,
+        /// Bytes asked for, where known.
+        requested: Option<usize>,
         /// The most the buffer type (or buffer) can give, where known.
         limit: Option<usize>,
-        /// The buffer type's name.
-        buffer_type: String,
+        /// The buffer type's name, where known.
+        buffer_type: Option<String>,
     },
-    /// An op that a device or kernel does not run ([`ErrorKind::UnsupportedOp`]).
+    /// An op (or op/dtype combination) that a device or kernel does not run
+    /// ([`ErrorKind::UnsupportedOp`]).
     #[error("unsupported op: {message}")]
     OpUnsupported {
         /// What failed, in words.
         message: String,
-        /// The op's name (`"MUL_MAT"`).
-        op: String,
+        /// The op's name (`"MUL_MAT"`), where known.
+        op: Option<String>,
         /// The dtypes of the result and its operands, in that order.
         dtypes: Vec<String>,
         /// The backend or device that refused it, where one did.
         backend: Option<String>,
     },
-    /// A byte range outside a buffer or tensor ([`ErrorKind::OutOfBounds`]).
+    /// A read or write outside the bounds of a tensor or buffer ([`ErrorKind::OutOfBounds`]).
     #[error("out of bounds: {message}")]
     OutOfRange {
         /// What failed, in words.
         message: String,
-        /// Start of the range.
-        offset: usize,
-        /// Its length in bytes.
-        size: usize,
-        /// The size in bytes of what it must fit in.
-        limit: usize,
+        /// Start of the range, where known.
+        offset: Option<usize>,
+        /// Its length in bytes, where known.
+        size: Option<usize>,
+        /// The size in bytes of what it must fit in, where known.
+        limit: Option<usize>,
     },
-    /// Operands whose shapes do not fit together ([`ErrorKind::Shape`]).
+    /// Shapes that do not fit together: an op's operands, a view, a copy, a numpy array
+    /// ([`ErrorKind::Shape`]).
     #[error("shape error: {message}")]
     ShapeMismatch {
         /// What failed, in words.
         message: String,
-        /// The operands' names (empty for unnamed tensors), in operand order.
+        /// The operands' names (empty for unnamed tensors), in operand order; no names when
+        /// the failure is not about operands.
         names: Vec<String>,
         /// Their shapes (numpy order), in the same order.
         shapes: Vec<Vec<usize>>,
@@ -193,12 +185,12 @@ impl Error {
     /// A message-only error of `kind` (the facts of structured variants are not rebuilt).
     pub fn of_kind(kind: ErrorKind, message: String) -> Error {
         match kind {
-            ErrorKind::Shape => Error::Shape(message),
+            ErrorKind::Shape => Error::shape(message),
             ErrorKind::DType => Error::DType(message),
-            ErrorKind::Alloc => Error::Alloc(message),
-            ErrorKind::UnsupportedOp => Error::UnsupportedOp(message),
+            ErrorKind::Alloc => Error::alloc(message),
+            ErrorKind::UnsupportedOp => Error::unsupported(message),
             ErrorKind::Backend => Error::Backend(message),
-            ErrorKind::OutOfBounds => Error::OutOfBounds(message),
+            ErrorKind::OutOfBounds => Error::out_of_bounds(message),
             ErrorKind::Stale => Error::Stale(message),
             ErrorKind::NotAllocated => Error::NotAllocated(message),
             ErrorKind::Aborted => Error::Aborted,
@@ -227,12 +219,12 @@ impl Error {
     /// The error's kind (its Python class).
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::Shape(_) | Error::ShapeMismatch { .. } => ErrorKind::Shape,
+            Error::ShapeMismatch { .. } => ErrorKind::Shape,
             Error::DType(_) => ErrorKind::DType,
-            Error::Alloc(_) | Error::AllocFailed { .. } => ErrorKind::Alloc,
-            Error::UnsupportedOp(_) | Error::OpUnsupported { .. } => ErrorKind::UnsupportedOp,
+            Error::AllocFailed { .. } => ErrorKind::Alloc,
+            Error::OpUnsupported { .. } => ErrorKind::UnsupportedOp,
             Error::Backend(_) => ErrorKind::Backend,
-            Error::OutOfBounds(_) | Error::OutOfRange { .. } => ErrorKind::OutOfBounds,
+            Error::OutOfRange { .. } => ErrorKind::OutOfBounds,
             Error::Stale(_) => ErrorKind::Stale,
             Error::NotAllocated(_) => ErrorKind::NotAllocated,
             Error::Aborted => ErrorKind::Aborted,
@@ -254,9 +246,19 @@ impl Error {
     ) -> Error {
         Error::AllocFailed {
             message: message.into(),
-            requested,
+            requested: Some(requested),
             limit,
-            buffer_type: buffer_type.into(),
+            buffer_type: Some(buffer_type.into()),
+        }
+    }
+
+    /// Memory that could not be provided, with only a message.
+    pub fn alloc(message: impl Into<String>) -> Error {
+        Error::AllocFailed {
+            message: message.into(),
+            requested: None,
+            limit: None,
+            buffer_type: None,
         }
     }
 
@@ -270,9 +272,19 @@ impl Error {
     ) -> Error {
         Error::OpUnsupported {
             message: message.into(),
-            op: op.into(),
+            op: Some(op.into()),
             dtypes,
             backend,
+        }
+    }
+
+    /// An op (or op/dtype combination) that is not run, with only a message.
+    pub fn unsupported(message: impl Into<String>) -> Error {
+        Error::OpUnsupported {
+            message: message.into(),
+            op: None,
+            dtypes: Vec::new(),
+            backend: None,
         }
     }
 
@@ -285,9 +297,19 @@ impl Error {
     ) -> Error {
         Error::OutOfRange {
             message: message.into(),
-            offset,
-            size,
-            limit,
+            offset: Some(offset),
+            size: Some(size),
+            limit: Some(limit),
+        }
+    }
+
+    /// A read or write out of bounds, with only a message.
+    pub fn out_of_bounds(message: impl Into<String>) -> Error {
+        Error::OutOfRange {
+            message: message.into(),
+            offset: None,
+            size: None,
+            limit: None,
         }
     }
 
@@ -325,12 +347,21 @@ impl Error {
             shapes,
         }
     }
+
+    /// Shapes that do not fit together, with only a message.
+    pub fn shape(message: impl Into<String>) -> Error {
+        Error::ShapeMismatch {
+            message: message.into(),
+            names: Vec::new(),
+            shapes: Vec::new(),
+        }
+    }
 }
 
-/// Builds an [`Error::Shape`] from format arguments.
+/// Builds a shape error ([`Error::shape`]) from format arguments.
 #[macro_export]
 macro_rules! shape_err {
-    ($($arg:tt)*) => { $crate::error::Error::Shape(format!($($arg)*)) };
+    ($($arg:tt)*) => { $crate::error::Error::shape(format!($($arg)*)) };
 }
 
 /// Builds an [`Error::DType`] from format arguments.
@@ -419,8 +450,8 @@ mod tests {
         assert_eq!(Status::Success.code(), 0);
         assert_eq!(Status::Aborted.code(), 1);
         assert_eq!(Error::Aborted.status(), Status::Aborted);
-        assert_eq!(Error::Alloc("x".into()).status(), Status::AllocFailed);
-        assert_eq!(shape_err!("a {}", 1), Error::Shape("a 1".into()));
+        assert_eq!(Error::alloc("x").status(), Status::AllocFailed);
+        assert_eq!(shape_err!("a {}", 1), Error::shape("a 1"));
         assert_eq!(status_to_string(-2), Status::AllocFailed.as_str());
         assert_eq!(status_to_string(7), "unknown status");
         assert_eq!(status_to_string(i32::MIN), "unknown status");

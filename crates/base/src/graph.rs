@@ -171,7 +171,7 @@ impl Graph {
         let n = self.body.nodes.len() as isize;
         let index = if i < 0 { n + i } else { i };
         if index < 0 || index >= n {
-            return Err(Error::OutOfBounds(format!(
+            return Err(Error::out_of_bounds(format!(
                 "node index {i} outside a graph of {n} nodes"
             )));
         }
@@ -200,7 +200,7 @@ impl Graph {
     /// A graph of the nodes `start..end` only (no leafs), as ggml's graph view.
     pub fn view(&self, start: usize, end: usize) -> Result<Graph> {
         if start > end || end > self.body.nodes.len() {
-            return Err(Error::OutOfBounds(format!(
+            return Err(Error::out_of_bounds(format!(
                 "node range {start}..{end} outside a graph of {} nodes",
                 self.body.nodes.len()
             )));

@@ -109,10 +109,10 @@ pub fn graph_copy(backend: &dyn Backend, graph: &Graph) -> Result<GraphCopy> {
     let mut size = 0usize;
     for t in order.iter().filter(|t| !t.is_view()) {
         let need = align_up(buft.alloc_size(t), alignment)
-            .ok_or_else(|| Error::Alloc("graph copy: tensor too large".into()))?;
+            .ok_or_else(|| Error::alloc("graph copy: tensor too large"))?;
         size = size
             .checked_add(need)
-            .ok_or_else(|| Error::Alloc("graph copy: graph too large".into()))?;
+            .ok_or_else(|| Error::alloc("graph copy: graph too large"))?;
     }
     let buffer = Arc::clone(&buft).alloc_buffer(size)?;
     let mut talloc = TensorAllocator::new(&buffer);

@@ -64,7 +64,7 @@ impl HostMemory {
         let huge = size >= HUGE_PAGE;
         let align = if huge { align.max(HUGE_PAGE) } else { align };
         let layout = Layout::from_size_align(size, align).map_err(|e| {
-            Error::Alloc(format!(
+            Error::alloc(format!(
                 "cannot lay out {size} bytes aligned to {align}: {e}"
             ))
         })?;

@@ -385,7 +385,7 @@ impl Op {
     /// custom one, which is an [`Error::UnsupportedOp`] saying so.
     pub fn check_portable(&self) -> Result<()> {
         match self {
-            Op::Custom(c) => Err(Error::UnsupportedOp(custom_not_portable(c))),
+            Op::Custom(c) => Err(Error::unsupported(custom_not_portable(c))),
             _ => Ok(()),
         }
     }

@@ -62,7 +62,7 @@ fn check_view_layout(
         format!("{} element ({unit} bytes)", dtype.name())
     };
     if !offset.is_multiple_of(unit) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{}: a view of {} at byte offset {offset} would start inside a {what}; offsets must \
              be multiples of {unit}",
             op.name(),
@@ -70,7 +70,7 @@ fn check_view_layout(
         )));
     }
     if dtype.is_quantized() && ne[0] > 1 && nb[0] != unit {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{}: a view of the {} tensor {} whose rows are not contiguous blocks (the first \
              dimension's stride would be {} bytes, a block is {unit}): quantized rows cannot \
              be transposed or permuted away from the first dimension; convert to f32 first",
@@ -81,7 +81,7 @@ fn check_view_layout(
         )));
     }
     if let Some(i) = (0..MAX_DIMS).find(|&i| ne[i] > 1 && !nb[i].is_multiple_of(unit)) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{}: a view of {} with a stride of {} bytes in dimension {i} would cut a {what}; \
              strides must be multiples of {unit}",
             op.name(),
@@ -140,7 +140,7 @@ pub(crate) fn check_span(
     });
     match span.flatten() {
         Some(bytes) if bytes <= isize::MAX as usize => Ok(bytes),
-        _ => Err(Error::Shape(format!(
+        _ => Err(Error::shape(format!(
             "{what}: strides {nb:?} of shape {ne:?} overflow"
         ))),
     }
@@ -158,7 +158,7 @@ pub fn check_strides(
 ) -> Result<()> {
     crate::tensor::check_shape(dtype, ne, what)?;
     if dtype.is_quantized() && nb[0] != dtype.type_size() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{what}: quantized ({dtype}) rows must be dense, got element stride {}",
             nb[0]
         )));
@@ -170,7 +170,7 @@ pub fn check_strides(
             .and_then(|x| acc.checked_add(x))
     });
     if span.is_none_or(|s| s > isize::MAX as usize) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{what}: strides {nb:?} of shape {ne:?} overflow"
         )));
     }
@@ -189,7 +189,7 @@ pub fn check_strides(
     let mut extent = dtype.type_size();
     for (n, stride) in dims {
         if stride < extent {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "{what}: strides {nb:?} of shape {ne:?} make elements overlap"
             )));
         }
@@ -281,14 +281,14 @@ pub fn dup(ctx: &Context, a: &Tensor) -> Result<Tensor> {
 /// Copies `a` into `b` (converting the dtype); the result is a view of `b`.
 pub fn cpy(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     if a.nelements() != b.nelements() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "CPY: {} and {} have different element counts",
             describe(a),
             describe(b)
         )));
     }
     if b.dtype().is_quantized() && !b.is_contiguous_rows() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "CPY: quantized destination {} must have dense rows",
             describe(b)
         )));
@@ -315,7 +315,7 @@ pub fn cont_shape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
     let full = full_ne(ne, "CONT")?;
     crate::tensor::check_shape(a.dtype(), &full, "CONT")?;
     if full.iter().product::<usize>() != a.nelements() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "CONT: cannot give {} the shape {ne:?}",
             describe(a)
         )));
@@ -325,7 +325,7 @@ pub fn cont_shape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
 
 fn full_ne(ne: &[usize], op: &str) -> Result<[usize; MAX_DIMS]> {
     if ne.is_empty() || ne.len() > MAX_DIMS {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{op}: a shape needs 1 to {MAX_DIMS} dimensions, got {ne:?}"
         )));
     }
@@ -340,13 +340,13 @@ pub fn reshape(ctx: &Context, a: &Tensor, ne: &[usize]) -> Result<Tensor> {
     // First: the element count below must not overflow.
     crate::tensor::check_shape(a.dtype(), &full, "RESHAPE")?;
     if !a.is_contiguous() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "RESHAPE: {} is not contiguous; use cont first",
             describe(a)
         )));
     }
     if full.iter().product::<usize>() != a.nelements() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "RESHAPE: {} has {} elements, the shape {ne:?} has {}",
             describe(a),
             a.nelements(),
@@ -369,7 +369,7 @@ pub fn view(
 ) -> Result<Tensor> {
     let full = full_ne(ne, "VIEW")?;
     if strides.len() + 1 != ne.len() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "VIEW: {} dimensions need {} strides, got {}",
             ne.len(),
             ne.len() - 1,
@@ -401,7 +401,7 @@ pub fn permute(ctx: &Context, a: &Tensor, axes: [usize; MAX_DIMS]) -> Result<Ten
     let mut seen = [false; MAX_DIMS];
     for &axis in &axes {
         if axis >= MAX_DIMS || seen[axis] {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "PERMUTE: {axes:?} is not a permutation of 0..4"
             )));
         }
@@ -447,7 +447,7 @@ fn operands_mismatch(message: String, operands: &[&Tensor]) -> Error {
 /// The error for a permutation that moves the rows of a block-quantized tensor: its elements
 /// along dimension 0 are packed in blocks, so no stride can address them along another one.
 fn quantized_row_moved(op: &str, a: &Tensor) -> Error {
-    Error::Shape(format!(
+    Error::shape(format!(
         "{op}: the rows of the {} tensor {} are packed in blocks of {} and cannot move away \
          from the first dimension; convert it to f32 first (cpy into an f32 tensor)",
         a.dtype().name(),
@@ -481,7 +481,7 @@ pub fn get_rows(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     require_dtype("GET_ROWS indices", b, &[DType::I32])?;
     let (na, nb) = (a.ne(), b.ne());
     if na[2] != nb[1] || na[3] != nb[2] || nb[3] != 1 {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "GET_ROWS: indices {} do not match the batch dimensions of {}",
             describe(b),
             describe(a)
@@ -519,7 +519,7 @@ pub fn set_rows(ctx: &Context, a: &Tensor, b: &Tensor, c: &Tensor) -> Result<Ten
         && nb[3] % nc[2] == 0
         && nc[3] == 1;
     if !ok {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "SET_ROWS: destination {}, rows {} and indices {} do not fit together",
             describe(a),
             describe(b),
@@ -564,7 +564,7 @@ pub fn div(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 pub fn add1(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     require_float("ADD1", a)?;
     if b.nelements() != 1 {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ADD1: {} must have exactly one element",
             describe(b)
         )));
@@ -593,7 +593,7 @@ pub fn acc(
     require_dtype("ACC", a, &[DType::F32])?;
     require_dtype("ACC", b, &[DType::F32])?;
     if b.nelements() > a.nelements() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ACC: {} is larger than {}",
             describe(b),
             describe(a)
@@ -603,7 +603,7 @@ pub fn acc(
     // written as garbage.
     let element = DType::F32.type_size();
     if [nb1, nb2, nb3, offset].iter().any(|v| v % element != 0) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ACC: strides {nb1}, {nb2}, {nb3} and offset {offset} must be multiples of the \
              {element}-byte f32 element"
         )));
@@ -616,7 +616,7 @@ pub fn acc(
         .checked_add(region)
         .is_none_or(|end| end > a.nbytes())
     {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ACC: the region of {} at offset {offset} falls outside {}",
             describe(b),
             describe(a)
@@ -716,19 +716,19 @@ pub fn argmax(ctx: &Context, a: &Tensor) -> Result<Tensor> {
     require_dtype("ARGMAX", a, &[DType::F32])?;
     let ne = a.ne();
     if ne[0] == 0 && ne[1] > 0 {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ARGMAX: the rows of {} are empty; an empty row has no maximum",
             describe(a)
         )));
     }
     if ne[2] != 1 || ne[3] != 1 {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ARGMAX needs a matrix, got {}",
             describe(a)
         )));
     }
     if ne[1] > i32::MAX as usize || ne[0] > i32::MAX as usize {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ARGMAX: {} is too large for i32 indices",
             describe(a)
         )));
@@ -747,7 +747,7 @@ pub fn argmax(ctx: &Context, a: &Tensor) -> Result<Tensor> {
 pub fn repeat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     require_float("REPEAT", a)?;
     if !can_repeat(a, b) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "REPEAT: {} does not tile {}",
             describe(a),
             describe(b)
@@ -766,7 +766,7 @@ pub fn repeat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// Joins `a` and `b` along ggml-order dimension `dim`.
 pub fn concat(ctx: &Context, a: &Tensor, b: &Tensor, dim: usize) -> Result<Tensor> {
     if dim >= MAX_DIMS {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "CONCAT: dimension {dim} is out of range"
         )));
     }
@@ -784,7 +784,7 @@ pub fn concat(ctx: &Context, a: &Tensor, b: &Tensor, dim: usize) -> Result<Tenso
     )?;
     let (na, nb) = (a.ne(), b.ne());
     if (0..MAX_DIMS).any(|i| i != dim && na[i] != nb[i]) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "CONCAT along {dim}: {} and {} differ in another dimension",
             describe(a),
             describe(b)
@@ -820,7 +820,7 @@ pub fn glu(ctx: &Context, a: &Tensor, op: GluOp, swapped: bool) -> Result<Tensor
     require_float(op.name(), a)?;
     let mut ne = a.ne();
     if !ne[0].is_multiple_of(2) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{}: the row length of {} must be even",
             op.name(),
             describe(a)
@@ -841,7 +841,7 @@ pub fn glu(ctx: &Context, a: &Tensor, op: GluOp, swapped: bool) -> Result<Tensor
 pub fn glu_split(ctx: &Context, a: &Tensor, b: &Tensor, op: GluOp) -> Result<Tensor> {
     require_float(op.name(), a)?;
     if !a.same_shape(b) || a.dtype() != b.dtype() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{}: {} and {} must have the same shape and dtype",
             op.name(),
             describe(a),
@@ -945,14 +945,14 @@ pub fn mul_mat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         ));
     }
     if na[0] == 0 {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "MUL_MAT: {} and {} have an inner dimension of 0 (no columns to multiply)",
             describe(a),
             describe(b)
         )));
     }
     if na[0] > 1 && a.nb()[0] != a.dtype().type_size() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "MUL_MAT: the rows of the first operand {} are not contiguous (is it transposed?); \
              use cont first",
             describe(a)
@@ -975,7 +975,7 @@ pub fn out_prod(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     require_dtype("OUT_PROD", b, &[DType::F32])?;
     let (na, nb) = (a.ne(), b.ne());
     if na[1] != nb[1] || na[2] == 0 || na[3] == 0 || nb[2] % na[2] != 0 || nb[3] % na[3] != 0 {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "OUT_PROD: {} and {} do not fit",
             describe(a),
             describe(b)
@@ -1008,7 +1008,7 @@ pub fn mul_mat_id(ctx: &Context, experts: &Tensor, b: &Tensor, ids: &Tensor) -> 
         && nb[1] != 0
         && ni[0] % nb[1] == 0;
     if !ok {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "MUL_MAT_ID: experts {}, activations {} and ids {} do not fit",
             describe(experts),
             describe(b),
@@ -1078,7 +1078,7 @@ fn check_attention_mask(
         || !fit.n2.is_multiple_of(nm[2])
         || !fit.n3.is_multiple_of(nm[3])
     {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{op}: mask {} does not fit {}",
             describe(mask),
             operands()
@@ -1141,7 +1141,7 @@ pub fn rope(
     require_dtype("ROPE positions", pos, &[DType::I32])?;
     let ne = a.ne();
     if pos.ndim() != 1 || pos.ne()[0] != ne[2] {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "ROPE: positions {} must be a vector of {} entries (dimension 2 of {})",
             describe(pos),
             ne[2],
@@ -1158,7 +1158,7 @@ pub fn rope(
     if let Some(ff) = freq_factors {
         require_dtype("ROPE freq_factors", ff, &[DType::F32])?;
         if ff.ne()[0] < params.n_dims / 2 {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "ROPE: freq_factors {} needs at least {} entries",
                 describe(ff),
                 params.n_dims / 2
@@ -1211,7 +1211,7 @@ pub fn flash_attn_ext(
         && nk[3] != 0
         && nq[3] % nk[3] == 0;
     if !ok {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "FLASH_ATTN_EXT: q {}, k {} and v {} do not fit",
             describe(q),
             describe(k),
@@ -1329,7 +1329,7 @@ fn operands<'a>(op: &Op, srcs: &'a [Tensor], allowed: &[usize]) -> Result<&'a [T
 pub fn rebuild(ctx: &Context, op: &Op, srcs: &[Tensor], layout: &Layout) -> Result<Tensor> {
     let ndim = layout.ndim;
     if !(1..=MAX_DIMS).contains(&ndim) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{}: ndim {ndim} is outside 1..={MAX_DIMS}",
             op.name()
         )));
@@ -1399,7 +1399,7 @@ pub fn rebuild(ctx: &Context, op: &Op, srcs: &[Tensor], layout: &Layout) -> Resu
                 .view_offset
                 .checked_sub(a.view_offset())
                 .ok_or_else(|| {
-                    Error::Shape(format!(
+                    Error::shape(format!(
                         "VIEW: offset {} lies before its operand's own offset {}",
                         layout.view_offset,
                         a.view_offset()

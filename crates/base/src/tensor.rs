@@ -176,7 +176,7 @@ pub fn span_bytes(dtype: DType, ne: &[usize; MAX_DIMS], nb: &[usize; MAX_DIMS]) 
 /// Checks a shape for overflow and block alignment, naming the tensor in errors.
 pub fn check_shape(dtype: DType, ne: &[usize; MAX_DIMS], what: &str) -> Result<()> {
     if !ne[0].is_multiple_of(dtype.block_size()) {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{what}: the row length {} is not a multiple of the {} block size {}",
             ne[0],
             dtype.name(),
@@ -190,7 +190,7 @@ pub fn check_shape(dtype: DType, ne: &[usize; MAX_DIMS], what: &str) -> Result<(
         .try_fold(1usize, |acc, &n| acc.checked_mul(n));
     let bytes = elements.and_then(|n| n.checked_mul(dtype.type_size()));
     if bytes.is_none_or(|b| b > isize::MAX as usize) {
-        return Err(Error::Shape(format!("{what}: shape {ne:?} is too large")));
+        return Err(Error::shape(format!("{what}: shape {ne:?} is too large")));
     }
     Ok(())
 }
@@ -212,7 +212,7 @@ impl Tensor {
                     .checked_add(base)
                     .and_then(|o| o.checked_add(span_bytes(spec.dtype, &spec.ne, &nb)));
                 if end.is_none_or(|end| end > root.nbytes()) {
-                    return Err(Error::Shape(format!(
+                    return Err(Error::shape(format!(
                         "view of {} bytes at offset {} is outside {} ({} bytes)",
                         span_bytes(spec.dtype, &spec.ne, &nb),
                         base + offset,
@@ -487,7 +487,7 @@ impl Tensor {
         if let Some(base) = buffer.host_ptr() {
             let address = (base.as_ptr() as usize).wrapping_add(offset);
             if !address.is_multiple_of(alignment) {
-                return Err(Error::Alloc(format!(
+                return Err(Error::alloc(format!(
                     "{} would start at address {address:#x}, not a multiple of {alignment}",
                     self.label()
                 )));
@@ -528,7 +528,7 @@ impl Tensor {
         }
         let end = offset.checked_add(self.nbytes());
         if end.is_none_or(|end| end > buffer.size()) {
-            return Err(Error::Alloc(format!(
+            return Err(Error::alloc(format!(
                 "{} needs {} bytes at offset {offset} but the buffer has {} bytes",
                 self.label(),
                 self.nbytes(),
@@ -537,7 +537,7 @@ impl Tensor {
         }
         let align = alignment.max(1);
         if !offset.is_multiple_of(align) {
-            return Err(Error::Alloc(format!(
+            return Err(Error::alloc(format!(
                 "offset {offset} of {} is not a multiple of the alignment {align}",
                 self.label()
             )));
@@ -655,7 +655,7 @@ impl Tensor {
     pub fn check_byte_range(&self, offset: usize, len: usize, what: &str) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.nbytes() => Ok(()),
-            _ => Err(Error::OutOfBounds(format!(
+            _ => Err(Error::out_of_bounds(format!(
                 "{what} of {len} bytes at offset {offset} is outside {} ({} bytes)",
                 self.label(),
                 self.nbytes()
@@ -698,7 +698,7 @@ impl Tensor {
         let n = self.nelements();
         let mut out = Vec::new();
         out.try_reserve_exact(n).map_err(|_| {
-            Error::Alloc(format!(
+            Error::alloc(format!(
                 "{} has {n} elements; {} bytes of f32 values cannot be allocated",
                 self.label(),
                 n.saturating_mul(4)
@@ -735,7 +735,7 @@ impl Tensor {
     /// Writes all elements from f32 values in logical order, converting to the dtype.
     pub fn set_f32(&self, values: &[f32]) -> Result<()> {
         if values.len() != self.nelements() {
-            return Err(Error::Shape(format!(
+            return Err(Error::shape(format!(
                 "{} has {} elements (shape {:?}) but {} values were given",
                 self.label(),
                 self.nelements(),

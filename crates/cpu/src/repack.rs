@@ -190,7 +190,7 @@ impl BufferMemory for RepackMemory {
     fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
         let end = offset
             .checked_add(tensor.nbytes())
-            .ok_or_else(|| Error::OutOfBounds("tensor range overflows".into()))?;
+            .ok_or_else(|| Error::out_of_bounds("tensor range overflows"))?;
         let mut layouts = self.layouts.write().unwrap_or_else(|p| p.into_inner());
         // The range's old tenants are gone; its bytes now follow the new tensor's layout.
         layouts.retain(|(start, l)| start + l.bytes() <= offset || *start >= end);

@@ -34,7 +34,7 @@ pub struct CpuTypeTraits {
 fn check(what: &str, dtype: DType, n: usize, bytes: usize) -> Result<()> {
     let need = dtype.row_size(n)?;
     if bytes != need {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{what}: {n} {} elements take {need} bytes, got {bytes}",
             dtype.name()
         )));
@@ -152,11 +152,11 @@ fn from_block<const ID: u32>(x: &[f32], out: &mut [u8]) -> Result<()> {
 fn dot_block<const ID: u32>(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
     let dtype = DType::from_ggml_type_id(ID)?;
     let partner = block_dot::vec_dot_type(dtype)
-        .ok_or_else(|| Error::UnsupportedOp(format!("vec_dot {}", dtype.name())))?;
+        .ok_or_else(|| Error::unsupported(format!("vec_dot {}", dtype.name())))?;
     check("vec_dot", dtype, n, x.len())?;
     check("vec_dot (partner)", partner, n, y.len())?;
     let dot = block_dot::dot_fn(dtype)
-        .ok_or_else(|| Error::UnsupportedOp(format!("vec_dot {}", dtype.name())))?;
+        .ok_or_else(|| Error::unsupported(format!("vec_dot {}", dtype.name())))?;
     Ok(dot(x, y))
 }
 

@@ -200,7 +200,7 @@ impl PyGraphAllocator {
         if id < self.n_buffers {
             Ok(())
         } else {
-            Err(ferrograph::Error::OutOfBounds(format!(
+            Err(ferrograph::Error::out_of_bounds(format!(
                 "buffer id {id} is outside 0..{} (this allocator has {} buffer type(s))",
                 self.n_buffers, self.n_buffers
             ))
@@ -212,7 +212,7 @@ impl PyGraphAllocator {
     fn check_ids(&self, what: &str, ids: &[usize]) -> PyResult<()> {
         match ids.iter().position(|&id| id >= self.n_buffers) {
             None => Ok(()),
-            Some(i) => Err(ferrograph::Error::OutOfBounds(format!(
+            Some(i) => Err(ferrograph::Error::out_of_bounds(format!(
                 "{what}[{i}] = {} is outside 0..{}",
                 ids[i], self.n_buffers
             ))

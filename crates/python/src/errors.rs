@@ -150,7 +150,7 @@ pub(crate) fn convert_error(err: &Error) -> PyErr {
 
 /// Shorthand for raising a ferrograph error class from binding code.
 pub(crate) fn shape(message: impl Into<String>) -> PyErr {
-    Error::Shape(message.into()).into()
+    Error::shape(message.into()).into()
 }
 
 /// Shorthand for `DTypeError`.
@@ -203,12 +203,12 @@ pub(crate) fn error_class_names() -> Vec<&'static str> {
 fn raise_error(variant: &str, message: &str) -> PyResult<()> {
     let m = message.to_owned();
     let err = match variant {
-        "Shape" => Error::Shape(m),
+        "Shape" => Error::shape(m),
         "DType" => Error::DType(m),
-        "Alloc" => Error::Alloc(m),
-        "UnsupportedOp" => Error::UnsupportedOp(m),
+        "Alloc" => Error::alloc(m),
+        "UnsupportedOp" => Error::unsupported(m),
         "Backend" => Error::Backend(m),
-        "OutOfBounds" => Error::OutOfBounds(m),
+        "OutOfBounds" => Error::out_of_bounds(m),
         "Stale" => Error::Stale(m),
         "NotAllocated" => Error::NotAllocated(m),
         "Aborted" => Error::Aborted,

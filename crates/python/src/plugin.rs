@@ -55,7 +55,7 @@ fn plugin_error(plugin: &str, method: &str, err: CallError) -> Error {
             let out_of_memory = Python::attach(|py| err.is_instance_of::<PyMemoryError>(py));
             let message = message + &super::raised::keep(err);
             if out_of_memory {
-                Error::Alloc(message)
+                Error::alloc(message)
             } else {
                 Error::Backend(message)
             }
@@ -324,7 +324,7 @@ impl BufferType for PluginBufferType {
 
     fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer> {
         if size > self.max_size {
-            return Err(Error::Alloc(format!(
+            return Err(Error::alloc(format!(
                 "{} bytes exceed the maximum buffer size {} of {}",
                 size, self.max_size, self.name
             )));

@@ -315,7 +315,7 @@ impl PyScheduler {
             .get(i)
             .map(|b| PyBackend { inner: b.clone() })
             .ok_or_else(|| {
-                ferrograph::Error::OutOfBounds(format!(
+                ferrograph::Error::out_of_bounds(format!(
                     "backend index {i} is outside 0..{}",
                     self.backends.len()
                 ))

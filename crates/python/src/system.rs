@@ -73,7 +73,7 @@ fn cpu_from_float<'py>(
     let x = x.readonly();
     let t = type_traits(dtype.0);
     let from_float = t.from_float.ok_or_else(|| {
-        Error::UnsupportedOp(format!("the CPU cannot convert f32 to {}", dtype.0.name()))
+        Error::unsupported(format!("the CPU cannot convert f32 to {}", dtype.0.name()))
     })?;
     let x = x.as_slice().map_err(|_| invalid("x must be contiguous"))?;
     let mut out = vec![0u8; dtype.0.row_size(x.len())?];
@@ -87,7 +87,7 @@ fn cpu_from_float<'py>(
 fn cpu_vec_dot(dtype: DTypeArg, n: usize, x: &[u8], y: &[u8]) -> PyResult<f32> {
     let t = type_traits(dtype.0);
     let vec_dot = t.vec_dot.ok_or_else(|| {
-        Error::UnsupportedOp(format!("the CPU has no dot product for {}", dtype.0.name()))
+        Error::unsupported(format!("the CPU has no dot product for {}", dtype.0.name()))
     })?;
     Ok(vec_dot(n, x, y)?)
 }

@@ -116,7 +116,7 @@ pub(crate) fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, 
         .call_method1("empty", (shape, numpy_dtype(py, t.dtype())?))
         .map_err(|e| {
             if e.is_instance_of::<pyo3::exceptions::PyMemoryError>(py) {
-                ferrograph::Error::Alloc(format!(
+                ferrograph::Error::alloc(format!(
                     "{} has {} elements: {e}",
                     t.label(),
                     t.nelements()

@@ -222,7 +222,7 @@ impl BlasBackend {
             return Ok(());
         }
         if !matches!(op, Op::MulMat | Op::OutProd) {
-            return Err(Error::UnsupportedOp(format!(
+            return Err(Error::unsupported(format!(
                 "the BLAS backend computes only MUL_MAT and OUT_PROD, not {} ({})",
                 op.display_name(),
                 node.label()
@@ -230,7 +230,7 @@ impl BlasBackend {
         }
         let srcs = node.srcs();
         let (Some(a), Some(b)) = (srcs.first(), srcs.get(1)) else {
-            return Err(Error::UnsupportedOp(format!(
+            return Err(Error::unsupported(format!(
                 "{} has fewer than two operands",
                 node.label()
             )));

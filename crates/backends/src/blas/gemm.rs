@@ -13,7 +13,7 @@ use crate::error::{Error, Result};
 use crate::host::RawTensor;
 
 fn layout_error(what: &str, detail: &str) -> Error {
-    Error::UnsupportedOp(format!("the BLAS backend cannot read {what}: {detail}"))
+    Error::unsupported(format!("the BLAS backend cannot read {what}: {detail}"))
 }
 
 fn aligned_f32(t: &RawTensor) -> bool {
@@ -55,7 +55,7 @@ fn broadcast(a: &RawTensor, b: &RawTensor, op: &str) -> Result<(usize, usize)> {
         || !b.ne[2].is_multiple_of(a.ne[2])
         || !b.ne[3].is_multiple_of(a.ne[3])
     {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{op}: batch dimensions {:?} do not broadcast to {:?}",
             &a.ne[2..],
             &b.ne[2..]
@@ -108,7 +108,7 @@ pub(crate) fn mul_mat(
 ) -> Result<()> {
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     if b.ne[0] != k || dst.ne != [m, n, b.ne[2], b.ne[3]] {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "MUL_MAT: weights {:?}, activations {:?} and result {:?} do not fit",
             a.ne, b.ne, dst.ne
         )));
@@ -187,7 +187,7 @@ pub(crate) fn out_prod(
 ) -> Result<()> {
     let (n0, kk, n1) = (a.ne[0], a.ne[1], b.ne[0]);
     if b.ne[1] != kk || dst.ne != [n0, n1, b.ne[2], b.ne[3]] {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "OUT_PROD: operands {:?}, {:?} and result {:?} do not fit",
             a.ne, b.ne, dst.ne
         )));

@@ -359,7 +359,7 @@ impl BufferType for RemoteBufferType {
 
     fn alloc_buffer(self: Arc<Self>, size: usize) -> Result<Buffer> {
         if size > self.max_size {
-            return Err(Error::Alloc(format!(
+            return Err(Error::alloc(format!(
                 "{size} bytes exceed the largest buffer of {} ({} bytes)",
                 self.name, self.max_size
             )));

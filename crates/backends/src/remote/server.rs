@@ -619,7 +619,7 @@ async fn read_payload<R: AsyncRead + Unpin>(
     let mut payload = Vec::new();
     payload
         .try_reserve_exact(len as usize)
-        .map_err(|_| ReadError::Bad(Error::Alloc(format!("cannot hold a {len}-byte payload"))))?;
+        .map_err(|_| ReadError::Bad(Error::alloc(format!("cannot hold a {len}-byte payload"))))?;
     (&mut *r)
         .take(len)
         .read_to_end(&mut payload)
@@ -1123,7 +1123,7 @@ impl Session {
     fn charge(&self, extra: u64, what: &str) -> Result<()> {
         let limit = self.shared.config.max_session_bytes;
         if self.cost.checked_add(extra).is_none_or(|t| t > limit) {
-            return Err(Error::Alloc(format!(
+            return Err(Error::alloc(format!(
                 "{what} ({extra} bytes with overhead) would exceed the session limit of {limit} \
                  bytes ({} in use)",
                 self.cost
@@ -1157,7 +1157,7 @@ impl Session {
         let buffer = self.buffer(handle)?;
         let end = offset.checked_add(len);
         if end.is_none_or(|end| end > buffer.size() as u64) {
-            return Err(Error::OutOfBounds(format!(
+            return Err(Error::out_of_bounds(format!(
                 "{len} bytes at offset {offset} exceed the buffer's {} bytes",
                 buffer.size()
             )));
@@ -1184,7 +1184,7 @@ impl Session {
                     .ok()
                     .filter(|&s| s <= buft.max_size())
                     .ok_or_else(|| {
-                        Error::Alloc(format!(
+                        Error::alloc(format!(
                             "{size} bytes exceed the largest buffer of {} ({} bytes)",
                             buft.name(),
                             buft.max_size()
@@ -1251,7 +1251,7 @@ impl Session {
                 let (target, dst_offset, _) = self.range(dst, dst_offset, len as u64)?;
                 let mut bounce = Vec::new();
                 bounce.try_reserve_exact(len).map_err(|_| {
-                    Error::Alloc(format!("cannot copy {len} bytes through the host"))
+                    Error::alloc(format!("cannot copy {len} bytes through the host"))
                 })?;
                 bounce.resize(len, 0);
                 source.read(src_offset, &mut bounce)?;
@@ -1406,14 +1406,14 @@ impl Session {
                 deposits.prune();
                 let owned = deposits.by_owner.get(&self.id).copied().unwrap_or(0);
                 if owned + cost > config.max_session_bytes {
-                    return Err(Error::Alloc(format!(
+                    return Err(Error::alloc(format!(
                         "a deposit of {} bytes would exceed the session limit of {} bytes",
                         payload.len(),
                         config.max_session_bytes
                     )));
                 }
                 if deposits.total + cost > config.max_deposit_bytes {
-                    return Err(Error::Alloc(format!(
+                    return Err(Error::alloc(format!(
                         "the server holds its maximum of {} bytes of unclaimed deposits",
                         config.max_deposit_bytes
                     )));

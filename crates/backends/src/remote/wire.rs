@@ -334,7 +334,7 @@ fn build_tensor(ctx: &Context, t: &TensorDesc, built: &[Tensor]) -> Result<Tenso
     // The builder decided dtype, shape, strides and view; the wire must agree exactly.
     let same_strides = (0..MAX_DIMS).all(|i| ne[i] <= 1 || result.nb()[i] == nb[i]);
     if result.dtype() != dtype || result.ne() != ne || !same_strides {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "{} of {:?} would be {} {:?} (strides {:?}), the request said {} {:?} (strides {:?})",
             result.op().name(),
             result.srcs().iter().map(|s| s.shape()).collect::<Vec<_>>(),
@@ -408,7 +408,7 @@ pub fn build_graph(
             )));
         }
         let tensor = build_tensor(&context, t, &built).map_err(|e| match e {
-            Error::Shape(m) => Error::Shape(format!("tensor {i}: {m}")),
+            Error::ShapeMismatch { message: m, .. } => Error::shape(format!("tensor {i}: {m}")),
             Error::DType(m) => Error::DType(format!("tensor {i}: {m}")),
             Error::InvalidArgument(m) => Error::InvalidArgument(format!("tensor {i}: {m}")),
             other => other,

@@ -75,7 +75,7 @@ fn describe(t: &TensorPlan) -> String {
 /// * every non-view tensor of the graph is either placed or already has memory.
 pub fn check_plan(graph: &Graph, plan: &MemoryPlan) -> Result<()> {
     let life = lifetimes(graph);
-    let fail = |m: String| Err(Error::Alloc(format!("plan check failed: {m}")));
+    let fail = |m: String| Err(Error::alloc(format!("plan check failed: {m}")));
     let mut by_chunk: HashMap<ChunkKey, Vec<(&TensorPlan, Lifetime)>> = HashMap::new();
     for t in &plan.tensors {
         let Some(&lifetime) = life.get(&t.id) else {

@@ -114,7 +114,7 @@ impl DynAllocator {
         let size = align_up(size, self.alignment)
             .filter(|&s| s <= self.max_chunk_size)
             .ok_or_else(|| {
-                Error::Alloc(format!(
+                Error::alloc(format!(
                     "a tensor of {size} bytes is larger than the buffer type's maximum buffer \
                      size of {} bytes",
                     self.max_chunk_size
@@ -197,17 +197,17 @@ impl DynAllocator {
             return Ok(());
         }
         let size = align_up(size, self.alignment)
-            .ok_or_else(|| Error::Alloc(format!("free of {size} bytes overflows")))?;
+            .ok_or_else(|| Error::alloc(format!("free of {size} bytes overflows")))?;
         let max_chunk_size = self.max_chunk_size;
         let chunk_ref = self
             .chunks
             .get_mut(chunk)
-            .ok_or_else(|| Error::Alloc(format!("free in chunk {chunk}, which does not exist")))?;
+            .ok_or_else(|| Error::alloc(format!("free in chunk {chunk}, which does not exist")))?;
         let end = offset
             .checked_add(size)
             .filter(|&e| e <= max_chunk_size)
             .ok_or_else(|| {
-                Error::Alloc(format!(
+                Error::alloc(format!(
                     "free of {size} bytes at offset {offset} is outside chunk {chunk}"
                 ))
             })?;
@@ -217,7 +217,7 @@ impl DynAllocator {
         let overlaps_prev = next > 0 && free[next - 1].offset + free[next - 1].size > offset;
         let overlaps_next = next < free.len() && free[next].offset < end;
         if overlaps_prev || overlaps_next {
-            return Err(Error::Alloc(format!(
+            return Err(Error::alloc(format!(
                 "free of {size} bytes at offset {offset} in chunk {chunk} overlaps free memory"
             )));
         }

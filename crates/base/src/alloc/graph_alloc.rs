@@ -187,7 +187,7 @@ impl Planning<'_> {
         let buft = &self.slots[slot].buft;
         let size = buft.alloc_size(tensor);
         align_up(size, buft.alignment())
-            .ok_or_else(|| Error::Alloc(format!("{} needs {size} bytes, too many", tensor.label())))
+            .ok_or_else(|| Error::alloc(format!("{} needs {size} bytes, too many", tensor.label())))
     }
 
     /// Gives `tensor` memory in `slot` at node `step` unless it is a view, external or
@@ -228,7 +228,9 @@ impl Planning<'_> {
             return Ok(());
         }
         let (chunk, offset) = self.planners[slot].alloc(size).map_err(|e| match e {
-            Error::Alloc(m) => Error::Alloc(format!("{}: {m}", tensor.label())),
+            Error::AllocFailed { message: m, .. } => {
+                Error::alloc(format!("{}: {m}", tensor.label()))
+            }
             other => other,
         })?;
         let alloc = Alloc {
@@ -513,7 +515,7 @@ impl GraphAllocator {
             match p.info.get(&t.id()) {
                 Some(i) if i.external => Ok(Place::External),
                 Some(Info { alloc: Some(a), .. }) => Ok(Place::Planned(*a)),
-                _ => Err(Error::Alloc(format!("{} was not placed", t.label()))),
+                _ => Err(Error::alloc(format!("{} was not placed", t.label()))),
             }
         };
         let mut leafs = Vec::with_capacity(graph.n_leafs());
@@ -752,7 +754,7 @@ impl GraphAllocator {
         };
         if let Some(reason) = mismatch {
             if self.slot_of.len() != 1 {
-                return Err(Error::Alloc(format!(
+                return Err(Error::alloc(format!(
                     "the graph does not match the reserved plan ({reason}); call reserve_n \
                      with the graph first"
                 )));
@@ -773,7 +775,7 @@ impl GraphAllocator {
             stored.matched_epoch = Some(graph.epoch());
         }
         let Some(stored) = &self.stored else {
-            return Err(Error::Alloc("no plan after reserving".into()));
+            return Err(Error::alloc("no plan after reserving"));
         };
         for (leaf, entry) in graph.leafs().iter().zip(&stored.leafs) {
             // A leaf given compute memory here (an input never allocated elsewhere, or one
@@ -809,7 +811,7 @@ impl GraphAllocator {
         match place {
             Place::Planned(a) if !is_external(tensor, our_buffers) => {
                 let buffer = self.slots[a.slot].buffers.get(a.chunk).ok_or_else(|| {
-                    Error::Alloc(format!(
+                    Error::alloc(format!(
                         "chunk {} of the plan has no buffer; call reserve",
                         a.chunk
                     ))

@@ -59,7 +59,7 @@ impl TensorAllocator {
                 self.offset = end;
                 Ok(())
             }
-            _ => Err(Error::Alloc(format!(
+            _ => Err(Error::alloc(format!(
                 "not enough space in the buffer for {}: needed {needed} bytes at offset {}, \
                  but the buffer has {} bytes ({} available)",
                 tensor.label(),
@@ -92,7 +92,7 @@ pub fn tensor_alloc(tensor: &Tensor, buffer: &Buffer, offset: usize) -> Result<(
         .checked_add(needed)
         .is_none_or(|end| end > buffer.size())
     {
-        return Err(Error::Alloc(format!(
+        return Err(Error::alloc(format!(
             "{} needs {needed} bytes at offset {offset} but the buffer has {} bytes",
             tensor.label(),
             buffer.size()
@@ -138,7 +138,9 @@ mod tests {
         assert_eq!(b.storage().unwrap().offset, 64);
         assert_eq!(talloc.offset(), 128);
         let err = talloc.alloc(&c).unwrap_err();
-        assert!(matches!(err, Error::Alloc(ref m) if m.contains("400") && m.contains("128")));
+        assert!(
+            matches!(err, Error::AllocFailed { message: ref m, .. } if m.contains("400") && m.contains("128"))
+        );
         assert!(talloc.alloc(&a).is_err());
     }
 

@@ -688,44 +688,47 @@ mod tests {
         let mut b8 = vec![BlockQ8_0::default(); 1];
         let e = quantize_row_q8_0_ref(&x, &mut b8).unwrap_err();
         assert!(
-            matches!(&e, Error::Shape(m) if m.contains("64") && m.contains('1')),
+            matches!(&e, Error::ShapeMismatch { message: m, .. } if m.contains("64") && m.contains('1')),
             "{e}"
         );
         let e = quantize_row_q8_0_ref(&x[..31], &mut b8).unwrap_err();
         assert!(
-            matches!(&e, Error::Shape(m) if m.contains("31") && m.contains("32")),
+            matches!(&e, Error::ShapeMismatch { message: m, .. } if m.contains("31") && m.contains("32")),
             "{e}"
         );
         let mut y = vec![0.0f32; 40];
         assert!(matches!(
             dequantize_row_q8_0(&b8, &mut y),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
         let mut b4 = vec![BlockQ4_0::default(); 3];
         assert!(matches!(
             quantize_row_q4_0_ref(&x, &mut b4),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
         assert!(matches!(
             dequantize_row_q4_0(&b4, &mut y[..32]),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
         assert!(matches!(
             quantize_q8_0_bytes(&x[..33]),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
-        assert!(matches!(quantize_q4_0_bytes(&x[..1]), Err(Error::Shape(_))));
+        assert!(matches!(
+            quantize_q4_0_bytes(&x[..1]),
+            Err(Error::ShapeMismatch { .. })
+        ));
         assert!(matches!(
             dequantize_q8_0_bytes(&[0; 34], 64),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
         assert!(matches!(
             dequantize_q8_0_bytes(&[0; 35], 32),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
         assert!(matches!(
             dequantize_q4_0_bytes(&[0; 18], 31),
-            Err(Error::Shape(_))
+            Err(Error::ShapeMismatch { .. })
         ));
         // Empty rows are fine.
         assert!(quantize_row_q8_0_ref(&[], &mut []).is_ok());
@@ -749,7 +752,10 @@ mod tests {
         blocks_q8_0_mut(&mut bytes[..34]).unwrap()[0].qs[0] = 7;
         assert_eq!(bytes[2], 7);
 
-        assert!(matches!(blocks_q8_0(&bytes[..35]), Err(Error::Shape(_))));
+        assert!(matches!(
+            blocks_q8_0(&bytes[..35]),
+            Err(Error::ShapeMismatch { .. })
+        ));
         assert!(matches!(
             blocks_q8_0(&bytes[1..35]),
             Err(Error::InvalidArgument(_))
@@ -766,7 +772,10 @@ mod tests {
         let (blocks, y) = roundtrip_q4_0(&x);
         assert_eq!(blocks_q4_0(&bytes[..36]).unwrap(), &blocks[..]);
         assert!(blocks_q4_0_mut(&mut bytes[..36]).is_ok());
-        assert!(matches!(blocks_q4_0(&bytes[..17]), Err(Error::Shape(_))));
+        assert!(matches!(
+            blocks_q4_0(&bytes[..17]),
+            Err(Error::ShapeMismatch { .. })
+        ));
         assert!(matches!(
             blocks_q4_0(&bytes[1..19]),
             Err(Error::InvalidArgument(_))

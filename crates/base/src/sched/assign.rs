@@ -184,7 +184,7 @@ fn assign_pinned(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Result<()>
         let t = input.topo.tensor(input.graph, u);
         if let Some(&b) = input.pinned.get(&t.id()) {
             if !oracle.supports_op(b, u) {
-                return Err(Error::UnsupportedOp(format!(
+                return Err(Error::unsupported(format!(
                     "{} ({}) is pinned to backend {} ({}), which cannot run it",
                     t.label(),
                     t.op().display_name(),
@@ -214,7 +214,7 @@ fn assign_from_tensors(oracle: &mut Oracle<'_>, assigned: &mut Assigned) -> Resu
             match oracle.backend_from_buffer(u) {
                 Some(b) => set(assigned, u, b, Cause::Buffer),
                 None => {
-                    return Err(Error::UnsupportedOp(format!(
+                    return Err(Error::unsupported(format!(
                         "{} ({}) already lives in a {} buffer, and no backend that can use \
                          that memory runs the op",
                         t.label(),

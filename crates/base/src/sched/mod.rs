@@ -640,7 +640,7 @@ impl Scheduler {
             };
             for entry in &inst.core.pipeline {
                 let Some(buffer) = self.pipeline_buffers[entry.backend].as_ref() else {
-                    return Err(Error::Alloc("pipeline buffer missing".into()));
+                    return Err(Error::alloc("pipeline buffer missing"));
                 };
                 let tensor = match entry.copy {
                     Some(c) => &internal.copies[c],

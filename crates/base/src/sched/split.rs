@@ -237,12 +237,12 @@ fn pipeline_layout(
         let buft = &input.bufts[backend];
         let nbytes = source.nbytes();
         let stride = align_up(buft.alloc_size(source), buft.alignment())
-            .ok_or_else(|| Error::Alloc(format!("{nbytes} bytes overflow")))?;
+            .ok_or_else(|| Error::alloc(format!("{nbytes} bytes overflow")))?;
         let offset = sizes[backend];
         sizes[backend] = stride
             .checked_mul(n_copies)
             .and_then(|s| s.checked_add(offset))
-            .ok_or_else(|| Error::Alloc("pipeline buffer size overflows".into()))?;
+            .ok_or_else(|| Error::alloc("pipeline buffer size overflows"))?;
         pipeline.push(PipelineEntry {
             copy,
             tensor,

@@ -40,7 +40,7 @@ pub fn binary(op: &Op, dst: RawTensor, a: RawTensor, b: RawTensor) -> Result<()>
         Op::Mul => Kind::Mul,
         Op::Div => Kind::Div,
         other => {
-            return Err(Error::UnsupportedOp(format!(
+            return Err(Error::unsupported(format!(
                 "{} is not a binary op",
                 other.name()
             )))
@@ -160,7 +160,7 @@ pub fn acc(
     offset: usize,
 ) -> Result<()> {
     if dst.dtype != DType::F32 || b.dtype != DType::F32 {
-        return Err(Error::UnsupportedOp("ACC needs f32 tensors".into()));
+        return Err(Error::unsupported("ACC needs f32 tensors"));
     }
     copy::copy(dst, a)?;
     let region = RawTensor {

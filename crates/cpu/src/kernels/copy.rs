@@ -20,7 +20,7 @@ pub fn supports(src: DType, dst: DType) -> bool {
 /// Copies `src` into `dst` (same element count), converting the dtype.
 pub fn copy(dst: RawTensor, src: RawTensor) -> Result<()> {
     if dst.nelements() != src.nelements() {
-        return Err(Error::Shape(format!(
+        return Err(Error::shape(format!(
             "copy of {} elements into {}",
             src.nelements(),
             dst.nelements()
@@ -165,7 +165,7 @@ unsafe fn copy_strided(
 }
 
 fn bad_index(what: &str, index: i64, limit: usize) -> Error {
-    Error::OutOfBounds(format!("{what}: row index {index} is outside 0..{limit}"))
+    Error::out_of_bounds(format!("{what}: row index {index} is outside 0..{limit}"))
 }
 
 /// GET_ROWS: `dst[:, i10, i11, i12] = a[:, idx[i10, i11, i12], i11, i12]`, as f32 (or i32

@@ -456,9 +456,7 @@ pub fn mul_mat(
     (r2, r3): (usize, usize),
 ) -> Result<()> {
     if !applies(a, dst) || b.ne[0] != a.ne[0] {
-        return Err(Error::Shape(
-            "bf16 GEMM: operands do not fit this path".into(),
-        ));
+        return Err(Error::shape("bf16 GEMM: operands do not fit this path"));
     }
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);

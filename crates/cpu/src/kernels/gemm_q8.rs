@@ -605,8 +605,8 @@ pub fn mul_mat(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     if !applies(a, dst) || b.ne[0] != a.ne[0] {
-        return Err(Error::Shape(
-            "quantized GEMM: operands do not fit this path".into(),
+        return Err(Error::shape(
+            "quantized GEMM: operands do not fit this path",
         ));
     }
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);

@@ -275,7 +275,7 @@ fn run_tile(
                 block_dot::Isa::best()
             };
             let dot = block_dot::dot_fn_with(block, isa).ok_or_else(|| {
-                Error::UnsupportedOp(format!("MUL_MAT with {} weights", block.name()))
+                Error::unsupported(format!("MUL_MAT with {} weights", block.name()))
             })?;
             for col in cols {
                 let brow = b.q8_row(col.b);
@@ -437,9 +437,7 @@ fn mul_mat_tiles(
     let (m, n) = (a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     if a.ne[2] == 0 || a.ne[3] == 0 || ne12 % a.ne[2] != 0 || ne13 % a.ne[3] != 0 {
-        return Err(Error::Shape(
-            "MUL_MAT batch dimensions do not broadcast".into(),
-        ));
+        return Err(Error::shape("MUL_MAT batch dimensions do not broadcast"));
     }
     let (r2, r3) = (ne12 / a.ne[2], ne13 / a.ne[3]);
     // One weight matrix for every batch, batches laid out back to back: one product with all
@@ -631,7 +629,7 @@ pub fn mul_mat_id(
             // SAFETY: (e, t) lies inside the ids tensor (read-only).
             let x = unsafe { read_index(ids.dtype, ids.at(ids.offset(e, t, 0, 0))) };
             if x < 0 || x as usize >= n_expert {
-                return Err(Error::OutOfBounds(format!(
+                return Err(Error::out_of_bounds(format!(
                     "MUL_MAT_ID: expert id {x} is outside 0..{n_expert}"
                 )));
             }
@@ -744,7 +742,7 @@ pub fn mul_mat_interleaved(
     let row_bytes = layout.row_bytes;
     let grouped = layout.grouped_rows();
     let single = block_dot::dot_fn_with(a.dtype, block_dot::Isa::best())
-        .ok_or_else(|| Error::UnsupportedOp(format!("MUL_MAT with {} weights", a.dtype.name())))?;
+        .ok_or_else(|| Error::unsupported(format!("MUL_MAT with {} weights", a.dtype.name())))?;
     let write = |j: usize, i: usize, v: f32| {
         // SAFETY: (i, j) is an element of dst; tasks own disjoint row ranges.
         unsafe {

@@ -244,7 +244,7 @@ fn apply_row_ref(op: &Op, row: &mut [f32]) -> Result<()> {
             .for_each(|v| *v = v.max(0.0) + negative_slope * v.min(0.0)),
         Op::Unary(u) => row.iter_mut().for_each(|v| *v = unary_value(u, *v)),
         ref other => {
-            return Err(Error::UnsupportedOp(format!(
+            return Err(Error::unsupported(format!(
                 "{} is not an element-wise op",
                 other.name()
             )))

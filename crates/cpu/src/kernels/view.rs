@@ -124,7 +124,7 @@ pub unsafe fn load_f32(dtype: DType, ptr: *const u8, stride: usize, out: &mut [f
                         DType::I32 => p.cast::<i32>().read_unaligned() as f32,
                         DType::I64 => p.cast::<i64>().read_unaligned() as f32,
                         _ => {
-                            return Err(Error::UnsupportedOp(format!(
+                            return Err(Error::unsupported(format!(
                                 "strided {} rows",
                                 dtype.name()
                             )))
@@ -196,7 +196,7 @@ pub unsafe fn store_f32(dtype: DType, ptr: *mut u8, stride: usize, src: &[f32]) 
                         DType::I32 => p.cast::<i32>().write_unaligned(value as i32),
                         DType::I64 => p.cast::<i64>().write_unaligned(value as i64),
                         _ => {
-                            return Err(Error::UnsupportedOp(format!(
+                            return Err(Error::unsupported(format!(
                                 "strided {} rows",
                                 dtype.name()
                             )))

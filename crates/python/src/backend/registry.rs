@@ -64,7 +64,7 @@ impl PyRegistration {
         let Some(Extension::SetAbortCallback(set)) =
             registry::proc_address(self.inner.as_ref(), "set_abort_callback")
         else {
-            return Err(Error::UnsupportedOp(format!(
+            return Err(Error::unsupported(format!(
                 "registration {} has no set_abort_callback",
                 self.inner.name()
             ))
@@ -113,7 +113,7 @@ impl PyRegistration {
                 // Resizing takes the backend's pool lock: never with the interpreter held.
                 Ok(detach_quiet(py, || f(backend.as_ref(), n_threads))?)
             }
-            _ => Err(Error::UnsupportedOp(format!(
+            _ => Err(Error::unsupported(format!(
                 "registration {} has no set_n_threads",
                 self.inner.name()
             ))
