@@ -42,6 +42,7 @@ pub mod event;
 pub mod gguf;
 pub mod graph;
 pub mod graph_copy;
+pub mod isa;
 pub mod ops;
 pub mod quant;
 pub mod registry;

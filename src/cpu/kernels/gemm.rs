@@ -74,9 +74,10 @@ impl Isa {
         let mut out = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if super::has_avx2_fma() {
+            let isa = crate::isa::get();
+            if isa.avx2_fma() {
                 out.push(Isa::Avx2);
-                if is_x86_feature_detected!("avx512f") {
+                if isa.avx512f() {
                     out.push(Isa::Avx512);
                 }
             }
