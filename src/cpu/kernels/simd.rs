@@ -143,6 +143,15 @@ impl Avx2 {
     pub(crate) fn new() -> Option<Avx2> {
         crate::isa::get().avx2_fma().then_some(Avx2(()))
     }
+
+    /// The token without asking: for hot paths whose caller already chose AVX2.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2 and FMA.
+    #[inline(always)]
+    pub(crate) unsafe fn assume() -> Avx2 {
+        Avx2(())
+    }
 }
 
 // SAFETY: `Avx2::new` makes a value only when the CPU has AVX2 and FMA.
@@ -204,6 +213,15 @@ impl Avx512 {
     #[inline]
     pub(crate) fn new() -> Option<Avx512> {
         crate::isa::get().avx512f_avx2_fma().then_some(Avx512(()))
+    }
+
+    /// The token without asking: for hot paths whose caller already chose AVX-512.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F, AVX2 and FMA.
+    #[inline(always)]
+    pub(crate) unsafe fn assume() -> Avx512 {
+        Avx512(())
     }
 }
 
