@@ -284,6 +284,28 @@ fn bench_ops(c: &mut Criterion) {
         }
     }
 
+    // flash attention over f32 keys/values (no mask): 2 products of 2·n_q·n_kv·d flops per
+    // head; d = 80 leaves a partial vector in the value tiles
+    for (d, n_q) in [(64usize, 32usize), (80, 32), (64, 1)] {
+        let (n_kv, heads) = (512usize, 8usize);
+        let q = f(&[d, n_q, heads, 1], 15);
+        let k = f(&[d, n_kv, heads, 1], 16);
+        let v = f(&[d, n_kv, heads, 1], 17);
+        let scale = 1.0 / (d as f32).sqrt();
+        let y = ok(
+            ops::flash_attn_ext(&ctx, &q, &k, &v, None, scale, 0.0, 0.0),
+            "flash_attn_ext",
+        );
+        let flops = (4 * n_q * n_kv * d * heads) as u64;
+        bench_op(
+            c,
+            &pool,
+            &format!("flash_attn_f32_d{d}_q{n_q}_kv{n_kv}_flops"),
+            &y,
+            flops,
+        );
+    }
+
     // matrix × vector: weight bytes
     let xv = f(&[4096], 11);
     for wtype in [DType::F32, DType::F16, DType::Q8_0, DType::Q4_0] {

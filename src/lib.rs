@@ -33,7 +33,7 @@
 // The base layer (ggml-base).
 pub use ferrograph_base::{
     alloc, backend, buffer, context, convert, device, dtype, error, event, gguf, graph, graph_copy,
-    host, op, ops, pool, quant, registration, sched, tensor, util,
+    host, isa, op, ops, pool, quant, registration, sched, tensor, util,
 };
 // The CPU backend (ggml-cpu).
 pub use ferrograph_cpu as cpu;

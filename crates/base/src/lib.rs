@@ -1,8 +1,9 @@
 //! ferrograph's base layer (ggml's `ggml-base`): what every backend shares.
 //!
-//! Bottom-up: [`error`], [`util`], [`pool`] (the parallel-for every layer splits work with) and
-//! [`host`] (host memory and tensor views); element types ([`dtype`], [`quant`], [`convert`]);
-//! the description of computations ([`tensor`], [`context`], [`ops`], [`graph`]) together with
+//! Bottom-up: [`error`], [`util`], [`isa`] (the CPU's extensions, probed once), [`pool`] (the
+//! parallel-for every layer splits work with) and [`host`] (host memory and tensor views);
+//! element types ([`dtype`], [`quant`], [`convert`]); the description of computations
+//! ([`op`], [`tensor`], [`context`], [`graph`]) and its validating builders ([`ops`]), with
 //! the memory and device interfaces they refer to ([`buffer`], [`device`], [`backend`],
 //! [`event`], [`registration`]); then [`alloc`], [`sched`] and [`graph_copy`], and [`gguf`]
 //! files. No module here knows a concrete backend: the CPU and the others build on this crate.
@@ -22,6 +23,7 @@ pub mod gguf;
 pub mod graph;
 pub mod graph_copy;
 pub mod host;
+pub mod isa;
 pub mod op;
 pub mod ops;
 pub mod pool;

@@ -7,13 +7,13 @@
 //!
 //! How each flag is found:
 //!
-//! * x86 / x86-64: `is_x86_feature_detected!` for SSE3, SSSE3, AVX, AVX2, BMI2, F16C, FMA,
-//!   AVX-512F and AVX-512 VBMI. AVX-VNNI, AVX-512 VNNI, AVX-512 BF16 and AMX-INT8 are read from
-//!   `cpuid` leaf 7 directly (the macro does not know them on the crate's minimum Rust
-//!   version); the AVX-family ones additionally require the OS support that the macro found
-//!   for AVX2 / AVX-512F, and AMX-INT8 requires the OS to enable the AMX tile state in XCR0.
-//! * aarch64: `is_aarch64_feature_detected!` for NEON, FP16 vector arithmetic, dot product,
-//!   int8 matrix multiply and SVE. FMA is part of AArch64's Advanced SIMD, so `arm_fma`
+//! * x86 / x86-64 and aarch64: from the crate's one probe of the instruction-set extensions,
+//!   [`crate::isa`], which the kernels choose their code paths by as well. SSE3 to AVX-512
+//!   VBMI come from `is_x86_feature_detected!`; AVX-VNNI, AVX-512 BF16 and AMX-INT8 from
+//!   `cpuid` leaf 7 (the AVX-family ones require the OS support that the macro found for
+//!   AVX2 / AVX-512F, AMX-INT8 requires the OS to enable the AMX tile state in XCR0).
+//!   AVX-512 VNNI is reported with AVX-512F only. On aarch64: NEON, FP16 vector arithmetic,
+//!   dot product, int8 matrix multiply and SVE. FMA is part of AArch64's Advanced SIMD, so `arm_fma`
 //!   equals `neon`. SME and the SVE vector length are not probed (`false` / `0`).
 //! * 32-bit ARM, RISC-V, POWER, s390x and WebAssembly: whatever the build was compiled for
 //!   (`cfg!(target_feature = ..)`); the RVV vector length is not probed (`0`).
@@ -175,110 +175,39 @@ impl CpuFeatures {
 #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
 mod x86 {
     use super::CpuFeatures;
-    #[cfg(target_arch = "x86")]
-    use std::arch::x86 as arch;
-    #[cfg(target_arch = "x86_64")]
-    use std::arch::x86_64 as arch;
 
+    /// Copies the answers of the crate's one probe ([`crate::isa`]).
     pub(super) fn probe(f: &mut CpuFeatures) {
-        f.sse3 = is_x86_feature_detected!("sse3");
-        f.ssse3 = is_x86_feature_detected!("ssse3");
-        f.avx = is_x86_feature_detected!("avx");
-        f.avx2 = is_x86_feature_detected!("avx2");
-        f.bmi2 = is_x86_feature_detected!("bmi2");
-        f.f16c = is_x86_feature_detected!("f16c");
-        f.fma = is_x86_feature_detected!("fma");
-        f.avx512 = is_x86_feature_detected!("avx512f");
-        f.avx512_vbmi = is_x86_feature_detected!("avx512vbmi");
-
-        let leaf7 = Leaf7::read();
-        // The VEX/EVEX-encoded extensions are only usable where the OS saves the register
-        // state of their base, which the macro checked for AVX2 / AVX-512F.
-        f.avx_vnni = f.avx2 && leaf7.avx_vnni;
-        f.avx512_vnni = f.avx512 && leaf7.avx512_vnni;
-        f.avx512_bf16 = f.avx512 && leaf7.avx512_bf16;
-        f.amx_int8 = leaf7.amx_tile && leaf7.amx_int8 && os_enables_amx();
-    }
-
-    // Newer Rust made `__cpuid_count` safe; the unsafe block is kept for older compilers.
-    #[allow(unused_unsafe)]
-    fn cpuid(leaf: u32, sub_leaf: u32) -> arch::CpuidResult {
-        // SAFETY: every CPU that Rust's x86 and x86-64 targets run on implements `cpuid`; it
-        // only fills four registers and touches no memory. Leaves above the maximum return
-        // zeros or the highest leaf's data, and callers check the maximum first.
-        unsafe { arch::__cpuid_count(leaf, sub_leaf) }
-    }
-
-    /// The leaf-7 feature bits that `is_x86_feature_detected!` is not used for.
-    #[derive(Default)]
-    struct Leaf7 {
-        avx_vnni: bool,
-        avx512_vnni: bool,
-        avx512_bf16: bool,
-        amx_tile: bool,
-        amx_int8: bool,
-    }
-
-    impl Leaf7 {
-        fn read() -> Leaf7 {
-            if cpuid(0, 0).eax < 7 {
-                return Leaf7::default();
-            }
-            let sub0 = cpuid(7, 0);
-            // Sub-leaf 0's EAX is the highest sub-leaf of leaf 7.
-            let sub1_eax = if sub0.eax >= 1 { cpuid(7, 1).eax } else { 0 };
-            let bit = |reg: u32, n: u32| reg & (1 << n) != 0;
-            Leaf7 {
-                avx512_vnni: bit(sub0.ecx, 11),
-                amx_tile: bit(sub0.edx, 24),
-                amx_int8: bit(sub0.edx, 25),
-                avx_vnni: bit(sub1_eax, 4),
-                avx512_bf16: bit(sub1_eax, 5),
-            }
-        }
-    }
-
-    /// Whether the OS enabled the AMX tile configuration and tile data states (XCR0 bits 17
-    /// and 18). Linux additionally wants a per-process permission request before the first
-    /// tile instruction; that belongs to whoever runs AMX kernels.
-    fn os_enables_amx() -> bool {
-        // CPUID.1:ECX bit 27 (OSXSAVE): the OS turned on XSAVE, so XGETBV may be executed.
-        let osxsave = cpuid(1, 0).ecx & (1 << 27) != 0;
-        if !osxsave {
-            return false;
-        }
-        // SAFETY: OSXSAVE is set, so the CPU supports XSAVE/XGETBV and the OS enabled it;
-        // reading XCR0 has no side effects.
-        let xcr0 = unsafe { read_xcr0() };
-        xcr0 & (0b11 << 17) == (0b11 << 17)
-    }
-
-    /// Reads XCR0, the OS-enabled extended state mask.
-    ///
-    /// # Safety
-    ///
-    /// The CPU must support XSAVE and the OS must have enabled it (CPUID.1:ECX.OSXSAVE).
-    #[target_feature(enable = "xsave")]
-    #[allow(unused_unsafe)]
-    unsafe fn read_xcr0() -> u64 {
-        // SAFETY: the caller guarantees XGETBV is available; register 0 always exists.
-        unsafe { arch::_xgetbv(0) }
+        let isa = crate::isa::get();
+        f.sse3 = isa.sse3;
+        f.ssse3 = isa.ssse3;
+        f.avx = isa.avx;
+        f.avx2 = isa.avx2;
+        f.bmi2 = isa.bmi2;
+        f.f16c = isa.f16c;
+        f.fma = isa.fma;
+        f.avx512 = isa.avx512f;
+        f.avx512_vbmi = isa.avx512vbmi;
+        f.avx_vnni = isa.avx_vnni;
+        f.avx512_vnni = isa.avx512f && isa.avx512vnni;
+        f.avx512_bf16 = isa.avx512bf16;
+        f.amx_int8 = isa.amx_int8;
     }
 }
 
 #[cfg(target_arch = "aarch64")]
 mod aarch64 {
     use super::CpuFeatures;
-    use std::arch::is_aarch64_feature_detected;
 
     pub(super) fn probe(f: &mut CpuFeatures) {
-        f.neon = is_aarch64_feature_detected!("neon");
+        let isa = crate::isa::get();
+        f.neon = isa.neon;
         // Fused multiply-add is part of AArch64's Advanced SIMD.
         f.arm_fma = f.neon;
-        f.fp16_va = is_aarch64_feature_detected!("fp16");
-        f.dotprod = is_aarch64_feature_detected!("dotprod");
-        f.matmul_int8 = is_aarch64_feature_detected!("i8mm");
-        f.sve = is_aarch64_feature_detected!("sve");
+        f.fp16_va = isa.fp16;
+        f.dotprod = isa.dotprod;
+        f.matmul_int8 = isa.i8mm;
+        f.sve = isa.sve;
         f.sve_cnt = if f.sve { sve_vector_bytes() } else { 0 };
         // SME detection is not stable in std at the minimum Rust version: it stays unknown.
         f.sme = false;

@@ -6,7 +6,7 @@
 // The base layer's modules under their own names, so `crate::tensor::Tensor` reads the same
 // here as in the base crate (all of them sit below this crate).
 use ferrograph_base::{
-    buffer, convert, device, dtype, error, event, graph, host, ops, pool, quant, registration,
+    buffer, convert, device, dtype, error, event, graph, host, isa, ops, pool, quant, registration,
     tensor,
 };
 

@@ -226,16 +226,13 @@ enum Path {
 fn detect() -> Path {
     #[cfg(target_arch = "x86_64")]
     {
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("f16c")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
+        if crate::isa::get().avx2_fma_f16c() {
             return Path::Avx2F16c;
         }
     }
     #[cfg(target_arch = "aarch64")]
     {
-        if std::arch::is_aarch64_feature_detected!("neon") {
+        if crate::isa::get().neon {
             return Path::Neon;
         }
     }

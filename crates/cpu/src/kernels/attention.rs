@@ -27,6 +27,8 @@ use std::cell::RefCell;
 
 use super::math;
 use super::par_ranges;
+#[cfg(target_arch = "x86_64")]
+use super::simd::{Avx2, Avx512};
 use super::softmax::alibi_slope;
 use super::view::{load_f32, RawTensor};
 use crate::dtype::DType;
@@ -78,12 +80,9 @@ impl Kernels {
     }
 }
 
-/// Whether the CPU has AVX-512F (detected once).
-#[cfg(target_arch = "x86_64")]
+/// Whether the CPU has AVX-512F.
 pub(crate) fn has_avx512f() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
+    crate::isa::get().avx512f()
 }
 
 /// Per-thread buffers.
@@ -843,30 +842,23 @@ fn scores_tile(
     assert!(rows <= ROWS && q.len() >= strided_len(rows, q_stride, d));
     assert!(kt.len() >= d * kbp && s.len() >= rows * kbp && kbp.is_multiple_of(16));
     #[cfg(target_arch = "x86_64")]
-    if kernels == Kernels::Avx512 {
-        // SAFETY: the CPU has AVX-512F (the family is only chosen then); the slices hold the
-        // elements the tile reads and writes (asserted above).
-        unsafe {
-            avx512::scores(
-                rows,
-                q.as_ptr(),
-                q_stride,
-                d,
-                kt.as_ptr(),
-                kbp,
-                s.as_mut_ptr(),
-            )
-        };
-        return;
+    {
+        let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+        if kernels == Kernels::Avx512 {
+            if let Some(t) = Avx512::new() {
+                // SAFETY: the slices hold the elements the tile reads and writes (asserted
+                // above).
+                unsafe { tiles::scores_avx512(t, rows, q, q_stride, d, kt, kbp, s) };
+                return;
+            }
+        }
+        if let Some(t) = Avx2::new() {
+            // SAFETY: as above.
+            unsafe { tiles::scores_avx2(t, rows, q, q_stride, d, kt, kbp, s) };
+            return;
+        }
     }
     let _ = kernels;
-    #[cfg(target_arch = "x86_64")]
-    if super::has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA; the slices hold what the tile reads and writes
-        // (asserted above).
-        unsafe { avx2::scores(rows, q, q_stride, d, kt, kbp, s) };
-        return;
-    }
     scores_generic(rows, q, q_stride, d, kt, kbp, s);
 }
 
@@ -945,29 +937,22 @@ fn values_tile(
     assert!(rows <= ROWS && kbn <= kbp && p.len() >= rows * kbp);
     assert!(v.len() >= strided_len(kbn, v_stride, dv) && acc.len() >= rows * dv);
     #[cfg(target_arch = "x86_64")]
-    if kernels == Kernels::Avx512 {
-        // SAFETY: the CPU has AVX-512F; the slices hold what the tile touches (asserted).
-        unsafe {
-            avx512::values(
-                rows,
-                p.as_ptr(),
-                kbp,
-                v.as_ptr(),
-                v_stride,
-                kbn,
-                dv,
-                acc.as_mut_ptr(),
-            )
-        };
-        return;
+    {
+        let (p, v, acc) = (p.as_ptr(), v.as_ptr(), acc.as_mut_ptr());
+        if kernels == Kernels::Avx512 {
+            if let Some(t) = Avx512::new() {
+                // SAFETY: the slices hold what the tile touches (asserted above).
+                unsafe { tiles::values_avx512(t, rows, p, kbp, v, v_stride, (kbn, dv), acc) };
+                return;
+            }
+        }
+        if let Some(t) = Avx2::new() {
+            // SAFETY: as above.
+            unsafe { tiles::values_avx2(t, rows, p, kbp, v, v_stride, (kbn, dv), acc) };
+            return;
+        }
     }
     let _ = kernels;
-    #[cfg(target_arch = "x86_64")]
-    if super::has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA; the slices hold what the tile touches (asserted).
-        unsafe { avx2::values(rows, p, kbp, v, v_stride, (kbn, dv), acc) };
-        return;
-    }
     values_generic(rows, p, kbp, v, v_stride, (kbn, dv), acc);
 }
 
@@ -993,121 +978,346 @@ super::simd_fn! {
     }
 }
 
-/// Register tiles of the generic family where the CPU has AVX2 and FMA: each output segment
-/// stays in registers over the whole reduction (the plain loops load and store it per step).
+/// The register tiles of the score and value products, written once for every [`Simd`]: AVX2
+/// (the generic family on CPUs with AVX2 and FMA) and AVX-512 (the AVX-512 family). Every
+/// output element is one chain of fused multiply-adds in reduction order, so the blocking
+/// (rows per pass, vectors per column group) does not change the results. The value tiles
+/// finish a row's last partial group with masked vectors on AVX-512 and with scalar
+/// (unfused) code on AVX2, as each family always has.
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
-    use std::arch::x86_64::*;
+mod tiles {
+    use super::super::simd::{load_tail, store_tail, Avx2, Avx512, Simd};
 
-    /// [`super::scores_tile`]: for every query row, 16 keys at a time (two vectors), summed
-    /// over the `d` rows of the transposed block `kt` in order.
+    /// Scores of `rows` (≤ 6) queries against the transposed key block (see
+    /// `scores_tile`) with AVX2: 3 query rows × 2 vectors (16 keys) per tile.
     ///
     /// # Safety
-    /// AVX2 and FMA; the slices as [`super::scores_tile`] asserts (`kbp` a multiple of 16).
+    /// `q` holds `rows` rows of `d` floats `q_stride` apart, `kt` `d × kbp` floats (`kbp` a
+    /// multiple of 16), `s` `rows × kbp` writable floats.
+    #[allow(clippy::too_many_arguments)]
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn scores(
+    pub(super) unsafe fn scores_avx2(
+        t: Avx2,
         rows: usize,
-        q: &[f32],
+        q: *const f32,
         q_stride: usize,
         d: usize,
-        kt: &[f32],
+        kt: *const f32,
         kbp: usize,
-        s: &mut [f32],
+        s: *mut f32,
+    ) {
+        // SAFETY: forwarded (caller).
+        unsafe { scores::<_, 3, 2>(t, rows, q, q_stride, d, kt, kbp, s) }
+    }
+
+    /// [`scores_avx2`] with AVX-512: up to 6 query rows × 4 vectors (64 keys) per tile.
+    ///
+    /// # Safety
+    /// As [`scores_avx2`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn scores_avx512(
+        t: Avx512,
+        rows: usize,
+        q: *const f32,
+        q_stride: usize,
+        d: usize,
+        kt: *const f32,
+        kbp: usize,
+        s: *mut f32,
+    ) {
+        // SAFETY: forwarded (caller).
+        unsafe { scores::<_, 6, 4>(t, rows, q, q_stride, d, kt, kbp, s) }
+    }
+
+    /// Probabilities times values added to the accumulators (see `values_tile`) with AVX2:
+    /// up to 6 rows × 2 vectors (16 elements) per tile, the last `dv % 16` elements in scalar
+    /// code.
+    ///
+    /// # Safety
+    /// `p` holds `rows` (≤ 6) rows of `kbp` floats, `v` `kbn` rows of `dv` floats `v_stride`
+    /// apart, `acc` `rows × dv` writable floats; `kbn ≤ kbp`.
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn values_avx2(
+        t: Avx2,
+        rows: usize,
+        p: *const f32,
+        kbp: usize,
+        v: *const f32,
+        v_stride: usize,
+        kbn_dv: (usize, usize),
+        acc: *mut f32,
+    ) {
+        // SAFETY: forwarded (caller).
+        unsafe { values::<_, 2>(t, rows, p, kbp, v, v_stride, kbn_dv, acc) }
+    }
+
+    /// [`values_avx2`] with AVX-512: up to 6 rows × 4 vectors (64 elements) per tile, the
+    /// last partial vector masked.
+    ///
+    /// # Safety
+    /// As [`values_avx2`].
+    #[allow(clippy::too_many_arguments)]
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn values_avx512(
+        t: Avx512,
+        rows: usize,
+        p: *const f32,
+        kbp: usize,
+        v: *const f32,
+        v_stride: usize,
+        kbn_dv: (usize, usize),
+        acc: *mut f32,
+    ) {
+        // SAFETY: forwarded (caller).
+        unsafe { values::<_, 4>(t, rows, p, kbp, v, v_stride, kbn_dv, acc) }
+    }
+
+    /// The score tiles, `RMAX` query rows and up to `WIDE` (4, 2 or 1) vectors of keys at a
+    /// time.
+    ///
+    /// # Safety
+    /// As [`scores_avx2`] (`kbp` also a multiple of `S::LANES`).
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(crate) unsafe fn scores<S: Simd, const RMAX: usize, const WIDE: usize>(
+        t: S,
+        rows: usize,
+        q: *const f32,
+        q_stride: usize,
+        d: usize,
+        kt: *const f32,
+        kbp: usize,
+        s: *mut f32,
     ) {
         let mut r = 0;
         while r < rows {
-            // three query rows share each loaded key vector
-            let n = (rows - r).min(3);
-            for j in (0..kbp).step_by(16) {
-                let mut acc = [[_mm256_setzero_ps(); 2]; 3];
-                for i in 0..d {
-                    // SAFETY: kt holds d × kbp floats and j + 16 <= kbp.
-                    let (k0, k1) = unsafe {
-                        let p = kt.as_ptr().add(i * kbp + j);
-                        (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
-                    };
-                    for (t, a) in acc.iter_mut().enumerate().take(n) {
-                        let qv = _mm256_set1_ps(q[(r + t) * q_stride + i]);
-                        a[0] = _mm256_fmadd_ps(qv, k0, a[0]);
-                        a[1] = _mm256_fmadd_ps(qv, k1, a[1]);
-                    }
-                }
-                for (t, a) in acc.iter().enumerate().take(n) {
-                    let out = &mut s[(r + t) * kbp + j..(r + t) * kbp + j + 16];
-                    // SAFETY: `out` holds 16 floats; the stores are unaligned.
-                    unsafe {
-                        _mm256_storeu_ps(out.as_mut_ptr(), a[0]);
-                        _mm256_storeu_ps(out.as_mut_ptr().add(8), a[1]);
-                    }
+            let n = (rows - r).min(RMAX);
+            // SAFETY: rows r..r + n of q and s lie inside the caller's buffers.
+            unsafe {
+                let (q, s) = (q.add(r * q_stride), s.add(r * kbp));
+                match n {
+                    1 => scores_rows::<S, 1, WIDE>(t, q, q_stride, d, kt, kbp, s),
+                    2 => scores_rows::<S, 2, WIDE>(t, q, q_stride, d, kt, kbp, s),
+                    3 => scores_rows::<S, 3, WIDE>(t, q, q_stride, d, kt, kbp, s),
+                    4 => scores_rows::<S, 4, WIDE>(t, q, q_stride, d, kt, kbp, s),
+                    5 => scores_rows::<S, 5, WIDE>(t, q, q_stride, d, kt, kbp, s),
+                    _ => scores_rows::<S, 6, WIDE>(t, q, q_stride, d, kt, kbp, s),
                 }
             }
             r += n;
         }
     }
 
-    /// [`super::values_tile`]: for every probability row, 16 output elements at a time (two
-    /// vectors) accumulated over the block's `kbn` values in order.
+    /// # Safety
+    /// As [`scores`] with `rows = R`.
+    #[inline(always)]
+    unsafe fn scores_rows<S: Simd, const R: usize, const WIDE: usize>(
+        t: S,
+        q: *const f32,
+        q_stride: usize,
+        d: usize,
+        kt: *const f32,
+        kbp: usize,
+        s: *mut f32,
+    ) {
+        let lanes = S::LANES;
+        let mut j = 0;
+        // SAFETY: every column group j..j + LANES·C lies below kbp (caller's layout).
+        unsafe {
+            if WIDE >= 4 {
+                while j + 4 * lanes <= kbp {
+                    scores_cols::<S, R, 4>(t, q, q_stride, d, kt, kbp, s, j);
+                    j += 4 * lanes;
+                }
+            }
+            if WIDE >= 2 {
+                while j + 2 * lanes <= kbp {
+                    scores_cols::<S, R, 2>(t, q, q_stride, d, kt, kbp, s, j);
+                    j += 2 * lanes;
+                }
+            }
+            while j < kbp {
+                scores_cols::<S, R, 1>(t, q, q_stride, d, kt, kbp, s, j);
+                j += lanes;
+            }
+        }
+    }
+
+    /// Columns `j..j + LANES·C` of the scores of `R` queries: R × C accumulators over `d`.
     ///
     /// # Safety
-    /// AVX2 and FMA; the slices as [`super::values_tile`] asserts.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn values(
-        rows: usize,
-        p: &[f32],
+    /// As [`scores`], with `j + LANES·C ≤ kbp`.
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    unsafe fn scores_cols<S: Simd, const R: usize, const C: usize>(
+        t: S,
+        q: *const f32,
+        q_stride: usize,
+        d: usize,
+        kt: *const f32,
         kbp: usize,
-        v: &[f32],
+        s: *mut f32,
+        j: usize,
+    ) {
+        let lanes = S::LANES;
+        // SAFETY: reads q[r·q_stride + i] (r < R, i < d) and kt[i·kbp + j..+LANES·C], writes
+        // s[r·kbp + j..+LANES·C]: all inside the caller's buffers.
+        unsafe {
+            let mut acc = [[t.zero(); C]; R];
+            for i in 0..d {
+                let kp = kt.add(i * kbp + j);
+                let mut kv = [t.zero(); C];
+                for (c, x) in kv.iter_mut().enumerate() {
+                    *x = t.loadu(kp.add(lanes * c));
+                }
+                for (r, row) in acc.iter_mut().enumerate() {
+                    let b = t.splat(*q.add(r * q_stride + i));
+                    for c in 0..C {
+                        row[c] = t.fma(b, kv[c], row[c]);
+                    }
+                }
+            }
+            for (r, row) in acc.iter().enumerate() {
+                for (c, &x) in row.iter().enumerate() {
+                    t.storeu(s.add(r * kbp + j + lanes * c), x);
+                }
+            }
+        }
+    }
+
+    /// The value tiles, up to 6 rows and `WIDE` (4 or 2) vectors of elements at a time.
+    ///
+    /// # Safety
+    /// As [`values_avx2`].
+    #[allow(clippy::too_many_arguments)]
+    #[inline(always)]
+    pub(crate) unsafe fn values<S: Simd, const WIDE: usize>(
+        t: S,
+        rows: usize,
+        p: *const f32,
+        kbp: usize,
+        v: *const f32,
         v_stride: usize,
         (kbn, dv): (usize, usize),
-        acc: &mut [f32],
+        acc: *mut f32,
     ) {
-        let whole = dv / 16 * 16;
         let mut r = 0;
         while r < rows {
             let n = (rows - r).min(6);
-            for e in (0..whole).step_by(16) {
-                let mut sums = [[_mm256_setzero_ps(); 2]; 6];
-                for (t, sum) in sums.iter_mut().enumerate().take(n) {
-                    let row = &acc[(r + t) * dv + e..(r + t) * dv + e + 16];
-                    // SAFETY: `row` holds 16 floats; the loads are unaligned.
-                    unsafe {
-                        sum[0] = _mm256_loadu_ps(row.as_ptr());
-                        sum[1] = _mm256_loadu_ps(row.as_ptr().add(8));
-                    }
-                }
-                for j in 0..kbn {
-                    let vr = &v[j * v_stride + e..j * v_stride + e + 16];
-                    // SAFETY: `vr` holds 16 floats; the loads are unaligned.
-                    let (v0, v1) = unsafe {
-                        (
-                            _mm256_loadu_ps(vr.as_ptr()),
-                            _mm256_loadu_ps(vr.as_ptr().add(8)),
-                        )
-                    };
-                    for (t, sum) in sums.iter_mut().enumerate().take(n) {
-                        let pj = _mm256_set1_ps(p[(r + t) * kbp + j]);
-                        sum[0] = _mm256_fmadd_ps(pj, v0, sum[0]);
-                        sum[1] = _mm256_fmadd_ps(pj, v1, sum[1]);
-                    }
-                }
-                for (t, sum) in sums.iter().enumerate().take(n) {
-                    let row = &mut acc[(r + t) * dv + e..(r + t) * dv + e + 16];
-                    // SAFETY: `row` holds 16 floats; the stores are unaligned.
-                    unsafe {
-                        _mm256_storeu_ps(row.as_mut_ptr(), sum[0]);
-                        _mm256_storeu_ps(row.as_mut_ptr().add(8), sum[1]);
-                    }
-                }
-            }
-            // the last dv % 16 elements of these rows
-            for t in 0..n {
-                for j in 0..kbn {
-                    let pj = p[(r + t) * kbp + j];
-                    for e in whole..dv {
-                        acc[(r + t) * dv + e] += pj * v[j * v_stride + e];
-                    }
+            // SAFETY: rows r..r + n of p and acc lie inside the caller's buffers.
+            unsafe {
+                let (p, acc) = (p.add(r * kbp), acc.add(r * dv));
+                let args = (kbp, v, v_stride, kbn, dv);
+                match n {
+                    1 => values_rows::<S, 1, WIDE>(t, p, args, acc),
+                    2 => values_rows::<S, 2, WIDE>(t, p, args, acc),
+                    3 => values_rows::<S, 3, WIDE>(t, p, args, acc),
+                    4 => values_rows::<S, 4, WIDE>(t, p, args, acc),
+                    5 => values_rows::<S, 5, WIDE>(t, p, args, acc),
+                    _ => values_rows::<S, 6, WIDE>(t, p, args, acc),
                 }
             }
             r += n;
+        }
+    }
+
+    /// `(kbp, v, v_stride, kbn, dv)` of [`values`].
+    type ValueArgs = (usize, *const f32, usize, usize, usize);
+
+    /// # Safety
+    /// As [`values`] with `rows = R`.
+    #[inline(always)]
+    unsafe fn values_rows<S: Simd, const R: usize, const WIDE: usize>(
+        t: S,
+        p: *const f32,
+        args: ValueArgs,
+        acc: *mut f32,
+    ) {
+        let (kbp, v, v_stride, kbn, dv) = args;
+        let lanes = S::LANES;
+        let mut e = 0;
+        // SAFETY: each group covers elements e..min(e + LANES·C, dv): whole vectors, or with
+        // masked tails the last one partial.
+        unsafe {
+            if S::MASKED_TAILS {
+                if WIDE >= 4 {
+                    while e + 3 * lanes < dv {
+                        values_cols::<S, R, 4>(t, p, args, acc, e);
+                        e += 4 * lanes;
+                    }
+                }
+                while e + lanes < dv {
+                    values_cols::<S, R, 2>(t, p, args, acc, e);
+                    e += 2 * lanes;
+                }
+                while e < dv {
+                    values_cols::<S, R, 1>(t, p, args, acc, e);
+                    e += lanes;
+                }
+            } else {
+                while e + WIDE * lanes <= dv {
+                    values_cols::<S, R, WIDE>(t, p, args, acc, e);
+                    e += WIDE * lanes;
+                }
+                // the last elements of these rows, one product at a time
+                for r in 0..R {
+                    for j in 0..kbn {
+                        let pj = *p.add(r * kbp + j);
+                        for x in e..dv {
+                            *acc.add(r * dv + x) += pj * *v.add(j * v_stride + x);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Elements `e..min(e + LANES·C, dv)` of the accumulators of `R` rows.
+    ///
+    /// # Safety
+    /// As [`values`], with `e + LANES·(C − 1) < dv`, and `e + LANES·C ≤ dv` without masked
+    /// tails.
+    #[inline(always)]
+    unsafe fn values_cols<S: Simd, const R: usize, const C: usize>(
+        t: S,
+        p: *const f32,
+        (kbp, v, v_stride, kbn, dv): ValueArgs,
+        acc: *mut f32,
+        e: usize,
+    ) {
+        let lanes = S::LANES;
+        // Elements of vector c that lie below dv (at least LANES without masked tails).
+        let left: [usize; C] = std::array::from_fn(|c| dv - (e + lanes * c));
+        // SAFETY: only the first `left[c]` lanes of vector c are accessed (all of them
+        // without masked tails): acc[r·dv + e..] (r < R), v[j·v_stride + e..] (j < kbn) and
+        // p[r·kbp + j], inside the caller's buffers.
+        unsafe {
+            let mut a = [[t.zero(); C]; R];
+            for (r, row) in a.iter_mut().enumerate() {
+                for c in 0..C {
+                    row[c] = load_tail(t, acc.add(r * dv + e + lanes * c), left[c]);
+                }
+            }
+            for j in 0..kbn {
+                let vp = v.add(j * v_stride + e);
+                let mut vv = [t.zero(); C];
+                for c in 0..C {
+                    vv[c] = load_tail(t, vp.add(lanes * c), left[c]);
+                }
+                for (r, row) in a.iter_mut().enumerate() {
+                    let b = t.splat(*p.add(r * kbp + j));
+                    for c in 0..C {
+                        row[c] = t.fma(b, vv[c], row[c]);
+                    }
+                }
+            }
+            for (r, row) in a.iter().enumerate() {
+                for (c, &x) in row.iter().enumerate() {
+                    store_tail(t, acc.add(r * dv + e + lanes * c), x, left[c]);
+                }
+            }
         }
     }
 }
@@ -1348,7 +1558,7 @@ mod f16c {
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    //! The AVX-512F register tiles.
+    //! The AVX-512F key transpose (a gather; AVX2 has no counterpart).
     use std::arch::x86_64::*;
 
     /// Writes `kbn` key rows of `d` floats (`stride` floats apart, starting at `k`) transposed
@@ -1388,211 +1598,6 @@ mod avx512 {
             j0 += 16;
         }
     }
-
-    /// Scores of `rows` queries against the transposed key block (see `scores_tile`).
-    ///
-    /// # Safety
-    /// AVX-512F; `q` holds `rows` rows of `d` floats `q_stride` apart, `kt` `d × kbp` floats
-    /// (`kbp` a multiple of 16), `s` `rows × kbp` writable floats.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn scores(
-        rows: usize,
-        q: *const f32,
-        q_stride: usize,
-        d: usize,
-        kt: *const f32,
-        kbp: usize,
-        s: *mut f32,
-    ) {
-        // SAFETY: forwarded (caller).
-        unsafe {
-            match rows {
-                1 => scores_rows::<1>(q, q_stride, d, kt, kbp, s),
-                2 => scores_rows::<2>(q, q_stride, d, kt, kbp, s),
-                3 => scores_rows::<3>(q, q_stride, d, kt, kbp, s),
-                4 => scores_rows::<4>(q, q_stride, d, kt, kbp, s),
-                5 => scores_rows::<5>(q, q_stride, d, kt, kbp, s),
-                6 => scores_rows::<6>(q, q_stride, d, kt, kbp, s),
-                _ => {}
-            }
-        }
-    }
-
-    /// # Safety
-    /// As [`scores`] with `rows = R`.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn scores_rows<const R: usize>(
-        q: *const f32,
-        q_stride: usize,
-        d: usize,
-        kt: *const f32,
-        kbp: usize,
-        s: *mut f32,
-    ) {
-        let mut j = 0;
-        // SAFETY: every column group j..j + 16·C lies below kbp (caller's layout).
-        unsafe {
-            while j + 64 <= kbp {
-                scores_cols::<R, 4>(q, q_stride, d, kt, kbp, s, j);
-                j += 64;
-            }
-            while j + 32 <= kbp {
-                scores_cols::<R, 2>(q, q_stride, d, kt, kbp, s, j);
-                j += 32;
-            }
-            while j < kbp {
-                scores_cols::<R, 1>(q, q_stride, d, kt, kbp, s, j);
-                j += 16;
-            }
-        }
-    }
-
-    /// Columns `j..j + 16·C` of the scores of `R` queries: R × C accumulators over `d`.
-    ///
-    /// # Safety
-    /// As [`scores`], with `j + 16·C ≤ kbp`.
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn scores_cols<const R: usize, const C: usize>(
-        q: *const f32,
-        q_stride: usize,
-        d: usize,
-        kt: *const f32,
-        kbp: usize,
-        s: *mut f32,
-        j: usize,
-    ) {
-        // SAFETY: reads q[r·q_stride + i] (r < R, i < d) and kt[i·kbp + j..+16C], writes
-        // s[r·kbp + j..+16C]: all inside the caller's buffers.
-        unsafe {
-            let mut acc = [[_mm512_setzero_ps(); C]; R];
-            let rows: [*const f32; R] = std::array::from_fn(|r| q.add(r * q_stride));
-            for i in 0..d {
-                let kp = kt.add(i * kbp + j);
-                let kv: [__m512; C] = std::array::from_fn(|c| _mm512_loadu_ps(kp.add(16 * c)));
-                for r in 0..R {
-                    let b = _mm512_set1_ps(*rows[r].add(i));
-                    for c in 0..C {
-                        acc[r][c] = _mm512_fmadd_ps(b, kv[c], acc[r][c]);
-                    }
-                }
-            }
-            for (r, row) in acc.iter().enumerate() {
-                for (c, &x) in row.iter().enumerate() {
-                    _mm512_storeu_ps(s.add(r * kbp + j + 16 * c), x);
-                }
-            }
-        }
-    }
-
-    /// Probabilities times values added to the accumulators (see `values_tile`).
-    ///
-    /// # Safety
-    /// AVX-512F; `p` holds `rows × kbp` floats, `v` `kbn` rows of `dv` floats `v_stride`
-    /// apart, `acc` `rows × dv` writable floats.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn values(
-        rows: usize,
-        p: *const f32,
-        kbp: usize,
-        v: *const f32,
-        v_stride: usize,
-        kbn: usize,
-        dv: usize,
-        acc: *mut f32,
-    ) {
-        // SAFETY: forwarded (caller).
-        unsafe {
-            match rows {
-                1 => values_rows::<1>(p, kbp, v, v_stride, kbn, dv, acc),
-                2 => values_rows::<2>(p, kbp, v, v_stride, kbn, dv, acc),
-                3 => values_rows::<3>(p, kbp, v, v_stride, kbn, dv, acc),
-                4 => values_rows::<4>(p, kbp, v, v_stride, kbn, dv, acc),
-                5 => values_rows::<5>(p, kbp, v, v_stride, kbn, dv, acc),
-                6 => values_rows::<6>(p, kbp, v, v_stride, kbn, dv, acc),
-                _ => {}
-            }
-        }
-    }
-
-    /// # Safety
-    /// As [`values`] with `rows = R`.
-    #[target_feature(enable = "avx512f")]
-    unsafe fn values_rows<const R: usize>(
-        p: *const f32,
-        kbp: usize,
-        v: *const f32,
-        v_stride: usize,
-        kbn: usize,
-        dv: usize,
-        acc: *mut f32,
-    ) {
-        let mut e = 0;
-        // SAFETY: each group covers elements e..min(e + 16·C, dv) (the last vector masked).
-        unsafe {
-            while e + 48 < dv {
-                values_cols::<R, 4>(p, kbp, v, v_stride, kbn, dv, acc, e);
-                e += 64;
-            }
-            while e + 16 < dv {
-                values_cols::<R, 2>(p, kbp, v, v_stride, kbn, dv, acc, e);
-                e += 32;
-            }
-            while e < dv {
-                values_cols::<R, 1>(p, kbp, v, v_stride, kbn, dv, acc, e);
-                e += 16;
-            }
-        }
-    }
-
-    /// Elements `e..min(e + 16·C, dv)` of the accumulators of `R` queries.
-    ///
-    /// # Safety
-    /// As [`values`], with `e + 16·(C − 1) < dv`.
-    #[allow(clippy::too_many_arguments)]
-    #[target_feature(enable = "avx512f")]
-    #[inline]
-    unsafe fn values_cols<const R: usize, const C: usize>(
-        p: *const f32,
-        kbp: usize,
-        v: *const f32,
-        v_stride: usize,
-        kbn: usize,
-        dv: usize,
-        acc: *mut f32,
-        e: usize,
-    ) {
-        // Lanes of each vector that lie below dv.
-        let masks: [__mmask16; C] =
-            std::array::from_fn(|c| super::math::lanes16(dv - (e + 16 * c)));
-        // SAFETY: masked lanes are neither read nor written; the others are acc[r·dv + e..]
-        // (r < R) and v[j·v_stride + e..] (j < kbn), p[r·kbp + j]: inside the caller's buffers.
-        unsafe {
-            let mut a: [[__m512; C]; R] = std::array::from_fn(|r| {
-                std::array::from_fn(|c| {
-                    _mm512_maskz_loadu_ps(masks[c], acc.add(r * dv + e + 16 * c))
-                })
-            });
-            let prow: [*const f32; R] = std::array::from_fn(|r| p.add(r * kbp));
-            for j in 0..kbn {
-                let vp = v.add(j * v_stride + e);
-                let vv: [__m512; C] =
-                    std::array::from_fn(|c| _mm512_maskz_loadu_ps(masks[c], vp.add(16 * c)));
-                for r in 0..R {
-                    let b = _mm512_set1_ps(*prow[r].add(j));
-                    for c in 0..C {
-                        a[r][c] = _mm512_fmadd_ps(b, vv[c], a[r][c]);
-                    }
-                }
-            }
-            for (r, row) in a.iter().enumerate() {
-                for (c, &x) in row.iter().enumerate() {
-                    _mm512_mask_storeu_ps(acc.add(r * dv + e + 16 * c), masks[c], x);
-                }
-            }
-        }
-    }
 }
 
 #[cfg(test)]
@@ -1616,6 +1621,171 @@ mod tests {
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
         ((*seed >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+
+    /// The score and value tiles of every [`Simd`] this CPU runs (and of the 16-lane
+    /// stand-in for AVX-512), bit for bit against scalar models of their arithmetic: one
+    /// fused multiply-add chain per element, except the value tail that AVX2 finishes in
+    /// unfused scalar code.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn tiles_match_scalar_models_bit_for_bit() {
+        use crate::kernels::simd::tests::Emu16;
+        use crate::kernels::simd::{Avx2, Avx512};
+
+        /// The tiles run by one ISA: `(scores, values)` as fn pointers, and whether the value
+        /// tail is masked (fused) rather than scalar.
+        type Scores = unsafe fn(usize, &[f32], usize, usize, &[f32], usize, &mut [f32]);
+        type Values = unsafe fn(usize, &[f32], usize, &[f32], usize, (usize, usize), &mut [f32]);
+
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn scores_emu(
+            rows: usize,
+            q: &[f32],
+            q_stride: usize,
+            d: usize,
+            kt: &[f32],
+            kbp: usize,
+            s: &mut [f32],
+        ) {
+            let t = Emu16::new().expect("AVX2");
+            let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+            // SAFETY: forwarded (the test's buffers are large enough).
+            unsafe { tiles::scores::<_, 6, 4>(t, rows, q, q_stride, d, kt, kbp, s) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn values_emu(
+            rows: usize,
+            p: &[f32],
+            kbp: usize,
+            v: &[f32],
+            v_stride: usize,
+            kbn_dv: (usize, usize),
+            acc: &mut [f32],
+        ) {
+            let t = Emu16::new().expect("AVX2");
+            let (p, v, acc) = (p.as_ptr(), v.as_ptr(), acc.as_mut_ptr());
+            // SAFETY: forwarded.
+            unsafe { tiles::values::<_, 4>(t, rows, p, kbp, v, v_stride, kbn_dv, acc) }
+        }
+        unsafe fn scores_avx2(
+            rows: usize,
+            q: &[f32],
+            q_stride: usize,
+            d: usize,
+            kt: &[f32],
+            kbp: usize,
+            s: &mut [f32],
+        ) {
+            let t = Avx2::new().expect("AVX2");
+            let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+            // SAFETY: forwarded.
+            unsafe { tiles::scores_avx2(t, rows, q, q_stride, d, kt, kbp, s) }
+        }
+        unsafe fn values_avx2(
+            rows: usize,
+            p: &[f32],
+            kbp: usize,
+            v: &[f32],
+            v_stride: usize,
+            kbn_dv: (usize, usize),
+            acc: &mut [f32],
+        ) {
+            let t = Avx2::new().expect("AVX2");
+            let (p, v, acc) = (p.as_ptr(), v.as_ptr(), acc.as_mut_ptr());
+            // SAFETY: forwarded.
+            unsafe { tiles::values_avx2(t, rows, p, kbp, v, v_stride, kbn_dv, acc) }
+        }
+        unsafe fn scores_avx512(
+            rows: usize,
+            q: &[f32],
+            q_stride: usize,
+            d: usize,
+            kt: &[f32],
+            kbp: usize,
+            s: &mut [f32],
+        ) {
+            let t = Avx512::new().expect("AVX-512F");
+            let (q, kt, s) = (q.as_ptr(), kt.as_ptr(), s.as_mut_ptr());
+            // SAFETY: forwarded.
+            unsafe { tiles::scores_avx512(t, rows, q, q_stride, d, kt, kbp, s) }
+        }
+        unsafe fn values_avx512(
+            rows: usize,
+            p: &[f32],
+            kbp: usize,
+            v: &[f32],
+            v_stride: usize,
+            kbn_dv: (usize, usize),
+            acc: &mut [f32],
+        ) {
+            let t = Avx512::new().expect("AVX-512F");
+            let (p, v, acc) = (p.as_ptr(), v.as_ptr(), acc.as_mut_ptr());
+            // SAFETY: forwarded.
+            unsafe { tiles::values_avx512(t, rows, p, kbp, v, v_stride, kbn_dv, acc) }
+        }
+
+        let mut isas: Vec<(&str, Scores, Values, bool)> = Vec::new();
+        if Avx2::new().is_some() {
+            isas.push(("avx2", scores_avx2, values_avx2, false));
+            isas.push(("emu16", scores_emu, values_emu, true));
+        }
+        if Avx512::new().is_some() {
+            isas.push(("avx512", scores_avx512, values_avx512, true));
+        }
+        let mut seed = 7u64;
+        let mut rand = |n: usize| -> Vec<f32> { (0..n).map(|_| lcg(&mut seed)).collect() };
+        for (name, scores, values, masked) in isas {
+            for rows in 1..=ROWS {
+                for (d, kbp) in [(1usize, 16usize), (5, 32), (40, 48), (64, 80), (72, 128)] {
+                    let q_stride = d + 3;
+                    let q = rand(rows * q_stride);
+                    let kt = rand(d * kbp);
+                    let mut got = vec![f32::NAN; rows * kbp];
+                    // SAFETY: the buffers hold what the tile reads and writes.
+                    unsafe { scores(rows, &q, q_stride, d, &kt, kbp, &mut got) };
+                    for r in 0..rows {
+                        for j in 0..kbp {
+                            let want = (0..d)
+                                .fold(0f32, |a, i| q[r * q_stride + i].mul_add(kt[i * kbp + j], a));
+                            assert_eq!(
+                                got[r * kbp + j].to_bits(),
+                                want.to_bits(),
+                                "{name} scores rows={rows} d={d} kbp={kbp} r={r} j={j}"
+                            );
+                        }
+                    }
+                }
+                for dv in [1usize, 8, 15, 16, 17, 40, 64, 72, 80, 100, 129] {
+                    let (kbp, kbn) = (32usize, 29usize);
+                    let v_stride = dv + 5;
+                    let p = rand(rows * kbp);
+                    let v = rand(kbn * v_stride);
+                    let init = rand(rows * dv);
+                    let mut got = init.clone();
+                    // SAFETY: as above.
+                    unsafe { values(rows, &p, kbp, &v, v_stride, (kbn, dv), &mut got) };
+                    let vector_end = if masked { dv } else { dv / 16 * 16 };
+                    for r in 0..rows {
+                        for e in 0..dv {
+                            let want = (0..kbn).fold(init[r * dv + e], |a, j| {
+                                let (pj, x) = (p[r * kbp + j], v[j * v_stride + e]);
+                                if e < vector_end {
+                                    pj.mul_add(x, a)
+                                } else {
+                                    a + pj * x
+                                }
+                            });
+                            assert_eq!(
+                                got[r * dv + e].to_bits(),
+                                want.to_bits(),
+                                "{name} values rows={rows} dv={dv} r={r} e={e}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
     }
 
     /// One case: head sizes, counts, and the score settings.

@@ -27,7 +27,7 @@ impl Isa {
     /// Every family this CPU runs, slowest first.
     pub fn available() -> Vec<Isa> {
         let mut out = vec![Isa::Portable];
-        if super::quant_dot::has_avx2_fma() && has_f16c() {
+        if crate::isa::get().avx2_fma_f16c() {
             out.push(Isa::Avx2);
         }
         out
@@ -38,17 +38,6 @@ impl Isa {
         use std::sync::OnceLock;
         static BEST: OnceLock<Isa> = OnceLock::new();
         *BEST.get_or_init(|| *Isa::available().last().unwrap_or(&Isa::Portable))
-    }
-}
-
-fn has_f16c() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
     }
 }
 

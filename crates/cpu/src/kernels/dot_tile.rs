@@ -6,6 +6,8 @@
 //! `gemm::MIN_COLS`).
 
 use super::quant_dot::dot_f32;
+#[cfg(target_arch = "x86_64")]
+use super::simd::{hsum4, load_tail, Avx2, Avx512, Simd};
 
 /// Activation rows per pass of [`dots_4xc`] on this CPU: 4 with AVX-512 (32 registers: 16
 /// accumulators, 4 activation vectors, 1 weight vector), else 3 (the widest tile that fits
@@ -18,35 +20,28 @@ pub fn max_tile_cols() -> usize {
     }
 }
 
-/// Whether the AVX-512 tile kernel can run on this CPU (checked once).
+/// Whether the AVX-512 tile kernel can run on this CPU (AVX-512F, with the AVX2 and FMA the
+/// rest of the module's code is built with).
 fn has_avx512f() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| super::has_avx2_fma() && is_x86_feature_detected!("avx512f"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx512f_avx2_fma()
 }
 
 /// `out[r][c] = a[r] · b[c]` for 4 rows of `a` and `C` (1 to 4) of `b`, all of length `k`.
 pub fn dots_4xc<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C]) -> [[f32; C]; 4] {
     debug_assert!((1..=4).contains(&C));
     let k = b[0].len();
-    debug_assert!(a.iter().chain(&b).all(|r| r.len() == k));
+    assert!(a.iter().chain(&b).all(|r| r.len() == k));
     #[cfg(target_arch = "x86_64")]
     if has_avx512f() {
-        // SAFETY: the CPU has AVX-512F (checked just above); every row holds `k` elements.
-        return unsafe { dots_4xc_avx512(a, b, k) };
+        if let Some(s) = Avx512::new() {
+            // SAFETY: the token proves AVX-512F; every row holds `k` elements (asserted).
+            return unsafe { dots_4xc_avx512(s, a, b, k) };
+        }
     }
     #[cfg(target_arch = "x86_64")]
-    if super::has_avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA (checked just above); every row holds `k`
-        // elements (checked by the caller's slicing, asserted in debug builds).
-        return unsafe { dots_4xc_avx2(a, b, k) };
+    if let Some(s) = Avx2::new() {
+        // SAFETY: the token proves AVX2 and FMA; every row holds `k` elements (asserted).
+        return unsafe { dots_4xc_avx2(s, a, b, k) };
     }
     let mut out = [[0f32; C]; 4];
     for (r, row) in a.iter().enumerate() {
@@ -57,109 +52,96 @@ pub fn dots_4xc<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C]) -> [[f32; C]; 4]
     out
 }
 
-/// [`dots_4xc`] 16 lanes wide; the last `k % 16` elements through masked loads (lanes past
-/// the end are neither read nor faulted on).
+/// [`dots_4xc`] for AVX-512 (16 lanes; the last `k % 16` elements through masked loads).
 ///
 /// # Safety
-/// The CPU must support AVX-512F, and every slice must hold at least `k` elements.
+/// Every slice must hold at least `k` elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f,avx2,fma")]
+#[target_feature(enable = "avx512f")]
 unsafe fn dots_4xc_avx512<const C: usize>(
+    s: Avx512,
     a: [&[f32]; 4],
     b: [&[f32]; C],
     k: usize,
 ) -> [[f32; C]; 4] {
-    use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); 4]; C];
-    // One loop (no closure: a closure would not get this function's target features).
-    let mut i = 0;
-    while i < k {
-        let mask = super::math::lanes16(k - i);
-        // SAFETY: lanes of `mask` are below `k - i`, inside every slice (caller); masked-off
-        // lanes are not accessed.
-        unsafe {
-            let mut bv = [_mm512_setzero_ps(); C];
-            for (v, col) in bv.iter_mut().zip(&b) {
-                *v = _mm512_maskz_loadu_ps(mask, col.as_ptr().add(i));
-            }
-            for r in 0..4 {
-                let w = _mm512_maskz_loadu_ps(mask, a[r].as_ptr().add(i));
-                for c in 0..C {
-                    acc[c][r] = _mm512_fmadd_ps(w, bv[c], acc[c][r]);
-                }
-            }
-        }
-        i += 16;
-    }
-    let mut out = [[0f32; C]; 4];
-    for c in 0..C {
-        // 16 lanes to 8 (halves added), then the 4-row tree of the AVX2 kernel.
-        let halves = acc[c].map(|v| {
-            _mm256_add_ps(
-                _mm512_castps512_ps256(v),
-                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
-            )
-        });
-        let mut sums = [0f32; 4];
-        // SAFETY: `sums` holds 4 floats, the width of the stored vector.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(halves)) };
-        for r in 0..4 {
-            out[r][c] = sums[r];
-        }
-    }
-    out
+    // SAFETY: forwarded (caller).
+    unsafe { dots_4xc_simd(s, a, b, k) }
 }
 
-/// The 8-lane sums of `v[0..4]`, as the 4 lanes of one vector.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-fn hsum4(v: [std::arch::x86_64::__m256; 4]) -> std::arch::x86_64::__m128 {
-    use std::arch::x86_64::*;
-    // hadd pairs neighbours within each 128-bit half: after two rounds lane r of each half
-    // holds half of row r's sum; adding the halves finishes it.
-    let h01 = _mm256_hadd_ps(v[0], v[1]);
-    let h23 = _mm256_hadd_ps(v[2], v[3]);
-    let h = _mm256_hadd_ps(h01, h23);
-    _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
-}
-
+/// [`dots_4xc`] for AVX2 (8 lanes; the last `k % 8` elements added in scalar code).
+///
 /// # Safety
-/// The CPU must support AVX2 and FMA, and every slice must hold at least `k` elements.
+/// Every slice must hold at least `k` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots_4xc_avx2<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C], k: usize) -> [[f32; C]; 4] {
-    use std::arch::x86_64::*;
+unsafe fn dots_4xc_avx2<const C: usize>(
+    s: Avx2,
+    a: [&[f32]; 4],
+    b: [&[f32]; C],
+    k: usize,
+) -> [[f32; C]; 4] {
+    // SAFETY: forwarded (caller).
+    unsafe { dots_4xc_simd(s, a, b, k) }
+}
+
+/// The tile for any [`Simd`]: lane `l` of accumulator `(r, c)` sums the products of elements
+/// `i ≡ l (mod LANES)` in order with fused multiply-adds; the lanes are folded to 8
+/// ([`Simd::halves8`]) and the 4 rows of a column reduced together ([`hsum4`]). With masked
+/// tails the last partial vector is loaded with zeros past `k`; without, the last `k % LANES`
+/// products are added to the reduced sum one by one (unfused).
+///
+/// # Safety
+/// Every slice must hold at least `k` elements.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
+    s: S,
+    a: [&[f32]; 4],
+    b: [&[f32]; C],
+    k: usize,
+) -> [[f32; C]; 4] {
     // acc[c][r]: column-major so each column's four row accumulators reduce together.
-    let mut acc = [[_mm256_setzero_ps(); 4]; C];
-    let full = k / 8 * 8;
+    let mut acc = [[s.zero(); 4]; C];
+    let full = if S::MASKED_TAILS {
+        k
+    } else {
+        k / S::LANES * S::LANES
+    };
+    // One loop (no closure: a closure might not be inlined into the target-feature caller).
     let mut i = 0;
     while i < full {
-        // SAFETY: i + 8 <= k and every slice holds k elements (caller).
+        // SAFETY: without masked tails i + LANES <= k; with them only the first k - i lanes
+        // are accessed; every slice holds k elements (caller).
         unsafe {
-            let mut bv = [_mm256_setzero_ps(); C];
+            let mut bv = [s.zero(); C];
             for (v, col) in bv.iter_mut().zip(&b) {
-                *v = _mm256_loadu_ps(col.as_ptr().add(i));
+                *v = load_tail(s, col.as_ptr().add(i), k - i);
             }
             for r in 0..4 {
-                let w = _mm256_loadu_ps(a[r].as_ptr().add(i));
+                let w = load_tail(s, a[r].as_ptr().add(i), k - i);
                 for c in 0..C {
-                    acc[c][r] = _mm256_fmadd_ps(w, bv[c], acc[c][r]);
+                    acc[c][r] = s.fma(w, bv[c], acc[c][r]);
                 }
             }
         }
-        i += 8;
+        i += S::LANES;
     }
     let mut out = [[0f32; C]; 4];
     for c in 0..C {
-        let mut sums = [0f32; 4];
-        // SAFETY: `sums` holds 4 floats, the width of the stored vector.
-        unsafe { _mm_storeu_ps(sums.as_mut_ptr(), hsum4(acc[c])) };
+        let v = acc[c];
+        let halves = [
+            s.halves8(v[0]),
+            s.halves8(v[1]),
+            s.halves8(v[2]),
+            s.halves8(v[3]),
+        ];
+        let sums = hsum4(s, halves);
         for r in 0..4 {
-            let mut s = sums[r];
+            let mut sum = sums[r];
             for j in full..k {
-                s += a[r][j] * b[c][j];
+                sum += a[r][j] * b[c][j];
             }
-            out[r][c] = s;
+            out[r][c] = sum;
         }
     }
     out
@@ -168,6 +150,62 @@ unsafe fn dots_4xc_avx2<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C], k: usize
 #[cfg(test)]
 mod tests {
     use super::*;
+    #[cfg(target_arch = "x86_64")]
+    use crate::kernels::simd::tests::Emu16;
+
+    /// [`dots_4xc_simd`] on [`Emu16`], the 16-lane stand-in for AVX-512.
+    ///
+    /// # Safety
+    /// As [`dots_4xc_simd`].
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn emu16<const C: usize>(
+        s: Emu16,
+        a: [&[f32]; 4],
+        b: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; 4] {
+        // SAFETY: forwarded (caller).
+        unsafe { dots_4xc_simd(s, a, b, k) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    fn bits<const C: usize>(x: [[f32; C]; 4]) -> [[u32; C]; 4] {
+        x.map(|row| row.map(f32::to_bits))
+    }
+
+    /// The exact arithmetic of [`dots_4xc_simd`] with `lanes` lanes, in scalar code: lane
+    /// sums by fused multiply-adds, folded to 8 lanes (low + high), the hadd tree, then the
+    /// unmasked tail one product at a time.
+    #[cfg(target_arch = "x86_64")]
+    fn model<const C: usize>(
+        lanes: usize,
+        masked: bool,
+        a: [&[f32]; 4],
+        b: [&[f32]; C],
+        k: usize,
+    ) -> [[f32; C]; 4] {
+        let full = if masked { k } else { k / lanes * lanes };
+        std::array::from_fn(|r| {
+            std::array::from_fn(|c| {
+                let mut acc = vec![0f32; lanes];
+                for i in 0..full {
+                    acc[i % lanes] = a[r][i].mul_add(b[c][i], acc[i % lanes]);
+                }
+                let l8: Vec<f32> = if lanes == 16 {
+                    (0..8).map(|l| acc[l] + acc[l + 8]).collect()
+                } else {
+                    acc
+                };
+                let mut sum =
+                    ((l8[0] + l8[1]) + (l8[2] + l8[3])) + ((l8[4] + l8[5]) + (l8[6] + l8[7]));
+                for j in full..k {
+                    sum += a[r][j] * b[c][j];
+                }
+                sum
+            })
+        })
+    }
 
     /// Checks a `C`-column tile, through every SIMD path this CPU has, against f64 dot products.
     fn check<const C: usize>(rows: &[Vec<f32>], k: usize) {
@@ -176,13 +214,23 @@ mod tests {
         let mut paths = vec![("dispatch", dots_4xc(a, b))];
         #[cfg(target_arch = "x86_64")]
         {
-            if super::super::has_avx2_fma() {
-                // SAFETY: AVX2 and FMA were detected; every row holds `k` elements.
-                paths.push(("avx2", unsafe { dots_4xc_avx2(a, b, k) }));
+            if let Some(s) = Avx2::new() {
+                // SAFETY: every row holds `k` elements.
+                let got = unsafe { dots_4xc_avx2(s, a, b, k) };
+                assert_eq!(bits(got), bits(model(8, false, a, b, k)), "avx2 k={k}");
+                paths.push(("avx2", got));
             }
-            if has_avx512f() {
-                // SAFETY: AVX-512F was detected; every row holds `k` elements.
-                paths.push(("avx512", unsafe { dots_4xc_avx512(a, b, k) }));
+            if let Some(s) = Avx512::new() {
+                // SAFETY: every row holds `k` elements.
+                let got = unsafe { dots_4xc_avx512(s, a, b, k) };
+                assert_eq!(bits(got), bits(model(16, true, a, b, k)), "avx512 k={k}");
+                paths.push(("avx512", got));
+            }
+            if let Some(s) = Emu16::new() {
+                // SAFETY: every row holds `k` elements.
+                let got = unsafe { emu16(s, a, b, k) };
+                assert_eq!(bits(got), bits(model(16, true, a, b, k)), "emu16 k={k}");
+                paths.push(("emu16", got));
             }
         }
         for (path, got) in paths {

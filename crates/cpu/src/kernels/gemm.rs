@@ -36,6 +36,8 @@ use std::cell::RefCell;
 use std::sync::OnceLock;
 
 use super::par_ranges;
+#[cfg(target_arch = "x86_64")]
+use super::simd::{Avx2, Avx512, Simd};
 use super::view::{load_f32, RawTensor};
 use crate::dtype::DType;
 use crate::error::Result;
@@ -74,9 +76,10 @@ impl Isa {
         let mut out = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if super::has_avx2_fma() {
+            let isa = crate::isa::get();
+            if isa.avx2_fma() {
                 out.push(Isa::Avx2);
-                if is_x86_feature_detected!("avx512f") {
+                if isa.avx512f() {
                     out.push(Isa::Avx512);
                 }
             }
@@ -838,42 +841,14 @@ unsafe fn kernel_avx2<const NR: usize, const NV: usize>(
     tile: *mut f32,
     accumulate: bool,
 ) {
-    use std::arch::x86_64::*;
-    const MR: usize = 16;
-    // SAFETY: every pointer below stays inside the panel (kc × MR), the weight rows (NR × kc,
-    // stride w_stride) or the tile (NR × MR) (caller).
-    unsafe {
-        let mut acc = [[_mm256_setzero_ps(); NV]; NR];
-        if accumulate {
-            for (r, row) in acc.iter_mut().enumerate() {
-                for (v, x) in row.iter_mut().enumerate() {
-                    *x = _mm256_loadu_ps(tile.add(r * MR + v * 8));
-                }
-            }
-        }
-        let rows: [*const f32; NR] = std::array::from_fn(|r| w.add(r * w_stride));
-        for kk in 0..kc {
-            let bp = b.add(kk * MR);
-            let bv: [__m256; NV] = std::array::from_fn(|v| _mm256_loadu_ps(bp.add(v * 8)));
-            for r in 0..NR {
-                let wv = _mm256_broadcast_ss(&*rows[r].add(kk));
-                for v in 0..NV {
-                    acc[r][v] = _mm256_fmadd_ps(bv[v], wv, acc[r][v]);
-                }
-            }
-        }
-        for (r, row) in acc.iter().enumerate() {
-            for (v, &x) in row.iter().enumerate() {
-                _mm256_storeu_ps(tile.add(r * MR + v * 8), x);
-            }
-        }
-    }
+    // SAFETY: the CPU has AVX2 and FMA; the rest is forwarded (caller).
+    unsafe { kernel_simd::<_, NR, NV>(Avx2::assume(), kc, b, (w, w_stride), tile, accumulate) }
 }
 
 /// AVX-512 micro-kernel: `NR` (≤ 12) weight rows × `NV` × 16 activation rows.
 ///
 /// # Safety
-/// As [`micro_kernel`]; the CPU has AVX-512F.
+/// As [`micro_kernel`]; the CPU has AVX-512F (and AVX2 and FMA).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f,avx2,fma")]
 unsafe fn kernel_avx512<const NR: usize, const NV: usize>(
@@ -884,33 +859,58 @@ unsafe fn kernel_avx512<const NR: usize, const NV: usize>(
     tile: *mut f32,
     accumulate: bool,
 ) {
-    use std::arch::x86_64::*;
-    const MR: usize = 32;
+    // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the rest is forwarded (caller).
+    unsafe { kernel_simd::<_, NR, NV>(Avx512::assume(), kc, b, (w, w_stride), tile, accumulate) }
+}
+
+/// The micro-kernel for any [`Simd`]: `NR` weight rows × `NV` vectors of activation rows of a
+/// panel `MR = 2·LANES` wide. Every tile element is one chain of fused multiply-adds over `k`.
+///
+/// # Safety
+/// As [`micro_kernel`], with `MR = 2·S::LANES`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn kernel_simd<S: Simd, const NR: usize, const NV: usize>(
+    s: S,
+    kc: usize,
+    b: *const f32,
+    (w, w_stride): (*const f32, usize),
+    tile: *mut f32,
+    accumulate: bool,
+) {
+    let lanes = S::LANES;
+    let mr = 2 * lanes;
     // SAFETY: every pointer below stays inside the panel (kc × MR), the weight rows (NR × kc,
     // stride w_stride) or the tile (NR × MR) (caller).
     unsafe {
-        let mut acc = [[_mm512_setzero_ps(); NV]; NR];
+        let mut acc = [[s.zero(); NV]; NR];
         if accumulate {
             for (r, row) in acc.iter_mut().enumerate() {
                 for (v, x) in row.iter_mut().enumerate() {
-                    *x = _mm512_loadu_ps(tile.add(r * MR + v * 16));
+                    *x = s.loadu(tile.add(r * mr + v * lanes));
                 }
             }
         }
-        let rows: [*const f32; NR] = std::array::from_fn(|r| w.add(r * w_stride));
+        let mut rows = [w; NR];
+        for (r, p) in rows.iter_mut().enumerate() {
+            *p = w.add(r * w_stride);
+        }
         for kk in 0..kc {
-            let bp = b.add(kk * MR);
-            let bv: [__m512; NV] = std::array::from_fn(|v| _mm512_loadu_ps(bp.add(v * 16)));
+            let bp = b.add(kk * mr);
+            let mut bv = [s.zero(); NV];
+            for (v, x) in bv.iter_mut().enumerate() {
+                *x = s.loadu(bp.add(v * lanes));
+            }
             for r in 0..NR {
-                let wv = _mm512_set1_ps(*rows[r].add(kk));
+                let wv = s.splat(*rows[r].add(kk));
                 for v in 0..NV {
-                    acc[r][v] = _mm512_fmadd_ps(bv[v], wv, acc[r][v]);
+                    acc[r][v] = s.fma(bv[v], wv, acc[r][v]);
                 }
             }
         }
         for (r, row) in acc.iter().enumerate() {
             for (v, &x) in row.iter().enumerate() {
-                _mm512_storeu_ps(tile.add(r * MR + v * 16), x);
+                s.storeu(tile.add(r * mr + v * lanes), x);
             }
         }
     }
@@ -1205,6 +1205,107 @@ mod tests {
                 ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
             })
             .collect()
+    }
+
+    /// The micro-kernel body on every ISA token this CPU has and on the 16-lane stand-in
+    /// for AVX-512 (panel 32 wide, as on AVX-512), bit for bit against one fused chain per
+    /// element, with and without accumulating onto the tile.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn micro_kernel_bodies_match_fma_chains() {
+        use crate::kernels::simd::tests::Emu16;
+
+        /// Runs `kernel_simd::<S, NR, NV>` and checks the tile.
+        fn check<S: Simd, const NR: usize, const NV: usize>(
+            run: unsafe fn(S, usize, *const f32, (*const f32, usize), *mut f32, bool),
+            s: S,
+        ) {
+            let (mr, kc, w_stride) = (2 * S::LANES, 37usize, 41usize);
+            let panel = values(kc * mr, 3 + NR as u64);
+            let w = values(NR * w_stride, 5 + NV as u64);
+            for accumulate in [false, true] {
+                let init = values(NR * mr, 7);
+                let mut tile = init.clone();
+                // SAFETY: the panel holds kc × MR values, the weights NR rows of kc elements
+                // w_stride apart, the tile NR × MR values.
+                unsafe {
+                    run(
+                        s,
+                        kc,
+                        panel.as_ptr(),
+                        (w.as_ptr(), w_stride),
+                        tile.as_mut_ptr(),
+                        accumulate,
+                    )
+                };
+                for r in 0..NR {
+                    for l in 0..NV * S::LANES {
+                        let start = if accumulate { init[r * mr + l] } else { 0.0 };
+                        let want = (0..kc).fold(start, |a, kk| {
+                            panel[kk * mr + l].mul_add(w[r * w_stride + kk], a)
+                        });
+                        assert_eq!(
+                            tile[r * mr + l].to_bits(),
+                            want.to_bits(),
+                            "lanes={} NR={NR} NV={NV} r={r} l={l} acc={accumulate}",
+                            S::LANES
+                        );
+                    }
+                }
+            }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn emu<const NR: usize, const NV: usize>(
+            s: Emu16,
+            kc: usize,
+            b: *const f32,
+            w: (*const f32, usize),
+            tile: *mut f32,
+            accumulate: bool,
+        ) {
+            // SAFETY: forwarded.
+            unsafe { kernel_simd::<_, NR, NV>(s, kc, b, w, tile, accumulate) }
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn avx2<const NR: usize, const NV: usize>(
+            _: Avx2,
+            kc: usize,
+            b: *const f32,
+            (w, w_stride): (*const f32, usize),
+            tile: *mut f32,
+            accumulate: bool,
+        ) {
+            // SAFETY: forwarded.
+            unsafe { kernel_avx2::<NR, NV>(kc, b, w, w_stride, tile, accumulate) }
+        }
+        #[target_feature(enable = "avx512f,avx2,fma")]
+        unsafe fn avx512<const NR: usize, const NV: usize>(
+            _: Avx512,
+            kc: usize,
+            b: *const f32,
+            (w, w_stride): (*const f32, usize),
+            tile: *mut f32,
+            accumulate: bool,
+        ) {
+            // SAFETY: forwarded.
+            unsafe { kernel_avx512::<NR, NV>(kc, b, w, w_stride, tile, accumulate) }
+        }
+        if let Some(s) = Emu16::new() {
+            check::<_, 1, 1>(emu::<1, 1>, s);
+            check::<_, 5, 2>(emu::<5, 2>, s);
+            check::<_, 12, 1>(emu::<12, 1>, s);
+            check::<_, 12, 2>(emu::<12, 2>, s);
+        }
+        if let Some(s) = Avx2::new() {
+            check::<_, 1, 1>(avx2::<1, 1>, s);
+            check::<_, 6, 2>(avx2::<6, 2>, s);
+            check::<_, 4, 1>(avx2::<4, 1>, s);
+        }
+        if let Some(s) = Avx512::new() {
+            check::<_, 1, 1>(avx512::<1, 1>, s);
+            check::<_, 12, 2>(avx512::<12, 2>, s);
+            check::<_, 7, 1>(avx512::<7, 1>, s);
+        }
     }
 
     /// The scalar reference: one chain of fused multiply-adds per element, k ascending.

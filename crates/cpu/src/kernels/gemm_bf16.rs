@@ -55,7 +55,7 @@ impl Isa {
     /// Every family this CPU runs, slowest first.
     pub fn available() -> Vec<Isa> {
         let mut out = vec![Isa::Portable];
-        if super::has_avx2_fma() {
+        if crate::isa::get().avx2_fma() {
             out.push(Isa::Avx2);
         }
         if has_amx_bf16() {
@@ -72,39 +72,10 @@ impl Isa {
 }
 
 /// Whether AMX-BF16 is present and the kernel allowed this process to use its tile state
-/// (Linux asks for it once with `arch_prctl(ARCH_REQ_XCOMP_PERM)`).
+/// (Linux asks for it once with `arch_prctl(ARCH_REQ_XCOMP_PERM)`), and `FERROGRAPH_NO_AMX` is
+/// unset (see [`crate::isa::Features::amx_bf16`]).
 fn has_amx_bf16() -> bool {
-    #[cfg(all(target_arch = "x86_64", target_os = "linux"))]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            if std::env::var_os("FERROGRAPH_NO_AMX").is_some() {
-                return false;
-            }
-            // CPUID leaf 7: EDX bit 22 AMX-BF16, bit 24 AMX-TILE.
-            let leaf = std::arch::x86_64::__cpuid_count(7, 0);
-            if leaf.edx & (1 << 22) == 0 || leaf.edx & (1 << 24) == 0 {
-                return false;
-            }
-            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
-            const XFEATURE_XTILEDATA: libc::c_long = 18;
-            // SAFETY: the arch_prctl system call with these arguments only changes this
-            // process's permission to use the AMX tile state; it reads no memory of ours.
-            let r = unsafe {
-                libc::syscall(
-                    libc::SYS_arch_prctl,
-                    ARCH_REQ_XCOMP_PERM,
-                    XFEATURE_XTILEDATA,
-                )
-            };
-            r == 0
-        })
-    }
-    #[cfg(not(all(target_arch = "x86_64", target_os = "linux")))]
-    {
-        false
-    }
+    crate::isa::get().amx_bf16
 }
 
 /// Whether this path handles the product (bf16 weights with dense rows, a dense f32 output).
@@ -161,16 +132,7 @@ fn pack_panel(rows: &[Option<&[u16]>; PANEL], k: usize, out: &mut Vec<u16>) {
 
 /// Whether the AVX-512F packer can run on this CPU.
 fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| is_x86_feature_detected!("avx512f"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx512f()
 }
 
 /// [`pack_panel`] in portable Rust for the steps from `first_step` on (`out` zeroed).

@@ -66,7 +66,7 @@ impl Isa {
         let mut out = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if super::has_avx2_fma() {
+            if crate::isa::get().avx2_fma() {
                 out.push(Isa::Avx2);
             }
             if has_vnni512() {
@@ -85,20 +85,7 @@ impl Isa {
 
 /// Whether the AVX-512 VNNI kernel can run on this CPU.
 fn has_vnni512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx512_bw_vnni()
 }
 
 /// Bytes of one prepared activation row of `k` elements: `k` offset quants, then one f32
@@ -140,18 +127,7 @@ pub fn prepare_row(x: &[f32], out: &mut [u8]) {
 
 /// Whether the AVX-512F/BW quantizer can run on this CPU.
 fn has_avx512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx512_bw()
 }
 
 /// One block of [`prepare_row`], portable: quantizes `xs` (32 values) into `quants` and

@@ -62,7 +62,7 @@ pub fn exp(x: f32) -> f32 {
 /// scalar [`exp`] per element. The two agree to about 1 ulp (fused vs separate rounding).
 pub fn exp_sub_row(x: &mut [f32], shift: f32) {
     #[cfg(target_arch = "x86_64")]
-    if super::has_avx2_fma() {
+    if crate::isa::get().avx2_fma() {
         // SAFETY: AVX2 and FMA were detected at run time.
         unsafe { exp_sub_row_avx2(x, shift) };
         return;
@@ -368,7 +368,7 @@ mod tests {
     #[test]
     fn exp_avx512_matches_scalar_exp_everywhere() {
         #[cfg(target_arch = "x86_64")]
-        if is_x86_feature_detected!("avx512f") {
+        if crate::isa::get().avx512f() {
             let mut xs = vec![
                 0.0f32, -0.0, 1.0, -1.0, 88.0, 88.72, 88.8, 89.5, -87.0, -103.9,
             ];

@@ -23,13 +23,12 @@ pub mod norm;
 pub mod quant_dot;
 pub mod reduce;
 pub mod rope;
+pub(crate) mod simd;
 pub mod softmax;
 pub mod unary;
 pub mod view;
 
 use std::ops::Range;
-
-pub(crate) use quant_dot::has_avx2_fma;
 
 /// Defines a function whose body is compiled twice, for the baseline target and with AVX2+FMA
 /// enabled, the latter chosen at run time when the CPU has them. For loops the compiler
@@ -47,7 +46,7 @@ macro_rules! simd_fn {
                 unsafe fn avx2($($arg: $ty),*) $(-> $ret)? {
                     body($($arg),*)
                 }
-                if $crate::kernels::has_avx2_fma() {
+                if $crate::isa::get().avx2_fma() {
                     // SAFETY: the CPU supports AVX2 and FMA (checked just above).
                     return unsafe { avx2($($arg),*) };
                 }

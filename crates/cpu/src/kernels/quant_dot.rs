@@ -126,20 +126,6 @@ super::simd_fn! {
     }
 }
 
-/// Whether the AVX2 + FMA paths can run on this CPU.
-pub fn has_avx2_fma() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
 /// Dot product of `a` (widened to f32 by `widen`) with `b`, with 8 accumulators: the
 /// scalar reference shared by the f32 and f16 kernels.
 fn dot_widened_ref<T: Copy>(a: &[T], b: &[f32], widen: impl Fn(T) -> f32) -> f32 {
@@ -168,7 +154,7 @@ pub fn dot_f32_ref(a: &[f32], b: &[f32]) -> f32 {
 /// f32 dot product, SIMD when available.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if has_avx2_fma() {
+    if crate::isa::get().avx2_fma() {
         // SAFETY: AVX2 and FMA were detected at run time.
         return unsafe { x86::dot_f32(a, b) };
     }
@@ -180,36 +166,16 @@ pub fn dot_f16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
     dot_widened_ref(a, b, f16_bits_to_f32)
 }
 
-/// Whether the AVX512-VNNI q4_0 dot product (256-bit `vpdpbusd`, which needs AVX512-VL too)
-/// can run on this CPU.
+/// Whether the AVX512-VNNI q4_0 dot product (256-bit `vpdpbusd`, which needs AVX512-VL too,
+/// besides the AVX2/FMA/F16C of the rest of the kernel) can run on this CPU.
 fn has_avx512_vnni() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            has_f16c()
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("avx512vl")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx512_vnni_vl_avx2_f16c()
 }
 
 /// Whether the CPU has AVX2, FMA and F16C (the F16C paths of [`dot_f16_f32`] and of the
 /// attention's f16 rows).
 pub(crate) fn has_f16c() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        has_avx2_fma() && is_x86_feature_detected!("f16c")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx2_fma_f16c()
 }
 
 /// f16 · f32 dot product (weights read as f16, no f32 copy), SIMD when available.
@@ -407,7 +373,7 @@ impl PairsIsa {
     /// Every family this CPU runs, slowest first.
     pub fn available() -> Vec<PairsIsa> {
         let mut out = vec![PairsIsa::Portable];
-        if has_avx2_fma() {
+        if crate::isa::get().avx2_fma() {
             out.push(PairsIsa::Avx2);
         }
         if has_vnni512() {
@@ -419,21 +385,7 @@ impl PairsIsa {
 
 /// Whether the 512-bit VNNI kernels can run on this CPU.
 fn has_vnni512() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::sync::OnceLock;
-        static HAS: OnceLock<bool> = OnceLock::new();
-        *HAS.get_or_init(|| {
-            is_x86_feature_detected!("avx512f")
-                && is_x86_feature_detected!("avx512bw")
-                && is_x86_feature_detected!("avx512vnni")
-                && is_x86_feature_detected!("f16c")
-        })
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    crate::isa::get().avx512_bw_vnni_f16c()
 }
 
 /// q4_0 row `a` · prepared activation row `y` (see [`dot_q4_0_pairs_portable`] for the

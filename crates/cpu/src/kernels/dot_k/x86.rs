@@ -47,7 +47,6 @@
 use std::arch::x86_64::*;
 
 use super::{step, step_min};
-use crate::kernels::quant_dot::has_avx2_fma;
 use crate::quant::kquants::{
     IQ4_XS_BYTES, KVALUES_IQ4NL, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
     Q8_K_BYTES,
@@ -55,9 +54,7 @@ use crate::quant::kquants::{
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
 pub(super) fn supported() -> bool {
-    use std::sync::OnceLock;
-    static HAS: OnceLock<bool> = OnceLock::new();
-    *HAS.get_or_init(|| has_avx2_fma() && is_x86_feature_detected!("f16c"))
+    crate::isa::get().avx2_fma_f16c()
 }
 
 /// The 32 bytes of `b` at `at` (checked; `at` is a constant at every call, so the check

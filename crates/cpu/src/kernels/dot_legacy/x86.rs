@@ -33,9 +33,7 @@ use crate::quant::legacy::KVALUES_IQ4NL;
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
 pub fn available() -> bool {
-    is_x86_feature_detected!("avx2")
-        && is_x86_feature_detected!("fma")
-        && is_x86_feature_detected!("f16c")
+    crate::isa::get().avx2_fma_f16c()
 }
 
 /// 32 nibbles in value order (low nibbles of the 16 bytes at `p`, then their high nibbles),
