@@ -500,74 +500,128 @@ mod x86 {
         sum
     }
 
-    /// Sum of the 8 i32 lanes of `x·y` (signed bytes) as f32 lanes.
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn mul_sum_i8(x: __m256i, y: __m256i) -> __m256 {
-        let ax = _mm256_sign_epi8(x, x);
-        let sy = _mm256_sign_epi8(y, x);
-        let dot = _mm256_maddubs_epi16(ax, sy);
-        let summed = _mm256_madd_epi16(dot, _mm256_set1_epi16(1));
-        _mm256_cvtepi32_ps(summed)
+    /// The integer part of a block product, per ISA: 8 i32 lanes, lane `l` the exact sum of
+    /// bytes `4l..4l+4` of `x·y`. Integer sums are exact, so every implementation gives the
+    /// same lanes and [`blocks_dot`] the same bits on every ISA.
+    ///
+    /// # Safety
+    /// A value of an implementing type may only exist on a CPU with AVX2, FMA and F16C (and
+    /// the implementation's own instructions).
+    unsafe trait BlockSums: Copy {
+        /// Signed bytes `x` (q8_0) times signed bytes `y`.
+        fn i8_sums(self, x: __m256i, y: __m256i) -> __m256i;
+        /// Nibbles `q` (0..15, standing for `q − 8`: q4_0) times signed bytes `y`.
+        fn q4_sums(self, q: __m256i, y: __m256i) -> __m256i;
+    }
+
+    /// AVX2: `maddubs` on |x| and y·sign(x) (pairs in i16, which cannot saturate for these
+    /// ranges), then a multiply-add of the pairs by 1.
+    #[derive(Clone, Copy)]
+    struct Avx2Sums;
+
+    // SAFETY: made only by the AVX2/FMA/F16C entry points below.
+    unsafe impl BlockSums for Avx2Sums {
+        #[inline(always)]
+        fn i8_sums(self, x: __m256i, y: __m256i) -> __m256i {
+            // SAFETY: AVX2 (the type's contract).
+            unsafe {
+                let ax = _mm256_sign_epi8(x, x);
+                let sy = _mm256_sign_epi8(y, x);
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sy), _mm256_set1_epi16(1))
+            }
+        }
+        #[inline(always)]
+        fn q4_sums(self, q: __m256i, y: __m256i) -> __m256i {
+            // SAFETY: AVX2 (the type's contract).
+            let x = unsafe { _mm256_sub_epi8(q, _mm256_set1_epi8(8)) };
+            self.i8_sums(x, y)
+        }
+    }
+
+    /// AVX512-VNNI on 256-bit vectors: the nibbles stay unsigned and `vpdpbusd` multiplies
+    /// them by the signed activations and sums fours in one instruction; the −8 offset is a
+    /// second `vpdpbusd` (8·y) subtracted — instead of two sign fixes, a multiply-add of pairs
+    /// and a widening add per block.
+    #[derive(Clone, Copy)]
+    struct VnniSums;
+
+    // SAFETY: made only by the entry point that enables AVX512-VNNI/VL besides AVX2/FMA/F16C.
+    unsafe impl BlockSums for VnniSums {
+        #[inline(always)]
+        fn i8_sums(self, x: __m256i, y: __m256i) -> __m256i {
+            // SAFETY: AVX2 and AVX512-VNNI/VL (the type's contract).
+            unsafe {
+                let ax = _mm256_sign_epi8(x, x);
+                let sy = _mm256_sign_epi8(y, x);
+                _mm256_dpbusd_epi32(_mm256_setzero_si256(), ax, sy)
+            }
+        }
+        #[inline(always)]
+        fn q4_sums(self, q: __m256i, y: __m256i) -> __m256i {
+            // SAFETY: AVX2 and AVX512-VNNI/VL (the type's contract).
+            unsafe {
+                let zero = _mm256_setzero_si256();
+                _mm256_sub_epi32(
+                    _mm256_dpbusd_epi32(zero, q, y),
+                    _mm256_dpbusd_epi32(zero, _mm256_set1_epi8(8), y),
+                )
+            }
+        }
     }
 
     /// The f16 scale at the start of a block, as f32 (one F16C conversion; the portable
     /// `read_d` costs a dozen instructions and two of them per block showed in profiles).
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(always)]
     fn scale(block: &[u8]) -> f32 {
-        let bits = _mm_cvtsi32_si128(i32::from(u16::from_ne_bytes([block[0], block[1]])));
-        _mm_cvtss_f32(_mm_cvtph_ps(bits))
+        let bits = u16::from_ne_bytes([block[0], block[1]]);
+        // SAFETY: F16C, which every `BlockSums` implementation implies (only they call this).
+        unsafe { _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits)))) }
+    }
+
+    /// Block `x` (q4_0 when `Q4`, else q8_0) times the q8_0 block `y`, added to `acc`.
+    #[inline(always)]
+    fn block_step<const Q4: bool, K: BlockSums>(k: K, x: &[u8], y: &[u8], acc: __m256) -> __m256 {
+        // SAFETY: AVX2 and FMA (the `BlockSums` contract); a q8_0 block holds 32 quant bytes
+        // after its 2-byte scale, a q4_0 block 16 (the caller passes whole blocks).
+        unsafe {
+            let qy = _mm256_loadu_si256(y.as_ptr().add(2).cast());
+            let sums = if Q4 {
+                let packed = _mm_loadu_si128(x.as_ptr().add(2).cast());
+                // Low nibbles are elements 0..16, high nibbles 16..32.
+                let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
+                k.q4_sums(_mm256_and_si256(both, _mm256_set1_epi8(0x0f)), qy)
+            } else {
+                k.i8_sums(_mm256_loadu_si256(x.as_ptr().add(2).cast()), qy)
+            };
+            let d = _mm256_set1_ps(scale(x) * scale(y));
+            _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(sums), acc)
+        }
     }
 
     /// The dot product of the weight row `a` (q4_0 when `Q4`, else q8_0) with the q8_0 row
-    /// `b`; even and odd blocks go to separate accumulators (independent multiply-add
-    /// chains). One row at a time: sharing each activation block between two weight rows
-    /// was measured 1.4-2x slower on mat-vec products (two interleaved weight streams).
-    /// No closures: a closure is a separate function without the enabled features, and
-    /// calling one per block made this 2x slower.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn blocks_dot<const Q4: bool>(a: &[u8], b: &[u8]) -> f32 {
+    /// `b`, written once for every [`BlockSums`]; even and odd blocks go to separate
+    /// accumulators (independent multiply-add chains). One row at a time: sharing each
+    /// activation block between two weight rows was measured 1.4-2x slower on mat-vec products
+    /// (two interleaved weight streams). No closures: a closure is a separate function without
+    /// the enabled features, and calling one per block made this 2x slower.
+    #[inline(always)]
+    fn blocks_dot<const Q4: bool, K: BlockSums>(k: K, a: &[u8], b: &[u8]) -> f32 {
         let a_block = if Q4 { Q4_0_BYTES } else { Q8_0_BYTES };
         let n = (a.len() / a_block).min(b.len() / Q8_0_BYTES);
-        let low = _mm256_set1_epi8(0x0f);
-        let eight = _mm256_set1_epi8(8);
-        let mut even = _mm256_setzero_ps();
-        let mut odd = _mm256_setzero_ps();
-        // Block `i` into `acc` (a macro, not a closure: see above).
-        macro_rules! block {
-            ($i:expr, $acc:ident) => {{
-                let i = $i;
-                let y = &b[i * Q8_0_BYTES..(i + 1) * Q8_0_BYTES];
-                let dy = scale(y);
-                // SAFETY: a q8_0 block holds 32 quant bytes after its 2-byte scale.
-                let qy = unsafe { _mm256_loadu_si256(y.as_ptr().add(2).cast()) };
-                let x = &a[i * a_block..(i + 1) * a_block];
-                let qx = if Q4 {
-                    // SAFETY: a q4_0 block holds 16 quant bytes after its 2-byte scale.
-                    let packed = unsafe { _mm_loadu_si128(x.as_ptr().add(2).cast()) };
-                    // Low nibbles are elements 0..16, high nibbles 16..32; values − 8.
-                    let hi = _mm_srli_epi16(packed, 4);
-                    let both = _mm256_set_m128i(hi, packed);
-                    _mm256_sub_epi8(_mm256_and_si256(both, low), eight)
-                } else {
-                    // SAFETY: a q8_0 block holds 32 quant bytes after its 2-byte scale.
-                    unsafe { _mm256_loadu_si256(x.as_ptr().add(2).cast()) }
-                };
-                let d = _mm256_set1_ps(scale(x) * dy);
-                // SAFETY: AVX2 is enabled for this function.
-                let p = unsafe { mul_sum_i8(qx, qy) };
-                $acc = _mm256_fmadd_ps(d, p, $acc);
-            }};
-        }
+        let x = |i: usize| &a[i * a_block..(i + 1) * a_block];
+        let y = |i: usize| &b[i * Q8_0_BYTES..(i + 1) * Q8_0_BYTES];
+        // SAFETY: AVX (the `BlockSums` contract).
+        let (mut even, mut odd) = unsafe { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
         let mut i = 0;
         while i + 2 <= n {
-            block!(i, even);
-            block!(i + 1, odd);
+            even = block_step::<Q4, K>(k, x(i), y(i), even);
+            odd = block_step::<Q4, K>(k, x(i + 1), y(i + 1), odd);
             i += 2;
         }
         if i < n {
-            block!(i, even);
+            even = block_step::<Q4, K>(k, x(i), y(i), even);
         }
-        // SAFETY: AVX2 is enabled for this function.
+        // SAFETY: AVX2 and FMA (the `BlockSums` contract).
         unsafe { hsum(_mm256_add_ps(even, odd)) }
     }
 
@@ -575,14 +629,24 @@ mod x86 {
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q8_0_q8_0(a: &[u8], b: &[u8]) -> f32 {
-        blocks_dot::<false>(a, b)
+        blocks_dot::<false, _>(Avx2Sums, a, b)
     }
 
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_q4_0_q8_0(a: &[u8], b: &[u8]) -> f32 {
-        blocks_dot::<true>(a, b)
+        blocks_dot::<true, _>(Avx2Sums, a, b)
+    }
+
+    /// q4_0 · q8_0 with VNNI ([`VnniSums`]): the same body and the same bits as
+    /// [`dot_q4_0_q8_0`].
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL.
+    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
+    pub unsafe fn dot_q4_0_q8_0_vnni(a: &[u8], b: &[u8]) -> f32 {
+        blocks_dot::<true, _>(VnniSums, a, b)
     }
 
     /// [`super::dot_q4_0_pairs_portable`] with 512-bit VNNI: per pair of blocks, the 32 packed
@@ -641,43 +705,6 @@ mod x86 {
         _mm_cvtss_f32(h1)
     }
 
-    /// q4_0 · q8_0 with VNNI: the nibbles stay unsigned (0..15) and `vpdpbusd` multiplies
-    /// them by the signed activations and sums groups of four in one instruction; the −8
-    /// offset is a second `vpdpbusd` (8·y) subtracted — instead of two sign fixes, a
-    /// multiply-add of pairs and a widening add per block.
-    ///
-    /// # Safety
-    /// The CPU must support AVX2, FMA, F16C, AVX512-VNNI and AVX512-VL.
-    #[target_feature(enable = "avx2,fma,f16c,avx512vnni,avx512vl")]
-    pub unsafe fn dot_q4_0_q8_0_vnni(a: &[u8], b: &[u8]) -> f32 {
-        let n = (a.len() / Q4_0_BYTES).min(b.len() / Q8_0_BYTES);
-        let low = _mm256_set1_epi8(0x0f);
-        let eight = _mm256_set1_epi8(8);
-        let mut acc = [_mm256_setzero_ps(); 2];
-        for i in 0..n {
-            let (x, y) = (&a[i * Q4_0_BYTES..], &b[i * Q8_0_BYTES..]);
-            // SAFETY: a q8_0 block holds 32 quant bytes after its 2-byte scale; a q4_0 block 16.
-            let (qy, packed) = unsafe {
-                (
-                    _mm256_loadu_si256(y.as_ptr().add(2).cast()),
-                    _mm_loadu_si128(x.as_ptr().add(2).cast()),
-                )
-            };
-            // Low nibbles are elements 0..16, high nibbles 16..32.
-            let both = _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed);
-            let qx = _mm256_and_si256(both, low);
-            // Σ (x − 8)·y = Σ x·y − Σ 8·y, both sums of fours by vpdpbusd (independent).
-            let zero = _mm256_setzero_si256();
-            let dots = _mm256_sub_epi32(
-                _mm256_dpbusd_epi32(zero, qx, qy),
-                _mm256_dpbusd_epi32(zero, eight, qy),
-            );
-            let d = _mm256_set1_ps(scale(x) * scale(y));
-            acc[i & 1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(dots), acc[i & 1]);
-        }
-        // SAFETY: AVX2 is enabled for this function.
-        unsafe { hsum(_mm256_add_ps(acc[0], acc[1])) }
-    }
 }
 
 #[cfg(test)]
