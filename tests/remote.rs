@@ -721,7 +721,7 @@ fn arb_op() -> impl Strategy<Value = Option<Op>> {
         arb_count().prop_map(|n_past| Op::DiagMaskInf { n_past }),
         (arb_count(), arb_count(), arb_count(), arb_count()).prop_map(|(nb1, nb2, nb3, offset)| {
             Op::Acc {
-                nb1: nb1 * 4,
+                nb1: nb1.saturating_mul(4),
                 nb2,
                 nb3,
                 offset,
