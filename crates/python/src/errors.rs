@@ -57,6 +57,9 @@ fn set_facts(value: &Bound<'_, PyAny>, err: &Error) -> PyResult<()> {
             value.setattr("limit", limit)?;
             value.setattr("buffer_type", buffer_type)?;
         }
+        // Built from a message only (no op named): the facts stay None, as for any error
+        // without them.
+        Error::OpUnsupported { op: None, .. } => {}
         Error::OpUnsupported {
             op,
             dtypes,
@@ -77,6 +80,7 @@ fn set_facts(value: &Bound<'_, PyAny>, err: &Error) -> PyResult<()> {
             value.setattr("size", size)?;
             value.setattr("limit", limit)?;
         }
+        Error::ShapeMismatch { shapes, .. } if shapes.is_empty() => {}
         Error::ShapeMismatch { names, shapes, .. } => {
             value.setattr("names", pyo3::types::PyTuple::new(value.py(), names)?)?;
             let shapes = shapes
