@@ -704,7 +704,6 @@ mod x86 {
         let h1 = _mm_add_ss(h2, _mm_shuffle_ps::<1>(h2, h2));
         _mm_cvtss_f32(h1)
     }
-
 }
 
 #[cfg(test)]
