@@ -140,6 +140,7 @@ impl DType {
     }
 
     /// Bytes taken by one block (one element for non-quantized types).
+    #[inline]
     pub fn type_size(self) -> usize {
         match self {
             DType::F32 | DType::I32 => 4,
@@ -164,6 +165,7 @@ impl DType {
     }
 
     /// Elements per block (1 for non-quantized types).
+    #[inline]
     pub fn block_size(self) -> usize {
         match self {
             DType::Q8_0 => quant::QK8_0,
@@ -181,21 +183,25 @@ impl DType {
     }
 
     /// Whether values are stored in quantized blocks.
+    #[inline]
     pub fn is_quantized(self) -> bool {
         self.block_size() > 1
     }
 
     /// Whether the type is a floating-point type (f32, f16, bf16).
+    #[inline]
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
     }
 
     /// Whether the type is a plain integer type.
+    #[inline]
     pub fn is_integer(self) -> bool {
         matches!(self, DType::I8 | DType::I16 | DType::I32 | DType::I64)
     }
 
     /// Bytes taken by a row of `n` elements; an error if `n` is not a multiple of the block size.
+    #[inline]
     pub fn row_size(self, n: usize) -> Result<usize> {
         let block = self.block_size();
         if !n.is_multiple_of(block) {

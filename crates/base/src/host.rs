@@ -199,16 +199,19 @@ pub struct RawTensor {
 
 impl RawTensor {
     /// Number of rows (product of `ne[1..]`).
+    #[inline]
     pub fn nrows(&self) -> usize {
         self.ne[1] * self.ne[2] * self.ne[3]
     }
 
     /// Total number of elements.
+    #[inline]
     pub fn nelements(&self) -> usize {
         self.ne.iter().product()
     }
 
     /// The (i1, i2, i3) coordinates of flat row `r`.
+    #[inline]
     pub fn row_coords(&self, r: usize) -> (usize, usize, usize) {
         let i1 = r % self.ne[1];
         let i2 = (r / self.ne[1]) % self.ne[2];
@@ -217,11 +220,13 @@ impl RawTensor {
     }
 
     /// Byte offset of row (i1, i2, i3).
+    #[inline]
     pub fn row_offset(&self, i1: usize, i2: usize, i3: usize) -> usize {
         i1 * self.nb[1] + i2 * self.nb[2] + i3 * self.nb[3]
     }
 
     /// Byte offset of element (i0, i1, i2, i3); `i0` must be block-aligned for quantized types.
+    #[inline]
     pub fn offset(&self, i0: usize, i1: usize, i2: usize, i3: usize) -> usize {
         i0 / self.dtype.block_size() * self.nb[0] + self.row_offset(i1, i2, i3)
     }
@@ -230,12 +235,14 @@ impl RawTensor {
     ///
     /// # Safety
     /// `offset` must lie within the tensor's span.
+    #[inline]
     pub unsafe fn at(&self, offset: usize) -> *mut u8 {
         // SAFETY: guaranteed by the caller.
         unsafe { self.ptr.0.add(offset) }
     }
 
     /// Whether the elements of each row are adjacent.
+    #[inline]
     pub fn dense_rows(&self) -> bool {
         self.ne[0] <= 1 || self.dtype.is_quantized() || self.nb[0] == self.dtype.type_size()
     }

@@ -600,6 +600,7 @@ impl Drop for RestoreContext {
 
 /// Threads a split on the current thread may use now: the pool's size on the thread computing
 /// on it, 1 inside a chunk or outside any computation.
+#[inline]
 pub fn current_num_threads() -> usize {
     let context = CONTEXT.get();
     if context.role == Role::Owner && !context.in_chunk && !context.pool.is_null() {
@@ -611,6 +612,7 @@ pub fn current_num_threads() -> usize {
 
 /// Whether this thread is computing on a pool or is a pool's worker (Python callbacks run
 /// from here must not wait for locks the computation's caller may hold).
+#[inline]
 pub fn in_computation() -> bool {
     CONTEXT.get().role != Role::None
 }

@@ -249,26 +249,31 @@ impl Tensor {
     }
 
     /// A process-unique identity.
+    #[inline]
     pub fn id(&self) -> u64 {
         self.0.id
     }
 
     /// The element type.
+    #[inline]
     pub fn dtype(&self) -> DType {
         self.0.dtype
     }
 
     /// Elements per dimension, ggml order (`ne[0]` fastest).
+    #[inline]
     pub fn ne(&self) -> [usize; MAX_DIMS] {
         self.0.ne
     }
 
     /// Byte strides per dimension, ggml order.
+    #[inline]
     pub fn nb(&self) -> [usize; MAX_DIMS] {
         self.0.nb
     }
 
     /// Number of dimensions the user sees.
+    #[inline]
     pub fn ndim(&self) -> usize {
         self.0.ndim
     }
@@ -285,16 +290,19 @@ impl Tensor {
     }
 
     /// Total number of elements.
+    #[inline]
     pub fn nelements(&self) -> usize {
         self.0.ne.iter().product()
     }
 
     /// Number of rows (product of `ne[1..]`).
+    #[inline]
     pub fn nrows(&self) -> usize {
         self.0.ne[1..].iter().product()
     }
 
     /// Bytes spanned in memory (ggml's `nbytes`).
+    #[inline]
     pub fn nbytes(&self) -> usize {
         span_bytes(self.0.dtype, &self.0.ne, &self.0.nb)
     }
@@ -305,16 +313,19 @@ impl Tensor {
     }
 
     /// The op that computes this tensor ([`Op::None`] for leaves made by a context).
+    #[inline]
     pub fn op(&self) -> &Op {
         &self.0.op
     }
 
     /// The op's operands.
+    #[inline]
     pub fn srcs(&self) -> &[Tensor] {
         &self.0.srcs
     }
 
     /// The tensor whose memory this one views, if it is a view.
+    #[inline]
     pub fn view_src(&self) -> Option<&Tensor> {
         self.0.view_src.as_ref()
     }
@@ -330,6 +341,7 @@ impl Tensor {
     }
 
     /// The name ("" if none was set).
+    #[inline]
     pub fn name(&self) -> String {
         lock(&self.0.name).clone()
     }
@@ -416,6 +428,7 @@ impl Tensor {
 
     /// Whether elements are laid out densely in the natural order (dimensions of size one
     /// may have any stride).
+    #[inline]
     pub fn is_contiguous(&self) -> bool {
         let expected = contiguous_strides(self.0.dtype, &self.0.ne);
         (0..MAX_DIMS).all(|i| self.0.ne[i] == 1 || self.0.nb[i] == expected[i])
@@ -639,6 +652,7 @@ impl Tensor {
     }
 
     /// The host address of the first byte, for tensors in host memory.
+    #[inline]
     pub fn host_ptr(&self) -> Result<*mut u8> {
         let storage = self.storage()?;
         let base = storage
