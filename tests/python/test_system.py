@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -65,6 +67,31 @@ def test_rust_logs_reach_python_logging(caplog: pytest.LogCaptureFixture) -> Non
     records = [(r.name, r.levelno, r.getMessage()) for r in caplog.records]
     assert ("ferrograph.cpu.compute", logging.INFO, "hello from rust") in records
     assert ("ferrograph.sched", logging.DEBUG, "planned 3 splits") in records
+
+
+def test_the_crates_log_targets_reach_the_public_logger_names(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # The targets the workspace's crates really log under (their crate names).
+    targets = {
+        "ferrograph_base::sched": "ferrograph.sched",
+        "ferrograph_cpu::compute": "ferrograph.cpu.compute",
+        "ferrograph_backends::remote::server": "ferrograph.remote.server",
+        "_core::plugin": "ferrograph.python.plugin",
+    }
+    with caplog.at_level(logging.DEBUG, logger="ferrograph"):
+        for target in targets:
+            _core._testing.log(target, "info", target)
+    names = {r.getMessage(): r.name for r in caplog.records}
+    for target, name in targets.items():
+        assert names.get(target) == name, (target, names.get(target))
+
+
+def test_the_cpu_buffer_type_belongs_to_the_cpu_from_import_on() -> None:
+    # A fresh interpreter: nothing but the import has made the CPU device yet.
+    code = "import ferrograph as fg; print(fg.cpu_buffer_type().device.name)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "CPU"
 
 
 def test_log_levels_filter(caplog: pytest.LogCaptureFixture) -> None:

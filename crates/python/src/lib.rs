@@ -38,6 +38,10 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
     m.add("__version__", ferrograph::VERSION)?;
     ferrograph_base::error::python::set_converter(errors::convert_error);
+    // The CPU device announces itself as the owner of host memory when it is made (the host
+    // buffer type lives below it); make it now, so `cpu_buffer_type().device` is the CPU
+    // from the first call on.
+    let _ = ferrograph::CpuDevice::shared();
     errors::register(m)?;
     dtype::register(m)?;
     convert::register(m)?;

@@ -70,6 +70,8 @@ pub(crate) fn logger_name(target: &str) -> String {
         ("ferrograph_base::", "ferrograph::"),
         ("ferrograph_cpu::", "ferrograph::cpu::"),
         ("ferrograph_backends::", "ferrograph::"),
+        // The bindings' own crate (`_core`): `ferrograph.python.*`, as before the split.
+        ("_core::", "ferrograph::python::"),
     ]
     .iter()
     .find_map(|(krate, path)| {
