@@ -968,4 +968,14 @@ mod tests {
         tags.dedup();
         assert_eq!(tags.len(), causes.len());
     }
+
+    /// The batch an op works on (the count the offload policy compares): a product's columns.
+    #[test]
+    fn op_batch_of_a_product_is_its_columns() {
+        let ctx = Context::new(true);
+        let a = ctx.new_tensor(DType::F32, &[4, 3]).unwrap();
+        let b = ctx.new_tensor(DType::F32, &[4, 5]).unwrap();
+        let m = ops::mul_mat(&ctx, &a, &b).unwrap();
+        assert_eq!(assign::op_batch(&m), 5);
+    }
 }
