@@ -14,10 +14,8 @@ pub mod backend;
 pub mod compute;
 pub mod features;
 pub mod repack;
-// Crate-private: nothing outside the crate calls the kernels directly. `gemm::sgemm` (the
-// per-ISA entry point) is called only by the kernels' own unit tests, so it is dead code in
-// other builds; the allowance could be narrowed to that function inside crates/cpu/src/kernels.
-#[cfg_attr(not(test), allow(dead_code))]
+// Crate-private: nothing outside the crate calls the kernels directly (the CPU backend does;
+// BLAS reads rows through the re-exported `RowIo`).
 pub(crate) mod kernels;
 pub mod sysinfo;
 pub mod type_traits;

@@ -34,7 +34,9 @@ use crate::quant::legacy::{Q4_1_BYTES, Q8_1_BYTES, QK};
 pub const GROUP: usize = 8;
 /// Bytes of one superblock (one block of each of the group's rows).
 pub const SUPERBLOCK: usize = GROUP * Q4_1_BYTES;
-/// The row stored in nibble slot `t` of a superblock.
+/// The row stored in nibble slot `t` of a superblock: the layout's definition, which the
+/// kernels use through its inverse [`slot_of`] (checked against this table by the tests).
+#[cfg_attr(not(test), allow(dead_code))]
 pub const SLOT_ROWS: [usize; GROUP] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 /// Values per block.
