@@ -461,7 +461,9 @@ fn a_claim_out_of_bounds_leaves_the_deposit() {
 
 #[test]
 fn pushes_go_only_to_allow_listed_servers_of_the_cluster() {
-    let peer = Server::start(config()).unwrap();
+    // The peer server starts and stops inside `case`, under its lock: its runtime's threads
+    // and memory must not come or go while another case measures the process.
+    let peer: std::cell::RefCell<Option<Server>> = std::cell::RefCell::new(None);
     let foreign = TcpListener::bind("127.0.0.1:0").unwrap();
     let bystander = TcpListener::bind("127.0.0.1:0").unwrap();
     bystander.set_nonblocking(true).unwrap();
@@ -469,7 +471,6 @@ fn pushes_go_only_to_allow_listed_servers_of_the_cluster() {
         foreign.local_addr().unwrap(),
         bystander.local_addr().unwrap(),
     );
-    let peer_addr = peer.addr();
     // The foreign listener accepts and says nothing (a silent port of another service).
     let silent = std::thread::spawn(move || {
         let held: Vec<TcpStream> = foreign.incoming().take(1).flatten().collect();
@@ -477,8 +478,13 @@ fn pushes_go_only_to_allow_listed_servers_of_the_cluster() {
         drop(held);
     });
     case(
-        |c| c.peers = vec![peer_addr, foreign_addr],
+        |c| {
+            let server = Server::start(config()).unwrap();
+            c.peers = vec![server.addr(), foreign_addr];
+            *peer.borrow_mut() = Some(server);
+        },
         |srv| {
+            let peer_addr = peer.borrow().as_ref().expect("started in setup").addr();
             let (mut raw, _) = Raw::handshake(srv.addr(), TOKEN);
             let h = alloc(&mut raw, 1, 64);
             let push = |to: String, ticket| Request::Push {
@@ -523,6 +529,8 @@ fn pushes_go_only_to_allow_listed_servers_of_the_cluster() {
                 ticket: [4; 16],
             };
             assert_eq!(there.request(2, &claim, &[]).unwrap().0, Command::Reply);
+            drop(there);
+            drop(peer.borrow_mut().take());
         },
     );
     silent.join().unwrap();
