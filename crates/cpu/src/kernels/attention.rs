@@ -782,19 +782,18 @@ fn prepare_scores(
         return math::max_f32(x);
     }
     #[cfg(target_arch = "x86_64")]
-    if kernels == Kernels::Avx512 {
-        if let Some((m, _)) = mask {
-            assert!(m.len() >= x.len());
+    {
+        use math::simd_entry::{scale_mask_max_avx2, scale_mask_max_avx512};
+        if kernels == Kernels::Avx512 {
+            if let Some(t) = Avx512::new() {
+                // SAFETY: the token proves the entry point's features.
+                return unsafe { scale_mask_max_avx512(t, x, scale, mask) };
+            }
         }
-        // SAFETY: the CPU has AVX-512F; the mask holds at least x.len() values (asserted).
-        return unsafe {
-            math::scale_mask_max_avx512(
-                x.as_mut_ptr(),
-                x.len(),
-                scale,
-                mask.map(|(m, s)| (m.as_ptr(), s)),
-            )
-        };
+        if let Some(t) = Avx2::new() {
+            // SAFETY: as above.
+            return unsafe { scale_mask_max_avx2(t, x, scale, mask) };
+        }
     }
     let _ = kernels;
     scale_mask_row(x, scale, mask);
@@ -817,9 +816,18 @@ super::simd_fn! {
 /// `x = e^(x − shift)` over the row; returns Σx.
 fn exp_sub_sum(kernels: Kernels, x: &mut [f32], shift: f32) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if kernels == Kernels::Avx512 {
-        // SAFETY: the Avx512 family is only chosen when the CPU has AVX-512F.
-        return unsafe { math::exp_sub_sum_avx512(x, shift) };
+    {
+        use math::simd_entry::{exp_sub_sum_avx2, exp_sub_sum_avx512};
+        if kernels == Kernels::Avx512 {
+            if let Some(t) = Avx512::new() {
+                // SAFETY: the token proves the entry point's features.
+                return unsafe { exp_sub_sum_avx512(t, x, shift) };
+            }
+        }
+        if let Some(t) = Avx2::new() {
+            // SAFETY: as above.
+            return unsafe { exp_sub_sum_avx2(t, x, shift) };
+        }
     }
     let _ = kernels;
     math::exp_sub_row(x, shift);
@@ -1584,7 +1592,7 @@ mod avx512 {
         let mut j0 = 0;
         while j0 < kbp {
             let left = kbn.saturating_sub(j0);
-            let m = super::math::lanes16(left);
+            let m = super::super::simd::lanes16(left);
             // SAFETY: unmasked lanes read element i of keys j0 + l < kbn (caller's rows);
             // the store covers kt[i·kbp + j0..+16] with j0 + 16 ≤ kbp.
             unsafe {

@@ -1120,7 +1120,7 @@ mod wide {
     ) {
         use std::arch::x86_64::*;
         let masks: [__mmask16; NV] =
-            std::array::from_fn(|v| super::super::math::lanes16(width.saturating_sub(16 * v)));
+            std::array::from_fn(|v| super::super::simd::lanes16(width.saturating_sub(16 * v)));
         // SAFETY: every access stays inside the panel, the activation rows or the output
         // elements (caller); masked lanes are not touched.
         unsafe {

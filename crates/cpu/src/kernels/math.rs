@@ -2,7 +2,10 @@
 //! compiler can auto-vectorise (libm's `expf` is a call per element), and sums with eight
 //! independent f64 lanes (a single accumulator serialises on the add latency).
 
-/// The constants of [`exp`], shared with its explicit-SIMD row form so the two cannot drift.
+#[cfg(target_arch = "x86_64")]
+use super::simd::{reduce_add, Simd};
+
+/// The constants of [`exp`], shared with its explicit-SIMD form so the two cannot drift.
 mod exp_consts {
     /// Below this e^x is 0 in f32 (inputs are clamped here first).
     pub const LO: f32 = -104.0;
@@ -56,188 +59,164 @@ pub fn exp(x: f32) -> f32 {
     }
 }
 
-/// `x[i] = e^(x[i] − shift)` over a row: [`exp`] in explicit AVX2/FMA when the CPU has them
-/// (8 lanes, fused multiply-adds, constants kept in registers — the auto-vectorised [`exp`]
-/// reloads its constants and cannot fuse, and SOFT_MAX spent half its time there), else the
-/// scalar [`exp`] per element. The two agree to about 1 ulp (fused vs separate rounding).
+/// `x[i] = e^(x[i] − shift)` over a row, with the best vector ISA the CPU has ([`exp_v`]:
+/// fused multiply-adds, constants kept in registers — the auto-vectorised [`exp`] reloads its
+/// constants and cannot fuse, and SOFT_MAX spent half its time there), else the scalar [`exp`]
+/// per element. Every ISA gives the same bits (the kernel is lane-wise, tails included); they
+/// agree with [`exp`] to about 1 ulp (fused vs separate rounding).
 pub fn exp_sub_row(x: &mut [f32], shift: f32) {
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::get().avx2_fma() {
-        // SAFETY: AVX2 and FMA were detected at run time.
-        unsafe { exp_sub_row_avx2(x, shift) };
-        return;
+    {
+        use super::simd::{Avx2, Avx512};
+        if let Some(t) = Avx512::new() {
+            // SAFETY: the token proves AVX-512F.
+            unsafe { simd_entry::exp_sub_sum_avx512(t, x, shift) };
+            return;
+        }
+        if let Some(t) = Avx2::new() {
+            // SAFETY: the token proves AVX2 and FMA.
+            unsafe { simd_entry::exp_sub_sum_avx2(t, x, shift) };
+            return;
+        }
     }
     x.iter_mut().for_each(|v| *v = exp(*v - shift));
 }
 
-/// # Safety
-/// The CPU must support AVX2 and FMA.
+/// e^x per lane: [`exp`]'s polynomial and range reduction with fused multiply-adds, and the
+/// power of two applied by [`Simd::ldexp`]. Inputs are clamped to [−110, 89] first (NaN kept),
+/// which is already past both ends of the f32 range, so no selects are needed: −∞ gives exactly
+/// 0, +∞ gives +∞, and NaN propagates through the arithmetic.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn exp_sub_row_avx2(x: &mut [f32], shift: f32) {
-    use exp_consts::*;
-    use std::arch::x86_64::*;
-    let lo = _mm256_set1_ps(LO);
-    let hi = _mm256_set1_ps(HI);
-    let log2e = _mm256_set1_ps(LOG2E);
-    let round = _mm256_set1_ps(ROUND);
-    let round_bits = _mm256_set1_epi32(ROUND.to_bits() as i32);
-    let ln2_hi = _mm256_set1_ps(LN2_HI);
-    let ln2_lo = _mm256_set1_ps(LN2_LO);
-    let c = POLY.map(|k| _mm256_set1_ps(k));
-    let one = _mm256_set1_ps(1.0);
-    let bias = _mm256_set1_epi32(127);
-    let sh = _mm256_set1_ps(shift);
-    let mut chunks = x.chunks_exact_mut(8);
-    for chunk in &mut chunks {
-        // SAFETY: the chunk holds 8 floats.
-        let v = _mm256_sub_ps(unsafe { _mm256_loadu_ps(chunk.as_ptr()) }, sh);
-        // max/min return their second operand for NaN: NaN lanes are fixed at the end.
-        let xc = _mm256_min_ps(_mm256_max_ps(v, lo), hi);
-        let shifted = _mm256_fmadd_ps(xc, log2e, round);
-        let n = _mm256_sub_ps(shifted, round);
-        let n_int = _mm256_sub_epi32(_mm256_castps_si256(shifted), round_bits);
-        let r = _mm256_fnmadd_ps(n, ln2_lo, _mm256_fnmadd_ps(n, ln2_hi, xc));
-        let mut p = c[0];
-        for &ck in &c[1..] {
-            p = _mm256_fmadd_ps(p, r, ck);
-        }
-        let y = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), one);
-        // 2ⁿ as two normal factors (see `exp`).
-        let half = _mm256_srai_epi32::<1>(n_int);
-        let s1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(half, bias));
-        let s2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_sub_epi32(n_int, half), bias));
-        let mut e = _mm256_mul_ps(
-            _mm256_mul_ps(y, _mm256_castsi256_ps(s1)),
-            _mm256_castsi256_ps(s2),
-        );
-        e = _mm256_blendv_ps(e, _mm256_setzero_ps(), _mm256_cmp_ps::<_CMP_LT_OQ>(v, lo));
-        e = _mm256_blendv_ps(
-            e,
-            _mm256_set1_ps(f32::INFINITY),
-            _mm256_cmp_ps::<_CMP_GT_OQ>(v, hi),
-        );
-        e = _mm256_blendv_ps(e, v, _mm256_cmp_ps::<_CMP_UNORD_Q>(v, v));
-        // SAFETY: the chunk holds 8 floats.
-        unsafe { _mm256_storeu_ps(chunk.as_mut_ptr(), e) };
-    }
-    for v in chunks.into_remainder() {
-        *v = exp(*v - shift);
-    }
-}
-
-/// e^x for 16 lanes in AVX-512F: the polynomial of [`exp`], with the power of two applied by
-/// `vscalefps` (which handles overflow to +∞ and underflow to 0 itself). Inputs are clamped to
-/// [−110, 89] first (NaN kept), so −∞ gives exactly 0 and +∞ gives +∞. Agrees with [`exp`] to
-/// about 1 ulp (fused vs separate rounding) wherever the result is a normal float.
-///
-/// # Safety
-/// The CPU must support AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-pub(crate) unsafe fn exp_avx512(v: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
-    use exp_consts::*;
-    use std::arch::x86_64::*;
-    // max/min return their second operand when one is NaN: NaN lanes pass through.
-    let xc = _mm512_min_ps(
-        _mm512_set1_ps(89.0),
-        _mm512_max_ps(_mm512_set1_ps(-110.0), v),
-    );
-    let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-        _mm512_mul_ps(xc, _mm512_set1_ps(LOG2E)),
-    );
-    let r = _mm512_fnmadd_ps(
-        n,
-        _mm512_set1_ps(LN2_LO),
-        _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), xc),
-    );
-    let mut p = _mm512_set1_ps(POLY[0]);
-    for &ck in &POLY[1..] {
-        p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(ck));
-    }
-    let y = _mm512_add_ps(
-        _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r),
-        _mm512_set1_ps(1.0),
-    );
-    _mm512_scalef_ps(y, n)
-}
-
-/// The mask of the first `min(n, 16)` lanes of a 16-lane vector (an AVX-512 `__mmask16`): the
-/// lanes a loop over `n` remaining elements may touch.
 #[inline(always)]
-pub(crate) fn lanes16(n: usize) -> u16 {
-    if n >= 16 {
-        u16::MAX
-    } else {
-        (1u16 << n) - 1
+pub(crate) fn exp_v<S: Simd>(s: S, v: S::V) -> S::V {
+    use exp_consts::*;
+    // `min`/`max` return their second operand when one is NaN: NaN lanes pass through.
+    let xc = s.min(s.splat(89.0), s.max(s.splat(-110.0), v));
+    // n = round(x·log₂e) by the 1.5·2²³ trick, one fused rounding.
+    let n = s.sub(s.fma(xc, s.splat(LOG2E), s.splat(ROUND)), s.splat(ROUND));
+    let r = s.fma(n, s.splat(-LN2_LO), s.fma(n, s.splat(-LN2_HI), xc));
+    let mut p = s.splat(POLY[0]);
+    for &c in &POLY[1..] {
+        p = s.fma(p, r, s.splat(c));
     }
+    let y = s.add(s.fma(s.mul(p, r), r, r), s.splat(1.0));
+    s.ldexp(y, n)
 }
 
-/// `x[i] = e^(x[i] − shift)` over a row with [`exp_avx512`]; returns Σx (f32, 16 lanes added
-/// in a fixed order).
-///
-/// # Safety
-/// The CPU must support AVX-512F.
+/// `x[i] = e^(x[i] − shift)` over a row with [`exp_v`]; returns Σx, summed per lane and then
+/// across lanes in a fixed order.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn exp_sub_sum_avx512(x: &mut [f32], shift: f32) -> f32 {
-    use std::arch::x86_64::*;
-    let sh = _mm512_set1_ps(shift);
-    let mut sum = _mm512_setzero_ps();
-    let n = x.len();
+#[inline(always)]
+pub(crate) fn exp_sub_sum<S: Simd>(s: S, x: &mut [f32], shift: f32) -> f32 {
+    let sh = s.splat(shift);
+    let mut sum = s.zero();
+    let mut chunks = x.chunks_exact_mut(S::LANES);
+    for chunk in &mut chunks {
+        // SAFETY: the chunk holds LANES floats.
+        unsafe {
+            let e = exp_v(s, s.sub(s.loadu(chunk.as_ptr()), sh));
+            s.storeu(chunk.as_mut_ptr(), e);
+            sum = s.add(sum, e);
+        }
+    }
+    let tail = chunks.into_remainder();
+    if !tail.is_empty() {
+        let n = tail.len();
+        // SAFETY: the tail holds n < LANES floats; the partial forms touch only those.
+        unsafe {
+            let e = exp_v(s, s.sub(s.load_partial(tail.as_ptr(), n), sh));
+            s.store_partial(tail.as_mut_ptr(), e, n);
+            sum = s.add(sum, s.keep_first(e, n, 0.0));
+        }
+    }
+    reduce_add(s, sum)
+}
+
+/// `x = x·scale + slope·mask` (one fused multiply-add for the mask) over a row; returns the
+/// largest result (−∞ for an empty row).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub(crate) fn scale_mask_max<S: Simd>(
+    s: S,
+    x: &mut [f32],
+    scale: f32,
+    mask: Option<(&[f32], f32)>,
+) -> f32 {
+    if let Some((m, _)) = mask {
+        assert!(m.len() >= x.len(), "mask row shorter than the scores");
+    }
+    let (sc, n) = (s.splat(scale), x.len());
+    let mut mx = s.splat(f32::NEG_INFINITY);
     let mut i = 0;
     while i < n {
         let left = n - i;
-        let m = lanes16(left);
-        // SAFETY: lanes of `m` are elements i..min(i + 16, n) of the row; masked lanes are
-        // neither read nor written.
+        // SAFETY: elements i..min(i + LANES, n) of the row (and of the mask, asserted at least
+        // as long) are the ones the partial forms touch.
         unsafe {
             let p = x.as_mut_ptr().add(i);
-            let e = exp_avx512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, p), sh));
-            let e = _mm512_maskz_mov_ps(m, e);
-            sum = _mm512_add_ps(sum, e);
-            _mm512_mask_storeu_ps(p, m, e);
+            let mut v = s.mul(s.load_partial(p, left), sc);
+            if let Some((m, slope)) = mask {
+                v = s.fma(s.splat(slope), s.load_partial(m.as_ptr().add(i), left), v);
+            }
+            mx = s.max(mx, s.keep_first(v, left, f32::NEG_INFINITY));
+            s.store_partial(p, v, left);
         }
-        i += 16;
+        i += S::LANES;
     }
-    _mm512_reduce_add_ps(sum)
+    s.reduce_max(mx)
 }
 
-/// `x = x·scale + slope·mask` over `n` floats (one fused multiply-add for the mask) in
-/// AVX-512F; returns the largest result (−∞ for an empty row).
-///
-/// # Safety
-/// AVX-512F; `x` (and the mask, when given) hold `n` floats.
+/// Each ISA's compiled copy of the generic row kernels: one `#[target_feature]` entry point per
+/// ISA, so the generic body and its inlined methods get the ISA's instructions.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-pub(crate) unsafe fn scale_mask_max_avx512(
-    x: *mut f32,
-    n: usize,
-    scale: f32,
-    mask: Option<(*const f32, f32)>,
-) -> f32 {
-    use std::arch::x86_64::*;
-    let sc = _mm512_set1_ps(scale);
-    let mut mx = _mm512_set1_ps(f32::NEG_INFINITY);
-    let mut i = 0;
-    while i < n {
-        let left = n - i;
-        let m = lanes16(left);
-        // SAFETY: unmasked lanes are elements i..min(i + 16, n) (caller).
-        unsafe {
-            let p = x.add(i);
-            let mut v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, p), sc);
-            if let Some((mp, slope)) = mask {
-                let mv = _mm512_maskz_loadu_ps(m, mp.add(i));
-                v = _mm512_fmadd_ps(_mm512_set1_ps(slope), mv, v);
-            }
-            mx = _mm512_mask_max_ps(mx, m, mx, v);
-            _mm512_mask_storeu_ps(p, m, v);
-        }
-        i += 16;
+pub(crate) mod simd_entry {
+    use super::super::simd::{Avx2, Avx512};
+
+    /// [`super::exp_sub_sum`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// None beyond the token, which proves the features (`target_feature` makes it unsafe).
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn exp_sub_sum_avx2(t: Avx2, x: &mut [f32], shift: f32) -> f32 {
+        super::exp_sub_sum(t, x, shift)
     }
-    _mm512_reduce_max_ps(mx)
+
+    /// [`super::exp_sub_sum`] with AVX-512F.
+    ///
+    /// # Safety
+    /// As [`exp_sub_sum_avx2`].
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn exp_sub_sum_avx512(t: Avx512, x: &mut [f32], shift: f32) -> f32 {
+        super::exp_sub_sum(t, x, shift)
+    }
+
+    /// [`super::scale_mask_max`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// As [`exp_sub_sum_avx2`].
+    #[target_feature(enable = "avx2,fma")]
+    pub(crate) unsafe fn scale_mask_max_avx2(
+        t: Avx2,
+        x: &mut [f32],
+        scale: f32,
+        mask: Option<(&[f32], f32)>,
+    ) -> f32 {
+        super::scale_mask_max(t, x, scale, mask)
+    }
+
+    /// [`super::scale_mask_max`] with AVX-512F.
+    ///
+    /// # Safety
+    /// As [`exp_sub_sum_avx2`].
+    #[target_feature(enable = "avx512f")]
+    pub(crate) unsafe fn scale_mask_max_avx512(
+        t: Avx512,
+        x: &mut [f32],
+        scale: f32,
+        mask: Option<(&[f32], f32)>,
+    ) -> f32 {
+        super::scale_mask_max(t, x, scale, mask)
+    }
 }
 
 /// σ(x) = 1 / (1 + e⁻ˣ).
@@ -365,43 +344,119 @@ mod tests {
         assert_eq!(exp(0.0), 1.0);
     }
 
+    /// The inputs of the row tests: specials, both ends of the range, and a sweep.
+    fn exp_inputs() -> Vec<f32> {
+        let mut xs = vec![
+            0.0f32, -0.0, 1.0, -1.0, 88.0, 88.72, 88.8, 89.5, -87.0, -103.9, -104.1, -200.0,
+        ];
+        xs.extend([f32::INFINITY, f32::NEG_INFINITY, f32::NAN]);
+        xs.extend((0..2000).map(|i| -110.0 + i as f32 * 0.1));
+        xs
+    }
+
+    /// Runs the generic row kernels with `s` on `xs` (every prefix length up to 40, so each
+    /// tail length is seen) and returns the exp rows, their sums and the scale/mask rows with
+    /// their maxima.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::type_complexity)]
+    fn run_rows<S: Simd>(s: S, xs: &[f32], shift: f32) -> Vec<(Vec<f32>, f32, Vec<f32>, f32)> {
+        let mask: Vec<f32> = (0..xs.len()).map(|i| -(i as f32 % 7.0) * 0.25).collect();
+        (0..40)
+            .chain([xs.len()])
+            .map(|n| {
+                let mut e = xs[..n].to_vec();
+                let sum = exp_sub_sum(s, &mut e, shift);
+                let mut m = xs[..n].to_vec();
+                let mx = scale_mask_max(s, &mut m, 0.37, Some((&mask[..n], 1.5)));
+                (e, sum, m, mx)
+            })
+            .collect()
+    }
+
     #[test]
-    fn exp_avx512_matches_scalar_exp_everywhere() {
-        #[cfg(target_arch = "x86_64")]
-        if crate::isa::get().avx512f() {
-            let mut xs = vec![
-                0.0f32, -0.0, 1.0, -1.0, 88.0, 88.72, 88.8, 89.5, -87.0, -103.9,
-            ];
-            xs.extend([-104.1, -200.0, f32::INFINITY, f32::NEG_INFINITY]);
-            xs.extend((0..2000).map(|i| -110.0 + i as f32 * 0.1));
-            for shift in [0.0f32, 3.5, -2.0] {
-                let mut row = xs.clone();
-                // SAFETY: AVX-512F detected above.
-                let sum = unsafe { exp_sub_sum_avx512(&mut row, shift) };
+    #[cfg(target_arch = "x86_64")]
+    fn simd_rows_match_scalar_and_agree_across_isas_bit_for_bit() {
+        use super::super::simd::{tests::Emu16, Avx2, Avx512};
+        let Some(avx2) = Avx2::new() else { return };
+        let xs = exp_inputs();
+        let mask: Vec<f32> = (0..xs.len()).map(|i| -(i as f32 % 7.0) * 0.25).collect();
+        for shift in [0.0f32, 3.5, -2.0] {
+            let a = run_rows(avx2, &xs, shift);
+            let e16 = run_rows(Emu16::new().unwrap(), &xs, shift);
+            for ((ea, sa, ma, xa), (eb, sb, mb, xb)) in a.iter().zip(&e16) {
+                let n = ea.len();
+                // Lane-wise results: the same bits whatever the vector width.
+                assert_eq!(bits(ea), bits(eb), "exp rows, n={n}");
+                assert_eq!(bits(ma), bits(mb), "scale/mask rows, n={n}");
+                assert!(xa.to_bits() == xb.to_bits() || (xa.is_nan() && xb.is_nan()));
+                // Against the scalar references.
                 let mut want_sum = 0f64;
-                for (&x, &got) in xs.iter().zip(&row) {
+                for (&x, &got) in xs.iter().zip(ea) {
                     let want = exp(x - shift);
                     want_sum += want as f64;
-                    // Relative 2.5e-7 where normal; below that both are within 2 subnormal
-                    // steps of e^x.
-                    let tol = want.abs() * 2.5e-7 + 3.0 * 1.4e-45;
+                    if want.is_nan() {
+                        assert!(got.is_nan(), "exp({x} - {shift}) = {got}, want NaN");
+                    } else {
+                        // Relative 2.5e-7 where normal; below that within 2 subnormal steps.
+                        let tol = want.abs() * 2.5e-7 + 3.0 * 1.4e-45;
+                        assert!(
+                            got == want || (got - want).abs() <= tol,
+                            "exp({x} - {shift}) = {got}, scalar {want}"
+                        );
+                    }
+                }
+                for ((&x, &got), &m) in xs.iter().zip(ma).zip(&mask) {
+                    let want = x * 0.37 + 1.5 * m;
+                    // Fused vs separate rounding: within an ulp of the larger term.
+                    let tol = ((x * 0.37).abs() + (1.5 * m).abs()) * 1.2e-7;
                     assert!(
-                        got == want || (got - want).abs() <= tol,
-                        "exp({x} - {shift}) = {got}, scalar {want}"
+                        got.to_bits() == want.to_bits()
+                            || (got.is_nan() && want.is_nan())
+                            || (got - want).abs() <= tol,
+                        "scale/mask of {x}: {got} vs {want}"
                     );
                 }
-                if want_sum.is_finite() {
-                    assert!(((sum as f64) - want_sum).abs() <= want_sum * 1e-6);
-                } else {
-                    assert_eq!(sum, f32::INFINITY);
+                for (sum, label) in [(*sa, "AVX2"), (*sb, "16 lanes")] {
+                    if want_sum.is_nan() {
+                        assert!(sum.is_nan(), "{label} sum of a row with NaN, n={n}");
+                    } else if want_sum <= f32::MAX as f64 {
+                        assert!(
+                            ((sum as f64) - want_sum).abs() <= want_sum * 1e-6,
+                            "{label} sum {sum} vs {want_sum}, n={n}"
+                        );
+                    } else {
+                        assert_eq!(sum, f32::INFINITY, "{label}, n={n}");
+                    }
                 }
-                let mut nan = [f32::NAN, 1.0, 2.0];
-                // SAFETY: as above.
-                let s = unsafe { exp_sub_sum_avx512(&mut nan, shift) };
-                assert!(nan[0].is_nan() && s.is_nan());
-                assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+                let want_max = ma.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                if !ma.iter().any(|v| v.is_nan()) {
+                    assert_eq!(*xa, want_max, "max, n={n}");
+                }
+            }
+            // The AVX-512 kernels give the stand-in's bits, sums and maxima included.
+            if let Some(t) = Avx512::new() {
+                for (got, want) in run_rows(t, &xs, shift).iter().zip(&e16) {
+                    assert_eq!(bits(&got.0), bits(&want.0));
+                    assert_eq!(bits(&got.2), bits(&want.2));
+                    assert_eq!(bits(&[got.1, got.3]), bits(&[want.1, want.3]));
+                }
             }
         }
+        // The dispatching row form is one of them.
+        let mut row = xs.clone();
+        exp_sub_row(&mut row, 1.0);
+        assert_eq!(
+            bits(&row),
+            bits(&run_rows(avx2, &xs, 1.0).last().unwrap().0)
+        );
+        assert_eq!(exp(f32::NEG_INFINITY), 0.0);
+    }
+
+    /// Bit patterns, with every NaN the same.
+    fn bits(x: &[f32]) -> Vec<u32> {
+        x.iter()
+            .map(|v| if v.is_nan() { u32::MAX } else { v.to_bits() })
+            .collect()
     }
 
     #[test]

@@ -45,6 +45,28 @@ pub(crate) unsafe trait Simd: Copy {
     /// The lanes summed down to 8: lane `l` of the result is the sum, from low to high, of
     /// the 8-lane pieces' lane `l` (the vector itself on AVX2; `low + high` on AVX-512).
     fn halves8(self, v: Self::V) -> __m256;
+    /// `a + b` per lane.
+    fn add(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a − b` per lane.
+    fn sub(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a·b` per lane.
+    fn mul(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `a / b` per lane.
+    fn div(self, a: Self::V, b: Self::V) -> Self::V;
+    /// The smaller of `a` and `b` per lane, and `b` when either is NaN (x86's `minps`): so
+    /// `min(k, x)` keeps a NaN `x`.
+    fn min(self, a: Self::V, b: Self::V) -> Self::V;
+    /// The larger of `a` and `b` per lane, and `b` when either is NaN (x86's `maxps`).
+    fn max(self, a: Self::V, b: Self::V) -> Self::V;
+    /// `t` in the lanes where `a > b` (false when either is NaN), `f` elsewhere.
+    fn select_gt(self, a: Self::V, b: Self::V, t: Self::V, f: Self::V) -> Self::V;
+    /// `y·2ⁿ` per lane, for integer-valued `n` in [−252, 254], rounded once wherever
+    /// `y·2^⌊n/2⌋` is a normal float (every ISA then gives the same, correctly rounded, bits).
+    fn ldexp(self, y: Self::V, n: Self::V) -> Self::V;
+    /// The first `min(n, LANES)` lanes of `v`, the others `fill`.
+    fn keep_first(self, v: Self::V, n: usize, fill: f32) -> Self::V;
+    /// The largest lane (a NaN lane may or may not win, as with `maxps`).
+    fn reduce_max(self, v: Self::V) -> f32;
 
     /// `LANES` floats at `p`.
     ///
@@ -120,6 +142,44 @@ pub(crate) fn hsum4<S: Simd>(_: S, v: [__m256; 4]) -> [f32; 4] {
     out
 }
 
+/// The lanes of `v` summed in a fixed order: [`Simd::halves8`], then the 8 lanes as a tree
+/// (`l + (l+4)`, then `+2`, then `+1`).
+#[inline(always)]
+pub(crate) fn reduce_add<S: Simd>(s: S, v: S::V) -> f32 {
+    let v = s.halves8(v);
+    // SAFETY: a token of `S` exists, so the CPU has AVX2 (the trait's contract).
+    unsafe {
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
+    }
+}
+
+/// The largest of 8 lanes (tree order as [`reduce_add`]).
+///
+/// # Safety
+/// The CPU must have AVX.
+#[inline(always)]
+unsafe fn hmax8(v: __m256) -> f32 {
+    // SAFETY: AVX (caller).
+    unsafe {
+        let q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let d = _mm_max_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_max_ss(d, _mm_movehdup_ps(d)))
+    }
+}
+
+/// The mask of the first `min(n, 16)` lanes of a 16-lane vector (an AVX-512 `__mmask16`): the
+/// lanes a loop over `n` remaining elements may touch.
+#[inline(always)]
+pub(crate) fn lanes16(n: usize) -> u16 {
+    if n >= 16 {
+        u16::MAX
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
 /// The mask of the first `min(n, 8)` lanes of an 8-lane vector, for `vmaskmovps`.
 #[inline(always)]
 fn mask8(_: Avx2, n: usize) -> __m256i {
@@ -178,6 +238,68 @@ unsafe impl Simd for Avx2 {
     #[inline(always)]
     fn halves8(self, v: __m256) -> __m256 {
         v
+    }
+    #[inline(always)]
+    fn add(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn min(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m256, b: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn select_gt(self, a: __m256, b: __m256, t: __m256, f: __m256) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_blendv_ps(f, t, _mm256_cmp_ps::<_CMP_GT_OQ>(a, b)) }
+    }
+    #[inline(always)]
+    fn ldexp(self, y: __m256, n: __m256) -> __m256 {
+        // 2ⁿ as two normal powers of two, 2^⌊n/2⌋ · 2^(n−⌊n/2⌋), built in the exponent
+        // field: the first product is exact, the second rounds once.
+        // SAFETY: as above.
+        unsafe {
+            let ni = _mm256_cvtps_epi32(n);
+            let half = _mm256_srai_epi32::<1>(ni);
+            let bias = _mm256_set1_epi32(127);
+            let s1 = _mm256_slli_epi32::<23>(_mm256_add_epi32(half, bias));
+            let s2 = _mm256_slli_epi32::<23>(_mm256_add_epi32(_mm256_sub_epi32(ni, half), bias));
+            _mm256_mul_ps(
+                _mm256_mul_ps(y, _mm256_castsi256_ps(s1)),
+                _mm256_castsi256_ps(s2),
+            )
+        }
+    }
+    #[inline(always)]
+    fn keep_first(self, v: __m256, n: usize, fill: f32) -> __m256 {
+        // SAFETY: as above.
+        unsafe { _mm256_blendv_ps(_mm256_set1_ps(fill), v, _mm256_castsi256_ps(mask8(self, n))) }
+    }
+    #[inline(always)]
+    fn reduce_max(self, v: __m256) -> f32 {
+        // SAFETY: as above.
+        unsafe { hmax8(v) }
     }
     #[inline(always)]
     unsafe fn loadu(self, p: *const f32) -> __m256 {
@@ -257,6 +379,62 @@ unsafe impl Simd for Avx512 {
         }
     }
     #[inline(always)]
+    fn add(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_add_ps(a, b) }
+    }
+    #[inline(always)]
+    fn sub(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_sub_ps(a, b) }
+    }
+    #[inline(always)]
+    fn mul(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_mul_ps(a, b) }
+    }
+    #[inline(always)]
+    fn div(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_div_ps(a, b) }
+    }
+    #[inline(always)]
+    fn min(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_min_ps(a, b) }
+    }
+    #[inline(always)]
+    fn max(self, a: __m512, b: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_max_ps(a, b) }
+    }
+    #[inline(always)]
+    fn select_gt(self, a: __m512, b: __m512, t: __m512, f: __m512) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_mask_blend_ps(_mm512_cmp_ps_mask::<_CMP_GT_OQ>(a, b), f, t) }
+    }
+    #[inline(always)]
+    fn ldexp(self, y: __m512, n: __m512) -> __m512 {
+        // `vscalefps` rounds y·2ⁿ once, as the two-factor form does where the trait says.
+        // SAFETY: as above.
+        unsafe { _mm512_scalef_ps(y, n) }
+    }
+    #[inline(always)]
+    fn keep_first(self, v: __m512, n: usize, fill: f32) -> __m512 {
+        // SAFETY: as above.
+        unsafe { _mm512_mask_blend_ps(lanes16(n), _mm512_set1_ps(fill), v) }
+    }
+    #[inline(always)]
+    fn reduce_max(self, v: __m512) -> f32 {
+        // SAFETY: as above.
+        unsafe {
+            hmax8(_mm256_max_ps(
+                _mm512_castps512_ps256(v),
+                _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))),
+            ))
+        }
+    }
+    #[inline(always)]
     unsafe fn loadu(self, p: *const f32) -> __m512 {
         // SAFETY: AVX-512F (token); the caller guarantees 16 readable floats.
         unsafe { _mm512_loadu_ps(p) }
@@ -270,13 +448,13 @@ unsafe impl Simd for Avx512 {
     unsafe fn load_partial(self, p: *const f32, n: usize) -> __m512 {
         // SAFETY: AVX-512F (token); masked-off lanes are neither read nor fault, the others
         // are readable (caller).
-        unsafe { _mm512_maskz_loadu_ps(super::math::lanes16(n), p) }
+        unsafe { _mm512_maskz_loadu_ps(lanes16(n), p) }
     }
     #[inline(always)]
     unsafe fn store_partial(self, p: *mut f32, v: __m512, n: usize) {
         // SAFETY: AVX-512F (token); masked-off lanes are not written, the others are
         // writable (caller).
-        unsafe { _mm512_mask_storeu_ps(p, super::math::lanes16(n), v) }
+        unsafe { _mm512_mask_storeu_ps(p, lanes16(n), v) }
     }
 }
 
@@ -320,6 +498,59 @@ pub(crate) mod tests {
         fn halves8(self, v: [__m256; 2]) -> __m256 {
             // SAFETY: AVX (token).
             unsafe { _mm256_add_ps(v[0], v[1]) }
+        }
+        #[inline(always)]
+        fn add(self, a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            [self.0.add(a[0], b[0]), self.0.add(a[1], b[1])]
+        }
+        #[inline(always)]
+        fn sub(self, a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            [self.0.sub(a[0], b[0]), self.0.sub(a[1], b[1])]
+        }
+        #[inline(always)]
+        fn mul(self, a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            [self.0.mul(a[0], b[0]), self.0.mul(a[1], b[1])]
+        }
+        #[inline(always)]
+        fn div(self, a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            [self.0.div(a[0], b[0]), self.0.div(a[1], b[1])]
+        }
+        #[inline(always)]
+        fn min(self, a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            [self.0.min(a[0], b[0]), self.0.min(a[1], b[1])]
+        }
+        #[inline(always)]
+        fn max(self, a: [__m256; 2], b: [__m256; 2]) -> [__m256; 2] {
+            [self.0.max(a[0], b[0]), self.0.max(a[1], b[1])]
+        }
+        #[inline(always)]
+        fn select_gt(
+            self,
+            a: [__m256; 2],
+            b: [__m256; 2],
+            t: [__m256; 2],
+            f: [__m256; 2],
+        ) -> [__m256; 2] {
+            [
+                self.0.select_gt(a[0], b[0], t[0], f[0]),
+                self.0.select_gt(a[1], b[1], t[1], f[1]),
+            ]
+        }
+        #[inline(always)]
+        fn ldexp(self, y: [__m256; 2], n: [__m256; 2]) -> [__m256; 2] {
+            [self.0.ldexp(y[0], n[0]), self.0.ldexp(y[1], n[1])]
+        }
+        #[inline(always)]
+        fn keep_first(self, v: [__m256; 2], n: usize, fill: f32) -> [__m256; 2] {
+            [
+                self.0.keep_first(v[0], n, fill),
+                self.0.keep_first(v[1], n.saturating_sub(8), fill),
+            ]
+        }
+        #[inline(always)]
+        fn reduce_max(self, v: [__m256; 2]) -> f32 {
+            // SAFETY: AVX (token).
+            unsafe { hmax8(_mm256_max_ps(v[0], v[1])) }
         }
         #[inline(always)]
         unsafe fn loadu(self, p: *const f32) -> [__m256; 2] {

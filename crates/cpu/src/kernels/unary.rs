@@ -10,6 +10,8 @@
 //! AVX2+FMA, and chosen at run time.
 
 use super::math;
+#[cfg(target_arch = "x86_64")]
+use super::simd::Simd;
 use super::view::RawTensor;
 use super::view::RowIo;
 use super::{par_ranges, row_grain, simd_fn};
@@ -45,18 +47,8 @@ pub fn erf_f32(x_in: f32) -> f32 {
     // `f32::clamp` keeps NaN, and compiles to min/max.
     let x = x_in.clamp(-4.0, 4.0);
     let x2 = x * x;
-    let mut p = -2.726_142_3e-10f32;
-    p = p * x2 + 2.770_681_4e-8;
-    p = p * x2 - 2.101_024e-6;
-    p = p * x2 - 5.692_506_4e-5;
-    p = p * x2 - 7.349_906_3e-4;
-    p = p * x2 - 2.954_600_1e-3;
-    p = p * x2 - 1.609_603_3e-2;
-    let mut q = -1.456_607_2e-5f32;
-    q = q * x2 - 2.133_740_6e-4;
-    q = q * x2 - 1.682_827e-3;
-    q = q * x2 - 7.373_329_3e-3;
-    q = q * x2 - 1.426_473_9e-2;
+    let p = ERF_P[1..].iter().fold(ERF_P[0], |p, &c| p * x2 + c);
+    let q = ERF_Q[1..].iter().fold(ERF_Q[0], |q, &c| q * x2 + c);
     let r = x * p / q;
     // A select, not a branch, so the loop still vectorises.
     if x.abs() > 3.7 {
@@ -66,77 +58,102 @@ pub fn erf_f32(x_in: f32) -> f32 {
     }
 }
 
-/// GELU_ERF over a row in AVX-512F: [`erf_f32`]'s rational function with fused multiply-adds
-/// and `0.5·x + 0.5·x·erf` as one more, 16 lanes at a time (the auto-vectorised scalar form
-/// runs 8 lanes without fusing). Agrees with [`gelu_erf`] to a few ulp; error against the
-/// exact GELU below `3e-7·|x|` plus 2 ulp of the result (test).
-///
-/// # Safety
-/// The CPU must support AVX-512F.
+/// [`erf_f32`]'s numerator polynomial in x², highest degree first.
+const ERF_P: [f32; 7] = [
+    -2.726_142_3e-10,
+    2.770_681_4e-8,
+    -2.101_024e-6,
+    -5.692_506_4e-5,
+    -7.349_906_3e-4,
+    -2.954_600_1e-3,
+    -1.609_603_3e-2,
+];
+/// [`erf_f32`]'s denominator polynomial in x², highest degree first.
+const ERF_Q: [f32; 5] = [
+    -1.456_607_2e-5,
+    -2.133_740_6e-4,
+    -1.682_827e-3,
+    -7.373_329_3e-3,
+    -1.426_473_9e-2,
+];
+
+/// GELU_ERF over a row in explicit SIMD: [`erf_f32`]'s rational function with fused
+/// multiply-adds and `0.5·x + 0.5·x·erf` as one more (the auto-vectorised scalar form cannot
+/// fuse). Lane-wise, so every ISA gives the same bits; agrees with [`gelu_erf`] to a few ulp;
+/// error against the exact GELU below `3e-7·|x|` plus 2 ulp of the result (test).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn gelu_erf_row_avx512(row: &mut [f32]) {
-    use std::arch::x86_64::*;
-    let p_coef = [
-        -2.726_142_3e-10f32,
-        2.770_681_4e-8,
-        -2.101_024e-6,
-        -5.692_506_4e-5,
-        -7.349_906_3e-4,
-        -2.954_600_1e-3,
-        -1.609_603_3e-2,
-    ];
-    let q_coef = [
-        -1.456_607_2e-5f32,
-        -2.133_740_6e-4,
-        -1.682_827e-3,
-        -7.373_329_3e-3,
-        -1.426_473_9e-2,
-    ];
+#[inline(always)]
+fn gelu_erf_row<S: Simd>(s: S, row: &mut [f32]) {
     let n = row.len();
     let mut i = 0;
     while i < n {
         let left = n - i;
-        let m = super::math::lanes16(left);
-        // SAFETY: unmasked lanes are elements i..min(i + 16, n) of the row.
+        // SAFETY: the partial forms touch elements i..min(i + LANES, n) of the row only.
         unsafe {
             let ptr = row.as_mut_ptr().add(i);
-            let v = _mm512_maskz_loadu_ps(m, ptr);
-            let z = _mm512_mul_ps(v, _mm512_set1_ps(std::f32::consts::FRAC_1_SQRT_2));
-            // max/min return their second operand when one is NaN: NaN lanes pass through.
-            let zc = _mm512_min_ps(_mm512_set1_ps(4.0), _mm512_max_ps(_mm512_set1_ps(-4.0), z));
-            let z2 = _mm512_mul_ps(zc, zc);
-            let mut p = _mm512_set1_ps(p_coef[0]);
-            for &c in &p_coef[1..] {
-                p = _mm512_fmadd_ps(p, z2, _mm512_set1_ps(c));
+            let v = s.load_partial(ptr, left);
+            let z = s.mul(v, s.splat(std::f32::consts::FRAC_1_SQRT_2));
+            // `min`/`max` return their second operand when one is NaN: NaN lanes pass through.
+            let zc = s.min(s.splat(4.0), s.max(s.splat(-4.0), z));
+            let z2 = s.mul(zc, zc);
+            let mut p = s.splat(ERF_P[0]);
+            for &c in &ERF_P[1..] {
+                p = s.fma(p, z2, s.splat(c));
             }
-            let mut q = _mm512_set1_ps(q_coef[0]);
-            for &c in &q_coef[1..] {
-                q = _mm512_fmadd_ps(q, z2, _mm512_set1_ps(c));
+            let mut q = s.splat(ERF_Q[0]);
+            for &c in &ERF_Q[1..] {
+                q = s.fma(q, z2, s.splat(c));
             }
-            let r = _mm512_div_ps(_mm512_mul_ps(zc, p), q);
+            let r = s.div(s.mul(zc, p), q);
             // ±1 beyond |z| > 3.7, with z's sign.
-            let sign = _mm512_and_epi32(_mm512_castps_si512(zc), _mm512_set1_epi32(i32::MIN));
-            let one = _mm512_castsi512_ps(_mm512_or_epi32(
-                sign,
-                _mm512_castps_si512(_mm512_set1_ps(1.0)),
-            ));
-            let big = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(zc), _mm512_set1_ps(3.7));
-            let erf = _mm512_mask_blend_ps(big, r, one);
-            let half = _mm512_mul_ps(v, _mm512_set1_ps(0.5));
-            _mm512_mask_storeu_ps(ptr, m, _mm512_fmadd_ps(half, erf, half));
+            let erf = s.select_gt(zc, s.splat(3.7), s.splat(1.0), r);
+            let erf = s.select_gt(s.splat(-3.7), zc, s.splat(-1.0), erf);
+            let half = s.mul(v, s.splat(0.5));
+            s.store_partial(ptr, s.fma(half, erf, half), left);
         }
-        i += 16;
+        i += S::LANES;
+    }
+}
+
+/// Each ISA's compiled copy of [`gelu_erf_row`].
+#[cfg(target_arch = "x86_64")]
+mod simd_entry {
+    use super::super::simd::{Avx2, Avx512};
+
+    /// [`super::gelu_erf_row`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// None beyond the token, which proves the features (`target_feature` makes it unsafe).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn gelu_erf_row_avx2(t: Avx2, row: &mut [f32]) {
+        super::gelu_erf_row(t, row)
+    }
+
+    /// [`super::gelu_erf_row`] with AVX-512F.
+    ///
+    /// # Safety
+    /// As [`gelu_erf_row_avx2`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn gelu_erf_row_avx512(t: Avx512, row: &mut [f32]) {
+        super::gelu_erf_row(t, row)
     }
 }
 
 /// Applies an element-wise op to a row in place with the fastest kernels this CPU has.
 fn apply_row_fast(op: &Op, row: &mut [f32]) -> Result<()> {
     #[cfg(target_arch = "x86_64")]
-    if matches!(op, Op::Unary(UnaryOp::GeluErf)) && super::attention::has_avx512f() {
-        // SAFETY: AVX-512F was detected at run time.
-        unsafe { gelu_erf_row_avx512(row) };
-        return Ok(());
+    if matches!(op, Op::Unary(UnaryOp::GeluErf)) {
+        use super::simd::{Avx2, Avx512};
+        if let Some(t) = Avx512::new() {
+            // SAFETY: the token proves the entry point's features.
+            unsafe { simd_entry::gelu_erf_row_avx512(t, row) };
+            return Ok(());
+        }
+        if let Some(t) = Avx2::new() {
+            // SAFETY: as above.
+            unsafe { simd_entry::gelu_erf_row_avx2(t, row) };
+            return Ok(());
+        }
     }
     apply_row(op, row)
 }
@@ -400,46 +417,60 @@ mod tests {
         }
     }
 
-    /// The AVX-512 GELU_ERF row against the exact GELU (f64 erf series): error below
-    /// `3e-7·|x|` plus 2 ulp of the result over a dense range and spread bit patterns; NaN
-    /// and ±∞ as the scalar form; row lengths that leave partial vectors.
+    /// The SIMD GELU_ERF row (AVX2, the 16-lane stand-in, AVX-512 when present) against the
+    /// exact GELU (f64 erf series): error below `3e-7·|x|` plus 2 ulp of the result over a
+    /// dense range and spread bit patterns; NaN and ±∞ as the scalar form; row lengths that
+    /// leave partial vectors; the same bits from every ISA.
     #[test]
-    fn gelu_erf_avx512_row_is_accurate() {
-        #[cfg(target_arch = "x86_64")]
-        if super::super::attention::has_avx512f() {
-            let mut xs: Vec<f32> = (0..20_000)
-                .map(|i| (i as f32 - 10_000.0) / 1000.0)
-                .collect();
-            let mut bits = 0u32;
-            while bits < f32::INFINITY.to_bits() {
-                xs.push(f32::from_bits(bits));
-                xs.push(-f32::from_bits(bits));
-                bits += 40_009;
+    #[cfg(target_arch = "x86_64")]
+    fn gelu_erf_simd_row_is_accurate_and_the_same_on_every_isa() {
+        use super::super::simd::{tests::Emu16, Avx2, Avx512};
+        let Some(avx2) = Avx2::new() else { return };
+        let mut xs: Vec<f32> = (0..20_000)
+            .map(|i| (i as f32 - 10_000.0) / 1000.0)
+            .collect();
+        let mut bits = 0u32;
+        while bits < f32::INFINITY.to_bits() {
+            xs.push(f32::from_bits(bits));
+            xs.push(-f32::from_bits(bits));
+            bits += 40_009;
+        }
+        xs.extend([f32::INFINITY, f32::NAN, 0.0, -0.0, 1e-30, -1e30]);
+        let bit_pattern = |v: &[f32]| -> Vec<u32> {
+            v.iter()
+                .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+                .collect()
+        };
+        for len in [xs.len(), 17, 3] {
+            let x = &xs[..len];
+            let mut got = x.to_vec();
+            gelu_erf_row(avx2, &mut got);
+            let mut wide = x.to_vec();
+            gelu_erf_row(Emu16::new().unwrap(), &mut wide);
+            assert_eq!(bit_pattern(&got), bit_pattern(&wide), "len {len}");
+            if let Some(t) = Avx512::new() {
+                let mut native = x.to_vec();
+                // SAFETY: the token proves AVX-512F.
+                unsafe { simd_entry::gelu_erf_row_avx512(t, &mut native) };
+                assert_eq!(bit_pattern(&got), bit_pattern(&native), "len {len}");
             }
-            xs.extend([f32::INFINITY, f32::NAN, 0.0, -0.0, 1e-30, -1e30]);
-            for len in [xs.len(), 17, 3] {
-                let x = &xs[..len];
-                let mut got = x.to_vec();
-                // SAFETY: AVX-512F detected above.
-                unsafe { gelu_erf_row_avx512(&mut got) };
-                for (&x, &g) in x.iter().zip(&got) {
-                    let scalar = gelu_erf(x);
-                    if scalar.is_nan() {
-                        assert!(g.is_nan(), "gelu({x}) = {g}, scalar NaN");
-                        continue;
-                    }
-                    if x.is_infinite() {
-                        assert_eq!(g, scalar, "gelu({x})");
-                        continue;
-                    }
-                    let xd = x as f64;
-                    let want = 0.5 * xd * (1.0 + erf_f64(xd * std::f64::consts::FRAC_1_SQRT_2));
-                    let tol = 3e-7 * xd.abs() + 2.0 * f32::EPSILON as f64 * want.abs() + 1e-38;
-                    assert!(
-                        (g as f64 - want).abs() <= tol,
-                        "gelu({x}) = {g}, exact {want}"
-                    );
+            for (&x, &g) in x.iter().zip(&got) {
+                let scalar = gelu_erf(x);
+                if scalar.is_nan() {
+                    assert!(g.is_nan(), "gelu({x}) = {g}, scalar NaN");
+                    continue;
                 }
+                if x.is_infinite() {
+                    assert_eq!(g, scalar, "gelu({x})");
+                    continue;
+                }
+                let xd = x as f64;
+                let want = 0.5 * xd * (1.0 + erf_f64(xd * std::f64::consts::FRAC_1_SQRT_2));
+                let tol = 3e-7 * xd.abs() + 2.0 * f32::EPSILON as f64 * want.abs() + 1e-38;
+                assert!(
+                    (g as f64 - want).abs() <= tol,
+                    "gelu({x}) = {g}, exact {want}"
+                );
             }
         }
     }
