@@ -52,37 +52,46 @@ def worker_ferrograph(model: str | None, threads: int) -> dict[str, float]:
 
 
 def _decode_breakdown(llm: Any, position: int, steps: int = 32) -> dict[str, float]:
-    """Where a decoding step's time goes: the share spent outside the scheduler's compute
-    (graph inputs, logits read back, Python), the share of the compute outside the nodes
-    (one profiled step), and the weight bytes one step reads (every matrix once; the token
-    embedding's one row unless it is also the output)."""
-    import numpy as np
+    """Where a decoding step's time goes: the share of ``LLM._eval`` spent outside the
+    scheduler's compute (graph lookup, inputs, logits read back, Python), the share of the
+    compute outside the nodes (one profiled step), and the weight bytes one step reads (every
+    matrix once; the token embedding's one row unless it is also the output)."""
 
+    class TimedScheduler:
+        """Forwards to the model's scheduler, adding up the time its computes take."""
+
+        def __init__(self, inner: Any) -> None:
+            self.inner = inner
+            self.seconds = 0.0
+
+        def graph_compute(self, graph: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return self.inner.graph_compute(graph, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - t0
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self.inner, name)
+
+    timed = TimedScheduler(llm.scheduler)
+    llm.scheduler = timed
+    total = 0.0
+    try:
+        for i in range(steps):
+            t0 = time.perf_counter()
+            llm._eval([300 + i], position + i, False)
+            total += time.perf_counter() - t0
+    finally:
+        llm.scheduler = timed.inner
     step = llm._graph(1, llm._window(position + steps), 1)
-    outside = inside = 0.0
-    for i in range(steps):
-        t0 = time.perf_counter()
-        llm.scheduler.alloc_graph(step.graph)
-        pos = np.array([position + i], dtype=np.int32)
-        step.tokens.set(np.array([300 + i], dtype=np.int32))
-        step.positions.set(pos)
-        step.slots.set(pos.astype(np.int64))
-        cols = np.arange(step.window)
-        step.mask.set(np.where(cols <= pos[0], 0.0, -np.inf).astype(np.float32)[None])
-        t1 = time.perf_counter()
-        llm.scheduler.graph_compute(step.graph)
-        t2 = time.perf_counter()
-        np.array(step.logits.numpy(), copy=True)
-        t3 = time.perf_counter()
-        outside += (t1 - t0) + (t3 - t2)
-        inside += t2 - t1
     profile = llm.scheduler.graph_compute(step.graph, profile=True)
     tied = "output.weight" not in llm.weights
     weight_bytes = sum(
         t.nbytes for name, t in llm.weights.items() if name != "token_embd.weight" or tied
     )
     return {
-        "outside_share": outside / (outside + inside),
+        "outside_share": (total - timed.seconds) / total,
         "between_nodes_share": 1.0 - profile.node_seconds / profile.total_seconds,
         "weight_bytes": float(weight_bytes),
     }

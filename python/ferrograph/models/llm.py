@@ -327,6 +327,12 @@ class LLM:
         self.scheduler = fg.Scheduler([*self.backends[1:], self.backend])
         self._graphs: OrderedDict[tuple[int, int, int], _StepGraph] = OrderedDict()
         self._reserved: tuple[int, int, int] = (0, 0, 0)
+        # The step graph the scheduler holds allocated: computing it again needs no new
+        # allocation (decoding's common case), only new inputs.
+        self._allocated: _StepGraph | None = None
+        # Row ``W - 1 - p .. 2W - 1 - p`` of this ramp is a one-token step's mask at position
+        # ``p`` over a window of ``W``: a view, nothing computed per token.
+        self._mask_ramps: dict[int, npt.NDArray[np.float32]] = {}
         self._cached_tokens: list[int] = []
         self._lock = threading.RLock()
         self.last_profile: fg.Profile | None = None
@@ -498,6 +504,7 @@ class LLM:
         )
         rt, rw, ro = self._reserved
         if n_tokens > rt or window > rw or n_out > ro:
+            self._allocated = None
             self.scheduler.reserve(g.graph)
             self._reserved = (max(rt, n_tokens), max(rw, window), max(ro, n_out))
         self._graphs[key] = g
@@ -521,19 +528,51 @@ class LLM:
         window = self._window(end)
         n_out = n if all_logits else 1
         g = self._graph(n, window, n_out)
+        # Decoding runs this once per token, right after a compute has pushed every weight
+        # through the caches: each Python and numpy step here costs several times its warm
+        # time, so the one-token path keeps them few.
         pos = np.arange(start, end, dtype=np.int32)
-        cols = np.arange(window, dtype=np.int32)
-        mask = np.where(cols[None, :] <= pos[:, None], np.float32(0), np.float32(-np.inf))
-        self.scheduler.alloc_graph(g.graph)
-        g.tokens.set(np.asarray(tokens, dtype=np.int32))
-        g.positions.set(pos)
-        g.slots.set(pos.astype(np.int64))
-        g.mask.set(mask.astype(np.float32))
-        if n_out != n:  # else the graph keeps every row and has no selection
-            g.out_ids.set(np.arange(n - n_out, n, dtype=np.int32))
-        self.scheduler.graph_compute(g.graph)
-        out: npt.NDArray[np.float32] = np.array(g.logits.numpy(), dtype=np.float32, copy=True)
-        return out
+        if n == 1:
+            ramp = self._mask_ramps.get(window)
+            if ramp is None:
+                ramp = np.zeros(2 * window, dtype=np.float32)
+                ramp[window:] = -np.inf
+                self._mask_ramps[window] = ramp
+            mask = ramp[None, window - 1 - start : 2 * window - 1 - start]
+        else:
+            cols = np.arange(window, dtype=np.int32)
+            mask = np.where(cols[None, :] <= pos[:, None], np.float32(0), np.float32(-np.inf))
+        self._compute(g, np.asarray(tokens, dtype=np.int32), pos, pos.astype(np.int64), mask)
+        return np.asarray(g.logits.numpy(), dtype=np.float32)
+
+    def _compute(
+        self,
+        g: _StepGraph,
+        tokens: npt.NDArray[np.int32],
+        positions: npt.NDArray[np.int32],
+        slots: npt.NDArray[np.int64],
+        mask: npt.NDArray[np.float32],
+        profile: bool = False,
+    ) -> fg.Profile | None:
+        """Sets a step's inputs and computes it, allocating it unless it is the graph the
+        scheduler already holds."""
+        if self._allocated is not g:
+            self._allocated = None
+            self.scheduler.alloc_graph(g.graph)
+            self._allocated = g
+        try:
+            g.tokens.set(tokens)
+            g.positions.set(positions)
+            g.slots.set(slots)
+            g.mask.set(mask)
+            if g.n_out != g.n_tokens:  # else the graph keeps every row and has no selection
+                n = g.n_tokens
+                g.out_ids.set(np.arange(n - g.n_out, n, dtype=np.int32))
+            return self.scheduler.graph_compute(g.graph, profile=profile)
+        except BaseException:
+            # whatever failed, the next step allocates again
+            self._allocated = None
+            raise
 
     def _prefill(self, tokens: list[int], all_logits: bool) -> npt.NDArray[np.float32]:
         """Brings the cache to ``tokens`` (reusing the common prefix) and returns the logits of
@@ -706,17 +745,17 @@ class LLM:
         with self._lock:
             self._cached_tokens = []
             g = self._graph(n, window, n_out)
-            self.scheduler.alloc_graph(g.graph)
-            g.tokens.set(np.asarray(ids, dtype=np.int32))
-            g.positions.set(np.asarray(positions, dtype=np.int32))
-            g.slots.set(slot_arr)
-            g.mask.set(mask)
-            if n_out != n:
-                g.out_ids.set(np.arange(n - n_out, n, dtype=np.int32))
-            timings = self.scheduler.graph_compute(g.graph, profile=profile)
+            timings = self._compute(
+                g,
+                np.asarray(ids, dtype=np.int32),
+                np.asarray(positions, dtype=np.int32),
+                slot_arr,
+                mask,
+                profile=profile,
+            )
             if profile:
                 self.last_profile = timings
-            out: npt.NDArray[np.float32] = np.array(g.logits.numpy(), dtype=np.float32, copy=True)
+            out: npt.NDArray[np.float32] = np.asarray(g.logits.numpy(), dtype=np.float32)
         return out
 
     def apply_chat_template(
