@@ -1,18 +1,19 @@
 """CPU kernels side by side with their peers, measured in one run (issue: CPU kernels).
 
-Run with ``python benches/compare_kernels.py`` after ``bash scripts/dev.sh test`` (which builds the
-release module into ./.venv). Every workload is one ferrograph graph computed on the CPU
+Run with ``python benches/compare_kernels.py`` after ``bash scripts/dev.sh test`` (which builds
+the release module into ./.venv). Every workload is one ferrograph graph computed on the CPU
 backend with ``--threads`` threads, timed as the best of ``--repeat`` rounds, beside numpy (its
 BLAS limited to the same thread count through threadpoolctl when installed) and PyTorch CPU
 when installed. Prints GFLOPS or GB/s and the ratio ferrograph / peer (above 1: ferrograph is
-faster), plus the fraction of this machine's peaks given by ``--peak-gflops`` (default: the
-f32 FMA peak of ``--threads`` cores of the reference machine, 195 GFLOPS each) and
-``--bandwidth``. Matrix products are timed in interleaved rounds (ferrograph, numpy, torch,
-ferrograph, ...), best of ``--repeat``, so load on a shared machine hits every peer alike.
-``--quick`` shrinks the big workloads for a smoke run; ``--only-matmul`` runs the matrix
-products alone. numpy's OpenBLAS picks its kernel when it loads: for its best one, run
-with ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` unset (``env -u OPENBLAS_CORETYPE -u
-OPENBLAS_L2_SIZE python benches/compare_kernels.py``); the kernel that ran is printed first.
+faster), plus the fraction of this machine's peaks: ``--peak-gflops`` (default: measured here,
+``fg.cpu.fma_peak_gflops(--threads)``: every thread running fused multiply-add chains on the
+widest vector ISA the kernels use) and ``--bandwidth``. Matrix products are timed in
+interleaved rounds (ferrograph, numpy, torch, ferrograph, ...), best of ``--repeat``, so load
+on a shared machine hits every peer alike. ``--quick`` shrinks the big workloads for a smoke
+run; ``--only-matmul`` runs the matrix products alone. numpy's OpenBLAS picks its kernel when
+it loads: for its best one, run with ``OPENBLAS_CORETYPE`` and ``OPENBLAS_L2_SIZE`` unset
+(``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benches/compare_kernels.py``); the
+kernel that ran is printed first.
 
 The peers' worker threads are told not to spin once a call returns (``OMP_WAIT_POLICY``
 for PyTorch's OpenMP, ``OPENBLAS_THREAD_TIMEOUT`` for numpy's OpenBLAS; both only when not
@@ -75,11 +76,6 @@ def interleaved_best_seconds(fns: dict[str, Callable[[], object]], repeat: int) 
                 fn()
             best[name] = min(best[name], (time.perf_counter() - t0) / calls[name])
     return best
-
-
-# f32 peak of one core of the reference machine (AVX-512, 2 FMA ports): 2 x 16 lanes x 2 flops
-# per cycle x ~3 GHz. One thread per core, so the peak of a run is this times --threads.
-PEAK_GFLOPS_PER_THREAD = 195.0
 
 
 class Table:
@@ -296,9 +292,8 @@ def main() -> None:
         "--peak-gflops",
         type=float,
         default=None,
-        help=f"f32 FMA peak of the threads used (default: --threads x {PEAK_GFLOPS_PER_THREAD:g} "
-        "GFLOPS, one core of the reference machine: 2 FMA ports x 16 lanes x 2 flops x ~3 GHz; "
-        "give the figure of yours)",
+        help="f32 FMA peak of the threads used (default: measured on this machine with "
+        "fg.cpu.fma_peak_gflops)",
     )
     parser.add_argument("--bandwidth", type=float, default=27.0, help="memory GB/s")
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
@@ -306,8 +301,11 @@ def main() -> None:
         "--only-matmul", action="store_true", help="the matrix products alone (f32 and typed)"
     )
     args = parser.parse_args()
+    peak_source = "given"
     if args.peak_gflops is None:
-        args.peak_gflops = PEAK_GFLOPS_PER_THREAD * args.threads
+        # best of a few measurements: a noisy neighbour can only make one lower
+        args.peak_gflops = max(fg.cpu.fma_peak_gflops(args.threads) for _ in range(3))
+        peak_source = "measured"
 
     if torch is not None:
         torch.set_num_threads(args.threads)
@@ -321,6 +319,7 @@ def main() -> None:
         f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '-')}"
     )
     print(f"numpy BLAS: {blas_description()}")
+    print(f"f32 FMA peak of {args.threads} threads: {args.peak_gflops:.1f} GFLOPS ({peak_source})")
     table = Table(args.peak_gflops, args.bandwidth)
     big_k, big_m = (1024, 2048) if args.quick else (4096, 14336)
     square = 1024 if args.quick else 4096

@@ -11,7 +11,14 @@ import numpy.typing as npt
 from . import _core
 from .dtypes import DType
 
-__all__ = ["TypeTraits", "features", "simd_path", "system_info", "type_traits"]
+__all__ = [
+    "TypeTraits",
+    "features",
+    "fma_peak_gflops",
+    "simd_path",
+    "system_info",
+    "type_traits",
+]
 
 
 @dataclass(frozen=True)
@@ -58,3 +65,15 @@ def system_info() -> str:
 def simd_path() -> str:
     """The conversion path chosen at run time on this machine."""
     return _core.simd_path()
+
+
+def fma_peak_gflops(n_threads: int | None = None, seconds: float = 0.2) -> float:
+    """This machine's f32 multiply-add peak in GFLOPS, measured: ``n_threads`` threads
+    (default: the cores available to the process) each run independent fused multiply-add chains
+    on the widest vector ISA the kernels use (AVX-512, else AVX2) for about ``seconds``, best of
+    three runs. The figure GEMM efficiency is quoted against (``benches/compare_kernels.py``).
+
+    Raises ``fg.InvalidArgumentError`` for a thread count outside ``1..512`` or a negative
+    ``seconds``, and ``fg.UnsupportedOpError`` on a CPU without AVX2 and FMA.
+    """
+    return float(_core.cpu_fma_peak_gflops(n_threads, seconds))

@@ -117,6 +117,22 @@ def test_version_and_cpu() -> None:
     assert isinstance(fg.simd_path(), str) and fg.cpu.simd_path() == fg.simd_path()
 
 
+def test_fma_peak_is_measured_and_checks_its_arguments() -> None:
+    if not fg.cpu.features().get("avx2"):
+        with pytest.raises(fg.UnsupportedOpError):
+            fg.cpu.fma_peak_gflops(1, seconds=0.001)
+        return
+    for n in (1, 2, 3, None):
+        peak = fg.cpu.fma_peak_gflops(n, seconds=0.001)
+        assert isinstance(peak, float) and 0 < peak < float("inf")
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.cpu.fma_peak_gflops(0)
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.cpu.fma_peak_gflops(1, seconds=-1.0)
+    with pytest.raises(fg.InvalidArgumentError):
+        fg.cpu.fma_peak_gflops(1, seconds=float("nan"))
+
+
 def test_all_is_complete() -> None:
     for name in fg.__all__:
         assert hasattr(fg, name), name

@@ -21,6 +21,7 @@ pub mod sysinfo;
 pub mod type_traits;
 
 pub use compute::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
+pub use kernels::peak::fma_peak_gflops;
 pub use kernels::view::RowIo;
 
 /// Prepares the CPU backend (ggml's `cpu_init`): probes the CPU features and chooses the

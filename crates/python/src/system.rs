@@ -92,6 +92,16 @@ fn cpu_vec_dot(dtype: DTypeArg, n: usize, x: &[u8], y: &[u8]) -> PyResult<f32> {
     Ok(vec_dot(n, x, y)?)
 }
 
+/// The measured f32 multiply-add peak of `n_threads` threads (default: the CPU backend's
+/// default count), GFLOPS (see `ferrograph.cpu.fma_peak_gflops`). Runs without the
+/// interpreter.
+#[pyfunction]
+#[pyo3(signature = (n_threads = None, seconds = 0.2))]
+fn cpu_fma_peak_gflops(py: Python<'_>, n_threads: Option<usize>, seconds: f64) -> PyResult<f64> {
+    let n = n_threads.unwrap_or_else(ferrograph::pool::default_n_threads);
+    Ok(py.detach(|| ferrograph::cpu::fma_peak_gflops(n, seconds))?)
+}
+
 /// The numeric CPU facts, `{"sve_cnt": bytes, "rvv_vlen": bytes}`: the SVE vector length on
 /// AArch64 Linux and the RISC-V vector register length where the build targets the V extension;
 /// 0 where the machine has no such vectors.
@@ -295,6 +305,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_type_traits, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_from_float, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_vec_dot, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_fma_peak_gflops, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_feature_counts, m)?)?;
     m.add_function(wrap_pyfunction!(numa_init, m)?)?;
     m.add_function(wrap_pyfunction!(is_numa, m)?)?;

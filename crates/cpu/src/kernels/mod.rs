@@ -20,6 +20,7 @@ pub mod interleaved;
 pub mod math;
 pub mod matmul;
 pub mod norm;
+pub mod peak;
 pub mod quant_dot;
 pub mod reduce;
 pub mod rope;

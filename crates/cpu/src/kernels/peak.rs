@@ -1,0 +1,163 @@
+//! The machine's measured f32 multiply-add peak: what the GEMM kernels are judged against.
+//!
+//! Each of `n` threads runs independent chains of fused multiply-adds on the widest vector
+//! ISA the kernels use (AVX-512 where present, else AVX2) from registers only, all threads
+//! started together; the peak is their floating-point operations over the slowest thread's
+//! wall time. Enough chains (12) are in flight to cover the multiply-add latency on every
+//! x86 core this project runs on (4 cycles, two pipes: 8 needed).
+
+use crate::error::{Error, Result};
+use std::time::{Duration, Instant};
+
+/// Independent accumulation chains per thread.
+const CHAINS: usize = 12;
+
+/// The f32 GFLOPS of `n_threads` threads running fused multiply-adds together for about
+/// `min_seconds` (at least 1 ms), best of three such runs. Errors for a thread count outside
+/// `1..=MAX_THREADS` and on CPUs without AVX2 and FMA (no vector multiply-add to measure).
+pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
+    crate::pool::check_n_threads(n_threads)?;
+    if !min_seconds.is_finite() || min_seconds < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "fma_peak_gflops: seconds must be a finite non-negative number, got {min_seconds}"
+        )));
+    }
+    let lanes = lanes().ok_or_else(|| {
+        Error::unsupported("fma_peak_gflops needs AVX2 and FMA (or AVX-512)".to_string())
+    })?;
+    let target = Duration::from_secs_f64(min_seconds.clamp(1e-3, 60.0));
+    // Calibrate on one thread: iterations that take about a tenth of the target, then scale.
+    let mut iters = 1u64 << 12;
+    loop {
+        let t = Instant::now();
+        std::hint::black_box(run_chains(iters));
+        let took = t.elapsed();
+        if took >= target / 10 || iters >= 1 << 40 {
+            let scale = target.as_secs_f64() / took.as_secs_f64().max(1e-9);
+            iters = ((iters as f64 * scale) as u64).clamp(1, 1 << 42);
+            break;
+        }
+        iters *= 4;
+    }
+    let flops = (n_threads as u64 * iters * (CHAINS * lanes * 2) as u64) as f64;
+    let mut best = f64::INFINITY;
+    for _ in 0..3 {
+        let start = std::sync::Barrier::new(n_threads);
+        let slowest = std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..n_threads)
+                .map(|_| {
+                    scope.spawn(|| {
+                        start.wait();
+                        let t = Instant::now();
+                        std::hint::black_box(run_chains(iters));
+                        t.elapsed()
+                    })
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| h.join().unwrap_or(Duration::MAX))
+                .max()
+                .unwrap_or(Duration::MAX)
+        });
+        best = best.min(slowest.as_secs_f64());
+    }
+    Ok(flops / best / 1e9)
+}
+
+/// The f32 lanes of the ISA [`run_chains`] uses, if any.
+fn lanes() -> Option<usize> {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::simd::{Avx2, Avx512, Simd};
+        if Avx512::new().is_some() {
+            return Some(Avx512::LANES);
+        }
+        if Avx2::new().is_some() {
+            return Some(Avx2::LANES);
+        }
+    }
+    None
+}
+
+/// `iters` rounds of [`CHAINS`] multiply-adds on the ISA [`lanes`] names; returns a value that
+/// depends on every chain.
+fn run_chains(iters: u64) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use super::simd::{Avx2, Avx512};
+        if let Some(t) = Avx512::new() {
+            // SAFETY: the token proves AVX-512F.
+            return unsafe { entry::chains_avx512(t, iters) };
+        }
+        if let Some(t) = Avx2::new() {
+            // SAFETY: the token proves AVX2 and FMA.
+            return unsafe { entry::chains_avx2(t, iters) };
+        }
+    }
+    let _ = iters;
+    0.0
+}
+
+/// The chains, written once for every [`super::simd::Simd`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn chains<S: super::simd::Simd>(s: S, iters: u64) -> f32 {
+    // x ← x·a + b converges to b / (1 − a) without overflow or subnormals.
+    let (a, b) = (s.splat(0.999_9), s.splat(1e-4));
+    let mut acc: [S::V; CHAINS] = std::array::from_fn(|i| s.splat(i as f32));
+    for _ in 0..iters {
+        for v in acc.iter_mut() {
+            *v = s.fma(*v, a, b);
+        }
+    }
+    let total = acc.iter().fold(s.zero(), |t, &v| s.add(t, v));
+    super::simd::reduce_add(s, total)
+}
+
+/// Each ISA's compiled copy of [`chains`].
+#[cfg(target_arch = "x86_64")]
+mod entry {
+    use super::super::simd::{Avx2, Avx512};
+
+    /// [`super::chains`] with AVX2 and FMA.
+    ///
+    /// # Safety
+    /// None beyond the token, which proves the features (`target_feature` makes it unsafe).
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn chains_avx2(t: Avx2, iters: u64) -> f32 {
+        super::chains(t, iters)
+    }
+
+    /// [`super::chains`] with AVX-512F.
+    ///
+    /// # Safety
+    /// As [`chains_avx2`].
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn chains_avx512(t: Avx512, iters: u64) -> f32 {
+        super::chains(t, iters)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_peak_is_a_positive_figure_and_bad_arguments_are_errors() {
+        if lanes().is_none() {
+            assert!(fma_peak_gflops(1, 0.001).is_err());
+            return;
+        }
+        for n in [1, 2, 3] {
+            let g = fma_peak_gflops(n, 0.001).unwrap();
+            assert!(g.is_finite() && g > 0.0, "{n} threads: {g}");
+        }
+        assert!(fma_peak_gflops(0, 0.01).is_err());
+        assert!(fma_peak_gflops(1, f64::NAN).is_err());
+        assert!(fma_peak_gflops(1, -1.0).is_err());
+        // The chains converge to b / (1 − a) = 1 in every lane.
+        let v = run_chains(100_000) / (lanes().unwrap() * CHAINS) as f32;
+        assert!((v - 1.0).abs() < 1e-3, "{v}");
+    }
+}
