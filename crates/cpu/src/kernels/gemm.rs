@@ -52,6 +52,10 @@ const KC: usize = 768;
 
 /// Activation rows per block: a multiple of every ISA's `MR`.
 const MC: usize = 256;
+/// [`MC`] for products whose weights are converted (which take whole activation blocks per
+/// task): half, so the packed block (`MC × KC` floats, 384 KiB) still leaves room in L2 for
+/// the converted weight rows and each thread's scratch stays small.
+const MC_CONVERTED: usize = 128;
 
 /// The micro-kernel family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -380,8 +384,21 @@ pub unsafe fn run(
     // per thread; blocks of at most MC rows keep the packed block in L2. The split moves work
     // between threads only: each element's chain of multiply-adds stays the same.
     let want = 3 * threads;
-    let per_product = want.div_ceil(n_products);
-    let mc = n.div_ceil(per_product).next_multiple_of(mr).clamp(mr, MC);
+    // Weights that are converted (f16, bf16, quantized) are converted once per activation
+    // block: for those, split the weight rows instead, as long as the activations fit in
+    // few blocks (a q4_1 prompt of 128 tokens converted every weight four times, and spent a
+    // third of its products there).
+    let converts = !matches!(product(0).weights, WeightRows::F32 { .. });
+    let per_product = if converts {
+        1
+    } else {
+        want.div_ceil(n_products)
+    };
+    let mc_max = if converts { MC_CONVERTED } else { MC };
+    let mc = n
+        .div_ceil(per_product)
+        .next_multiple_of(mr)
+        .clamp(mr, mc_max);
     let j_blocks = n.div_ceil(mc);
     // Too few activation rows for the threads: split the weight rows as well.
     let outer = n_products * j_blocks;
