@@ -447,15 +447,6 @@ mod x86 {
     use half::f16;
     use std::arch::x86_64::*;
 
-    /// The largest of 8 lanes (no NaN among them).
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn hmax(v: __m256) -> f32 {
-        let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-        _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)))
-    }
-
     /// `round_to_i8(v)` per lane (C's `roundf`, then a saturating cast; NaN → 0) as integers,
     /// by the scalar form's steps: truncate, add or subtract one where the exact fraction
     /// reaches ±½, clamp. Inputs are first clamped to ±200 (NaN kept), which changes no result.
@@ -508,7 +499,8 @@ mod x86 {
             let amax = if !SUM && _mm256_movemask_ps(nan) != 0 {
                 f32::NAN
             } else {
-                hmax(m)
+                // SAFETY: AVX (this function's features).
+                unsafe { super::super::simd::hmax8(m) }
             };
             let d = amax / 127.0;
             let id = if d != 0.0 { 1.0 / d } else { 0.0 };

@@ -160,7 +160,7 @@ pub(crate) fn reduce_add<S: Simd>(s: S, v: S::V) -> f32 {
 /// # Safety
 /// The CPU must have AVX.
 #[inline(always)]
-unsafe fn hmax8(v: __m256) -> f32 {
+pub(crate) unsafe fn hmax8(v: __m256) -> f32 {
     // SAFETY: AVX (caller).
     unsafe {
         let q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
