@@ -141,11 +141,12 @@ fn dot_q4_0(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
     Ok(quant_dot::dot_q4_0_q8_0(x, y))
 }
 
-/// f32 → a block type other than q8_0/q4_0 (ggml id `ID`), with its reference quantizer.
+/// f32 → a block type other than q8_0/q4_0 (ggml id `ID`), with the CPU's fastest codec for
+/// it (`quant_dot::quantize_row`: vectorised q8_1, else the reference quantizer).
 fn from_block<const ID: u32>(x: &[f32], out: &mut [u8]) -> Result<()> {
     let dtype = DType::from_ggml_type_id(ID)?;
     check("from_float", dtype, x.len(), out.len())?;
-    dtype.row_from_f32(x, out)
+    quant_dot::quantize_row(dtype, x, out)
 }
 
 /// A block type (ggml id `ID`) · its partner type, with the fastest kernel of this CPU.

@@ -1363,8 +1363,7 @@ mod f16c {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn load1(p: *const u16) -> f32 {
         // SAFETY: the caller guarantees the value; the read is unaligned.
-        let bits = unsafe { p.read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+        super::super::simd::f16_to_f32(unsafe { p.read_unaligned() })
     }
 
     /// `s[r][j] = q[r] · k[j]` for the query rows `q` (`d` apart, at most 8) and `kbn` f16

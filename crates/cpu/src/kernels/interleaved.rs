@@ -272,9 +272,6 @@ mod x86 {
     use super::{GROUP, LANES, SUPERBLOCK};
     use crate::quant::legacy::Q8_1_BYTES;
 
-    /// How far ahead of the superblock being computed the weights are prefetched, in bytes.
-    const PREFETCH_BYTES: usize = 1024;
-
     /// Whether this CPU runs [`dot_group`] (AVX2, FMA and F16C).
     pub fn available() -> bool {
         super::super::dot_legacy::dot_fn(
@@ -300,12 +297,8 @@ mod x86 {
             unsafe {
                 let sb = group.add(i * SUPERBLOCK);
                 let yb = y.add(i * Q8_1_BYTES);
-                // The superblocks PREFETCH_BYTES ahead (past the group: the next group's, which
-                // follows in memory): with the hardware prefetchers alone too few lines were
-                // in flight between the bursts of arithmetic. A hint: never faults.
-                for line in 0..SUPERBLOCK.div_ceil(64) {
-                    _mm_prefetch::<_MM_HINT_T0>(sb.wrapping_add(PREFETCH_BYTES + 64 * line).cast());
-                }
+                // The next superblocks (past the group: the next group's).
+                super::super::simd::prefetch_ahead(sb, SUPERBLOCK);
                 let ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128(yb.add(4).cast()));
                 let yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(yb.add(20).cast()));
                 // Rows p and p + 4: 8 i32 partial sums, the first four row p's. (A macro, not

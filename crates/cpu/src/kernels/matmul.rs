@@ -128,13 +128,7 @@ fn prepare<'s>(
         // q8_1 / q8_K activations, quantized by the partner type's reference rules.
         let row_bytes = partner.row_size(k)?;
         encode_rows(&b, scratch, row_bytes, |x, out| {
-            if partner == DType::Q8_1 {
-                // The reference codec's bytes, vectorised: this runs on every mat-vec call.
-                super::quant_dot::quantize_row_q8_1(x, out);
-                Ok(())
-            } else {
-                partner.row_from_f32(x, out)
-            }
+            super::quant_dot::quantize_row(partner, x, out)
         })?;
         return Ok(Prepared::Q8(scratch.as_slice(), row_bytes, b.ne));
     }

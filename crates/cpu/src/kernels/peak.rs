@@ -22,15 +22,16 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
             "fma_peak_gflops: seconds must be a finite non-negative number, got {min_seconds}"
         )));
     }
-    let lanes = lanes().ok_or_else(|| {
+    let chains = Chains::detect().ok_or_else(|| {
         Error::unsupported("fma_peak_gflops needs AVX2 and FMA (or AVX-512)".to_string())
     })?;
+    let lanes = chains.lanes();
     let target = Duration::from_secs_f64(min_seconds.clamp(1e-3, 60.0));
     // Calibrate on one thread: iterations that take about a tenth of the target, then scale.
     let mut iters = 1u64 << 12;
     loop {
         let t = Instant::now();
-        std::hint::black_box(run_chains(iters));
+        std::hint::black_box(chains.run(iters));
         let took = t.elapsed();
         if took >= target / 10 || iters >= 1 << 40 {
             let scale = target.as_secs_f64() / took.as_secs_f64().max(1e-9);
@@ -49,7 +50,7 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
                     scope.spawn(|| {
                         start.wait();
                         let t = Instant::now();
-                        std::hint::black_box(run_chains(iters));
+                        std::hint::black_box(chains.run(iters));
                         t.elapsed()
                     })
                 })
@@ -65,38 +66,56 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
     Ok(flops / best / 1e9)
 }
 
-/// The f32 lanes of the ISA [`run_chains`] uses, if any.
-fn lanes() -> Option<usize> {
+/// The ISA the chains run on: the widest the kernels use.
+#[derive(Clone, Copy)]
+enum Chains {
+    /// 16 lanes.
     #[cfg(target_arch = "x86_64")]
-    {
-        use super::simd::{Avx2, Avx512, Simd};
-        if Avx512::new().is_some() {
-            return Some(Avx512::LANES);
-        }
-        if Avx2::new().is_some() {
-            return Some(Avx2::LANES);
-        }
-    }
-    None
+    Avx512(super::simd::Avx512),
+    /// 8 lanes.
+    #[cfg(target_arch = "x86_64")]
+    Avx2(super::simd::Avx2),
 }
 
-/// `iters` rounds of [`CHAINS`] multiply-adds on the ISA [`lanes`] names; returns a value that
-/// depends on every chain.
-fn run_chains(iters: u64) -> f32 {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use super::simd::{Avx2, Avx512};
-        if let Some(t) = Avx512::new() {
-            // SAFETY: the token proves AVX-512F.
-            return unsafe { entry::chains_avx512(t, iters) };
+impl Chains {
+    /// The widest ISA this CPU runs, if it has a vector multiply-add.
+    fn detect() -> Option<Chains> {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use super::simd::{Avx2, Avx512};
+            if let Some(t) = Avx512::new() {
+                return Some(Chains::Avx512(t));
+            }
+            if let Some(t) = Avx2::new() {
+                return Some(Chains::Avx2(t));
+            }
         }
-        if let Some(t) = Avx2::new() {
-            // SAFETY: the token proves AVX2 and FMA.
-            return unsafe { entry::chains_avx2(t, iters) };
+        None
+    }
+
+    /// f32 lanes per vector.
+    fn lanes(self) -> usize {
+        use super::simd::Simd;
+        match self {
+            #[cfg(target_arch = "x86_64")]
+            Chains::Avx512(_) => super::simd::Avx512::LANES,
+            #[cfg(target_arch = "x86_64")]
+            Chains::Avx2(_) => super::simd::Avx2::LANES,
         }
     }
-    let _ = iters;
-    0.0
+
+    /// `iters` rounds of [`CHAINS`] multiply-adds; returns a value that depends on every
+    /// chain.
+    fn run(self, iters: u64) -> f32 {
+        match self {
+            // SAFETY: the token proves AVX-512F.
+            #[cfg(target_arch = "x86_64")]
+            Chains::Avx512(t) => unsafe { entry::chains_avx512(t, iters) },
+            // SAFETY: the token proves AVX2 and FMA.
+            #[cfg(target_arch = "x86_64")]
+            Chains::Avx2(t) => unsafe { entry::chains_avx2(t, iters) },
+        }
+    }
 }
 
 /// The chains, written once for every [`super::simd::Simd`].
@@ -145,10 +164,10 @@ mod tests {
 
     #[test]
     fn the_peak_is_a_positive_figure_and_bad_arguments_are_errors() {
-        if lanes().is_none() {
+        let Some(chains) = Chains::detect() else {
             assert!(fma_peak_gflops(1, 0.001).is_err());
             return;
-        }
+        };
         for n in [1, 2, 3] {
             let g = fma_peak_gflops(n, 0.001).unwrap();
             assert!(g.is_finite() && g > 0.0, "{n} threads: {g}");
@@ -157,7 +176,7 @@ mod tests {
         assert!(fma_peak_gflops(1, f64::NAN).is_err());
         assert!(fma_peak_gflops(1, -1.0).is_err());
         // The chains converge to b / (1 − a) = 1 in every lane.
-        let v = run_chains(100_000) / (lanes().unwrap() * CHAINS) as f32;
+        let v = chains.run(100_000) / (chains.lanes() * CHAINS) as f32;
         assert!((v - 1.0).abs() < 1e-3, "{v}");
     }
 }

@@ -13,6 +13,9 @@
 
 use half::f16;
 
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
 /// Elements per q8_0 / q4_0 block.
 pub const QK: usize = 32;
 /// Bytes of one q8_0 block.
@@ -78,6 +81,29 @@ pub fn quantize_row_q8_0_ref(x: &[f32], out: &mut [u8]) {
             *q = crate::quant::round_to_i8(v * id) as u8;
         }
     }
+}
+
+/// One f32 row into `dtype` with this CPU's fastest codec: the vectorised q8_0/q8_1 quantizers
+/// below (the references' bytes), else the type's reference codec. The CPU's `from_float` and
+/// the products' activation rows both quantize through it. Errors as the reference codec does
+/// (a length that is no whole number of blocks, `out` of another size).
+pub fn quantize_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
+    let fast: fn(&[f32], &mut [u8]) = match dtype {
+        DType::Q8_0 => quantize_row_q8_0,
+        DType::Q8_1 => quantize_row_q8_1,
+        _ => return dtype.row_from_f32(x, out),
+    };
+    let expected = dtype.row_size(x.len())?;
+    if out.len() != expected {
+        return Err(Error::shape(format!(
+            "{} row of {} elements needs {expected} bytes, got {}",
+            dtype.name(),
+            x.len(),
+            out.len()
+        )));
+    }
+    fast(x, out);
+    Ok(())
 }
 
 /// Quantizes `x` (a multiple of 32 values) into q8_1 blocks in `out`: the same bytes as the
@@ -720,9 +746,6 @@ mod x86 {
         }
     }
 
-    /// How far ahead of the block being computed [`blocks_dot`] prefetches the weights.
-    const PREFETCH_BYTES: usize = 1024;
-
     /// The dot product of the weight row `a` (q4_0 when `Q4`, else q8_0) with the q8_0 row
     /// `b`, written once for every [`BlockSums`]; even and odd blocks go to separate
     /// accumulators (independent multiply-add chains). One row at a time: sharing each
@@ -739,16 +762,8 @@ mod x86 {
         let (mut even, mut odd) = unsafe { (_mm256_setzero_ps(), _mm256_setzero_ps()) };
         let mut i = 0;
         while i + 2 <= n {
-            // The weights PREFETCH_BYTES ahead (past the row's end: the next row's, which
-            // follows in memory), two lines per two blocks: the hardware prefetchers alone
-            // kept too few lines in flight between the bursts of arithmetic. A hint: never
-            // faults.
-            let ahead = a.as_ptr().wrapping_add(i * a_block + PREFETCH_BYTES);
-            // SAFETY: SSE (the `BlockSums` contract); a prefetch reads nothing.
-            unsafe {
-                _mm_prefetch::<_MM_HINT_T0>(ahead.cast());
-                _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64).cast());
-            }
+            // The weights ahead, two lines per two blocks (68 bytes at most).
+            super::super::simd::prefetch_ahead(a.as_ptr().wrapping_add(i * a_block), 128);
             even = block_step::<Q4, K>(k, x(i), y(i), even);
             odd = block_step::<Q4, K>(k, x(i + 1), y(i + 1), odd);
             i += 2;

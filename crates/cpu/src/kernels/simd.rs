@@ -155,6 +155,38 @@ pub(crate) fn reduce_add<S: Simd>(s: S, v: S::V) -> f32 {
     }
 }
 
+/// How far ahead of the weights being computed the mat-vec kernels prefetch, in bytes. With
+/// the hardware prefetchers alone too few lines were in flight between the bursts of
+/// arithmetic; 1 KiB measured best (2-4 KiB equal, 512 B no better than none: DECISIONS).
+pub(crate) const PREFETCH_BYTES: usize = 1024;
+
+/// Asks for the cache lines of the `bytes` bytes starting [`PREFETCH_BYTES`] past `p`: the
+/// weights a streaming kernel reads next (past a row's or a group's end, the next one's, which
+/// follows in memory). A hint: the address is formed with wrapping arithmetic and never read
+/// through, so it may lie past the end of the data.
+#[inline(always)]
+pub(crate) fn prefetch_ahead(p: *const u8, bytes: usize) {
+    let ahead = p.wrapping_add(PREFETCH_BYTES);
+    let mut off = 0;
+    while off < bytes {
+        // SAFETY: a prefetch reads nothing and cannot fault; SSE is part of x86-64.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off).cast()) };
+        off += 64;
+    }
+}
+
+/// One f16 value (its bits) as f32, exactly, with F16C.
+///
+/// Not for a value per block of a hot loop: only lane 0 of the conversion is used, so LLVM
+/// loads the bits with `vpinsrw` into whatever register is free (zeroing it first does not
+/// survive), which can chain each block to the one before through that register. The q8_0
+/// row dots convert their two scales from one general register instead (`quant_dot`).
+#[inline]
+#[target_feature(enable = "f16c")]
+pub(crate) fn f16_to_f32(bits: u16) -> f32 {
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+}
+
 /// The largest of 8 lanes (tree order as [`reduce_add`]).
 ///
 /// # Safety

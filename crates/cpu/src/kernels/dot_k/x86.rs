@@ -35,7 +35,7 @@
 //! # Throughput
 //!
 //! A mat-vec product streams each weight row once, so the kernels aim at the memory
-//! bandwidth of one core: the weight row is prefetched [`PREFETCH_BYTES`] ahead (without
+//! bandwidth of one core: the weight row is prefetched 1 KiB ahead (without
 //! it the loads of a super-block waited on memory between bursts of arithmetic, about 75% of
 //! a plain streaming read), group scales reach the lanes by one `vpshufb` each, and the
 //! per-super-block reduction to scalars is one `vphaddd` tree. Measured on one Zen 3 core of
@@ -46,6 +46,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::simd::f16_to_f32;
 use super::{step, step_min};
 use crate::quant::kquants::{
     IQ4_XS_BYTES, KVALUES_IQ4NL, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
@@ -77,24 +78,11 @@ fn ld128<const N: usize>(b: &[u8; N], at: usize) -> __m128i {
     unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) }
 }
 
-/// How far ahead of the super-block being computed the weight row is prefetched, in bytes.
-/// The hardware prefetchers alone left the kernels well below a plain streaming read when
-/// the weights come from memory: with compute between the loads, too few lines were in
-/// flight.
-const PREFETCH_BYTES: usize = 1024;
-
-/// Asks for the cache lines `PREFETCH_BYTES` past the start of `bx` (a prefetch never
-/// faults, so addresses past the end of the row are harmless).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+/// Prefetches the weights a super-block's worth of lines ahead of `bx`
+/// ([`crate::kernels::simd::prefetch_ahead`]).
+#[inline(always)]
 fn prefetch_ahead<const N: usize>(bx: &[u8; N]) {
-    let p = bx.as_ptr().wrapping_add(PREFETCH_BYTES);
-    let mut off = 0;
-    while off < N {
-        // A hint only: the pointer is computed with wrapping arithmetic and never read through.
-        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast());
-        off += 64;
-    }
+    super::super::simd::prefetch_ahead(bx.as_ptr(), N);
 }
 
 /// The little-endian u32 at byte `at` of `b`.
@@ -115,13 +103,6 @@ fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
 fn f16_pair(bits: u32) -> (f32, f32) {
     let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
-}
-
-/// One f16 value as f32, exactly.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn f16_one(bits: u16) -> f32 {
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
 }
 
 /// The sum of the 8 i32 lanes (wrapping adds; exact because the kernels' sums are bounded).
@@ -252,7 +233,7 @@ pub(super) unsafe fn q3_k(x: &[u8], y: &[u8]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
             }
         }
-        let d = f16_one(u16::from_le_bytes([bx[108], bx[109]]));
+        let d = f16_to_f32(u16::from_le_bytes([bx[108], bx[109]]));
         acc = step(acc, d, q8_d(by), hsum(sumi));
     }
     acc
@@ -414,7 +395,7 @@ pub(super) unsafe fn q6_k(x: &[u8], y: &[u8]) -> f32 {
                 sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, s));
             }
         }
-        let d = f16_one(u16::from_le_bytes([bx[208], bx[209]]));
+        let d = f16_to_f32(u16::from_le_bytes([bx[208], bx[209]]));
         acc = step(acc, d, q8_d(by), hsum(sumi));
     }
     acc
@@ -498,7 +479,7 @@ pub(super) unsafe fn iq4_xs(x: &[u8], y: &[u8]) -> f32 {
                 _mm256_add_epi32(_mm256_madd_epi16(plo, s), _mm256_madd_epi16(phi, s)),
             );
         }
-        let d = f16_one(u16::from_le_bytes([bx[0], bx[1]]));
+        let d = f16_to_f32(u16::from_le_bytes([bx[0], bx[1]]));
         acc = step(acc, d, q8_d(by), hsum(sumi));
     }
     acc

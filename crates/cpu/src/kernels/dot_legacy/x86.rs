@@ -28,6 +28,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::simd::{f16_to_f32, prefetch_ahead};
 use super::{block_count, kind, partner_bytes, reduce8, weight_bytes, LANES};
 use crate::quant::legacy::KVALUES_IQ4NL;
 
@@ -195,9 +196,6 @@ fn widen_halves(lo_words: __m256i, hi_words: __m256i, hi_shift: bool) -> (__m256
     )
 }
 
-/// How far ahead of the blocks being computed [`dot`] prefetches the weights, in bytes.
-const PREFETCH_BYTES: usize = 1024;
-
 /// The product of kind `K` (see [`super`]'s module docs for the arithmetic).
 ///
 /// # Safety
@@ -209,13 +207,7 @@ unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
     let groups = nb / LANES;
     let mut acc = _mm256_setzero_ps();
     for g in 0..groups {
-        // The weights PREFETCH_BYTES ahead (past the row's end: the next row's, which follows
-        // in memory): with the hardware prefetchers alone too few lines were in flight between
-        // the bursts of arithmetic. A hint: never faults.
-        let ahead = a.as_ptr().wrapping_add(g * LANES * wb + PREFETCH_BYTES);
-        for line in 0..(LANES * wb).div_ceil(64) {
-            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(64 * line).cast());
-        }
+        prefetch_ahead(a.as_ptr().wrapping_add(g * LANES * wb), LANES * wb);
         // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
         acc = unsafe {
             group::<K>(
@@ -303,8 +295,7 @@ fn hsum_i32(v: __m256i) -> i32 {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn f16_scalar(p: *const u8) -> f32 {
     // SAFETY: the caller guarantees 2 readable bytes; the read is unaligned.
-    let bits = u16::from_le(unsafe { p.cast::<u16>().read_unaligned() });
-    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+    f16_to_f32(u16::from_le(unsafe { p.cast::<u16>().read_unaligned() }))
 }
 
 /// q4_1 row · q8_1 row with AVX2 (same bits as [`super::dot_q4_1_q8_1_portable`]).
