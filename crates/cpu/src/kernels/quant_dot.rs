@@ -985,6 +985,13 @@ mod tests {
         for (b, (f, r)) in fast.chunks(bytes).zip(reference.chunks(bytes)).enumerate() {
             assert_eq!(f, r, "q8_1 block {b}: {:?}", &x[b * QK..(b + 1) * QK]);
         }
+        // The dispatching form gives the same bytes, and the reference codec's errors.
+        let mut via = vec![0u8; n * bytes];
+        quantize_row(DType::Q8_1, &x, &mut via).unwrap();
+        assert_eq!(via, reference);
+        assert!(quantize_row(DType::Q8_1, &x[..31], &mut via[..36]).is_err());
+        assert!(quantize_row(DType::Q8_0, &x[..32], &mut via[..35]).is_err());
+        assert!(quantize_row(DType::Q8_1, &x[..32], &mut via[..37]).is_err());
     }
 
     #[test]
