@@ -43,7 +43,7 @@ import ferrograph as fg
 from .llm_tokenizer import GGUFTokenizer, StreamDecoder
 from .sampling import Sampler, SamplingParams
 from .settings import ModelNotFoundError, UnsupportedModelError
-from .weights import copy_weights
+from .weights import device_backends, place_layer_weights
 
 __all__ = [
     "LLM",
@@ -224,6 +224,14 @@ class _StepGraph:
     logits: fg.Tensor
 
 
+def _block_layer(name: str) -> int | None:
+    """The block a GGUF weight belongs to (``blk.{i}.…``), if any."""
+    part = name.split(".")
+    if len(part) > 1 and part[0] == "blk" and part[1].isdigit():
+        return int(part[1])
+    return None
+
+
 class LLM:
     """A GGUF language model on the CPU backend.
 
@@ -352,17 +360,10 @@ class LLM:
 
     def _place_layers(self, devices: Sequence[fg.Device | fg.Backend]) -> None:
         """Copies each layer's weights to the device its layer run goes to (see ``devices``)."""
-        cfg = self.config
-        self.backends += [d if isinstance(d, fg.Backend) else d.init_backend() for d in devices]
-        k = len(self.backends) - 1
-        self.layer_homes = [1 + i * k // cfg.n_layer for i in range(cfg.n_layer)]
-        moved: dict[int, list[str]] = {}
-        for name in self.weights:
-            part = name.split(".")
-            if part[0] == "blk" and part[1].isdigit() and int(part[1]) < cfg.n_layer:
-                layer = int(part[1])
-                moved.setdefault(self.layer_homes[layer], []).append(name)
-        self._placed = copy_weights(self.weights, moved, self.backends)
+        self.backends = device_backends(self.backend, devices)
+        self.layer_homes, self._placed = place_layer_weights(
+            self.weights, _block_layer, self.config.n_layer, self.backends
+        )
         logger.info(
             "layers of %s over %s: %s",
             self.path.name,

@@ -71,7 +71,7 @@ from .tokenization import (
     special_token_ids,
     tokenize,
 )
-from .weights import copy_weights, load_weights, weights_dtype_name
+from .weights import device_backends, load_weights, place_layer_weights, weights_dtype_name
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -141,6 +141,14 @@ class ShapeGraph:
     pool_weights: fg.Tensor | None
     max_index: fg.Tensor | None
     output: fg.Tensor
+
+
+def _encoder_layer(name: str) -> int | None:
+    """The encoder layer a weight belongs to (``encoder.layer.{i}.…``), if any."""
+    part = name.split(".")
+    if len(part) > 2 and part[0] == "encoder" and part[1] == "layer" and part[2].isdigit():
+        return int(part[2])
+    return None
 
 
 class SentenceEncoder:
@@ -631,20 +639,12 @@ class SentenceEncoder:
         ferrograph.AllocationError
             If a device gives no buffer for the weights.
         """
-        if not devices:
-            raise fg.InvalidArgumentError("place_layers needs at least one device")
-        backends = [self.backend] + [
-            d if isinstance(d, fg.Backend) else d.init_backend() for d in devices
-        ]
-        n_layers, k = self.config.num_hidden_layers, len(devices)
-        homes = [1 + i * k // n_layers for i in range(n_layers)]
-        moved: dict[int, list[str]] = {}
-        for name in self.weights:
-            if name.startswith("encoder.layer."):
-                moved.setdefault(homes[int(name.split(".")[2])], []).append(name)
+        backends = device_backends(self.backend, devices)
         with self._lock:
             # the copies keep the devices' weights alive with the model
-            self.placed_weights = copy_weights(self.weights, moved, backends)
+            homes, self.placed_weights = place_layer_weights(
+                self.weights, _encoder_layer, self.config.num_hidden_layers, backends
+            )
             self.backends = backends
             self.layer_homes = homes
             self.set_scheduler(fg.Scheduler([*backends[1:], *self._local_backends]))

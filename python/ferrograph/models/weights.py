@@ -10,7 +10,7 @@ Tensor names are Hugging Face's ``BertModel`` names; a ``bert.`` prefix (checkpo
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
@@ -29,10 +29,12 @@ __all__ = [
     "MissingDependencyError",
     "copy_weights",
     "dense_shapes",
+    "device_backends",
     "expected_shapes",
     "load_dense_state",
     "load_state_dict",
     "load_weights",
+    "place_layer_weights",
     "weights_dtype_name",
 ]
 
@@ -320,6 +322,43 @@ def load_weights(
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
     return LoadedWeights(ctx, buffer, tensors)
+
+
+def device_backends(
+    local: fg.Backend, devices: Sequence[fg.Device | fg.Backend]
+) -> list[fg.Backend]:
+    """``local`` then a backend per device of a layer placement (a device given as a backend
+    is used as is). Raises :class:`ferrograph.InvalidArgumentError` if ``devices`` is empty."""
+    if not devices:
+        raise fg.InvalidArgumentError("place_layers needs at least one device")
+    return [local] + [d if isinstance(d, fg.Backend) else d.init_backend() for d in devices]
+
+
+def place_layer_weights(
+    weights: dict[str, fg.Tensor],
+    layer_of: Callable[[str], int | None],
+    n_layers: int,
+    backends: Sequence[fg.Backend],
+) -> tuple[list[int], list[tuple[fg.Context, fg.Buffer]]]:
+    """The models' layer placement over ``backends[1:]`` (:func:`device_backends`): the
+    ``n_layers`` layers cut into contiguous runs of about equal length, one run per device, and
+    each layer's weights (the names ``layer_of`` maps to it; ``None`` for the others) copied to
+    its device (:func:`copy_weights`). Returns each layer's index into ``backends`` and what
+    keeps the copies alive.
+
+    Raises
+    ------
+    ferrograph.AllocationError
+        If a device gives no buffer.
+    """
+    k = len(backends) - 1
+    homes = [1 + i * k // n_layers for i in range(n_layers)]
+    moved: dict[int, list[str]] = {}
+    for name in weights:
+        layer = layer_of(name)
+        if layer is not None and 0 <= layer < n_layers:
+            moved.setdefault(homes[layer], []).append(name)
+    return homes, copy_weights(weights, moved, backends)
 
 
 def copy_weights(
