@@ -616,6 +616,8 @@ mod x86 {
         // SAFETY: every load reads 8 elements below `n` from both slices.
         unsafe {
             while i + 32 <= n {
+                // The weights ahead: one line per 32 values (64 bytes of f16).
+                super::super::simd::prefetch_ahead(pa.add(i).cast::<u8>(), 64);
                 for (k, slot) in acc.iter_mut().enumerate() {
                     let h = _mm_loadu_si128(pa.add(i + 8 * k).cast::<__m128i>());
                     let x = _mm256_cvtph_ps(h);
