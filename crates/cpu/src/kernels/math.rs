@@ -354,13 +354,18 @@ mod tests {
         xs
     }
 
+    /// The mask row the scale/mask kernel is tested with.
+    fn row_mask(n: usize) -> Vec<f32> {
+        (0..n).map(|i| -(i as f32 % 7.0) * 0.25).collect()
+    }
+
     /// Runs the generic row kernels with `s` on `xs` (every prefix length up to 40, so each
     /// tail length is seen) and returns the exp rows, their sums and the scale/mask rows with
     /// their maxima.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::type_complexity)]
     fn run_rows<S: Simd>(s: S, xs: &[f32], shift: f32) -> Vec<(Vec<f32>, f32, Vec<f32>, f32)> {
-        let mask: Vec<f32> = (0..xs.len()).map(|i| -(i as f32 % 7.0) * 0.25).collect();
+        let mask = row_mask(xs.len());
         (0..40)
             .chain([xs.len()])
             .map(|n| {
@@ -379,7 +384,7 @@ mod tests {
         use super::super::simd::{tests::Emu16, Avx2, Avx512};
         let Some(avx2) = Avx2::new() else { return };
         let xs = exp_inputs();
-        let mask: Vec<f32> = (0..xs.len()).map(|i| -(i as f32 % 7.0) * 0.25).collect();
+        let mask = row_mask(xs.len());
         for shift in [0.0f32, 3.5, -2.0] {
             let a = run_rows(avx2, &xs, shift);
             let e16 = run_rows(Emu16::new().unwrap(), &xs, shift);

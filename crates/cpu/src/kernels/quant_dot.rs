@@ -470,7 +470,6 @@ pub fn dot_q4_0_pairs(a: &[u8], y: &[u8]) -> f32 {
 mod x86 {
     use super::{write_d, Q4_0_BYTES, Q8_0_BYTES, QK};
     use crate::quant::legacy::Q8_1_BYTES;
-    use half::f16;
     use std::arch::x86_64::*;
 
     /// `round_to_i8(v)` per lane (C's `roundf`, then a saturating cast; NaN → 0) as integers,
@@ -551,12 +550,10 @@ mod x86 {
                 let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
                 let sum =
                     _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s)));
-                block[..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
                 // |sum| ≤ 32·127, exact in f32.
-                block[2..4].copy_from_slice(&f16::from_f32(sum as f32 * d).to_bits().to_le_bytes());
-            } else {
-                write_d(block, d);
+                write_d(&mut block[2..], sum as f32 * d);
             }
+            write_d(block, d);
         }
     }
 
