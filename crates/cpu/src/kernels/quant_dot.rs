@@ -816,7 +816,12 @@ mod x86 {
             *acc = block_step::<Q4, K>(k, x, y, d, *acc);
         }
         // SAFETY: AVX2 and FMA (the `BlockSums` contract).
-        unsafe { hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]))) }
+        unsafe {
+            hsum(_mm256_add_ps(
+                _mm256_add_ps(acc[0], acc[1]),
+                _mm256_add_ps(acc[2], acc[3]),
+            ))
+        }
     }
 
     /// # Safety
