@@ -808,13 +808,23 @@ mod x86 {
             }
             i += 4;
         }
-        for (j, acc) in acc.iter_mut().enumerate().take(n - i) {
-            let x = &a[(i + j) * a_block..(i + j + 1) * a_block];
-            let y = &b[(i + j) * Q8_0_BYTES..(i + j + 1) * Q8_0_BYTES];
-            // SAFETY: AVX (the `BlockSums` contract).
-            let d = unsafe { _mm256_set1_ps(scales(x, y)) };
-            *acc = block_step::<Q4, K>(k, x, y, d, *acc);
+        // The last n mod 4 blocks, accumulator j for block i + j, with constant indices: an
+        // accumulator picked by a variable index lives in memory (a store and a load in each
+        // row's chains).
+        macro_rules! tail_step {
+            ($j:literal) => {
+                if n - i > $j {
+                    let x = &a[(i + $j) * a_block..(i + $j + 1) * a_block];
+                    let y = &b[(i + $j) * Q8_0_BYTES..(i + $j + 1) * Q8_0_BYTES];
+                    // SAFETY: AVX (the `BlockSums` contract).
+                    let d = unsafe { _mm256_set1_ps(scales(x, y)) };
+                    acc[$j] = block_step::<Q4, K>(k, x, y, d, acc[$j]);
+                }
+            };
         }
+        tail_step!(0);
+        tail_step!(1);
+        tail_step!(2);
         // SAFETY: AVX2 and FMA (the `BlockSums` contract).
         unsafe {
             hsum(_mm256_add_ps(
