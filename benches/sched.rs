@@ -20,7 +20,7 @@
 
 use std::sync::Arc;
 
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use criterion::{criterion_group, BatchSize, Criterion};
 use ferrograph::backend::Backend;
 use ferrograph::context::Context;
 use ferrograph::cpu::backend::CpuBackend;
@@ -199,5 +199,119 @@ enum Timed {
     ResetAlloc,
 }
 
+/// Instruction counting (`FG_SCHED_COUNT=<case>[:<iterations>]`): runs one MiniLM case
+/// `iterations` times (default 200) after a warm-up, each measured operation inside one
+/// `#[inline(never)]` function `count_<case>`, and exits without running criterion. Under
+///
+/// ```text
+/// FG_SCHED_COUNT=split_new:200 valgrind --tool=callgrind --collect-atstart=no \
+///     --toggle-collect='*count_split_new*' target/release/deps/sched-<hash>
+/// ```
+///
+/// callgrind's total divided by the iterations is the cost of one operation. Cases:
+/// `split_new` (plan cache cleared before each, not counted), `split_cached`, `alloc_same`
+/// (reset + alloc of the same graph), `alloc_rebuilt` (reset + alloc of a rebuilt graph); in
+/// the rebuilt cases the previous graph stays alive until the next is built, as in the
+/// `*_prev_alive` benches (so its teardown is not counted).
+fn count_mode(spec: &str) {
+    let (case, iters) = match spec.split_once(':') {
+        Some((c, n)) => (c, n.parse::<usize>().expect("iterations")),
+        None => (spec, 200),
+    };
+    let w = ok(weights(), "weights");
+    let build = || ok(encoder(&w, 1), "graph");
+    let cpu: Arc<dyn Backend> = Arc::new(ok(CpuBackend::new(1), "cpu"));
+    let mut sched = ok(Scheduler::new(vec![cpu], None, 512, false, false), "sched");
+    let graph = build();
+    ok(sched.reserve(&graph), "reserve");
+    ok(sched.alloc_graph(&graph), "alloc");
+    let mut prev = build();
+    ok(sched.alloc_graph(&prev), "alloc");
+    let warm = 20;
+    for i in 0..warm + iters {
+        let counted = i >= warm;
+        match case {
+            "split_new" => {
+                let g = build();
+                sched.clear_plan_cache();
+                if counted {
+                    count_split_new(&mut sched, &g);
+                } else {
+                    ok(sched.split_graph(&g), "split");
+                }
+                prev = g;
+            }
+            "split_cached" => {
+                let g = build();
+                if counted {
+                    count_split_cached(&mut sched, &g);
+                } else {
+                    ok(sched.split_graph(&g), "split");
+                }
+                prev = g;
+            }
+            "alloc_same" => {
+                if counted {
+                    count_alloc_same(&mut sched, &graph);
+                } else {
+                    sched.reset();
+                    ok(sched.alloc_graph(&graph), "alloc");
+                }
+            }
+            "alloc_rebuilt" => {
+                let g = build();
+                if counted {
+                    count_alloc_rebuilt(&mut sched, &g);
+                } else {
+                    sched.reset();
+                    ok(sched.alloc_graph(&g), "alloc");
+                }
+                prev = g;
+            }
+            other => panic!("unknown case {other}"),
+        }
+    }
+    drop(prev);
+    println!("{case}: {iters} counted iterations");
+}
+
+#[inline(never)]
+fn count_split_new(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(1u8);
+    ok(sched.split_graph(g), "split");
+}
+
+#[inline(never)]
+fn count_split_cached(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(2u8);
+    ok(sched.split_graph(g), "split");
+}
+
+#[inline(never)]
+fn count_alloc_same(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(3u8);
+    sched.reset();
+    ok(sched.alloc_graph(g), "alloc");
+}
+
+#[inline(never)]
+fn count_alloc_rebuilt(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(4u8);
+    sched.reset();
+    ok(sched.alloc_graph(g), "alloc");
+}
+
 criterion_group!(benches, bench_sched);
-criterion_main!(benches);
+
+fn main() {
+    if let Ok(spec) = std::env::var("FG_SCHED_COUNT") {
+        count_mode(&spec);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
