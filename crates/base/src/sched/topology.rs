@@ -49,6 +49,7 @@ impl Snap {
     }
 }
 
+#[inline(always)]
 fn same_meta(a: &Tensor, b: &Tensor) -> bool {
     a.same_layout(b)
         && a.view_offset() == b.view_offset()
@@ -96,17 +97,38 @@ impl Topology {
                 }),
             }
         };
+        let (nodes, leafs) = (graph.nodes(), graph.leafs());
+        let n_srcs = nodes.iter().map(|n| n.srcs().len()).sum::<usize>();
         let mut src_start = Vec::with_capacity(n_nodes + 1);
-        let mut srcs = Vec::with_capacity(n_nodes * 2);
-        for node in graph.nodes() {
+        let mut srcs = Vec::with_capacity(n_srcs);
+        // Two guesses checked by identity before the index is asked: the node just before
+        // (chains), and the next leaf not met yet (a graph built by expansion lists its
+        // leafs in the order its nodes first read them).
+        let mut next_leaf = 0;
+        for (i, node) in nodes.iter().enumerate() {
             src_start.push(srcs.len() as u32);
             for src in node.srcs() {
-                srcs.push(unified(src, &mut extras));
+                let u = if i > 0 && nodes[i - 1].same(src) {
+                    (i - 1) as u32
+                } else if next_leaf < n_leafs && leafs[next_leaf].same(src) {
+                    next_leaf += 1;
+                    (n_nodes + next_leaf - 1) as u32
+                } else {
+                    unified(src, &mut extras)
+                };
+                srcs.push(u);
             }
         }
         src_start.push(srcs.len() as u32);
         let mut view_root = Vec::with_capacity(n_nodes + n_leafs + extras.len());
-        for t in graph.nodes().iter().chain(graph.leafs()) {
+        for (i, t) in nodes.iter().enumerate() {
+            view_root.push(match t.view_src() {
+                Some(root) if i > 0 && nodes[i - 1].same(root) => (i - 1) as u32,
+                Some(root) => unified(root, &mut extras),
+                None => NONE,
+            });
+        }
+        for t in leafs {
             view_root.push(match t.view_src() {
                 Some(root) => unified(root, &mut extras),
                 None => NONE,
@@ -216,7 +238,7 @@ impl Topology {
     /// Whether unified tensor `u`, now `t`, still has the flags and binding it was indexed
     /// with (`Snap::of(t) == snap[u]`), and a foreign binding is still live (`live`:
     /// [`Topology::live_generations`]).
-    #[inline]
+    #[inline(always)]
     fn state_holds(&self, u: usize, t: &Tensor, own_buffers: &[u64], live: &[Option<u64>]) -> bool {
         let recorded = &self.snap[u];
         if t.flags() != recorded.flags {
@@ -385,11 +407,16 @@ impl Topology {
     /// fits 32 bits, else four), the strides unless dense (the header says which, so the
     /// encoding stays unambiguous), the view offset, the foreign buffer's type and usage
     /// (0: none), and the pin when any tensor is pinned. The ops are kept beside the words.
+    /// Flags and buffers are the ones recorded when the graph was indexed, so a signature
+    /// computed later (for a plan cached after the fact) describes the graph as planned.
     pub fn signature(&self, graph: &Graph, pinned: &IdMap<usize>) -> Signature {
-        let pins = !pinned.is_empty();
-        let per_tensor = 5 + usize::from(pins);
-        let mut words: Vec<u64> =
-            Vec::with_capacity(3 + self.len() * per_tensor + self.n_nodes + self.srcs.len());
+        let pins = (!pinned.is_empty()).then_some(pinned);
+        // Views are the tensors whose strides may not be dense (four more words each).
+        let views = self.view_root.iter().filter(|&&r| r != NONE).count();
+        let per_tensor = 5 + usize::from(pins.is_some());
+        let mut words: Vec<u64> = Vec::with_capacity(
+            3 + self.len() * per_tensor + 4 * views + self.n_nodes + self.srcs.len(),
+        );
         words.extend_from_slice(&[
             self.n_nodes as u64,
             self.n_leafs as u64,
@@ -406,55 +433,16 @@ impl Topology {
             })
             .collect();
         let mut ops = Vec::with_capacity(self.n_nodes);
-        let tensors = graph
-            .nodes()
-            .iter()
-            .chain(graph.leafs())
-            .chain(&self.extras);
-        for (u, t) in tensors.enumerate() {
-            if u < self.n_nodes {
-                ops.push(t.op().clone());
-                let srcs = self.srcs(u);
-                words.push(srcs.len() as u64);
-                words.extend(srcs.iter().map(|&s| u64::from(s)));
-            }
-            let (ne, nb) = (t.ne(), t.nb());
-            let narrow = ne.iter().all(|&n| n <= u32::MAX as usize);
-            let dense = contiguous_strides(t.dtype(), &ne) == nb;
-            let header = t.dtype() as u64
-                | u64::from(t.flags()) << 8
-                | u64::from(narrow) << 16
-                | u64::from(dense) << 17
-                | u64::from(self.view_root[u]) << 32;
-            let buffer = match self.buf[u] {
-                NONE => 0,
-                k => buffer_words[k as usize],
-            };
-            let offset = t.view_offset() as u64;
-            if narrow && dense {
-                words.extend_from_slice(&[
-                    header,
-                    ne[0] as u64 | (ne[1] as u64) << 32,
-                    ne[2] as u64 | (ne[3] as u64) << 32,
-                    offset,
-                    buffer,
-                ]);
-            } else {
-                words.push(header);
-                if narrow {
-                    words.push(ne[0] as u64 | (ne[1] as u64) << 32);
-                    words.push(ne[2] as u64 | (ne[3] as u64) << 32);
-                } else {
-                    words.extend(ne.iter().map(|&n| n as u64));
-                }
-                if !dense {
-                    words.extend(nb.iter().map(|&n| n as u64));
-                }
-                words.extend_from_slice(&[offset, buffer]);
-            }
-            if pins {
-                words.push(pinned.get(&t.id()).map_or(u64::MAX, |&b| b as u64));
-            }
+        for (u, t) in graph.nodes().iter().enumerate() {
+            ops.push(t.op().clone());
+            let srcs = self.srcs(u);
+            words.push(srcs.len() as u64);
+            words.extend(srcs.iter().map(|&s| u64::from(s)));
+            self.tensor_words(u, t, &buffer_words, pins, &mut words);
+        }
+        let base = self.n_nodes;
+        for (j, t) in graph.leafs().iter().chain(&self.extras).enumerate() {
+            self.tensor_words(base + j, t, &buffer_words, pins, &mut words);
         }
         let mut hasher = FastHasher::default();
         hasher.write_u64(hash_words(&words));
@@ -465,6 +453,55 @@ impl Topology {
             hash: hasher.finish(),
             words,
             ops,
+        }
+    }
+
+    /// The words of unified tensor `u` (`t`) in the signature (see [`Topology::signature`]).
+    #[inline(always)]
+    fn tensor_words(
+        &self,
+        u: usize,
+        t: &Tensor,
+        buffer_words: &[u64],
+        pins: Option<&IdMap<usize>>,
+        words: &mut Vec<u64>,
+    ) {
+        let (dtype, ne, nb) = (t.dtype(), t.ne(), t.nb());
+        let narrow = ne.iter().all(|&n| n <= u32::MAX as usize);
+        let dense = contiguous_strides(dtype, &ne) == nb;
+        let header = dtype as u64
+            | u64::from(self.snap[u].flags) << 8
+            | u64::from(narrow) << 16
+            | u64::from(dense) << 17
+            | u64::from(self.view_root[u]) << 32;
+        let buffer = match self.buf[u] {
+            NONE => 0,
+            k => buffer_words[k as usize],
+        };
+        let offset = t.view_offset() as u64;
+        if narrow && dense {
+            words.extend_from_slice(&[
+                header,
+                ne[0] as u64 | (ne[1] as u64) << 32,
+                ne[2] as u64 | (ne[3] as u64) << 32,
+                offset,
+                buffer,
+            ]);
+        } else {
+            words.push(header);
+            if narrow {
+                words.push(ne[0] as u64 | (ne[1] as u64) << 32);
+                words.push(ne[2] as u64 | (ne[3] as u64) << 32);
+            } else {
+                words.extend(ne.iter().map(|&n| n as u64));
+            }
+            if !dense {
+                words.extend(nb.iter().map(|&n| n as u64));
+            }
+            words.extend_from_slice(&[offset, buffer]);
+        }
+        if let Some(pinned) = pins {
+            words.push(pinned.get(&t.id()).map_or(u64::MAX, |&b| b as u64));
         }
     }
 }
