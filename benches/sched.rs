@@ -7,16 +7,18 @@
 //! the timing ends, so freeing its tensors is not counted.
 //!
 //! The peer is ggml 0.25.3 on the same graph (`benches/ggml_peer/`, run interleaved with this
-//! bench; issue 26). Instructions per call (callgrind, deterministic; before → after, then
-//! ggml): split of a new graph 297 k → 291 k (ggml reset + split 158 k); cached split of a
-//! rebuilt graph 61 k → 44 k (ggml has no cache); reset + alloc of the same graph 859 k →
-//! 318 k, of which 260 k is the zero fill of the two inputs placed in compute memory (ggml
-//! 226 k, no fill); reset + alloc of a rebuilt graph 1036 k → 520 k, fill 290 k (ggml 253 k).
-//! Times from two interleaved rounds on the loaded 2-core Zen 3 VM (µs, round 1 / round 2):
-//! split of a new graph (prev alive) 58.6 → 55.0 / 87.3 → 69.2 (ggml median 36.1 / 19.6);
-//! cached split 17.4 → 12.6 / 30.6 → 19.3; reset + alloc of the same graph 117 → 16.2 /
-//! 165 → 24.9 (ggml 17.9 / 23.5); reset + alloc of a rebuilt graph 185 → 153 / 243 → 111
-//! (ggml 50.4 / 31.2).
+//! bench; issue 26). Instructions per call (callgrind on `FG_SCHED_COUNT=<case>`, see
+//! `count_mode`; previous graph alive; before → after this round, then ggml in the same
+//! session): split of a new graph, plan cache cleared, 307 k → 181 k (ggml reset + split
+//! 194 k; no signature is computed while the cache is empty, see docs/DECISIONS.md); cached
+//! split of a rebuilt graph 66 k → 39 k (ggml has no cache); reset + alloc of the same graph
+//! 319 k → 319 k, of which 260 k is the zero fill of the two inputs placed in compute memory
+//! (ggml 226 k, no fill); reset + alloc of a rebuilt graph 496 k → 469 k, fill 290 k (ggml
+//! 290 k, its second reset included). Times from two interleaved rounds on the loaded 2-core
+//! Zen 3 VM (µs, round 1 / round 2, `*_prev_alive`): split of a new graph 62.1 → 33.5 /
+//! 59.8 → 29.0 (ggml median 19.9 / 34.4); cached split 13.7 → 9.5 / 14.1 → 7.4; reset +
+//! alloc of the same graph 15.6 → 15.7 / 17.5 → 16.0 (ggml 17.3 / 40.4); reset + alloc of a
+//! rebuilt graph 58.7 → 55.8 / 55.8 → 46.4 (ggml 31.3 / 56.4).
 
 use std::sync::Arc;
 

@@ -363,9 +363,7 @@ impl Topology {
         // Outside operands in index order: each was met before its turn (its index was given
         // when it was first met while indexing, and roots of outside operands come last).
         for k in 0..extras.len() {
-            let Some(t) = extras[k].clone() else {
-                return None;
-            };
+            let t = extras[k].clone()?;
             let u = base + k;
             let root_ok = match (t.view_src(), self.view_root[u]) {
                 (None, NONE) => true,
