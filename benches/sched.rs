@@ -7,20 +7,22 @@
 //! the timing ends, so freeing its tensors is not counted.
 //!
 //! The peer is ggml 0.25.3 on the same graph (`benches/ggml_peer/`, run interleaved with this
-//! bench; issue 26). Instructions per call (callgrind, deterministic; before → after, then
-//! ggml): split of a new graph 297 k → 291 k (ggml reset + split 158 k); cached split of a
-//! rebuilt graph 61 k → 44 k (ggml has no cache); reset + alloc of the same graph 859 k →
-//! 318 k, of which 260 k is the zero fill of the two inputs placed in compute memory (ggml
-//! 226 k, no fill); reset + alloc of a rebuilt graph 1036 k → 520 k, fill 290 k (ggml 253 k).
-//! Times from two interleaved rounds on the loaded 2-core Zen 3 VM (µs, round 1 / round 2):
-//! split of a new graph (prev alive) 58.6 → 55.0 / 87.3 → 69.2 (ggml median 36.1 / 19.6);
-//! cached split 17.4 → 12.6 / 30.6 → 19.3; reset + alloc of the same graph 117 → 16.2 /
-//! 165 → 24.9 (ggml 17.9 / 23.5); reset + alloc of a rebuilt graph 185 → 153 / 243 → 111
-//! (ggml 50.4 / 31.2).
+//! bench; issue 26). Instructions per call (callgrind on `FG_SCHED_COUNT=<case>`, see
+//! `count_mode`; previous graph alive; before → after this round, then ggml in the same
+//! session): split of a new graph, plan cache cleared, 307 k → 181 k (ggml reset + split
+//! 194 k; no signature is computed while the cache is empty, see docs/DECISIONS.md); cached
+//! split of a rebuilt graph 66 k → 39 k (ggml has no cache); reset + alloc of the same graph
+//! 319 k → 319 k, of which 260 k is the zero fill of the two inputs placed in compute memory
+//! (ggml 226 k, no fill); reset + alloc of a rebuilt graph 496 k → 469 k, fill 290 k (ggml
+//! 290 k, its second reset included). Times from two interleaved rounds on the loaded 2-core
+//! Zen 3 VM (µs, round 1 / round 2, `*_prev_alive`): split of a new graph 62.1 → 33.5 /
+//! 59.8 → 29.0 (ggml median 19.9 / 34.4); cached split 13.7 → 9.5 / 14.1 → 7.4; reset +
+//! alloc of the same graph 15.6 → 15.7 / 17.5 → 16.0 (ggml 17.3 / 40.4); reset + alloc of a
+//! rebuilt graph 58.7 → 55.8 / 55.8 → 46.4 (ggml 31.3 / 56.4).
 
 use std::sync::Arc;
 
-use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
+use criterion::{criterion_group, BatchSize, Criterion};
 use ferrograph::backend::Backend;
 use ferrograph::context::Context;
 use ferrograph::cpu::backend::CpuBackend;
@@ -199,5 +201,119 @@ enum Timed {
     ResetAlloc,
 }
 
+/// Instruction counting (`FG_SCHED_COUNT=<case>[:<iterations>]`): runs one MiniLM case
+/// `iterations` times (default 200) after a warm-up, each measured operation inside one
+/// `#[inline(never)]` function `count_<case>`, and exits without running criterion. Under
+///
+/// ```text
+/// FG_SCHED_COUNT=split_new:200 valgrind --tool=callgrind --collect-atstart=no \
+///     --toggle-collect='*count_split_new*' target/release/deps/sched-<hash>
+/// ```
+///
+/// callgrind's total divided by the iterations is the cost of one operation. Cases:
+/// `split_new` (plan cache cleared before each, not counted), `split_cached`, `alloc_same`
+/// (reset + alloc of the same graph), `alloc_rebuilt` (reset + alloc of a rebuilt graph); in
+/// the rebuilt cases the previous graph stays alive until the next is built, as in the
+/// `*_prev_alive` benches (so its teardown is not counted).
+fn count_mode(spec: &str) {
+    let (case, iters) = match spec.split_once(':') {
+        Some((c, n)) => (c, n.parse::<usize>().expect("iterations")),
+        None => (spec, 200),
+    };
+    let w = ok(weights(), "weights");
+    let build = || ok(encoder(&w, 1), "graph");
+    let cpu: Arc<dyn Backend> = Arc::new(ok(CpuBackend::new(1), "cpu"));
+    let mut sched = ok(Scheduler::new(vec![cpu], None, 512, false, false), "sched");
+    let graph = build();
+    ok(sched.reserve(&graph), "reserve");
+    ok(sched.alloc_graph(&graph), "alloc");
+    let mut prev = build();
+    ok(sched.alloc_graph(&prev), "alloc");
+    let warm = 20;
+    for i in 0..warm + iters {
+        let counted = i >= warm;
+        match case {
+            "split_new" => {
+                let g = build();
+                sched.clear_plan_cache();
+                if counted {
+                    count_split_new(&mut sched, &g);
+                } else {
+                    ok(sched.split_graph(&g), "split");
+                }
+                prev = g;
+            }
+            "split_cached" => {
+                let g = build();
+                if counted {
+                    count_split_cached(&mut sched, &g);
+                } else {
+                    ok(sched.split_graph(&g), "split");
+                }
+                prev = g;
+            }
+            "alloc_same" => {
+                if counted {
+                    count_alloc_same(&mut sched, &graph);
+                } else {
+                    sched.reset();
+                    ok(sched.alloc_graph(&graph), "alloc");
+                }
+            }
+            "alloc_rebuilt" => {
+                let g = build();
+                if counted {
+                    count_alloc_rebuilt(&mut sched, &g);
+                } else {
+                    sched.reset();
+                    ok(sched.alloc_graph(&g), "alloc");
+                }
+                prev = g;
+            }
+            other => panic!("unknown case {other}"),
+        }
+    }
+    drop(prev);
+    println!("{case}: {iters} counted iterations");
+}
+
+#[inline(never)]
+fn count_split_new(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(1u8);
+    ok(sched.split_graph(g), "split");
+}
+
+#[inline(never)]
+fn count_split_cached(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(2u8);
+    ok(sched.split_graph(g), "split");
+}
+
+#[inline(never)]
+fn count_alloc_same(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(3u8);
+    sched.reset();
+    ok(sched.alloc_graph(g), "alloc");
+}
+
+#[inline(never)]
+fn count_alloc_rebuilt(sched: &mut Scheduler, g: &Graph) {
+    // A distinct body per case, so the four are never merged into one symbol.
+    std::hint::black_box(4u8);
+    sched.reset();
+    ok(sched.alloc_graph(g), "alloc");
+}
+
 criterion_group!(benches, bench_sched);
-criterion_main!(benches);
+
+fn main() {
+    if let Ok(spec) = std::env::var("FG_SCHED_COUNT") {
+        count_mode(&spec);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}

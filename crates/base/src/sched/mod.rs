@@ -123,6 +123,12 @@ struct Instance {
     topo: Topology,
     core: Arc<PlanCore>,
     slots: Vec<Option<Internal>>,
+    /// The plan is not in the cache yet: it was made while the cache was empty, so no lookup
+    /// needed the graph's signature then. It is computed (from the instance, which keeps
+    /// the recorded flags and bindings) and the plan cached when a later graph needs the
+    /// cache or before the pins change; a change of other planning settings (which empties
+    /// the cache) drops it.
+    unsigned: bool,
 }
 
 /// The multi-backend scheduler (see the module documentation).
@@ -427,7 +433,10 @@ impl Scheduler {
                 Some(backend.name().to_owned()),
             ));
         }
-        if self.pinned.insert(tensor.id(), b) != Some(b) {
+        if self.pinned.get(&tensor.id()) != Some(&b) {
+            // The current plan was made under the pins so far: cached under them first.
+            self.sign_current();
+            self.pinned.insert(tensor.id(), b);
             self.plan_epoch += 1;
             if self.state == State::Allocated {
                 self.state = State::Fresh;
@@ -512,62 +521,87 @@ impl Scheduler {
                         let mut topo = old.topo;
                         topo.extras = extras;
                         self.cache_hits += 1;
-                        self.install(graph, topo, old.core);
+                        self.install(graph, topo, old.core, old.unsigned);
                         return Ok(());
                     }
                 }
             }
         }
+        // The cache is about to be consulted: a plan made without a signature goes in first.
+        self.sign_current();
         let topo = Topology::build(graph, &own);
-        let signature = topo.signature(graph, &self.pinned);
-        let cached = self.cache.get(&signature.hash).and_then(|bucket| {
-            bucket
-                .iter()
-                .find(|c| c.signature == signature)
-                .map(|c| c.core.clone())
+        // With nothing cached, no lookup can hit: the signature waits until it is needed.
+        let signature = (self.cache_len > 0).then(|| topo.signature(graph, &self.pinned));
+        let cached = signature.as_ref().and_then(|signature| {
+            self.cache.get(&signature.hash).and_then(|bucket| {
+                bucket
+                    .iter()
+                    .find(|c| c.signature == *signature)
+                    .map(|c| c.core.clone())
+            })
         });
-        let core = match cached {
-            Some(core) => {
-                self.cache_hits += 1;
-                core
-            }
-            None => {
-                self.cache_misses += 1;
-                let input = AssignInput {
-                    graph,
-                    topo: &topo,
-                    backends: &self.backends,
-                    bufts: &self.bufts,
-                    buft_ok: &self.buft_ok,
-                    pinned: &self.pinned,
-                    op_offload: self.op_offload,
-                    policy: self.policy,
-                };
-                let mut oracle = Oracle::new(&input);
-                let assigned = assign::assign(&mut oracle)?;
-                let core = Arc::new(split::split(&mut oracle, &assigned, self.n_copies)?);
-                if self.cache_len >= PLAN_CACHE_LIMIT {
-                    self.cache.clear();
-                    self.cache_len = 0;
-                }
-                self.cache_len += 1;
-                self.cache
-                    .entry(signature.hash)
-                    .or_default()
-                    .push(CachedPlan {
-                        signature,
-                        core: core.clone(),
-                    });
-                core
-            }
+        if let Some(core) = cached {
+            self.cache_hits += 1;
+            self.install(graph, topo, core, false);
+            return Ok(());
+        }
+        self.cache_misses += 1;
+        let input = AssignInput {
+            graph,
+            topo: &topo,
+            backends: &self.backends,
+            bufts: &self.bufts,
+            buft_ok: &self.buft_ok,
+            pinned: &self.pinned,
+            op_offload: self.op_offload,
+            policy: self.policy,
         };
-        self.install(graph, topo, core);
+        let mut oracle = Oracle::new(&input);
+        let assigned = assign::assign(&mut oracle)?;
+        let core = Arc::new(split::split(&mut oracle, &assigned, self.n_copies)?);
+        let unsigned = match signature {
+            Some(signature) => {
+                self.cache_plan(signature, core.clone());
+                false
+            }
+            None => true,
+        };
+        self.install(graph, topo, core, unsigned);
         Ok(())
     }
 
+    /// Adds a plan to the cache (emptied first when full).
+    fn cache_plan(&mut self, signature: Signature, core: Arc<PlanCore>) {
+        if self.cache_len >= PLAN_CACHE_LIMIT {
+            self.cache.clear();
+            self.cache_len = 0;
+        }
+        self.cache_len += 1;
+        self.cache
+            .entry(signature.hash)
+            .or_default()
+            .push(CachedPlan { signature, core });
+    }
+
+    /// Caches the current graph's plan if it was made without a signature (see
+    /// [`Instance::unsigned`]) under the current planning settings; a plan of older settings
+    /// (pins, offload, copies, or a cleared cache since) is never cached.
+    fn sign_current(&mut self) {
+        let Some(inst) = self.instance.as_mut() else {
+            return;
+        };
+        if !std::mem::take(&mut inst.unsigned) || inst.plan_epoch != self.plan_epoch {
+            return;
+        }
+        let signature = inst.topo.signature(&inst.graph, &self.pinned);
+        let core = inst.core.clone();
+        self.cache_plan(signature, core);
+    }
+
     /// Makes `graph` (indexed as `topo`, planned as `core`) the current graph. Internal graphs
-    /// are kept when the graph and plan are the same as before.
-    fn install(&mut self, graph: &Graph, topo: Topology, core: Arc<PlanCore>) {
+    /// are kept when the graph and plan are the same as before. `unsigned`: the plan is not
+    /// cached yet ([`Instance::unsigned`]).
+    fn install(&mut self, graph: &Graph, topo: Topology, core: Arc<PlanCore>, unsigned: bool) {
         let keep = self
             .instance
             .as_ref()
@@ -576,6 +610,7 @@ impl Scheduler {
             Some(inst) if keep => {
                 inst.topo = topo;
                 inst.plan_epoch = self.plan_epoch;
+                inst.unsigned = unsigned;
             }
             _ => {
                 let is_new = self
@@ -588,6 +623,7 @@ impl Scheduler {
                     topo,
                     core,
                     slots: (0..self.n_copies).map(|_| None).collect(),
+                    unsigned,
                 });
                 if self.debug && is_new {
                     if let Some(plan) = self.plan() {
@@ -850,6 +886,8 @@ impl Scheduler {
     /// memory the next graph may reuse.
     pub fn reset(&mut self) {
         if !self.pinned.is_empty() {
+            // The current plan was made under these pins: cached under them first.
+            self.sign_current();
             self.pinned.clear();
             self.plan_epoch += 1;
         }

@@ -6,7 +6,7 @@ use std::hash::{Hash, Hasher};
 use std::sync::Arc;
 
 use crate::buffer::{Buffer, BufferType, BufferUsage};
-use crate::graph::Graph;
+use crate::graph::{Graph, Position};
 use crate::ops::Op;
 use crate::tensor::{contiguous_strides, Tensor};
 
@@ -49,6 +49,7 @@ impl Snap {
     }
 }
 
+#[inline(always)]
 fn same_meta(a: &Tensor, b: &Tensor) -> bool {
     a.same_layout(b)
         && a.view_offset() == b.view_offset()
@@ -82,25 +83,52 @@ impl Topology {
     pub fn build(graph: &Graph, own_buffers: &[u64]) -> Topology {
         let n_nodes = graph.n_nodes();
         let n_leafs = graph.n_leafs();
-        let mut index = UnifiedIndex::new(graph);
+        let base = n_nodes + n_leafs;
+        // Nodes and leafs by the graph's own index; outside operands in first-seen order.
+        let mut outside: IdMap<u32> = IdMap::default();
         let mut extras: Vec<Tensor> = Vec::new();
         let mut unified = |t: &Tensor, extras: &mut Vec<Tensor>| -> u32 {
-            index.get_or_insert(t.id(), || {
-                extras.push(t.clone());
-                (n_nodes + n_leafs + extras.len() - 1) as u32
-            })
+            match graph.position(t) {
+                Some(Position::Node(i)) => i as u32,
+                Some(Position::Leaf(i)) => (n_nodes + i) as u32,
+                None => *outside.entry(t.id()).or_insert_with(|| {
+                    extras.push(t.clone());
+                    (base + extras.len() - 1) as u32
+                }),
+            }
         };
+        let (nodes, leafs) = (graph.nodes(), graph.leafs());
+        let n_srcs = nodes.iter().map(|n| n.srcs().len()).sum::<usize>();
         let mut src_start = Vec::with_capacity(n_nodes + 1);
-        let mut srcs = Vec::with_capacity(n_nodes * 2);
-        for node in graph.nodes() {
+        let mut srcs = Vec::with_capacity(n_srcs);
+        // Two guesses checked by identity before the index is asked: the node just before
+        // (chains), and the next leaf not met yet (a graph built by expansion lists its
+        // leafs in the order its nodes first read them).
+        let mut next_leaf = 0;
+        for (i, node) in nodes.iter().enumerate() {
             src_start.push(srcs.len() as u32);
             for src in node.srcs() {
-                srcs.push(unified(src, &mut extras));
+                let u = if i > 0 && nodes[i - 1].same(src) {
+                    (i - 1) as u32
+                } else if next_leaf < n_leafs && leafs[next_leaf].same(src) {
+                    next_leaf += 1;
+                    (n_nodes + next_leaf - 1) as u32
+                } else {
+                    unified(src, &mut extras)
+                };
+                srcs.push(u);
             }
         }
         src_start.push(srcs.len() as u32);
         let mut view_root = Vec::with_capacity(n_nodes + n_leafs + extras.len());
-        for t in graph.nodes().iter().chain(graph.leafs()) {
+        for (i, t) in nodes.iter().enumerate() {
+            view_root.push(match t.view_src() {
+                Some(root) if i > 0 && nodes[i - 1].same(root) => (i - 1) as u32,
+                Some(root) => unified(root, &mut extras),
+                None => NONE,
+            });
+        }
+        for t in leafs {
             view_root.push(match t.view_src() {
                 Some(root) => unified(root, &mut extras),
                 None => NONE,
@@ -184,32 +212,79 @@ impl Topology {
     /// count as unbound), so `buf` and the plans derived from it still hold. Lock-free for
     /// unbound tensors and tensors in the scheduler's buffers.
     pub fn state_matches(&self, graph: &Graph, own_buffers: &[u64]) -> bool {
-        self.state_matches_with(graph, &self.extras, own_buffers)
+        let live = self.live_generations();
+        graph
+            .nodes()
+            .iter()
+            .chain(graph.leafs())
+            .chain(&self.extras)
+            .enumerate()
+            .all(|(u, t)| self.state_holds(u, t, own_buffers, &live))
     }
 
-    /// [`Topology::state_matches`] with other outside operands.
-    fn state_matches_with(&self, graph: &Graph, extras: &[Tensor], own_buffers: &[u64]) -> bool {
-        let base = self.n_nodes + self.n_leafs;
-        let tensors = graph.nodes().iter().chain(graph.leafs()).chain(extras);
-        tensors.enumerate().all(|(u, t)| {
-            debug_assert!(u < base + self.extras.len());
-            let recorded = self.snap[u];
-            if Snap::of(t, own_buffers) != recorded {
-                return false;
-            }
-            if recorded.bound == 0 || self.view_root[u] != NONE {
-                return true;
-            }
-            // Bound to a foreign buffer: still live (or still dead), same usage.
-            match self.buf_info(u) {
-                Some(info) => {
-                    !info.buffer.is_freed()
-                        && info.buffer.generation() == recorded.generation
-                        && (info.buffer.usage() == BufferUsage::Weights) == info.weights
+    /// Per foreign buffer: its generation while it is neither freed nor of another usage
+    /// than when indexed (`None` otherwise). Read once per check instead of once per tensor.
+    fn live_generations(&self) -> Vec<Option<u64>> {
+        self.buffers
+            .iter()
+            .map(|info| {
+                let usable = !info.buffer.is_freed()
+                    && (info.buffer.usage() == BufferUsage::Weights) == info.weights;
+                usable.then(|| info.buffer.generation())
+            })
+            .collect()
+    }
+
+    /// Whether unified tensor `u`, now `t`, still has the flags and binding it was indexed
+    /// with (`Snap::of(t) == snap[u]`), and a foreign binding is still live (`live`:
+    /// [`Topology::live_generations`]).
+    #[inline(always)]
+    fn state_holds(&self, u: usize, t: &Tensor, own_buffers: &[u64], live: &[Option<u64>]) -> bool {
+        let recorded = &self.snap[u];
+        if t.flags() != recorded.flags {
+            return false;
+        }
+        let id = t.bound_buffer_id().unwrap_or(0);
+        if recorded.bound == 0 {
+            // Unbound then: unbound or in one of the scheduler's own buffers now.
+            return id == 0 || own_buffers.contains(&id);
+        }
+        if id != recorded.bound
+            || own_buffers.contains(&id)
+            || t.bound_generation() != recorded.generation
+        {
+            return false;
+        }
+        if self.view_root[u] != NONE {
+            return true;
+        }
+        // Bound to a foreign buffer: still live (or still dead), same usage.
+        match self.buf[u] {
+            NONE => true,
+            k => live[k as usize] == Some(recorded.generation),
+        }
+    }
+
+    /// Whether outside operand `k` of the new graph is `t`: the first tensor met there
+    /// (of the same metadata as the old one, and not in `graph`), the same one after that.
+    #[cold]
+    fn resolve_outside(
+        &self,
+        graph: &Graph,
+        k: usize,
+        t: &Tensor,
+        extras: &mut [Option<Tensor>],
+    ) -> bool {
+        match &extras[k] {
+            Some(known) => known.same(t),
+            None => {
+                if !same_meta(t, &self.extras[k]) || graph.contains(t) {
+                    return false;
                 }
-                None => true,
+                extras[k] = Some(t.clone());
+                true
             }
-        })
+        }
     }
 
     /// Re-indexes `graph` from this topology of `old`, without hashing: succeeds when `graph`
@@ -219,78 +294,87 @@ impl Topology {
     /// bindings (see [`Topology::state_matches`]). That is everything the signature covers,
     /// so the plan of `old` is the plan of `graph`. Returns the outside operands of `graph`
     /// (this topology with them in place of its own indexes `graph`).
+    ///
+    /// One pass over the nodes, one over the leafs, one over the outside operands; a tensor
+    /// that is the same one in both graphs (a weight) needs no metadata comparison.
     pub fn rebind(&self, old: &Graph, graph: &Graph, own_buffers: &[u64]) -> Option<Vec<Tensor>> {
-        if graph.n_nodes() != self.n_nodes || graph.n_leafs() != self.n_leafs {
+        let (nodes, leafs) = (graph.nodes(), graph.leafs());
+        let (old_nodes, old_leafs) = (old.nodes(), old.leafs());
+        if nodes.len() != self.n_nodes
+            || leafs.len() != self.n_leafs
+            || old_nodes.len() != self.n_nodes
+            || old_leafs.len() != self.n_leafs
+        {
             return None;
         }
-        let base = self.n_nodes + self.n_leafs;
-        let mut extras: Vec<Tensor> = Vec::with_capacity(self.extras.len());
-        // Whether `t` is what unified index `e` is in the new graph (extras in first-seen order).
-        let mut resolve = |e: u32, t: &Tensor, extras: &mut Vec<Tensor>| -> bool {
+        let n_nodes = self.n_nodes;
+        let base = n_nodes + self.n_leafs;
+        // The new outside operands by their index (filled where first met; every position
+        // names one tensor, checked by identity after that).
+        let mut extras: Vec<Option<Tensor>> = vec![None; self.extras.len()];
+        let resolve = |e: u32, t: &Tensor, extras: &mut Vec<Option<Tensor>>| -> bool {
             let e = e as usize;
-            if e < base {
-                let now = if e < self.n_nodes {
-                    &graph.nodes()[e]
-                } else {
-                    &graph.leafs()[e - self.n_nodes]
-                };
-                return now.same(t);
+            if e < n_nodes {
+                nodes[e].same(t)
+            } else if e < base {
+                leafs[e - n_nodes].same(t)
+            } else {
+                self.resolve_outside(graph, e - base, t, extras)
             }
-            let k = e - base;
-            if k < extras.len() {
-                return extras[k].same(t);
-            }
-            if k != extras.len() || !same_meta(t, &self.extras[k]) || graph.contains(t) {
-                return false;
-            }
-            extras.push(t.clone());
-            true
         };
-        for (i, (node, before)) in graph.nodes().iter().zip(old.nodes()).enumerate() {
-            let expected = self.srcs(i);
-            if !same_meta(node, before) || node.srcs().len() != expected.len() {
+        let live = self.live_generations();
+        for (i, (node, before)) in nodes.iter().zip(old_nodes).enumerate() {
+            if !node.same(before) && !same_meta(node, before) {
                 return None;
             }
-            for (src, &e) in node.srcs().iter().zip(expected) {
+            let expected = self.srcs(i);
+            let srcs = node.srcs();
+            if srcs.len() != expected.len() {
+                return None;
+            }
+            for (src, &e) in srcs.iter().zip(expected) {
                 if !resolve(e, src, &mut extras) {
                     return None;
                 }
             }
-        }
-        for (leaf, before) in graph.leafs().iter().zip(old.leafs()) {
-            if !same_meta(leaf, before) {
-                return None;
-            }
-        }
-        let roots_ok =
-            |u: usize,
-             t: &Tensor,
-             extras: &mut Vec<Tensor>,
-             resolve: &mut dyn FnMut(u32, &Tensor, &mut Vec<Tensor>) -> bool| {
-                match (t.view_src(), self.view_root[u]) {
-                    (None, NONE) => true,
-                    (Some(root), e) if e != NONE => resolve(e, root, extras),
-                    _ => false,
-                }
+            let root_ok = match (node.view_src(), self.view_root[i]) {
+                (None, NONE) => true,
+                (Some(root), e) if e != NONE => resolve(e, root, &mut extras),
+                _ => false,
             };
-        for (u, t) in graph.nodes().iter().chain(graph.leafs()).enumerate() {
-            if !roots_ok(u, t, &mut extras, &mut resolve) {
+            if !root_ok || !self.state_holds(i, node, own_buffers, &live) {
                 return None;
             }
         }
-        let mut k = 0;
-        while k < extras.len() {
-            let t = extras[k].clone();
-            if !roots_ok(base + k, &t, &mut extras, &mut resolve) {
+        for (j, (leaf, before)) in leafs.iter().zip(old_leafs).enumerate() {
+            let u = n_nodes + j;
+            if !leaf.same(before) && !same_meta(leaf, before) {
                 return None;
             }
-            k += 1;
+            let root_ok = match (leaf.view_src(), self.view_root[u]) {
+                (None, NONE) => true,
+                (Some(root), e) if e != NONE => resolve(e, root, &mut extras),
+                _ => false,
+            };
+            if !root_ok || !self.state_holds(u, leaf, own_buffers, &live) {
+                return None;
+            }
         }
-        if extras.len() != self.extras.len() {
-            return None;
+        // Outside operands in index order: each was met before its turn (its index was given
+        // when it was first met while indexing, and roots of outside operands come last).
+        for k in 0..extras.len() {
+            let t = extras[k].clone()?;
+            let u = base + k;
+            let root_ok = match (t.view_src(), self.view_root[u]) {
+                (None, NONE) => true,
+                (Some(root), e) if e != NONE => resolve(e, root, &mut extras),
+                _ => false,
+            };
+            if !root_ok || !self.state_holds(u, &t, own_buffers, &live) {
+                return None;
+            }
         }
-        self.state_matches_with(graph, &extras, own_buffers)
-            .then_some(extras)
+        extras.into_iter().collect()
     }
 
     /// Number of unified tensors.
@@ -315,57 +399,48 @@ impl Topology {
     }
 
     /// The signature of the graph's shape for the plan cache: everything the passes read.
+    ///
+    /// Per node: its operand count and operands; per tensor: a header word (dtype, flags,
+    /// how the shape and strides follow, view root), the shape (two words when every size
+    /// fits 32 bits, else four), the strides unless dense (the header says which, so the
+    /// encoding stays unambiguous), the view offset, the foreign buffer's type and usage
+    /// (0: none), and the pin when any tensor is pinned. The ops are kept beside the words.
+    /// Flags and buffers are the ones recorded when the graph was indexed, so a signature
+    /// computed later (for a plan cached after the fact) describes the graph as planned.
     pub fn signature(&self, graph: &Graph, pinned: &IdMap<usize>) -> Signature {
-        let mut words: Vec<u64> = Vec::with_capacity(self.len() * 6 + self.srcs.len() + 4);
-        words.push(self.n_nodes as u64);
-        words.push(self.n_leafs as u64);
-        words.push(self.extras.len() as u64);
-        let mut ops = Vec::with_capacity(self.n_nodes);
-        let tensors = graph
-            .nodes()
+        let pins = (!pinned.is_empty()).then_some(pinned);
+        // Views are the tensors whose strides may not be dense (four more words each).
+        let views = self.view_root.iter().filter(|&&r| r != NONE).count();
+        let per_tensor = 5 + usize::from(pins.is_some());
+        let mut words: Vec<u64> = Vec::with_capacity(
+            3 + self.len() * per_tensor + 4 * views + self.n_nodes + self.srcs.len(),
+        );
+        words.extend_from_slice(&[
+            self.n_nodes as u64,
+            self.n_leafs as u64,
+            self.extras.len() as u64,
+        ]);
+        // One word per foreign buffer, shared by every tensor in it.
+        let buffer_words: Vec<u64> = self
+            .buffers
             .iter()
-            .chain(graph.leafs())
-            .chain(&self.extras);
-        for (u, t) in tensors.enumerate() {
-            if u < self.n_nodes {
-                ops.push(t.op().clone());
-                words.push(self.src_start[u + 1] as u64 - self.src_start[u] as u64);
-                words.extend(self.srcs(u).iter().map(|&s| s as u64));
-            }
-            // Header: dtype, flags, how ne and nb follow, view root. Shapes whose sizes fit 32
-            // bits go as two words, strides of a dense layout as none (the header says which,
-            // so the encoding stays unambiguous).
-            let (ne, nb) = (t.ne(), t.nb());
-            let narrow = ne.iter().all(|&n| n <= u32::MAX as usize);
-            let dense = contiguous_strides(t.dtype(), &ne) == nb;
-            words.push(
-                t.dtype() as u64
-                    | u64::from(t.flags()) << 8
-                    | u64::from(narrow) << 16
-                    | u64::from(dense) << 17
-                    | u64::from(self.view_root[u]) << 32,
-            );
-            if narrow {
-                words.push(ne[0] as u64 | (ne[1] as u64) << 32);
-                words.push(ne[2] as u64 | (ne[3] as u64) << 32);
-            } else {
-                words.extend(ne.iter().map(|&n| n as u64));
-            }
-            if !dense {
-                words.extend(nb.iter().map(|&n| n as u64));
-            }
-            words.push(t.view_offset() as u64);
-            words.push(match self.buf_info(u) {
-                Some(b) => {
-                    (Arc::as_ptr(&b.buft) as *const () as u64)
-                        ^ (u64::from(b.weights) << 63)
-                        ^ (u64::from(b.host) << 62)
-                }
-                None => 0,
-            });
-            if !pinned.is_empty() {
-                words.push(pinned.get(&t.id()).map_or(u64::MAX, |&b| b as u64));
-            }
+            .map(|b| {
+                (Arc::as_ptr(&b.buft) as *const () as u64)
+                    ^ (u64::from(b.weights) << 63)
+                    ^ (u64::from(b.host) << 62)
+            })
+            .collect();
+        let mut ops = Vec::with_capacity(self.n_nodes);
+        for (u, t) in graph.nodes().iter().enumerate() {
+            ops.push(t.op().clone());
+            let srcs = self.srcs(u);
+            words.push(srcs.len() as u64);
+            words.extend(srcs.iter().map(|&s| u64::from(s)));
+            self.tensor_words(u, t, &buffer_words, pins, &mut words);
+        }
+        let base = self.n_nodes;
+        for (j, t) in graph.leafs().iter().chain(&self.extras).enumerate() {
+            self.tensor_words(base + j, t, &buffer_words, pins, &mut words);
         }
         let mut hasher = FastHasher::default();
         hasher.write_u64(hash_words(&words));
@@ -376,6 +451,55 @@ impl Topology {
             hash: hasher.finish(),
             words,
             ops,
+        }
+    }
+
+    /// The words of unified tensor `u` (`t`) in the signature (see [`Topology::signature`]).
+    #[inline(always)]
+    fn tensor_words(
+        &self,
+        u: usize,
+        t: &Tensor,
+        buffer_words: &[u64],
+        pins: Option<&IdMap<usize>>,
+        words: &mut Vec<u64>,
+    ) {
+        let (dtype, ne, nb) = (t.dtype(), t.ne(), t.nb());
+        let narrow = ne.iter().all(|&n| n <= u32::MAX as usize);
+        let dense = contiguous_strides(dtype, &ne) == nb;
+        let header = dtype as u64
+            | u64::from(self.snap[u].flags) << 8
+            | u64::from(narrow) << 16
+            | u64::from(dense) << 17
+            | u64::from(self.view_root[u]) << 32;
+        let buffer = match self.buf[u] {
+            NONE => 0,
+            k => buffer_words[k as usize],
+        };
+        let offset = t.view_offset() as u64;
+        if narrow && dense {
+            words.extend_from_slice(&[
+                header,
+                ne[0] as u64 | (ne[1] as u64) << 32,
+                ne[2] as u64 | (ne[3] as u64) << 32,
+                offset,
+                buffer,
+            ]);
+        } else {
+            words.push(header);
+            if narrow {
+                words.push(ne[0] as u64 | (ne[1] as u64) << 32);
+                words.push(ne[2] as u64 | (ne[3] as u64) << 32);
+            } else {
+                words.extend(ne.iter().map(|&n| n as u64));
+            }
+            if !dense {
+                words.extend(nb.iter().map(|&n| n as u64));
+            }
+            words.extend_from_slice(&[offset, buffer]);
+        }
+        if let Some(pinned) = pins {
+            words.push(pinned.get(&t.id()).map_or(u64::MAX, |&b| b as u64));
         }
     }
 }
@@ -410,82 +534,4 @@ pub(crate) struct Signature {
     pub hash: u64,
     words: Vec<u64>,
     ops: Vec<Op>,
-}
-
-/// Tensor id → unified index while a topology is built. Tensor ids come from one counter, so
-/// a graph's tensors fall into a few narrow id ranges (the nodes made together, the weights made
-/// together long before): each such cluster is a dense table (no hashing); ids outside them go
-/// to a hash map.
-struct UnifiedIndex {
-    /// Dense tables over disjoint id ranges, the largest first.
-    windows: Vec<Window>,
-    sparse: IdMap<u32>,
-}
-
-/// Unified indices of the ids `base..base + slots.len()` ([`NONE`]: not seen yet).
-struct Window {
-    base: u64,
-    slots: Vec<u32>,
-}
-
-/// Ids further apart than this start a new cluster (so a table holds at most this many slots
-/// per tensor).
-const CLUSTER_GAP: u64 = 16;
-
-/// Clusters of fewer tensors than this are left to the hash map.
-const MIN_CLUSTER: usize = 8;
-
-/// Tables kept at most (each lookup tries them in turn).
-const MAX_WINDOWS: usize = 4;
-
-impl UnifiedIndex {
-    /// Indexes `graph`'s nodes, then leafs, in unified order.
-    fn new(graph: &Graph) -> UnifiedIndex {
-        let (nodes, leafs) = (graph.nodes(), graph.leafs());
-        let mut ids: Vec<u64> = nodes.iter().chain(leafs).map(Tensor::id).collect();
-        ids.sort(); // adaptive: nodes and leafs come in a few ascending runs
-        let mut clusters: Vec<(u64, u64, usize)> = Vec::new();
-        let mut first = 0;
-        for i in 1..=ids.len() {
-            if i == ids.len() || ids[i] - ids[i - 1] > CLUSTER_GAP {
-                if i - first >= MIN_CLUSTER {
-                    clusters.push((ids[first], ids[i - 1], i - first));
-                }
-                first = i;
-            }
-        }
-        clusters.sort_unstable_by_key(|&(_, _, n)| std::cmp::Reverse(n));
-        clusters.truncate(MAX_WINDOWS);
-        let windows = clusters
-            .into_iter()
-            .map(|(lo, hi, _)| Window {
-                base: lo,
-                slots: vec![NONE; (hi - lo + 1) as usize],
-            })
-            .collect();
-        let mut index = UnifiedIndex {
-            windows,
-            sparse: IdMap::default(),
-        };
-        for (u, t) in nodes.iter().chain(leafs).enumerate() {
-            index.get_or_insert(t.id(), || u as u32);
-        }
-        index
-    }
-
-    /// The index of `id`, inserting `make()` when it has none yet.
-    fn get_or_insert(&mut self, id: u64, make: impl FnOnce() -> u32) -> u32 {
-        for window in &mut self.windows {
-            let slot = id
-                .checked_sub(window.base)
-                .and_then(|k| window.slots.get_mut(usize::try_from(k).ok()?));
-            if let Some(slot) = slot {
-                if *slot == NONE {
-                    *slot = make();
-                }
-                return *slot;
-            }
-        }
-        *self.sparse.entry(id).or_insert_with(make)
-    }
 }
