@@ -77,72 +77,69 @@ const ERF_Q: [f32; 5] = [
     -1.426_473_9e-2,
 ];
 
-/// GELU_ERF over a row in explicit SIMD: [`erf_f32`]'s rational function with fused
+/// `f` applied to every vector of `row` in place (the last one partial). Callers pass function
+/// items (statically dispatched and inlined like the rest), not closures, so `f` runs with the
+/// caller's target features.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn map_row<S: Simd, F: Fn(S, S::V) -> S::V>(s: S, row: &mut [f32], f: F) {
+    let n = row.len();
+    let mut i = 0;
+    while i < n {
+        let left = n - i;
+        // SAFETY: the partial forms touch elements i..min(i + LANES, n) of the row only.
+        unsafe {
+            let ptr = row.as_mut_ptr().add(i);
+            s.store_partial(ptr, f(s, s.load_partial(ptr, left)), left);
+        }
+        i += S::LANES;
+    }
+}
+
+/// GELU_ERF of one vector in explicit SIMD: [`erf_f32`]'s rational function with fused
 /// multiply-adds and `0.5·x + 0.5·x·erf` as one more (the auto-vectorised scalar form cannot
 /// fuse). Lane-wise, so every ISA gives the same bits; agrees with [`gelu_erf`] to a few ulp;
 /// error against the exact GELU below `3e-7·|x|` plus 2 ulp of the result (test).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn gelu_erf_row<S: Simd>(s: S, row: &mut [f32]) {
-    let n = row.len();
-    let mut i = 0;
-    while i < n {
-        let left = n - i;
-        // SAFETY: the partial forms touch elements i..min(i + LANES, n) of the row only.
-        unsafe {
-            let ptr = row.as_mut_ptr().add(i);
-            let v = s.load_partial(ptr, left);
-            let z = s.mul(v, s.splat(std::f32::consts::FRAC_1_SQRT_2));
-            // `min`/`max` return their second operand when one is NaN: NaN lanes pass through.
-            let zc = s.min(s.splat(4.0), s.max(s.splat(-4.0), z));
-            let z2 = s.mul(zc, zc);
-            let mut p = s.splat(ERF_P[0]);
-            for &c in &ERF_P[1..] {
-                p = s.fma(p, z2, s.splat(c));
-            }
-            let mut q = s.splat(ERF_Q[0]);
-            for &c in &ERF_Q[1..] {
-                q = s.fma(q, z2, s.splat(c));
-            }
-            let r = s.div(s.mul(zc, p), q);
-            // ±1 beyond |z| > 3.7, with z's sign.
-            let erf = s.select_gt(zc, s.splat(3.7), s.splat(1.0), r);
-            let erf = s.select_gt(s.splat(-3.7), zc, s.splat(-1.0), erf);
-            let half = s.mul(v, s.splat(0.5));
-            s.store_partial(ptr, s.fma(half, erf, half), left);
-        }
-        i += S::LANES;
+fn gelu_erf_v<S: Simd>(s: S, v: S::V) -> S::V {
+    let z = s.mul(v, s.splat(std::f32::consts::FRAC_1_SQRT_2));
+    // `min`/`max` return their second operand when one is NaN: NaN lanes pass through.
+    let zc = s.min(s.splat(4.0), s.max(s.splat(-4.0), z));
+    let z2 = s.mul(zc, zc);
+    let mut p = s.splat(ERF_P[0]);
+    for &c in &ERF_P[1..] {
+        p = s.fma(p, z2, s.splat(c));
     }
+    let mut q = s.splat(ERF_Q[0]);
+    for &c in &ERF_Q[1..] {
+        q = s.fma(q, z2, s.splat(c));
+    }
+    let r = s.div(s.mul(zc, p), q);
+    // ±1 beyond |z| > 3.7, with z's sign.
+    let erf = s.select_gt(zc, s.splat(3.7), s.splat(1.0), r);
+    let erf = s.select_gt(s.splat(-3.7), zc, s.splat(-1.0), erf);
+    let half = s.mul(v, s.splat(0.5));
+    s.fma(half, erf, half)
 }
 
-/// SiLU over a row in explicit SIMD: `x / (1 + e^(−x))` with [`math::exp_v`] (the scalar
+/// SiLU of one vector in explicit SIMD: `x / (1 + e^(−x))` with [`math::exp_v`] (the scalar
 /// [`silu`] calls the scalar exp per element, which does not vectorise: SmolLM2's SWIGLU of
 /// 1536 values took ~8 µs). Lane-wise, so every ISA gives the same bits; ±∞ and NaN as the
 /// scalar form gives them (e^(−x) saturates to +∞ below −88: `x/∞` is −0, and NaN for −∞).
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-fn silu_row<S: Simd>(s: S, row: &mut [f32]) {
-    let n = row.len();
-    let mut i = 0;
-    while i < n {
-        let left = n - i;
-        // SAFETY: the partial forms touch elements i..min(i + LANES, n) of the row only.
-        unsafe {
-            let ptr = row.as_mut_ptr().add(i);
-            let v = s.load_partial(ptr, left);
-            let e = math::exp_v(s, s.sub(s.zero(), v));
-            s.store_partial(ptr, s.div(v, s.add(s.splat(1.0), e)), left);
-        }
-        i += S::LANES;
-    }
+fn silu_v<S: Simd>(s: S, v: S::V) -> S::V {
+    let e = math::exp_v(s, s.sub(s.zero(), v));
+    s.div(v, s.add(s.splat(1.0), e))
 }
 
 /// The activations with explicit SIMD rows (the others auto-vectorise or stay scalar).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum SimdAct {
-    /// [`gelu_erf_row`].
+    /// [`gelu_erf_v`].
     GeluErf,
-    /// [`silu_row`].
+    /// [`silu_v`].
     Silu,
 }
 
@@ -162,8 +159,8 @@ impl SimdAct {
 #[inline(always)]
 fn simd_act_row<S: Simd>(s: S, act: SimdAct, row: &mut [f32]) {
     match act {
-        SimdAct::GeluErf => gelu_erf_row(s, row),
-        SimdAct::Silu => silu_row(s, row),
+        SimdAct::GeluErf => map_row(s, row, gelu_erf_v::<S>),
+        SimdAct::Silu => map_row(s, row, silu_v::<S>),
     }
 }
 
@@ -535,6 +532,59 @@ mod tests {
         }
     }
 
+    /// Inputs for the SIMD activation rows: a ramp over `[-10000, 10000)·step`, every
+    /// 40 009th bit pattern of either sign up to ∞, and `extra`.
+    #[cfg(target_arch = "x86_64")]
+    fn simd_inputs(step: f32, extra: &[f32]) -> Vec<f32> {
+        let mut xs: Vec<f32> = (0..20_000).map(|i| (i as f32 - 10_000.0) * step).collect();
+        let mut bits = 0u32;
+        while bits < f32::INFINITY.to_bits() {
+            xs.push(f32::from_bits(bits));
+            xs.push(-f32::from_bits(bits));
+            bits += 40_009;
+        }
+        xs.extend(extra);
+        xs
+    }
+
+    /// The bits of `v`, every NaN as one pattern.
+    #[cfg(target_arch = "x86_64")]
+    fn bit_pattern(v: &[f32]) -> Vec<u32> {
+        v.iter()
+            .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
+            .collect()
+    }
+
+    /// `act` over `x` on AVX2, checked to give the same bits on the 16-lane stand-in and on
+    /// native AVX-512 where present; `None` without AVX2.
+    #[cfg(target_arch = "x86_64")]
+    fn simd_act_same_on_every_isa(act: SimdAct, x: &[f32]) -> Option<Vec<f32>> {
+        use super::super::simd::{tests::Emu16, Avx2, Avx512};
+        let avx2 = Avx2::new()?;
+        let mut got = x.to_vec();
+        simd_act_row(avx2, act, &mut got);
+        let mut wide = x.to_vec();
+        simd_act_row(Emu16::new().unwrap(), act, &mut wide);
+        assert_eq!(
+            bit_pattern(&got),
+            bit_pattern(&wide),
+            "{act:?}, len {}",
+            x.len()
+        );
+        if let Some(t) = Avx512::new() {
+            let mut native = x.to_vec();
+            // SAFETY: the token proves AVX-512F.
+            unsafe { simd_entry::act_row_avx512(t, act, &mut native) };
+            assert_eq!(
+                bit_pattern(&got),
+                bit_pattern(&native),
+                "{act:?}, len {}",
+                x.len()
+            );
+        }
+        Some(got)
+    }
+
     /// The SIMD GELU_ERF row (AVX2, the 16-lane stand-in, AVX-512 when present) against the
     /// exact GELU (f64 erf series): error below `3e-7·|x|` plus 2 ulp of the result over a
     /// dense range and spread bit patterns; NaN and ±∞ as the scalar form; row lengths that
@@ -542,36 +592,12 @@ mod tests {
     #[test]
     #[cfg(target_arch = "x86_64")]
     fn gelu_erf_simd_row_is_accurate_and_the_same_on_every_isa() {
-        use super::super::simd::{tests::Emu16, Avx2, Avx512};
-        let Some(avx2) = Avx2::new() else { return };
-        let mut xs: Vec<f32> = (0..20_000)
-            .map(|i| (i as f32 - 10_000.0) / 1000.0)
-            .collect();
-        let mut bits = 0u32;
-        while bits < f32::INFINITY.to_bits() {
-            xs.push(f32::from_bits(bits));
-            xs.push(-f32::from_bits(bits));
-            bits += 40_009;
-        }
-        xs.extend([f32::INFINITY, f32::NAN, 0.0, -0.0, 1e-30, -1e30]);
-        let bit_pattern = |v: &[f32]| -> Vec<u32> {
-            v.iter()
-                .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
-                .collect()
-        };
+        let xs = simd_inputs(1e-3, &[f32::INFINITY, f32::NAN, 0.0, -0.0, 1e-30, -1e30]);
         for len in [xs.len(), 17, 3] {
             let x = &xs[..len];
-            let mut got = x.to_vec();
-            gelu_erf_row(avx2, &mut got);
-            let mut wide = x.to_vec();
-            gelu_erf_row(Emu16::new().unwrap(), &mut wide);
-            assert_eq!(bit_pattern(&got), bit_pattern(&wide), "len {len}");
-            if let Some(t) = Avx512::new() {
-                let mut native = x.to_vec();
-                // SAFETY: the token proves AVX-512F.
-                unsafe { simd_entry::act_row_avx512(t, SimdAct::GeluErf, &mut native) };
-                assert_eq!(bit_pattern(&got), bit_pattern(&native), "len {len}");
-            }
+            let Some(got) = simd_act_same_on_every_isa(SimdAct::GeluErf, x) else {
+                return;
+            };
             for (&x, &g) in x.iter().zip(&got) {
                 let scalar = gelu_erf(x);
                 if scalar.is_nan() {
@@ -597,17 +623,9 @@ mod tests {
     /// stand-in and native AVX-512, within a few ulp of SiLU computed in f64, NaN and ±∞ as the
     /// scalar form; every prefix length around the vector width.
     #[test]
+    #[cfg(target_arch = "x86_64")]
     fn silu_simd_rows_are_accurate_and_the_same_on_every_isa() {
-        use super::super::simd::{tests::Emu16, Avx2, Avx512};
-        let Some(avx2) = Avx2::new() else { return };
-        let mut xs: Vec<f32> = (0..20_000).map(|i| (i as f32 - 10_000.0) / 100.0).collect();
-        let mut bits = 0u32;
-        while bits < f32::INFINITY.to_bits() {
-            xs.push(f32::from_bits(bits));
-            xs.push(-f32::from_bits(bits));
-            bits += 40_009;
-        }
-        xs.extend([
+        let specials = [
             f32::INFINITY,
             -f32::INFINITY,
             f32::NAN,
@@ -616,30 +634,18 @@ mod tests {
             88.7,
             -88.7,
             -89.5,
-        ]);
-        let pattern = |v: &[f32]| -> Vec<u32> {
-            v.iter()
-                .map(|x| if x.is_nan() { u32::MAX } else { x.to_bits() })
-                .collect()
-        };
+        ];
+        let xs = simd_inputs(1e-2, &specials);
         let gate: Vec<f32> = (0..xs.len()).map(|i| (i % 7) as f32 - 2.5).collect();
         for len in (0..40).chain([xs.len()]) {
             let x = &xs[..len];
-            let mut got = x.to_vec();
-            silu_row(avx2, &mut got);
-            let mut wide = x.to_vec();
-            silu_row(Emu16::new().unwrap(), &mut wide);
-            assert_eq!(pattern(&got), pattern(&wide), "len {len}");
-            if let Some(t) = Avx512::new() {
-                let mut native = x.to_vec();
-                // SAFETY: the token proves AVX-512F.
-                unsafe { simd_entry::act_row_avx512(t, SimdAct::Silu, &mut native) };
-                assert_eq!(pattern(&got), pattern(&native), "len {len}");
-            }
+            let Some(got) = simd_act_same_on_every_isa(SimdAct::Silu, x) else {
+                return;
+            };
             for (&x, &y) in x.iter().zip(&got) {
                 let scalar = silu(x);
                 if scalar.is_nan() || x.is_infinite() {
-                    assert_eq!(pattern(&[y]), pattern(&[scalar]), "silu({x}) = {y}");
+                    assert_eq!(bit_pattern(&[y]), bit_pattern(&[scalar]), "silu({x}) = {y}");
                     continue;
                 }
                 let xd = f64::from(x);
@@ -656,7 +662,7 @@ mod tests {
             let mut glu = Vec::new();
             glu_row_fast(UnaryOp::Silu, x, &gate[..len], &mut glu);
             let want: Vec<f32> = got.iter().zip(&gate).map(|(a, g)| a * g).collect();
-            assert_eq!(pattern(&glu), pattern(&want), "swiglu len {len}");
+            assert_eq!(bit_pattern(&glu), bit_pattern(&want), "swiglu len {len}");
         }
     }
 
