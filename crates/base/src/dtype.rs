@@ -215,6 +215,19 @@ impl DType {
             .ok_or_else(|| Error::shape(format!("a row of {n} {} elements overflows", self.name())))
     }
 
+    /// Checks that `bytes` is exactly the size of a row of `n` elements ([`Self::row_size`]):
+    /// the precondition of every row codec.
+    pub fn check_row_bytes(self, n: usize, bytes: usize) -> Result<()> {
+        let expected = self.row_size(n)?;
+        if bytes != expected {
+            return Err(Error::shape(format!(
+                "{} row of {n} elements needs {expected} bytes, got {bytes}",
+                self.name()
+            )));
+        }
+        Ok(())
+    }
+
     /// Parses any accepted spelling: ggml's (`"f16"`), numpy's (`"float16"`), and a few common
     /// aliases (`"half"`, `"fp16"`, `"float"`, `"int"`).
     pub fn from_name(name: &str) -> Result<DType> {
@@ -256,15 +269,7 @@ impl DType {
     /// `src` must hold exactly `row_size(dst.len())` bytes. Integers convert exactly where
     /// f32 can represent them.
     pub fn row_to_f32(self, src: &[u8], dst: &mut [f32]) -> Result<()> {
-        let expected = self.row_size(dst.len())?;
-        if src.len() != expected {
-            return Err(Error::shape(format!(
-                "{} row of {} elements needs {expected} bytes, got {}",
-                self.name(),
-                dst.len(),
-                src.len()
-            )));
-        }
+        self.check_row_bytes(dst.len(), src.len())?;
         match self {
             DType::F32 => {
                 for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
@@ -326,15 +331,7 @@ impl DType {
     /// Converts one row of f32 values into `dst` stored as `self` (quantizing where the type is
     /// quantized; integers are truncated toward zero and saturate).
     pub fn row_from_f32(self, src: &[f32], dst: &mut [u8]) -> Result<()> {
-        let expected = self.row_size(src.len())?;
-        if dst.len() != expected {
-            return Err(Error::shape(format!(
-                "{} row of {} elements needs {expected} bytes, got {}",
-                self.name(),
-                src.len(),
-                dst.len()
-            )));
-        }
+        self.check_row_bytes(src.len(), dst.len())?;
         match self {
             DType::F32 => {
                 for (d, s) in dst.chunks_exact_mut(4).zip(src) {

@@ -14,7 +14,7 @@
 use half::f16;
 
 use crate::dtype::DType;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Elements per q8_0 / q4_0 block.
 pub const QK: usize = 32;
@@ -93,15 +93,7 @@ pub fn quantize_row(dtype: DType, x: &[f32], out: &mut [u8]) -> Result<()> {
         DType::Q8_1 => quantize_row_q8_1,
         _ => return dtype.row_from_f32(x, out),
     };
-    let expected = dtype.row_size(x.len())?;
-    if out.len() != expected {
-        return Err(Error::shape(format!(
-            "{} row of {} elements needs {expected} bytes, got {}",
-            dtype.name(),
-            x.len(),
-            out.len()
-        )));
-    }
+    dtype.check_row_bytes(x.len(), out.len())?;
     fast(x, out);
     Ok(())
 }
