@@ -160,19 +160,7 @@ fn simd_act_row<S: Simd>(s: S, act: SimdAct, row: &mut [f32]) {
     }
 }
 
-/// `out = act(x)·g` (a gated linear unit's row), written once for every ISA: the activation
-/// in place in `out`, then the product (which auto-vectorises with the caller's features).
-#[cfg(target_arch = "x86_64")]
-#[inline(always)]
-fn simd_glu_row<S: Simd>(s: S, act: SimdAct, x: &[f32], g: &[f32], out: &mut [f32]) {
-    out.copy_from_slice(x);
-    simd_act_row(s, act, out);
-    for (o, &g) in out.iter_mut().zip(g) {
-        *o *= g;
-    }
-}
-
-/// Each ISA's compiled copy of [`simd_act_row`] and [`simd_glu_row`].
+/// Each ISA's compiled copy of [`simd_act_row`].
 #[cfg(target_arch = "x86_64")]
 mod simd_entry {
     use super::super::simd::{Avx2, Avx512};
@@ -195,74 +183,47 @@ mod simd_entry {
     pub(super) unsafe fn act_row_avx512(t: Avx512, act: SimdAct, row: &mut [f32]) {
         super::simd_act_row(t, act, row)
     }
-
-    /// [`super::simd_glu_row`] with AVX2 and FMA.
-    ///
-    /// # Safety
-    /// As [`act_row_avx2`].
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn glu_row_avx2(
-        t: Avx2,
-        act: SimdAct,
-        x: &[f32],
-        g: &[f32],
-        out: &mut [f32],
-    ) {
-        super::simd_glu_row(t, act, x, g, out)
-    }
-
-    /// [`super::simd_glu_row`] with AVX-512F.
-    ///
-    /// # Safety
-    /// As [`act_row_avx2`].
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn glu_row_avx512(
-        t: Avx512,
-        act: SimdAct,
-        x: &[f32],
-        g: &[f32],
-        out: &mut [f32],
-    ) {
-        super::simd_glu_row(t, act, x, g, out)
-    }
 }
 
-/// Applies an element-wise op to a row in place with the fastest kernels this CPU has.
-fn apply_row_fast(op: &Op, row: &mut [f32]) -> Result<()> {
+/// `act` over `row` in place with the widest SIMD entry this CPU runs; `false` (row untouched)
+/// when there is none.
+fn simd_act_fast(act: SimdAct, row: &mut [f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if let Some(act) = match op {
-        Op::Unary(u) => SimdAct::of(*u),
-        _ => None,
-    } {
+    {
         use super::simd::{Avx2, Avx512};
         if let Some(t) = Avx512::new() {
             // SAFETY: the token proves the entry point's features.
             unsafe { simd_entry::act_row_avx512(t, act, row) };
-            return Ok(());
+            return true;
         }
         if let Some(t) = Avx2::new() {
             // SAFETY: as above.
             unsafe { simd_entry::act_row_avx2(t, act, row) };
+            return true;
+        }
+    }
+    let _ = (act, row);
+    false
+}
+
+/// Applies an element-wise op to a row in place with the fastest kernels this CPU has.
+fn apply_row_fast(op: &Op, row: &mut [f32]) -> Result<()> {
+    if let Op::Unary(u) = op {
+        if SimdAct::of(*u).is_some_and(|act| simd_act_fast(act, row)) {
             return Ok(());
         }
     }
     apply_row(op, row)
 }
 
-/// `out = act(x)·g` with the fastest kernels this CPU has.
+/// `out = act(x)·g` with the fastest kernels this CPU has: the SIMD activation row in place
+/// in `out`, then the product (the same bits at any vector width).
 fn glu_row_fast(act: UnaryOp, x: &[f32], g: &[f32], out: &mut Vec<f32>) {
-    #[cfg(target_arch = "x86_64")]
     if let Some(simd) = SimdAct::of(act) {
-        use super::simd::{Avx2, Avx512};
-        out.resize(x.len(), 0.0);
-        if let Some(t) = Avx512::new() {
-            // SAFETY: the token proves the entry point's features.
-            unsafe { simd_entry::glu_row_avx512(t, simd, x, g, out) };
-            return;
-        }
-        if let Some(t) = Avx2::new() {
-            // SAFETY: as above.
-            unsafe { simd_entry::glu_row_avx2(t, simd, x, g, out) };
+        out.clear();
+        out.extend_from_slice(x);
+        if simd_act_fast(simd, out) {
+            out.iter_mut().zip(g).for_each(|(o, &g)| *o *= g);
             return;
         }
     }
