@@ -287,6 +287,17 @@ impl Topology {
         }
     }
 
+    /// Whether tensor `u` of the new graph, `t`, has the view root this topology recorded
+    /// (`resolve(index, root)` checks a root against an index).
+    #[inline(always)]
+    fn root_holds(&self, u: usize, t: &Tensor, resolve: impl FnOnce(u32, &Tensor) -> bool) -> bool {
+        match (t.view_src(), self.view_root[u]) {
+            (None, NONE) => true,
+            (Some(root), e) if e != NONE => resolve(e, root),
+            _ => false,
+        }
+    }
+
     /// Re-indexes `graph` from this topology of `old`, without hashing: succeeds when `graph`
     /// has the same node and leaf counts, every operand and view source at the same unified
     /// position (checked by identity; outside operands may be other tensors of the same kind),
@@ -337,12 +348,10 @@ impl Topology {
                     return None;
                 }
             }
-            let root_ok = match (node.view_src(), self.view_root[i]) {
-                (None, NONE) => true,
-                (Some(root), e) if e != NONE => resolve(e, root, &mut extras),
-                _ => false,
-            };
-            if !root_ok || !self.state_holds(i, node, own_buffers, &live) {
+            // After the operands, so outside operands are still met in index order.
+            if !self.root_holds(i, node, |e, r| resolve(e, r, &mut extras))
+                || !self.state_holds(i, node, own_buffers, &live)
+            {
                 return None;
             }
         }
@@ -351,12 +360,9 @@ impl Topology {
             if !leaf.same(before) && !same_meta(leaf, before) {
                 return None;
             }
-            let root_ok = match (leaf.view_src(), self.view_root[u]) {
-                (None, NONE) => true,
-                (Some(root), e) if e != NONE => resolve(e, root, &mut extras),
-                _ => false,
-            };
-            if !root_ok || !self.state_holds(u, leaf, own_buffers, &live) {
+            if !self.root_holds(u, leaf, |e, r| resolve(e, r, &mut extras))
+                || !self.state_holds(u, leaf, own_buffers, &live)
+            {
                 return None;
             }
         }
