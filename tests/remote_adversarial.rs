@@ -68,9 +68,14 @@ fn healthy(addr: SocketAddr) {
 
 /// Waits (up to 15 s) until `ok` holds; `what` names it in the failure.
 fn eventually(what: &str, ok: impl Fn() -> bool) {
+    eventually_within(Duration::from_secs(15), what, ok);
+}
+
+/// [`eventually`] with its own deadline.
+fn eventually_within(deadline: Duration, what: &str, ok: impl Fn() -> bool) {
     let start = Instant::now();
     while !ok() {
-        assert!(start.elapsed() < Duration::from_secs(15), "never: {what}");
+        assert!(start.elapsed() < deadline, "never: {what}");
         std::thread::sleep(Duration::from_millis(50));
     }
 }
@@ -89,7 +94,11 @@ fn case(setup: impl FnOnce(&mut ServerConfig), attack: impl FnOnce(&Server)) {
     healthy(srv.addr());
     eventually("every connection closes", || srv.sessions() == 0);
     eventually("session threads end", || threads() <= threads0);
-    eventually("memory comes back", || rss_bytes() <= rss0 + (48 << 20));
+    // A generous deadline: it asks whether memory is returned at all, and on a loaded
+    // machine the last buffers of a killed session were seen freed only after 15 s.
+    eventually_within(Duration::from_secs(60), "memory comes back", || {
+        rss_bytes() <= rss0 + (48 << 20)
+    });
 }
 
 fn alloc(raw: &mut Raw, id: u64, size: u64) -> u64 {
