@@ -1355,6 +1355,20 @@ mod f16c {
         _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
     }
 
+    /// How many key (value) rows ahead of the one being read the tiles prefetch. A cache's
+    /// rows for one key/value head are a head's width out of each position's row (several
+    /// heads interleaved), a strided walk the hardware prefetchers follow poorly: without
+    /// this, decoding over a long context waited on the cache's lines (1 536 keys: ~4 GB/s
+    /// of keys and values read, Zen 3).
+    const AHEAD: usize = 16;
+
+    /// Asks for the cache lines of the `n` f16 values at `p` (a hint: the address may lie
+    /// past the data).
+    #[inline(always)]
+    fn prefetch_row(p: *const u16, n: usize) {
+        super::super::simd::prefetch_lines(p.cast(), 2 * n);
+    }
+
     /// One f16 value at `p` widened to f32.
     ///
     /// # Safety
@@ -1421,6 +1435,9 @@ mod f16c {
         macro_rules! keys {
             ($jj:expr, $j0:expr) => {{
                 let j0 = $j0;
+                for jj in 0..$jj {
+                    prefetch_row(k.wrapping_add((j0 + jj + AHEAD) * k_stride), d);
+                }
                 let mut acc = [[_mm256_setzero_ps(); $jj]; R];
                 for i in (0..whole).step_by(8) {
                     let mut kv = [_mm256_setzero_ps(); $jj];
@@ -1520,6 +1537,7 @@ mod f16c {
                     }
                 }
                 for j in 0..kbn {
+                    prefetch_row(v.wrapping_add((j + AHEAD) * v_stride + e0), 8 * $ee);
                     let mut vv = [_mm256_setzero_ps(); $ee];
                     for (c, x) in vv.iter_mut().enumerate() {
                         // SAFETY: elements e0 + 8c..+8 of value row j exist (caller).

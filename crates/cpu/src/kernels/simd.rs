@@ -166,11 +166,17 @@ pub(crate) const PREFETCH_BYTES: usize = 1024;
 /// through, so it may lie past the end of the data.
 #[inline(always)]
 pub(crate) fn prefetch_ahead(p: *const u8, bytes: usize) {
-    let ahead = p.wrapping_add(PREFETCH_BYTES);
+    prefetch_lines(p.wrapping_add(PREFETCH_BYTES), bytes);
+}
+
+/// Asks for the cache lines of the `bytes` bytes at `p` (a hint, as [`prefetch_ahead`]: the
+/// address may lie past the data and is never read through).
+#[inline(always)]
+pub(crate) fn prefetch_lines(p: *const u8, bytes: usize) {
     let mut off = 0;
     while off < bytes {
         // SAFETY: a prefetch reads nothing and cannot fault; SSE is part of x86-64.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(off).cast()) };
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(off).cast()) };
         off += 64;
     }
 }
