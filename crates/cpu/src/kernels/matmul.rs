@@ -481,12 +481,11 @@ fn mul_mat_tiles(
     } else {
         a.dtype
     };
-    // The pairs layout pays off with its 512-bit VNNI kernel only: its portable code compiled
-    // for AVX2 ran q4_0 mat-vecs at ~0.6 GB/s on Zen 3, the plain AVX2 q4_0·q8_0 dot at
-    // memory speed.
+    // q4_0 mat-vecs read activations prepared in the pairs layout (offset corrections folded
+    // in: no sign fixes per block) wherever a SIMD kernel for it exists (AVX2, 512-bit VNNI).
     let q4_pairs = !reference
         && a.nb[0] == a.dtype.type_size()
-        && super::quant_dot::PairsIsa::available().contains(&super::quant_dot::PairsIsa::Vnni512);
+        && super::quant_dot::PairsIsa::available().len() > 1;
     let prepared = prepare(activations, b, scratch, q4_pairs)?;
     let ti = row_tile(m);
     let i_tiles = m.div_ceil(ti);

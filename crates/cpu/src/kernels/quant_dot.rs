@@ -8,8 +8,9 @@
 //!
 //! The q4_0 mat-vec kernel (`dot_q4_0_pairs`) reads activations prepared once per product in
 //! its own lane order (`prepare_q4_pairs`), so that two q4_0 blocks take one 512-bit
-//! `vpdpbusd`; its arithmetic is defined lane by lane and its portable, AVX2-compiled and
-//! AVX-512 VNNI versions give identical bits.
+//! `vpdpbusd` (or two 256-bit `maddubs`), with the nibbles' offset folded in; its arithmetic
+//! is defined lane by lane and its portable, AVX2 and AVX-512 VNNI versions give identical
+//! bits.
 
 use half::f16;
 
@@ -392,22 +393,12 @@ fn dot_q4_0_pairs_portable(a: &[u8], y: &[u8]) -> f32 {
     reduce16(&acc)
 }
 
-/// [`dot_q4_0_pairs_portable`] compiled with AVX2 + FMA (same arithmetic).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dot_q4_0_pairs_avx2(a: &[u8], y: &[u8]) -> f32 {
-    dot_q4_0_pairs_portable(a, y)
-}
-
 /// The kernel families of [`dot_q4_0_pairs_with`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PairsIsa {
     /// Portable Rust.
     Portable,
-    /// The portable code compiled for AVX2 + FMA.
+    /// AVX2: the 16 lanes as two 256-bit halves, `maddubs` + `madd` for each half's sums.
     Avx2,
     /// AVX-512 with VNNI: two blocks per 512-bit `vpdpbusd`.
     Vnni512,
@@ -417,7 +408,7 @@ impl PairsIsa {
     /// Every family this CPU runs, slowest first.
     pub fn available() -> Vec<PairsIsa> {
         let mut out = vec![PairsIsa::Portable];
-        if crate::isa::get().avx2_fma() {
+        if has_f16c() {
             out.push(PairsIsa::Avx2);
         }
         if has_vnni512() {
@@ -442,8 +433,8 @@ pub fn dot_q4_0_pairs_with(isa: PairsIsa, a: &[u8], y: &[u8]) -> f32 {
         // SAFETY: chosen only when the CPU has the features; `y` holds the row's pairs.
         PairsIsa::Vnni512 => unsafe { x86::dot_q4_0_pairs(a, y) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: chosen only when the CPU has AVX2 and FMA.
-        PairsIsa::Avx2 => unsafe { dot_q4_0_pairs_avx2(a, y) },
+        // SAFETY: chosen only when the CPU has AVX2, FMA and F16C.
+        PairsIsa::Avx2 => unsafe { x86::dot_q4_0_pairs_avx2(a, y) },
         #[allow(unreachable_patterns)]
         _ => dot_q4_0_pairs_portable(a, y),
     }
@@ -850,6 +841,73 @@ mod x86 {
         blocks_dot::<true, _>(VnniSums, a, b)
     }
 
+    /// [`super::dot_q4_0_pairs_portable`] with AVX2: per pair of blocks, the 32 packed bytes
+    /// are unpacked into the low nibbles of both blocks (lanes 0-7) and the high nibbles
+    /// (lanes 8-15); `maddubs` (nibbles unsigned × activations signed, pairs in `i16`:
+    /// `|2 · 15 · 128| < 2^15`) and a multiply-add by 1 give each lane's exact sum of four
+    /// products, the prepared offset corrections are added, and one FMA per half scales them.
+    /// The lanes, their arithmetic and the final reduction are the 512-bit kernel's, so the
+    /// bits are too. The weights are prefetched ([`super::super::simd::prefetch_ahead`]).
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C; `y` holds `ceil(nb / 2)` prepared pairs for
+    /// the `nb` blocks of `a`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_q4_0_pairs_avx2(a: &[u8], y: &[u8]) -> f32 {
+        use super::PAIR_BYTES;
+        let nb = a.len() / Q4_0_BYTES;
+        let low = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let spread = _mm256_set_epi32(1, 1, 1, 1, 0, 0, 0, 0);
+        let (mut acc_lo, mut acc_hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let (pa, py) = (a.as_ptr(), y.as_ptr());
+        for p in 0..nb.div_ceil(2) {
+            let b = 2 * p;
+            let both = b + 1 < nb;
+            // SAFETY: block b (and b + 1 when `both`) lies inside `a`; pair p inside `y`.
+            unsafe {
+                super::super::simd::prefetch_ahead(pa.add(b * Q4_0_BYTES), 2 * Q4_0_BYTES);
+                let x0 = _mm_loadu_si128(pa.add(b * Q4_0_BYTES + 2).cast());
+                let d0 = u32::from(pa.add(b * Q4_0_BYTES).cast::<u16>().read_unaligned());
+                let (x1, d1) = if both {
+                    (
+                        _mm_loadu_si128(pa.add((b + 1) * Q4_0_BYTES + 2).cast()),
+                        u32::from(pa.add((b + 1) * Q4_0_BYTES).cast::<u16>().read_unaligned()),
+                    )
+                } else {
+                    (_mm_setzero_si128(), 0)
+                };
+                let x = _mm256_set_m128i(x1, x0);
+                let lo = _mm256_and_si256(x, low);
+                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
+                let pair = py.add(p * PAIR_BYTES);
+                // One half's 8 lanes (a macro: a closure would not inherit the features).
+                macro_rules! sums {
+                    ($nibbles:expr, $at:expr) => {{
+                        let quants = _mm256_loadu_si256(pair.add($at).cast());
+                        let comp = _mm256_loadu_si256(pair.add(64 + $at).cast());
+                        let pairs = _mm256_maddubs_epi16($nibbles, quants);
+                        let products = _mm256_madd_epi16(pairs, ones);
+                        _mm256_cvtepi32_ps(_mm256_add_epi32(comp, products))
+                    }};
+                }
+                let (s_lo, s_hi) = (sums!(lo, 0), sums!(hi, 32));
+                let dx2 = _mm_cvtph_ps(_mm_cvtsi32_si128((d0 | (d1 << 16)) as i32));
+                let dx = _mm256_permutevar8x32_ps(_mm256_castps128_ps256(dx2), spread);
+                let dy_lo = _mm256_loadu_ps(pair.add(128).cast());
+                let dy_hi = _mm256_loadu_ps(pair.add(160).cast());
+                acc_lo = _mm256_fmadd_ps(s_lo, _mm256_mul_ps(dx, dy_lo), acc_lo);
+                acc_hi = _mm256_fmadd_ps(s_hi, _mm256_mul_ps(dx, dy_hi), acc_hi);
+            }
+        }
+        // The fixed order of `reduce16`: halves, quarters, pairs, then the last two.
+        let h8 = _mm256_add_ps(acc_lo, acc_hi);
+        let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps::<1>(h8));
+        let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        let h1 = _mm_add_ss(h2, _mm_shuffle_ps::<1>(h2, h2));
+        _mm_cvtss_f32(h1)
+    }
+
     /// [`super::dot_q4_0_pairs_portable`] with 512-bit VNNI: per pair of blocks, the 32 packed
     /// bytes are unpacked into one vector (low nibbles of both blocks, then high nibbles),
     /// one `vpdpbusd` (nibbles unsigned × activations signed, starting from the prepared
@@ -1139,6 +1197,49 @@ mod tests {
             quantize_row_q8_0(&y, &mut q8);
             let r = dot_q4_0_q8_0_ref(&q4, &q8);
             assert!((want - r).abs() <= 1e-5 * r.abs().max(1.0), "{want} vs {r}");
+        }
+    }
+
+    /// Raw weight bytes (every nibble value, scales normal, subnormal, zero, infinite, NaN)
+    /// against activations with full-range quants: every kernel family gives the portable
+    /// definition's bits, odd block counts included.
+    #[test]
+    fn q4_0_pairs_kernels_agree_on_wild_rows() {
+        let mut state = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        for trial in 0..400 {
+            let blocks = 1 + (next() % 19) as usize;
+            let n = blocks * QK;
+            let mut q4: Vec<u8> = (0..blocks * Q4_0_BYTES).map(|_| next() as u8).collect();
+            for b in q4.chunks_exact_mut(Q4_0_BYTES) {
+                let bits: u16 = match next() % 12 {
+                    0 => 0x7C00,
+                    1 => 0xFE01,
+                    2 => 0x0001,
+                    3 => 0x8000,
+                    _ => half::f16::from_f32((next() % 4000) as f32 / 1000.0 - 2.0).to_bits(),
+                };
+                b[..2].copy_from_slice(&bits.to_le_bytes());
+            }
+            let scale = [1.0f32, 1e-3, 300.0][trial % 3];
+            let y: Vec<f32> = (0..n)
+                .map(|_| ((next() % 2001) as f32 / 1000.0 - 1.0) * scale)
+                .collect();
+            let mut prepared = vec![0u8; q4_pairs_row_bytes(n)];
+            prepare_q4_pairs(&y, &mut prepared);
+            let want = dot_q4_0_pairs_with(PairsIsa::Portable, &q4, &prepared);
+            for isa in PairsIsa::available() {
+                let got = dot_q4_0_pairs_with(isa, &q4, &prepared);
+                assert!(
+                    got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
+                    "{isa:?}, {blocks} blocks, trial {trial}: {got} vs {want}"
+                );
+            }
         }
     }
 
