@@ -159,6 +159,9 @@ struct Attention {
     /// Keys / values are dense f16 rows read in place by the F16C direct path (few rows).
     k_f16: bool,
     v_f16: bool,
+    /// The CPU runs the direct path's SIMD tiles ([`f16c`]: AVX2, FMA, F16C), which then
+    /// also take f32 rows (in place or dequantized into the scratch).
+    simd_direct: bool,
 }
 
 /// FLASH_ATTN_EXT over q `[D, n_q, n_head, n_seq]`, k `[D, n_kv, n_head_kv, n_seq_kv]`,
@@ -226,6 +229,7 @@ pub(crate) fn flash_attn_ext_with(
         mask_direct: mask.as_ref().is_some_and(f32_rows),
         k_f16: f16_rows(&k),
         v_f16: f16_rows(&v),
+        simd_direct: cfg!(target_arch = "x86_64") && super::quant_dot::has_f16c(),
     };
     // The query heads that share one key/value head are one task's rows, so each key block
     // is converted and transposed once for the whole group.
@@ -424,6 +428,20 @@ impl Attention {
                             &mut s.scores,
                         )
                     };
+                } else if direct && self.simd_direct {
+                    #[cfg(target_arch = "x86_64")]
+                    // SAFETY: the CPU has AVX2, FMA and F16C (`simd_direct`); kbn key rows of
+                    // d f32 values, k_stride apart, start at k_ptr (in k or in the scratch).
+                    unsafe {
+                        f16c::scores(
+                            &s.queries[r0 * d..(r0 + tile_rows) * d],
+                            d,
+                            k_ptr,
+                            (k_stride, kbn),
+                            kbp,
+                            &mut s.scores,
+                        )
+                    };
                 } else if direct {
                     // SAFETY: kbn key rows of d elements, k_stride apart, are readable (in k
                     // or in the scratch buffer, not written while this slice lives).
@@ -498,6 +516,14 @@ impl Attention {
                             acc,
                         )
                     };
+                    r0 += tile_rows;
+                    continue;
+                }
+                #[cfg(target_arch = "x86_64")]
+                if direct && self.simd_direct {
+                    // SAFETY: the CPU has AVX2, FMA and F16C (`simd_direct`); kbn value rows of
+                    // dv f32 values, v_stride apart, start at v_ptr (in v or in the scratch).
+                    unsafe { f16c::values(&s.scores, kbp, v_ptr, (v_stride, kbn), dv, acc) };
                     r0 += tile_rows;
                     continue;
                 }
@@ -1344,15 +1370,54 @@ mod f16c {
         _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
     }
 
-    /// 8 f16 values at `p` widened to f32.
-    ///
-    /// # Safety
-    /// 16 bytes must be readable at `p`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8(p: *const u16) -> __m256 {
-        // SAFETY: the caller guarantees 8 readable values; the load is unaligned.
-        _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+    /// The element types the tiles read keys and values as: f16 (widened by F16C) or f32.
+    pub(super) trait Elem: Copy {
+        /// 8 values at `p` as f32.
+        ///
+        /// # Safety
+        /// AVX2, FMA and F16C; 8 values must be readable at `p`.
+        unsafe fn load8(p: *const Self) -> __m256;
+        /// One value at `p` as f32.
+        ///
+        /// # Safety
+        /// AVX2, FMA and F16C; one value must be readable at `p`.
+        unsafe fn load1(p: *const Self) -> f32;
+    }
+
+    impl Elem for u16 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const u16) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable values; the load is unaligned.
+            _mm256_cvtph_ps(unsafe { _mm_loadu_si128(p.cast()) })
+        }
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load1(p: *const u16) -> f32 {
+            // SAFETY: the caller guarantees the value; the read is unaligned.
+            super::super::simd::f16_to_f32(unsafe { p.read_unaligned() })
+        }
+    }
+
+    impl Elem for f32 {
+        #[inline]
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn load8(p: *const f32) -> __m256 {
+            // SAFETY: the caller guarantees 8 readable values; the load is unaligned.
+            unsafe { _mm256_loadu_ps(p) }
+        }
+        #[inline]
+        unsafe fn load1(p: *const f32) -> f32 {
+            // SAFETY: the caller guarantees the value; the read is unaligned.
+            unsafe { p.read_unaligned() }
+        }
+    }
+
+    /// Asks for the cache lines of the `n` values at `p` (a hint: the address may lie past
+    /// the data).
+    #[inline(always)]
+    fn prefetch_row<T>(p: *const T, n: usize) {
+        super::super::simd::prefetch_lines(p.cast(), n * std::mem::size_of::<T>());
     }
 
     /// How many key (value) rows ahead of the one being read the tiles prefetch. A cache's
@@ -1361,24 +1426,6 @@ mod f16c {
     /// this, decoding over a long context waited on the cache's lines (1 536 keys: ~4 GB/s
     /// of keys and values read, Zen 3).
     const AHEAD: usize = 16;
-
-    /// Asks for the cache lines of the `n` f16 values at `p` (a hint: the address may lie
-    /// past the data).
-    #[inline(always)]
-    fn prefetch_row(p: *const u16, n: usize) {
-        super::super::simd::prefetch_lines(p.cast(), 2 * n);
-    }
-
-    /// One f16 value at `p` widened to f32.
-    ///
-    /// # Safety
-    /// 2 bytes must be readable at `p`.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load1(p: *const u16) -> f32 {
-        // SAFETY: the caller guarantees the value; the read is unaligned.
-        super::super::simd::f16_to_f32(unsafe { p.read_unaligned() })
-    }
 
     /// `s[r][j] = q[r] · k[j]` for the query rows `q` (`d` apart, at most 8) and `kbn` f16
     /// key rows at `k` (`k_stride` values apart); `s` rows are `kbp` apart.
@@ -1392,10 +1439,10 @@ mod f16c {
     /// AVX2, FMA and F16C; the `kbn` key rows of `d` values are readable; `s` holds the
     /// rows' `kbp`-wide segments.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn scores(
+    pub(super) unsafe fn scores<T: Elem>(
         q: &[f32],
         d: usize,
-        k: *const u16,
+        k: *const T,
         (k_stride, kbn): (usize, usize),
         kbp: usize,
         s: &mut [f32],
@@ -1407,14 +1454,14 @@ mod f16c {
         unsafe {
             match rows {
                 0 => {}
-                1 => scores_rows::<1, 4>(args, s),
-                2 => scores_rows::<2, 4>(args, s),
-                3 => scores_rows::<3, 4>(args, s),
-                4 => scores_rows::<4, 2>(args, s),
-                5 => scores_rows::<5, 2>(args, s),
-                6 => scores_rows::<6, 2>(args, s),
-                7 => scores_rows::<7, 1>(args, s),
-                _ => scores_rows::<8, 1>(args, s),
+                1 => scores_rows::<T, 1, 4>(args, s),
+                2 => scores_rows::<T, 2, 4>(args, s),
+                3 => scores_rows::<T, 3, 4>(args, s),
+                4 => scores_rows::<T, 4, 2>(args, s),
+                5 => scores_rows::<T, 5, 2>(args, s),
+                6 => scores_rows::<T, 6, 2>(args, s),
+                7 => scores_rows::<T, 7, 1>(args, s),
+                _ => scores_rows::<T, 8, 1>(args, s),
             }
         }
     }
@@ -1425,8 +1472,8 @@ mod f16c {
     /// As [`scores`], with `q` holding exactly `R` rows.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn scores_rows<const R: usize, const J: usize>(
-        (q, d, k, k_stride, kbn, kbp): (&[f32], usize, *const u16, usize, usize, usize),
+    unsafe fn scores_rows<T: Elem, const R: usize, const J: usize>(
+        (q, d, k, k_stride, kbn, kbp): (&[f32], usize, *const T, usize, usize, usize),
         s: &mut [f32],
     ) {
         let whole = d / 8 * 8;
@@ -1443,7 +1490,7 @@ mod f16c {
                     let mut kv = [_mm256_setzero_ps(); $jj];
                     for (jj, v) in kv.iter_mut().enumerate() {
                         // SAFETY: elements i..i + 8 of key row j0 + jj exist (caller).
-                        *v = unsafe { load8(k.add((j0 + jj) * k_stride + i)) };
+                        *v = unsafe { T::load8(k.add((j0 + jj) * k_stride + i)) };
                     }
                     for (r, row) in acc.iter_mut().enumerate() {
                         // SAFETY: query row r holds elements i..i + 8; the load is unaligned.
@@ -1459,7 +1506,7 @@ mod f16c {
                         let mut dot = hsum(*a);
                         for i in whole..d {
                             // SAFETY: element i of key row j0 + jj exists.
-                            dot += q[r * d + i] * unsafe { load1(kr.add(i)) };
+                            dot += q[r * d + i] * unsafe { T::load1(kr.add(i)) };
                         }
                         s[r * kbp + j0 + jj] = dot;
                     }
@@ -1488,10 +1535,10 @@ mod f16c {
     /// # Safety
     /// AVX2, FMA and F16C; the `kbn` value rows of `dv` values are readable.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn values(
+    pub(super) unsafe fn values<T: Elem>(
         p: &[f32],
         kbp: usize,
-        v: *const u16,
+        v: *const T,
         (v_stride, kbn): (usize, usize),
         dv: usize,
         acc: &mut [f32],
@@ -1503,14 +1550,14 @@ mod f16c {
         unsafe {
             match rows {
                 0 => {}
-                1 => values_rows::<1, 4>(args, acc),
-                2 => values_rows::<2, 4>(args, acc),
-                3 => values_rows::<3, 2>(args, acc),
-                4 => values_rows::<4, 2>(args, acc),
-                5 => values_rows::<5, 1>(args, acc),
-                6 => values_rows::<6, 1>(args, acc),
-                7 => values_rows::<7, 1>(args, acc),
-                _ => values_rows::<8, 1>(args, acc),
+                1 => values_rows::<T, 1, 4>(args, acc),
+                2 => values_rows::<T, 2, 4>(args, acc),
+                3 => values_rows::<T, 3, 2>(args, acc),
+                4 => values_rows::<T, 4, 2>(args, acc),
+                5 => values_rows::<T, 5, 1>(args, acc),
+                6 => values_rows::<T, 6, 1>(args, acc),
+                7 => values_rows::<T, 7, 1>(args, acc),
+                _ => values_rows::<T, 8, 1>(args, acc),
             }
         }
     }
@@ -1521,8 +1568,8 @@ mod f16c {
     /// As [`values`], with `acc` holding exactly `R` rows.
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn values_rows<const R: usize, const E: usize>(
-        (p, kbp, v, v_stride, kbn, dv): (&[f32], usize, *const u16, usize, usize, usize),
+    unsafe fn values_rows<T: Elem, const R: usize, const E: usize>(
+        (p, kbp, v, v_stride, kbn, dv): (&[f32], usize, *const T, usize, usize, usize),
         acc: &mut [f32],
     ) {
         let whole = dv / 8 * 8;
@@ -1541,7 +1588,7 @@ mod f16c {
                     let mut vv = [_mm256_setzero_ps(); $ee];
                     for (c, x) in vv.iter_mut().enumerate() {
                         // SAFETY: elements e0 + 8c..+8 of value row j exist (caller).
-                        *x = unsafe { load8(v.add(j * v_stride + e0 + 8 * c)) };
+                        *x = unsafe { T::load8(v.add(j * v_stride + e0 + 8 * c)) };
                     }
                     for (r, row) in sums.iter_mut().enumerate() {
                         let pr = _mm256_set1_ps(p[r * kbp + j]);
@@ -1572,7 +1619,7 @@ mod f16c {
         for e in whole..dv {
             for j in 0..kbn {
                 // SAFETY: element e of value row j exists (caller).
-                let x = unsafe { load1(v.add(j * v_stride + e)) };
+                let x = unsafe { T::load1(v.add(j * v_stride + e)) };
                 for r in 0..R {
                     acc[r * dv + e] += p[r * kbp + j] * x;
                 }
