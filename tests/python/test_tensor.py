@@ -165,3 +165,28 @@ def test_bf16_from_python_numbers(host_ctx: fg.Context) -> None:
     np.testing.assert_array_equal(fg.bf16_to_fp32(t.numpy()), [1.0, -2.5, 0.15625])
     with pytest.raises(fg.DTypeError):
         t.set(np.zeros(3, np.float32))  # arrays must be bf16 (or uint16 bits)
+
+
+@pytest.mark.parametrize("dtype", PLAIN)
+def test_set_reads_every_layout_of_an_exact_array(host_ctx: fg.Context, dtype: type) -> None:
+    """Exact C-contiguous arrays take `set`'s direct path; Fortran-ordered, strided,
+    read-only and non-native arrays the general one: every one lands in logical order."""
+    fgtype = getattr(fg, np.dtype(dtype).name)
+    data = (np.arange(24) - 7).astype(dtype).reshape(2, 3, 4)
+    t = host_ctx.new_tensor(fgtype, (2, 3, 4))
+    frozen = data.copy()
+    frozen.flags.writeable = False
+    layouts = [data, np.asfortranarray(data), frozen, np.repeat(data, 2, axis=2)[:, :, ::2]]
+    for array in layouts:
+        t.set(np.zeros_like(data))
+        t.set(array)
+        np.testing.assert_array_equal(t.numpy(), data)
+    swapped = data.astype(np.dtype(dtype).newbyteorder())
+    if np.dtype(dtype).itemsize > 1:
+        with pytest.raises(fg.DTypeError):
+            t.set(swapped)
+    with pytest.raises(fg.ShapeError):
+        t.set(data.reshape(6, 4))
+    empty = host_ctx.new_tensor(fgtype, (0, 3))
+    empty.set(np.zeros((0, 3), dtype))
+    assert empty.numpy().shape == (0, 3)

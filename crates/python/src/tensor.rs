@@ -6,7 +6,7 @@
 //! core tensor compare equal.
 
 use numpy::ndarray::ArrayView1;
-use numpy::{PyArray1, PyArrayMethods};
+use numpy::{PyArray1, PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::basic::CompareOp;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
@@ -95,6 +95,51 @@ fn write_logical(t: &Tensor, src: &[u8]) -> Result<()> {
         at += len;
         Ok(())
     })
+}
+
+/// `Tensor.set`'s common case without a Python call: a C-contiguous array of exactly the
+/// tensor's element type (native byte order) and shape. Returns whether it applied; `false`
+/// leaves every other case (conversions, checks, their errors) to the general path.
+fn set_exact(t: &Tensor, array: &Bound<'_, PyAny>) -> PyResult<bool> {
+    match t.dtype() {
+        DType::F32 => set_exact_as::<f32>(t, array),
+        DType::F16 => set_exact_as::<half::f16>(t, array),
+        DType::I8 => set_exact_as::<i8>(t, array),
+        DType::I16 => set_exact_as::<i16>(t, array),
+        DType::I32 => set_exact_as::<i32>(t, array),
+        DType::I64 => set_exact_as::<i64>(t, array),
+        _ => Ok(false),
+    }
+}
+
+/// [`set_exact`] for element type `T`.
+fn set_exact_as<T: numpy::Element + Copy>(t: &Tensor, array: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let Ok(typed) = array.cast::<PyArrayDyn<T>>() else {
+        return Ok(false);
+    };
+    if !typed.is_c_contiguous() || typed.shape() != t.shape().as_slice() {
+        return Ok(false);
+    }
+    let Ok(view) = typed.try_readonly() else {
+        return Ok(false);
+    };
+    let Ok(values) = view.as_slice() else {
+        return Ok(false);
+    };
+    // SAFETY: a slice of plain numeric values viewed as its bytes (same memory, same length
+    // in bytes; u8 has no alignment or validity requirements).
+    let src = unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    };
+    t.storage()?;
+    let py = array.py();
+    let work = || guard("Tensor.set", || write_logical(t, src));
+    if src.len() >= DETACH_THRESHOLD {
+        py.detach(work)?;
+    } else {
+        work()?;
+    }
+    Ok(true)
 }
 
 /// A copy of the tensor's data as a numpy array (quantized types dequantize to f32).
@@ -506,6 +551,9 @@ impl PyTensor {
     fn set<'py>(slf: Bound<'py, Self>, array: &Bound<'py, PyAny>) -> PyResult<Bound<'py, Self>> {
         let py = slf.py();
         let t = &slf.get().inner;
+        if set_exact(t, array)? {
+            return Ok(slf);
+        }
         let np = numpy(py)?;
         let dtype = t.dtype();
         let bf16_from_numbers =
