@@ -132,14 +132,20 @@ fn set_exact_as<T: numpy::Element + Copy>(t: &Tensor, array: &Bound<'_, PyAny>) 
         std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
     };
     t.storage()?;
-    let py = array.py();
+    write_array_bytes(array.py(), t, src)?;
+    Ok(true)
+}
+
+/// Writes `src` (an array's bytes in logical order) into `t`, without the interpreter when
+/// it is large.
+fn write_array_bytes(py: Python<'_>, t: &Tensor, src: &[u8]) -> PyResult<()> {
     let work = || guard("Tensor.set", || write_logical(t, src));
     if src.len() >= DETACH_THRESHOLD {
         py.detach(work)?;
     } else {
         work()?;
     }
-    Ok(true)
+    Ok(())
 }
 
 /// A copy of the tensor's data as a numpy array (quantized types dequantize to f32).
@@ -618,12 +624,7 @@ impl PyTensor {
         let bytes = byte_view(&contiguous)?;
         let bytes = bytes.readonly();
         let src = bytes.as_slice().map_err(|e| errors::shape(e.to_string()))?;
-        let work = || guard("Tensor.set", || write_logical(t, src));
-        if src.len() >= DETACH_THRESHOLD {
-            py.detach(work)?;
-        } else {
-            work()?;
-        }
+        write_array_bytes(py, t, src)?;
         Ok(slf)
     }
 

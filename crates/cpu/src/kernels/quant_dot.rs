@@ -841,6 +841,30 @@ mod x86 {
         blocks_dot::<true, _>(VnniSums, a, b)
     }
 
+    /// Blocks `$b` and `$b + 1` (a zero block and scale when `$both` is false) of the q4_0 row
+    /// at `$pa`: `(low nibbles of both, high nibbles of both, d0 bits, d1 bits)`, the nibbles
+    /// of block `$b` in each vector's low half. A macro so it expands inside each kernel with
+    /// that kernel's target features; the caller's `unsafe` block covers the reads.
+    macro_rules! q4_0_pair {
+        ($pa:expr, $b:expr, $both:expr, $low:expr) => {{
+            let (pa, b) = ($pa, $b);
+            let x0 = _mm_loadu_si128(pa.add(b * Q4_0_BYTES + 2).cast());
+            let d0 = u32::from(pa.add(b * Q4_0_BYTES).cast::<u16>().read_unaligned());
+            let (x1, d1) = if $both {
+                (
+                    _mm_loadu_si128(pa.add((b + 1) * Q4_0_BYTES + 2).cast()),
+                    u32::from(pa.add((b + 1) * Q4_0_BYTES).cast::<u16>().read_unaligned()),
+                )
+            } else {
+                (_mm_setzero_si128(), 0)
+            };
+            let x = _mm256_set_m128i(x1, x0);
+            let lo = _mm256_and_si256(x, $low);
+            let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), $low);
+            (lo, hi, d0, d1)
+        }};
+    }
+
     /// [`super::dot_q4_0_pairs_portable`] with AVX2: per pair of blocks, the 32 packed bytes
     /// are unpacked into the low nibbles of both blocks (lanes 0-7) and the high nibbles
     /// (lanes 8-15); `maddubs` (nibbles unsigned × activations signed, pairs in `i16`:
@@ -867,19 +891,7 @@ mod x86 {
             // SAFETY: block b (and b + 1 when `both`) lies inside `a`; pair p inside `y`.
             unsafe {
                 super::super::simd::prefetch_ahead(pa.add(b * Q4_0_BYTES), 2 * Q4_0_BYTES);
-                let x0 = _mm_loadu_si128(pa.add(b * Q4_0_BYTES + 2).cast());
-                let d0 = u32::from(pa.add(b * Q4_0_BYTES).cast::<u16>().read_unaligned());
-                let (x1, d1) = if both {
-                    (
-                        _mm_loadu_si128(pa.add((b + 1) * Q4_0_BYTES + 2).cast()),
-                        u32::from(pa.add((b + 1) * Q4_0_BYTES).cast::<u16>().read_unaligned()),
-                    )
-                } else {
-                    (_mm_setzero_si128(), 0)
-                };
-                let x = _mm256_set_m128i(x1, x0);
-                let lo = _mm256_and_si256(x, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
+                let (lo, hi, d0, d1) = q4_0_pair!(pa, b, both, low);
                 let pair = py.add(p * PAIR_BYTES);
                 // One half's 8 lanes (a macro: a closure would not inherit the features).
                 macro_rules! sums {
@@ -929,19 +941,7 @@ mod x86 {
             let both = b + 1 < nb;
             // SAFETY: block b (and b + 1 when `both`) lies inside `a`; pair p inside `y`.
             unsafe {
-                let x0 = _mm_loadu_si128(pa.add(b * Q4_0_BYTES + 2).cast());
-                let d0 = u32::from(pa.add(b * Q4_0_BYTES).cast::<u16>().read_unaligned());
-                let (x1, d1) = if both {
-                    (
-                        _mm_loadu_si128(pa.add((b + 1) * Q4_0_BYTES + 2).cast()),
-                        u32::from(pa.add((b + 1) * Q4_0_BYTES).cast::<u16>().read_unaligned()),
-                    )
-                } else {
-                    (_mm_setzero_si128(), 0)
-                };
-                let x = _mm256_set_m128i(x1, x0);
-                let lo = _mm256_and_si256(x, low);
-                let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(x), low);
+                let (lo, hi, d0, d1) = q4_0_pair!(pa, b, both, low);
                 let nibbles = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi);
                 let pair = py.add(p * PAIR_BYTES);
                 let quants = _mm512_loadu_si512(pair.cast());
