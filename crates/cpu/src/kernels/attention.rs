@@ -17,10 +17,13 @@
 //! past a decoding step's position in a padded cache window cost nothing.
 //!
 //! The tiles run in explicit AVX-512F when the CPU has it, otherwise as plain loops compiled
-//! for AVX2+FMA (auto-vectorised) or the baseline target. All arithmetic is f32; the two
-//! families round differently (fused vs separate multiply-adds, lane order of the sums); each
-//! is within 1e-5 (absolute) of an f64 reference on data in [−1, 1] (tests). Tasks do not
-//! depend on the thread count, so neither do the results.
+//! for AVX2+FMA (auto-vectorised) or the baseline target. A decoding step's few rows take the
+//! keys and values as stored instead (no transpose), through explicit AVX2/FMA/F16C tiles for
+//! f16 and f32 rows (a q8_0 cache's rows dequantized first) that prefetch the strided rows
+//! ahead. All arithmetic is f32; the families round differently (fused vs separate
+//! multiply-adds, lane order of the sums); each is within 1e-5 (absolute) of an f64
+//! reference on data in [−1, 1] (tests). Tasks do not depend on the thread count, so neither
+//! do the results.
 
 use super::view::RowIo;
 use std::cell::RefCell;
