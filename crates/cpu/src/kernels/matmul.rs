@@ -485,7 +485,7 @@ fn mul_mat_tiles(
     // in: no sign fixes per block) wherever a SIMD kernel for it exists (AVX2, 512-bit VNNI).
     let q4_pairs = !reference
         && a.nb[0] == a.dtype.type_size()
-        && super::quant_dot::PairsIsa::available().len() > 1;
+        && super::quant_dot::PairsIsa::best() != super::quant_dot::PairsIsa::Portable;
     let prepared = prepare(activations, b, scratch, q4_pairs)?;
     let ti = row_tile(m);
     let i_tiles = m.div_ceil(ti);

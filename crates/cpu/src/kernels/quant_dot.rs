@@ -416,6 +416,13 @@ impl PairsIsa {
         }
         out
     }
+
+    /// The fastest family this CPU runs (detected once).
+    pub fn best() -> PairsIsa {
+        use std::sync::OnceLock;
+        static BEST: OnceLock<PairsIsa> = OnceLock::new();
+        *BEST.get_or_init(|| *PairsIsa::available().last().unwrap_or(&PairsIsa::Portable))
+    }
 }
 
 /// Whether the 512-bit VNNI kernels can run on this CPU.
@@ -442,10 +449,7 @@ pub fn dot_q4_0_pairs_with(isa: PairsIsa, a: &[u8], y: &[u8]) -> f32 {
 
 /// q4_0 row · prepared activation row with the fastest kernel this CPU runs.
 pub fn dot_q4_0_pairs(a: &[u8], y: &[u8]) -> f32 {
-    use std::sync::OnceLock;
-    static BEST: OnceLock<PairsIsa> = OnceLock::new();
-    let isa = *BEST.get_or_init(|| *PairsIsa::available().last().unwrap_or(&PairsIsa::Portable));
-    dot_q4_0_pairs_with(isa, a, y)
+    dot_q4_0_pairs_with(PairsIsa::best(), a, y)
 }
 
 #[cfg(target_arch = "x86_64")]
