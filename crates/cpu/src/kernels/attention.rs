@@ -413,37 +413,19 @@ impl Attention {
             let mut r0 = 0;
             while r0 < nr {
                 let tile_rows = ROWS.min(nr - r0);
-                #[cfg(target_arch = "x86_64")]
-                let f16_keys = direct && self.k_f16;
-                #[cfg(not(target_arch = "x86_64"))]
-                let f16_keys = false;
-                if f16_keys {
-                    #[cfg(target_arch = "x86_64")]
-                    // SAFETY: f16_rows checked the CPU and the layout; kbn key rows of d f16
-                    // values, k_stride elements apart, start at k_ptr inside k.
-                    unsafe {
-                        f16c::scores(
-                            &s.queries[r0 * d..(r0 + tile_rows) * d],
-                            d,
-                            k_ptr.cast::<u16>(),
-                            (k_stride, kbn),
-                            kbp,
-                            &mut s.scores,
-                        )
-                    };
-                } else if direct && self.simd_direct {
+                if direct && self.simd_direct {
                     #[cfg(target_arch = "x86_64")]
                     // SAFETY: the CPU has AVX2, FMA and F16C (`simd_direct`); kbn key rows of
-                    // d f32 values, k_stride apart, start at k_ptr (in k or in the scratch).
+                    // d values, k_stride elements apart, start at k_ptr (in k or in the
+                    // scratch): f16 when `k_f16` (f16_rows checked the layout), else f32.
                     unsafe {
-                        f16c::scores(
-                            &s.queries[r0 * d..(r0 + tile_rows) * d],
-                            d,
-                            k_ptr,
-                            (k_stride, kbn),
-                            kbp,
-                            &mut s.scores,
-                        )
+                        let queries = &s.queries[r0 * d..(r0 + tile_rows) * d];
+                        if self.k_f16 {
+                            let k16 = k_ptr.cast::<u16>();
+                            f16c::scores(queries, d, k16, (k_stride, kbn), kbp, &mut s.scores)
+                        } else {
+                            f16c::scores(queries, d, k_ptr, (k_stride, kbn), kbp, &mut s.scores)
+                        }
                     };
                 } else if direct {
                     // SAFETY: kbn key rows of d elements, k_stride apart, are readable (in k
@@ -506,27 +488,18 @@ impl Attention {
                 }
                 let acc = &mut s.acc[r0 * dv..(r0 + tile_rows) * dv];
                 #[cfg(target_arch = "x86_64")]
-                if v_f16 {
-                    // SAFETY: f16_rows checked the CPU and the layout; kbn value rows of dv f16
-                    // values, v_stride elements apart, start at v_ptr inside v.
-                    unsafe {
-                        f16c::values(
-                            &s.scores,
-                            kbp,
-                            v_ptr.cast::<u16>(),
-                            (v_stride, kbn),
-                            dv,
-                            acc,
-                        )
-                    };
-                    r0 += tile_rows;
-                    continue;
-                }
-                #[cfg(target_arch = "x86_64")]
                 if direct && self.simd_direct {
                     // SAFETY: the CPU has AVX2, FMA and F16C (`simd_direct`); kbn value rows of
-                    // dv f32 values, v_stride apart, start at v_ptr (in v or in the scratch).
-                    unsafe { f16c::values(&s.scores, kbp, v_ptr, (v_stride, kbn), dv, acc) };
+                    // dv values, v_stride elements apart, start at v_ptr (in v or in the
+                    // scratch): f16 when `v_f16` (f16_rows checked the layout), else f32.
+                    unsafe {
+                        if v_f16 {
+                            let v16 = v_ptr.cast::<u16>();
+                            f16c::values(&s.scores, kbp, v16, (v_stride, kbn), dv, acc)
+                        } else {
+                            f16c::values(&s.scores, kbp, v_ptr, (v_stride, kbn), dv, acc)
+                        }
+                    };
                     r0 += tile_rows;
                     continue;
                 }
