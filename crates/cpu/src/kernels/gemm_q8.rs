@@ -16,7 +16,8 @@
 //! `acc = fma(isum(i, j, b) as f32, dw(i, b) · da(j, b), acc)` where `isum` is the exact
 //! integer block sum (at most 32 · 128 · 127 in magnitude, so its f32 conversion is exact),
 //! `dw · da` is one rounded f32 product and `fma` rounds once. The AVX-512 VNNI kernel, the
-//! portable kernel and the portable kernel compiled for AVX2 therefore agree bit for bit.
+//! AVX2 kernel (`avx2`: the same packed panels, activations widened to i16, no offset) and
+//! the portable kernel therefore agree bit for bit.
 
 use super::view::RowIo;
 use std::cell::RefCell;
@@ -26,6 +27,9 @@ use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTE
 use super::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+
+#[cfg(target_arch = "x86_64")]
+mod avx2;
 
 /// Weight rows per packed panel (two 16-lane vectors).
 pub const PANEL: usize = 32;
@@ -54,7 +58,7 @@ const COMP_AT: usize = SCALES_AT + 2 * 64;
 pub enum Isa {
     /// Portable Rust.
     Portable,
-    /// The portable kernel compiled with AVX2 + FMA enabled (auto-vectorized).
+    /// AVX2 + FMA + F16C (`vpmaddubsw` on 256-bit vectors, see `avx2`).
     Avx2,
     /// AVX-512 with VNNI (`vpdpbusd` on 512-bit vectors).
     Vnni512,
@@ -66,7 +70,7 @@ impl Isa {
         let mut out = vec![Isa::Portable];
         #[cfg(target_arch = "x86_64")]
         {
-            if crate::isa::get().avx2_fma() {
+            if crate::isa::get().avx2_fma_f16c() {
                 out.push(Isa::Avx2);
             }
             if has_vnni512() {
@@ -92,6 +96,38 @@ fn has_vnni512() -> bool {
 /// scale per block.
 pub fn act_row_bytes(k: usize) -> usize {
     k + 4 * (k / QK)
+}
+
+/// Bytes of one activation row of `k` elements as the kernels of `isa` read it: the AVX2
+/// kernel's quants are widened to i16 ([`widen_row`]), the others' are offset bytes.
+pub fn act_row_bytes_for(isa: Isa, k: usize) -> usize {
+    if isa == Isa::Avx2 {
+        2 * k + 4 * (k / QK)
+    } else {
+        act_row_bytes(k)
+    }
+}
+
+/// Rewrites a prepared row of `k` elements (the first [`act_row_bytes`] of `row`) in place
+/// into the wide layout of the AVX2 kernel: `k` signed i16 quants (the offset removed), then
+/// the same f32 scales. `row` holds `act_row_bytes_for(Isa::Avx2, k)` bytes.
+pub fn widen_row(row: &mut [u8], k: usize) {
+    let scales = 4 * (k / QK);
+    assert!(row.len() >= 2 * k + scales);
+    row.copy_within(k..k + scales, 2 * k);
+    // Backwards: element `i` moves to bytes `2 i..2 i + 2`, never over an unread element.
+    for i in (0..k).rev() {
+        let q = (i16::from(row[i]) - 128).to_ne_bytes();
+        row[2 * i..2 * i + 2].copy_from_slice(&q);
+    }
+}
+
+/// [`prepare_row`] into the layout the kernels of `isa` read ([`act_row_bytes_for`]).
+pub fn prepare_row_for(isa: Isa, x: &[f32], out: &mut [u8]) {
+    prepare_row(x, out);
+    if isa == Isa::Avx2 {
+        widen_row(out, x.len());
+    }
 }
 
 /// Whether this path handles the product (quantized weights with whole blocks in dense rows,
@@ -151,10 +187,11 @@ pub fn prepare_row_portable(x: &[f32], out: &mut [u8]) {
     }
 }
 
-/// Prepares every row of `b` (parallel) into `out` (`nrows × act_row_bytes(k)` bytes).
-fn prepare_acts(b: &RawTensor, out: &mut [u8]) -> Result<()> {
+/// Prepares every row of `b` (parallel) into `out` (`nrows × act_row_bytes_for(isa, k)`
+/// bytes) for the kernels of `isa`.
+fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8]) -> Result<()> {
     let k = b.ne[0];
-    let row_bytes = act_row_bytes(k);
+    let row_bytes = act_row_bytes_for(isa, k);
     super::par_rows_mut(
         out,
         row_bytes,
@@ -163,15 +200,22 @@ fn prepare_acts(b: &RawTensor, out: &mut [u8]) -> Result<()> {
             let (i1, i2, i3) = b.row_coords(r);
             // SAFETY: row `r` lies inside `b` (read-only during the product).
             unsafe { b.load_row(i1, i2, i3, buf)? };
-            prepare_row(buf, row);
+            prepare_row_for(isa, buf, row);
             Ok(())
         },
     )
 }
 
 /// Packs weight rows (`rows[r]` is the raw q8_0/q4_0 row of panel row `r`, `None` past the
-/// last row) into `out`: `nb` packed blocks.
-fn pack_panel(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut Vec<Line>) {
+/// last row) into `out`: `nb` packed blocks, with the packer of `isa` (every packer writes the
+/// same bytes).
+fn pack_panel(
+    isa: Isa,
+    dtype: DType,
+    rows: &[Option<&[u8]>; PANEL],
+    nb: usize,
+    out: &mut Vec<Line>,
+) {
     out.clear();
     out.resize(nb * BLOCK_LINES, Line([0; 64]));
     let block = if dtype == DType::Q4_0 {
@@ -180,15 +224,17 @@ fn pack_panel(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut 
         Q8_0_BYTES
     };
     assert!(rows.iter().flatten().all(|r| r.len() >= nb * block));
-    #[cfg(target_arch = "x86_64")]
-    if has_vnni512() {
-        // SAFETY: the CPU has AVX-512F/BW/VNNI (checked); every row holds `nb` blocks
-        // (asserted above) and `out` holds `nb` packed blocks.
-        if unsafe { x86::pack_panel(dtype == DType::Q4_0, rows, nb, out) } {
-            return;
-        }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI; every row holds
+        // `nb` blocks (asserted above) and `out` holds `nb` packed blocks.
+        Isa::Vnni512 if unsafe { x86::pack_panel(dtype == DType::Q4_0, rows, nb, out) } => {}
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C; sizes as above, and
+        // `out` is zeroed.
+        Isa::Avx2 => unsafe { avx2::pack_panel(dtype == DType::Q4_0, rows, nb, out) },
+        _ => pack_panel_portable(dtype, rows, nb, out),
     }
-    pack_panel_portable(dtype, rows, nb, out);
 }
 
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
@@ -275,16 +321,6 @@ fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANE
         }
         out[c] = acc;
     }
-}
-
-/// [`tile_portable`] compiled with AVX2 + FMA (same arithmetic, vectorized by the compiler).
-///
-/// # Safety
-/// The CPU must support AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn tile_avx2(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; COLS]) {
-    tile_portable(panel, acts, k, out);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -545,15 +581,15 @@ mod x86 {
 fn run_tile(isa: Isa, panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; COLS]) {
     assert!(!acts.is_empty() && acts.len() <= COLS);
     assert!(panel.len() >= (k / QK) * BLOCK_LINES);
-    assert!(acts.iter().all(|a| a.len() >= act_row_bytes(k)));
+    assert!(acts.iter().all(|a| a.len() >= act_row_bytes_for(isa, k)));
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Vnni512` is only chosen when the CPU has its features (`Isa::available`);
         // the sizes were checked above.
         Isa::Vnni512 => unsafe { x86::tile_vnni512(panel, acts, k, out) },
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Avx2` is only chosen when the CPU has AVX2 and FMA.
-        Isa::Avx2 => unsafe { tile_avx2(panel, acts, k, out) },
+        // SAFETY: `Avx2` is only chosen when the CPU has AVX2 and FMA; sizes as above.
+        Isa::Avx2 => unsafe { avx2::tile(panel, acts, k, out) },
         #[allow(unreachable_patterns)]
         _ => tile_portable(panel, acts, k, out),
     }
@@ -588,10 +624,10 @@ pub fn mul_mat(
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     let nb = k / QK;
-    let row_bytes = act_row_bytes(k);
+    let row_bytes = act_row_bytes_for(isa, k);
     scratch.clear();
     scratch.resize(b.nrows() * row_bytes, 0);
-    prepare_acts(b, scratch)?;
+    prepare_acts(isa, b, scratch)?;
     let acts: &[u8] = scratch;
     let a_row_bytes = a.dtype.row_size(k)?;
     let panels = m.div_ceil(PANEL);
@@ -624,7 +660,7 @@ pub fn mul_mat(
                     }
                 })
             });
-            pack_panel(a.dtype, &rows, nb, &mut buf);
+            pack_panel(isa, a.dtype, &rows, nb, &mut buf);
             let valid = (m - i0).min(PANEL);
             let cols = jb * cb..((jb + 1) * cb).min(n);
             for j0 in cols.clone().step_by(COLS) {
@@ -775,27 +811,29 @@ mod tests {
             let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
                 (r < m).then(|| &raw[r * nb * block..(r + 1) * nb * block])
             });
-            let mut panel = Vec::new();
-            pack_panel(dtype, &rows, nb, &mut panel);
             let mut portable = vec![Line([0; 64]); nb * BLOCK_LINES];
             pack_panel_portable(dtype, &rows, nb, &mut portable);
-            let same = panel.iter().zip(&portable).all(|(a, b)| a.0 == b.0);
-            assert!(
-                same,
-                "{dtype}: packed panels differ from the portable packer"
-            );
+            let mut panel = Vec::new();
+            for isa in Isa::available() {
+                pack_panel(isa, dtype, &rows, nb, &mut panel);
+                let same = panel.iter().zip(&portable).all(|(a, b)| a.0 == b.0);
+                assert!(
+                    same,
+                    "{dtype} {isa:?}: packed panel differs from the portable one"
+                );
+            }
             let xs: Vec<Vec<f32>> = (0..COLS).map(|c| values(k, 11 + c as u32)).collect();
-            let prepared: Vec<Vec<u8>> = xs
-                .iter()
-                .map(|x| {
-                    let mut p = vec![0u8; act_row_bytes(k)];
-                    prepare_row(x, &mut p);
-                    p
-                })
-                .collect();
             for cols in 1..=COLS {
-                let acts: Vec<&[u8]> = prepared[..cols].iter().map(|p| p.as_slice()).collect();
                 for isa in Isa::available() {
+                    let prepared: Vec<Vec<u8>> = xs[..cols]
+                        .iter()
+                        .map(|x| {
+                            let mut p = vec![0u8; act_row_bytes_for(isa, k)];
+                            prepare_row_for(isa, x, &mut p);
+                            p
+                        })
+                        .collect();
+                    let acts: Vec<&[u8]> = prepared.iter().map(|p| p.as_slice()).collect();
                     let mut out = [[0f32; PANEL]; COLS];
                     run_tile(isa, &panel, &acts, k, &mut out);
                     for c in 0..cols {

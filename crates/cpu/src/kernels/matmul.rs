@@ -37,7 +37,7 @@ pub fn scratch_bytes(weights: DType, b_ne: &[usize; MAX_DIMS], b_contiguous: boo
             .and_then(|p| p.row_size(k).ok())
             .unwrap_or(0);
         rows * ((k / QK) * Q8_0_BYTES)
-            .max(gemm_q8::act_row_bytes(k))
+            .max(gemm_q8::act_row_bytes_for(gemm_q8::Isa::best(), k))
             .max(q4_pairs_row_bytes(k))
             .max(partner)
     } else if b_contiguous {
@@ -453,12 +453,11 @@ fn mul_mat_tiles(
         );
     }
     // Quantized weights with more than a couple of columns: integer block products against
-    // q8_0 activations (see `gemm_q8`).
-    // Only with VNNI: the portable/AVX2 build of its kernel measured 3-4x slower than
-    // dequantized tiles through the f32 GEMM on an AVX2-only CPU (Zen 3).
+    // q8_0 activations (see `gemm_q8`), with VNNI or AVX2 (the portable kernel is slower than
+    // dequantized tiles through the f32 GEMM).
     if !reference
         && n > DIRECT_DOT_MAX_COLS
-        && gemm_q8::Isa::best() == gemm_q8::Isa::Vnni512
+        && gemm_q8::Isa::best() != gemm_q8::Isa::Portable
         && gemm_q8::applies(&a, &dst)
     {
         return gemm_q8::mul_mat(gemm_q8::Isa::best(), &dst, &a, &b, (r2, r3), scratch);
