@@ -850,6 +850,13 @@ def test_graph_cache_is_bounded_and_lengths_bucketed(model_dirs: dict[str, Path]
         model.encode(sentences, batch_size=batch_size)
     assert len(set(built)) > GRAPH_CACHE_SIZE  # more shapes than the cache holds ...
     assert len(model._graphs) == GRAPH_CACHE_SIZE  # ... and it stayed at its bound
+    # Small batches' graph inputs are kept by padding pattern, bounded, and read-only (a
+    # caller's array could never alias them: `Tensor.set` copies).
+    from ferrograph.models.sentence_encoder import INPUT_CACHE_SIZE
+
+    assert 0 < len(model._inputs) <= INPUT_CACHE_SIZE
+    cached = [a for entry in model._inputs.values() for a in entry if a is not None]
+    assert cached and not any(a.flags.writeable for a in cached)
     allowed = set(range(1, 16)) | {16, 18, 20, 22, 24, 26, 28}
     assert {seq for _, seq in built} <= allowed
     exact = SentenceEncoder(model_dirs["v6-prefixed-truncation"], bucket_lengths=False)

@@ -190,3 +190,23 @@ def test_set_reads_every_layout_of_an_exact_array(host_ctx: fg.Context, dtype: t
     empty = host_ctx.new_tensor(fgtype, (0, 3))
     empty.set(np.zeros((0, 3), dtype))
     assert empty.numpy().shape == (0, 3)
+
+
+@pytest.mark.parametrize("dtype", PLAIN)
+@pytest.mark.parametrize("n", [1, 7, 4096, 20000])
+def test_numpy_reads_views_of_every_size(host_ctx: fg.Context, dtype: type, n: int) -> None:
+    """`numpy()` of small tensors (built without Python calls) and of large ones gives a new,
+    writable array in numpy order for contiguous tensors and for strided, permuted views."""
+    fgtype = getattr(fg, np.dtype(dtype).name)
+    data = (np.arange(2 * n) % 101 - 50).astype(dtype).reshape(2, n)
+    t = host_ctx.new_tensor(fgtype, (2, n))
+    t.set(data)
+    got = t.numpy()
+    np.testing.assert_array_equal(got, data)
+    assert got.dtype == np.dtype(dtype) and got.flags.writeable and got.flags.c_contiguous
+    got[...] = 0  # a copy: the tensor keeps its values
+    np.testing.assert_array_equal(t.numpy(), data)
+    np.testing.assert_array_equal(fg.ops.transpose(t, ctx=host_ctx).numpy(), data.T)
+    size = np.dtype(dtype).itemsize
+    column = fg.ops.view(t, (2, 1), (n * size, size), offset=(n - 1) * size, ctx=host_ctx)
+    np.testing.assert_array_equal(column.numpy(), data[:, n - 1 :])

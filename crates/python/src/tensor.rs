@@ -148,14 +148,59 @@ fn write_array_bytes(py: Python<'_>, t: &Tensor, src: &[u8]) -> PyResult<()> {
     Ok(())
 }
 
+/// [`to_numpy`] for a small tensor of a plain numpy type (f32, f16, int8-64), without calls
+/// into Python (`numpy.empty` and a byte view cost microseconds, most of a small read):
+/// `None` for the other types. Only below `DETACH_THRESHOLD` bytes, where allocating the
+/// array cannot fail for its size.
+fn small_to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Option<Bound<'py, PyAny>>> {
+    match t.dtype() {
+        DType::F32 => small_to_numpy_as::<f32>(py, t),
+        DType::F16 => small_to_numpy_as::<half::f16>(py, t),
+        DType::I8 => small_to_numpy_as::<i8>(py, t),
+        DType::I16 => small_to_numpy_as::<i16>(py, t),
+        DType::I32 => small_to_numpy_as::<i32>(py, t),
+        DType::I64 => small_to_numpy_as::<i64>(py, t),
+        _ => Ok(None),
+    }
+}
+
+/// [`small_to_numpy`] for element type `T`.
+fn small_to_numpy_as<'py, T: numpy::Element + Copy>(
+    py: Python<'py>,
+    t: &Tensor,
+) -> PyResult<Option<Bound<'py, PyAny>>> {
+    let array = PyArrayDyn::<T>::zeros(py, t.shape().as_slice(), false);
+    {
+        let mut view = array.readwrite();
+        let values = view
+            .as_slice_mut()
+            .map_err(|e| errors::shape(e.to_string()))?;
+        // SAFETY: a slice of plain numeric values viewed as its bytes (same memory, same
+        // length in bytes; every byte pattern is a valid value of these types).
+        let dst = unsafe {
+            std::slice::from_raw_parts_mut(
+                values.as_mut_ptr().cast::<u8>(),
+                std::mem::size_of_val(values),
+            )
+        };
+        guard("Tensor.numpy", || read_logical(t, dst))?;
+    }
+    Ok(Some(array.into_any()))
+}
+
 /// A copy of the tensor's data as a numpy array (quantized types dequantize to f32).
 pub(crate) fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, PyAny>> {
     // Check first: an unallocated tensor raises NotAllocatedError; one whose bytes do not hold
     // its value (never computed, overwritten by a later node, older than its inputs) raises
     // StaleTensorError naming it and the fix.
     t.check_current()?;
-    let shape = PyTuple::new(py, t.shape())?;
     let large = t.nbytes() >= DETACH_THRESHOLD;
+    if !large {
+        if let Some(array) = small_to_numpy(py, t)? {
+            return Ok(array);
+        }
+    }
+    let shape = PyTuple::new(py, t.shape())?;
     if t.dtype().is_quantized() {
         let work = || guard("Tensor.numpy", || t.to_f32_vec());
         let values = if large { py.detach(work)? } else { work()? };

@@ -109,6 +109,18 @@ def blas_backend(n_threads: int) -> fg.Backend | None:
     return fg.init_backend("BLAS", n_threads=n_threads)
 
 
+# Batches of at most this many attention-mask elements (batch x seq x seq) keep their graph
+# inputs cached: a query after another of the same length then builds none.
+INPUT_CACHE_ELEMENTS: Final = 64 * 64
+# Padding patterns kept.
+INPUT_CACHE_SIZE: Final = 16
+
+# A batch's graph inputs: the attention mask, the pooling weights and the max-pooling indices.
+_Inputs = tuple[
+    npt.NDArray[np.float32], npt.NDArray[np.float32] | None, npt.NDArray[np.int32] | None
+]
+
+
 class _Stages:
     """Adds the time since the previous lap to a stage of ``stages`` (nothing when None)."""
 
@@ -276,11 +288,15 @@ class SentenceEncoder:
         """The per-op profile of the last ``encode(..., profile=True)`` (all its batches)."""
         self.last_stages: dict[str, float] | None = None
         """Seconds per stage of the last ``encode(..., profile=True)`` (all its batches):
-        ``tokenize``, ``inputs`` (padding, masks, pooling weights), ``setup`` (allocation and
-        input upload), ``compute`` (the graph runs), ``output`` (reading the embeddings) and
+        ``tokenize``, ``inputs`` (checks, padding, masks, pooling weights), ``setup``
+        (allocation and input upload), ``compute`` (the graph runs), ``output`` (reading the
+        embeddings) and
         ``total`` (the whole call); ``total - compute`` is the per-call cost outside the graph."""
         self._reserved: tuple[int, int] = (0, 0)
         self._graphs: OrderedDict[tuple[int, int], ShapeGraph] = OrderedDict()
+        # Graph inputs of small batches by padding pattern (see `_graph_inputs`).
+        self._inputs: OrderedDict[tuple[Any, ...], _Inputs] = OrderedDict()
+        self._inputs_lock = threading.Lock()
         # One scheduler and one compute buffer serve every call: a batch is allocated, filled,
         # computed and read under this lock, so threads sharing the model take turns.
         self._lock = threading.RLock()
@@ -728,19 +744,42 @@ class SentenceEncoder:
         ``prompt_length`` leading tokens are left out of the pooling."""
         return self._run_batch(batch, prompt_length, False)[0]
 
+    def _graph_inputs(self, batch: Batch, prompt_length: int) -> _Inputs:
+        """The attention mask and pooling inputs of ``batch``; for small batches cached by
+        padding pattern (read-only arrays: ``Tensor.set`` copies them)."""
+        b, s = batch.shape
+        key: tuple[Any, ...] | None = None
+        if b * s * s <= INPUT_CACHE_ELEMENTS:
+            key = (prompt_length, b, s, batch.attention_mask.tobytes())
+            with self._inputs_lock:
+                hit = self._inputs.get(key)
+            if hit is not None:
+                return hit
+        real = batch.attention_mask.astype(np.float32)
+        mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
+        mask = np.ascontiguousarray(np.broadcast_to(mask, (b, 1, s, s)), dtype=np.float32)
+        weights, index = self._pool_inputs(real, prompt_length)
+        if key is not None:
+            for array in (mask, weights, index):
+                if array is not None:
+                    array.flags.writeable = False
+            with self._inputs_lock:
+                self._inputs[key] = (mask, weights, index)
+                while len(self._inputs) > INPUT_CACHE_SIZE:
+                    self._inputs.popitem(last=False)
+        return mask, weights, index
+
     def _run_batch(
         self,
         batch: Batch,
         prompt_length: int,
         profile: bool,
-        stages: dict[str, float] | None = None,
+        clock: _Stages | None = None,
     ) -> tuple[npt.NDArray[np.float32], fg.Profile | None]:
-        clock = _Stages(stages)
+        if clock is None:
+            clock = _Stages(None)
+        mask, weights, index = self._graph_inputs(batch, prompt_length)
         b, s = batch.shape
-        real = batch.attention_mask.astype(np.float32)
-        mask = np.where(real[:, None, None, :] > 0, np.float32(0.0), np.float32(-np.inf))
-        mask = np.ascontiguousarray(np.broadcast_to(mask, (b, 1, s, s)), dtype=np.float32)
-        weights, index = self._pool_inputs(real, prompt_length)
         clock.lap("inputs")
         with self._lock:
             self.reserve(b, s)
@@ -759,27 +798,33 @@ class SentenceEncoder:
             clock.lap("setup")
             timings = self.scheduler.graph_compute(g.graph, profile=profile)
             clock.lap("compute")
-            result: npt.NDArray[np.float32] = np.array(
-                g.output.numpy(), dtype=np.float32, copy=True
-            )
+            # `numpy()` returns a new array: no second copy.
+            result: npt.NDArray[np.float32] = np.asarray(g.output.numpy(), dtype=np.float32)
             clock.lap("output")
         return result, timings
 
-    def _check_encodings(self, encodings: Sequence[Any]) -> npt.NDArray[np.int64]:
-        lengths = np.array([len(e.ids) for e in encodings], dtype=np.int64)
+    def _check_encodings(self, encodings: Sequence[Any]) -> list[int]:
+        """Token counts of ``encodings``; InvalidArgumentError past the model's positions."""
+        lengths = [len(e) for e in encodings]
         limit = self.config.max_position_embeddings
-        if lengths.max() > limit:
+        if max(lengths) > limit:
             raise fg.InvalidArgumentError(
-                f"a sentence has {int(lengths.max())} tokens, more than the model's "
+                f"a sentence has {max(lengths)} tokens, more than the model's "
                 f"{limit} positions (max_seq_length {self.max_seq_length})"
             )
+        return lengths
+
+    def _pad(self, encodings: Sequence[Any], seq: int) -> Batch:
+        """:func:`pad` plus the token-type check (InvalidArgumentError for a type the model
+        has no embedding for)."""
         types = self.config.type_vocab_size
         for e in encodings:
-            if e.type_ids and max(e.type_ids) >= types:
+            largest = max(e.type_ids, default=0)
+            if largest >= types:
                 raise fg.InvalidArgumentError(
-                    f"token type {max(e.type_ids)} outside the model's {types} token types"
+                    f"token type {largest} outside the model's {types} token types"
                 )
-        return lengths
+        return pad(encodings, seq)
 
     def encode(
         self,
@@ -891,22 +936,27 @@ class SentenceEncoder:
         stages: dict[str, float] | None = None
         if profile:
             stages = dict.fromkeys(("tokenize", "inputs", "setup", "compute", "output"), 0.0)
-        began = time.perf_counter()
-        encodings = self.tokenizer.encode_batch(sentences)
-        if stages is not None:
-            stages["tokenize"] += time.perf_counter() - began
+        clock = _Stages(stages)
+        began = clock.last
+        if n == 1:
+            # One query: the single-text call skips encode_batch's hand-off to its thread pool.
+            encodings = [self.tokenizer.encode(sentences[0])]
+        else:
+            encodings = self.tokenizer.encode_batch(sentences)
+        clock.lap("tokenize")
         lengths = self._check_encodings(encodings)
-        order = np.argsort(-lengths, kind="stable")
+        # Longest first (stable): batches pad little and the first is the largest shape.
+        order = sorted(range(n), key=lambda i: -lengths[i]) if n > 1 else [0]
         # the first batch is the largest shape: reserve once for it, the others replay
-        self.reserve(min(batch_size, n), self.padded_length(int(lengths[order[0]])))
+        self.reserve(min(batch_size, n), self.padded_length(lengths[order[0]]))
         done = 0
         total: fg.Profile | None = None
         for start in range(0, n, batch_size):
             idx = order[start : start + batch_size]
-            seq = self.padded_length(int(lengths[idx[0]]))
-            batch = pad([encodings[i] for i in idx], seq)
+            seq = self.padded_length(lengths[idx[0]])
+            batch = self._pad([encodings[i] for i in idx], seq)
             if profile:
-                out[idx], timings = self._run_batch(batch, prompt_length, True, stages)
+                out[idx], timings = self._run_batch(batch, prompt_length, True, clock)
                 if timings is not None:
                     total = timings if total is None else total + timings
             else:

@@ -204,16 +204,21 @@ class Batch:
 
 def pad(encodings: Sequence[Any], length: int | None = None) -> Batch:
     """Pads encodings (``tokenizers.Encoding``) to ``length`` (default: the longest)."""
-    longest = max(len(e.ids) for e in encodings)
+    longest = max(len(e) for e in encodings)
     seq = longest if length is None else length
     if seq < longest:
         raise ValueError(f"cannot pad {longest} tokens to {seq}")
     n = len(encodings)
+    if n == 1 and seq == longest:
+        # One sentence, nothing to pad (a query): one numpy call, three row views.
+        e = encodings[0]
+        rows = np.array([e.ids, e.type_ids, [1] * seq], np.int32)
+        return Batch(rows[0:1], rows[1:2], rows[2:3])
     ids = np.zeros((n, seq), np.int32)
     types = np.zeros((n, seq), np.int32)
     mask = np.zeros((n, seq), np.int32)
     for i, e in enumerate(encodings):
-        k = len(e.ids)
+        k = len(e)
         ids[i, :k] = e.ids
         types[i, :k] = e.type_ids
         mask[i, :k] = 1
