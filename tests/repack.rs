@@ -200,3 +200,75 @@ fn products_lookups_and_views_equal_the_plain_layout_bit_for_bit() -> Result<()>
     }
     Ok(())
 }
+
+/// Adjacent mat-vecs reading the same activations (a layer's q, k, v) run as one job on the
+/// CPU backend; each result keeps the bits of its product alone, at 1, 2 and 3 threads, for
+/// row counts with partial groups and tiles, two columns, and a run broken by a product of
+/// another row length or with plain weights.
+#[test]
+fn adjacent_mat_vecs_sharing_activations_keep_their_bits() -> Result<()> {
+    let mut rng = Rng(21);
+    let k = 96;
+    // (rows, row length, repacked): the 4th has another row length, the 5th plain weights.
+    let shapes = [
+        (40usize, k, true),
+        (19, k, true),
+        (8, k, true),
+        (24, 64, true),
+        (16, k, false),
+    ];
+    let weights = shapes
+        .iter()
+        .map(|&(rows, len, packed)| {
+            let data = q4_1_matrix(&mut rng, rows, len);
+            let buft: Arc<dyn BufferType> = if packed {
+                RepackBufferType::shared()
+            } else {
+                CpuBufferType::shared()
+            };
+            let (ctx, w) = weight(buft, rows, len, &data)?;
+            let (plain_ctx, plain) = weight(CpuBufferType::shared(), rows, len, &data)?;
+            Ok((ctx, w, plain_ctx, plain))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    for n in [1usize, 2] {
+        // Each product alone, plain weights: the expected bits.
+        let expect = weights
+            .iter()
+            .map(|(_, _, _, plain)| {
+                let len = plain.ne()[0];
+                compute(plain, 1, &move |c: &Context, w: &Tensor| {
+                    ops::mul_mat(c, w, &input(c, len, n)?)
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for threads in [1, 2, 3] {
+            let ctx = Context::new(true);
+            let (x, x64) = (input(&ctx, k, n)?, input(&ctx, 64, n)?);
+            let outs = weights
+                .iter()
+                .map(|(_, w, _, _)| {
+                    let act = if w.ne()[0] == k { &x } else { &x64 };
+                    let out = ops::mul_mat(&ctx, w, act)?;
+                    out.set_output();
+                    Ok(out)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let graph = Graph::build(&outs);
+            let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+            galloc.alloc_graph(&graph)?;
+            for leaf in [&x, &x64] {
+                let values: Vec<f32> = (0..leaf.nelements())
+                    .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+                    .collect();
+                leaf.set_f32(&values)?;
+            }
+            CpuBackend::new(threads)?.graph_compute(&graph)?;
+            for (i, out) in outs.iter().enumerate() {
+                let got: Vec<u32> = out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect();
+                assert_eq!(got, expect[i], "product {i}, n={n}, {threads} threads");
+            }
+        }
+    }
+    Ok(())
+}

@@ -13,6 +13,7 @@ use crate::graph::Graph;
 use crate::ops::Op;
 use crate::pool::Threadpool;
 use crate::tensor::Tensor;
+use matmul::InterleavedProduct;
 
 /// Options of a CPU compute call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -165,14 +166,22 @@ pub fn compute_graph(
     // No hand-over: this thread walks the graph and runs small nodes alone; a node that splits
     // its work shares it with the pool's workers (spinning between nodes, or woken).
     pool.run(|| {
-        for node in nodes {
+        let mut i = 0;
+        while i < nodes.len() {
+            let node = &nodes[i];
             if abort.is_some_and(|f| f()) {
                 return Ok(Status::Aborted);
             }
             if is_noop(node) {
+                i += 1;
+                continue;
+            }
+            if let Some(next) = compute_mat_vec_run(nodes, i, options, &mut scratch)? {
+                i = next;
                 continue;
             }
             compute_in_pool(node, options, &mut scratch)?;
+            i += 1;
         }
         Ok(Status::Success)
     })
@@ -181,6 +190,81 @@ pub fn compute_graph(
             crate::tensor::mark_computed(nodes);
         }
     })
+}
+
+/// A mat-vec whose weights are stored interleaved, as one product of a fused run, and its
+/// activations.
+fn interleaved_mat_vec(
+    node: &Tensor,
+    options: &ComputeOptions,
+) -> Option<(InterleavedProduct, RawTensor)> {
+    if !matches!(node.op(), Op::MulMat) || node.srcs().len() != 2 || node.is_empty() {
+        return None;
+    }
+    let (a, b) = (&node.srcs()[0], &node.srcs()[1]);
+    let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
+    else {
+        return None;
+    };
+    let a = RawTensor {
+        ptr: super::kernels::view::SendPtr(ptr),
+        dtype: a.dtype(),
+        ne: a.ne(),
+        nb: a.nb(),
+    };
+    let dst = RawTensor::new(node).ok()?;
+    let b = RawTensor::new(b).ok()?;
+    matmul::joins_interleaved_run(&dst, &a, &layout, &b, options.use_reference)
+        .then_some((InterleavedProduct { dst, a, layout }, b))
+}
+
+/// Runs node `i` and the mat-vecs after it (view nodes between are skipped) that read the
+/// same activations with interleaved weights as one job ([`matmul::mul_mat_interleaved_run`]):
+/// the index of the next node to run, or `None` (nothing run) when node `i` starts no run of
+/// two or more. Safe to run early: every product reads only the shared activations (computed
+/// before node `i`) and its weights (leaves), and none reads another's output.
+fn compute_mat_vec_run(
+    nodes: &[Tensor],
+    i: usize,
+    options: &ComputeOptions,
+    scratch: &mut Vec<u8>,
+) -> Result<Option<usize>> {
+    /// Products per run at most (a layer's q, k, v; its gate and up).
+    const MAX_RUN: usize = 4;
+    let Some((first, b)) = interleaved_mat_vec(&nodes[i], options) else {
+        return Ok(None);
+    };
+    let activations = nodes[i].srcs()[1].id();
+    let mut run = vec![first];
+    let mut outputs = vec![nodes[i].id()];
+    let mut next = i + 1;
+    let mut j = i + 1;
+    while j < nodes.len() && run.len() < MAX_RUN {
+        let node = &nodes[j];
+        j += 1;
+        if is_noop(node) {
+            continue;
+        }
+        let joins = matches!(node.op(), Op::MulMat)
+            && node.srcs().len() == 2
+            && node.srcs()[1].id() == activations
+            && !outputs.contains(&node.srcs()[0].id());
+        match interleaved_mat_vec(node, options)
+            .filter(|(p, _)| joins && p.a.ne[0] == first.a.ne[0])
+        {
+            Some((product, _)) => {
+                run.push(product);
+                outputs.push(node.id());
+                next = j;
+            }
+            None => break,
+        }
+    }
+    if run.len() < 2 {
+        return Ok(None);
+    }
+    matmul::mul_mat_interleaved_run(&run, b, scratch)?;
+    Ok(Some(next))
 }
 
 /// Leaves and view ops: nothing to compute.

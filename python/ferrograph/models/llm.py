@@ -447,8 +447,15 @@ class LLM:
                     n_ctx_orig=cfg.rope_n_ctx_orig,
                 )
 
+            # Products reading the same activations (a layer's q, k, v; its gate and up), in the
+            # order they are added to the graph first: adjacent nodes, which the CPU backend
+            # runs as one job (llama.cpp expands its q, k, v the same way).
+            grouped: list[fg.Tensor] = []
+
             def proj(h: fg.Tensor, name: str) -> fg.Tensor:
                 y = ops.mul_mat(self._w(f"{name}.weight"), h)
+                if name.endswith(("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")):
+                    grouped.append(y)
                 b = self._bias(f"{name}.bias")
                 return ops.add(y, b) if b is not None else y
 
@@ -483,7 +490,7 @@ class LLM:
             logits = ops.mul_mat(self._output, x)
             logits.name = "logits"
             logits.set_output()
-        graph = fg.Graph.build(logits)
+        graph = fg.Graph.build([*grouped, logits])
         return _StepGraph(
             n_tokens, window, n_out, ctx, graph, tokens, positions, slots, mask, out_ids, logits
         )

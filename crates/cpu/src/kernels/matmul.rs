@@ -704,16 +704,9 @@ pub fn mul_mat_interleaved(
     reference: bool,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    use super::interleaved::{dot_group, GROUP};
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     // The whole 2-D matrix against one batch of columns: what the interleaved paths handle.
-    let whole = a.dtype == DType::Q4_1
-        && layout.rows == m
-        && layout.row_bytes == a.nb[1]
-        && b.ne[0] == k
-        && b.ne[2] * b.ne[3] == 1
-        && dst.ne[0] == m
-        && dst.ne[1] == n;
+    let whole = is_whole_interleaved(&dst, &a, layout, &b);
     // More columns: the plain layout's paths (GEMM, f32 tiles), converting rebuilt rows.
     if !reference && whole && n > DIRECT_DOT_MAX_COLS {
         return mul_mat_tiles(dst, a, Some(layout), b, reference, scratch);
@@ -735,44 +728,154 @@ pub fn mul_mat_interleaved(
         };
         return mul_mat(dst, a_plain, b, reference, scratch);
     }
-    let prepared = prepare(a.dtype, b, scratch, false)?;
+    debug_assert!(k > 0 && m > 0);
+    mat_vecs_interleaved(
+        &[InterleavedProduct {
+            dst,
+            a,
+            layout: *layout,
+        }],
+        b,
+        scratch,
+    )
+}
+
+/// Whether `a` is the whole 2-D interleaved q4_1 matrix of `layout` and `dst = a · b` one batch
+/// of columns: the shapes the group kernel handles.
+fn is_whole_interleaved(
+    dst: &RawTensor,
+    a: &RawTensor,
+    layout: &Interleaved,
+    b: &RawTensor,
+) -> bool {
+    let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
+    a.dtype == DType::Q4_1
+        && a.ne[2] * a.ne[3] == 1
+        && layout.rows == m
+        && layout.row_bytes == a.nb[1]
+        && b.ne[0] == k
+        && b.ne[2] * b.ne[3] == 1
+        && dst.ne[0] == m
+        && dst.ne[1] == n
+}
+
+/// One product of a run of mat-vecs sharing their activations ([`mul_mat_interleaved_run`]).
+#[derive(Clone, Copy)]
+pub struct InterleavedProduct {
+    /// The output, `(m, n)` f32.
+    pub dst: RawTensor,
+    /// The weights as stored (interleaved).
+    pub a: RawTensor,
+    /// Their layout.
+    pub layout: Interleaved,
+}
+
+/// Whether `dst = a · b` (weights interleaved by `layout`) is a mat-vec that
+/// [`mul_mat_interleaved_run`] may compute together with others reading the same `b`.
+pub fn joins_interleaved_run(
+    dst: &RawTensor,
+    a: &RawTensor,
+    layout: &Interleaved,
+    b: &RawTensor,
+    reference: bool,
+) -> bool {
+    !reference
+        && b.dtype == DType::F32
+        && b.ne[1] <= DIRECT_DOT_MAX_COLS
+        && a.ne[0] > 0
+        && a.ne[1] > 0
+        && is_whole_interleaved(dst, a, layout, b)
+}
+
+/// Several mat-vecs with interleaved q4_1 weights and the same activations `b` (a layer's
+/// query, key and value projections; its gate and up projections) as one parallel job: the
+/// activations are quantized once and the products' row tiles are shared out as one list, so
+/// the small products ride on the large ones' stream instead of each paying a start and a
+/// join. Every product must satisfy [`joins_interleaved_run`]; each result has the bits of
+/// [`mul_mat_interleaved`] alone.
+pub fn mul_mat_interleaved_run(
+    products: &[InterleavedProduct],
+    b: RawTensor,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let fits = |p: &InterleavedProduct| joins_interleaved_run(&p.dst, &p.a, &p.layout, &b, false);
+    if products.is_empty()
+        || !products.iter().all(fits)
+        || products.windows(2).any(|w| w[0].a.ne[0] != w[1].a.ne[0])
+    {
+        return Err(Error::shape(
+            "fused mat-vecs: operands do not fit this path",
+        ));
+    }
+    mat_vecs_interleaved(products, b, scratch)
+}
+
+/// The group kernel's mat-vecs (see [`mul_mat_interleaved`]) of every product, all with
+/// the activations `b` and the same row length; tasks of two groups (16 rows) as the plain
+/// mat-vec's row tiles, numbered across the products in order.
+fn mat_vecs_interleaved(
+    products: &[InterleavedProduct],
+    b: RawTensor,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    use super::interleaved::{dot_group, GROUP};
+    let (k, n) = (b.ne[0], b.ne[1]);
+    let prepared = prepare(DType::Q4_1, b, scratch, false)?;
     let nb = k / QK;
-    let row_bytes = layout.row_bytes;
-    let grouped = layout.grouped_rows();
-    let single = block_dot::dot_fn_with(a.dtype, block_dot::Isa::best())
-        .ok_or_else(|| Error::unsupported(format!("MUL_MAT with {} weights", a.dtype.name())))?;
-    let write = |j: usize, i: usize, v: f32| {
-        // SAFETY: (i, j) is an element of dst; tasks own disjoint row ranges.
-        unsafe {
-            dst.at(dst.row_offset(j, 0, 0) + i * dst.nb[0])
-                .cast::<f32>()
-                .write_unaligned(v)
-        }
-    };
-    // Tasks of two groups (16 rows), as the plain mat-vec's row tiles.
+    let single = block_dot::dot_fn_with(DType::Q4_1, block_dot::Isa::best())
+        .ok_or_else(|| Error::unsupported("MUL_MAT with q4_1 weights"))?;
     let tile = 2 * GROUP;
-    par_ranges(m.div_ceil(tile), 1, |tiles| {
-        let rows = tiles.start * tile..(tiles.end * tile).min(m);
-        for j in 0..n {
-            let y = prepared.q8_row((j, 0, 0));
-            let mut r = rows.start;
-            while r < rows.end {
-                if r + GROUP <= grouped {
-                    // SAFETY: group r / 8 holds 8 rows of `row_bytes` inside `a` (read-only).
-                    let group = unsafe {
-                        std::slice::from_raw_parts(a.at(r * row_bytes), GROUP * row_bytes)
-                    };
-                    for (dr, v) in dot_group(group, y, nb).into_iter().enumerate() {
-                        write(j, r + dr, v);
+    // First task of each product, and the total.
+    let mut starts = Vec::with_capacity(products.len() + 1);
+    let mut total = 0;
+    for p in products {
+        starts.push(total);
+        total += p.a.ne[1].div_ceil(tile);
+    }
+    starts.push(total);
+    par_ranges(total, 1, |tasks| {
+        let mut t = tasks.start;
+        while t < tasks.end {
+            // The product holding task `t`, and this range's tasks inside it.
+            let which = starts.partition_point(|&s| s <= t) - 1;
+            let p = &products[which];
+            let (dst, a) = (p.dst, p.a);
+            let end = tasks.end.min(starts[which + 1]);
+            let (m, row_bytes) = (a.ne[1], p.layout.row_bytes);
+            let grouped = p.layout.grouped_rows();
+            let rows = (t - starts[which]) * tile..((end - starts[which]) * tile).min(m);
+            let write = |j: usize, i: usize, v: f32| {
+                // SAFETY: (i, j) is an element of dst; tasks own disjoint row ranges.
+                unsafe {
+                    dst.at(dst.row_offset(j, 0, 0) + i * dst.nb[0])
+                        .cast::<f32>()
+                        .write_unaligned(v)
+                }
+            };
+            for j in 0..n {
+                let y = prepared.q8_row((j, 0, 0));
+                let mut r = rows.start;
+                while r < rows.end {
+                    if r + GROUP <= grouped {
+                        // SAFETY: group r / 8 holds 8 rows of `row_bytes` inside `a`
+                        // (read-only).
+                        let group = unsafe {
+                            std::slice::from_raw_parts(a.at(r * row_bytes), GROUP * row_bytes)
+                        };
+                        for (dr, v) in dot_group(group, y, nb).into_iter().enumerate() {
+                            write(j, r + dr, v);
+                        }
+                        r += GROUP;
+                    } else {
+                        // SAFETY: rows past the groups are stored plainly inside `a`.
+                        let row =
+                            unsafe { std::slice::from_raw_parts(a.at(r * row_bytes), row_bytes) };
+                        write(j, r, single(row, y));
+                        r += 1;
                     }
-                    r += GROUP;
-                } else {
-                    // SAFETY: rows past the groups are stored plainly inside `a`.
-                    let row = unsafe { std::slice::from_raw_parts(a.at(r * row_bytes), row_bytes) };
-                    write(j, r, single(row, y));
-                    r += 1;
                 }
             }
+            t = end;
         }
         Ok(())
     })
