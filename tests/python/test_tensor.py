@@ -210,3 +210,6 @@ def test_numpy_reads_views_of_every_size(host_ctx: fg.Context, dtype: type, n: i
     size = np.dtype(dtype).itemsize
     column = fg.ops.view(t, (2, 1), (n * size, size), offset=(n - 1) * size, ctx=host_ctx)
     np.testing.assert_array_equal(column.numpy(), data[:, n - 1 :])
+    # a zero-stride view names more elements than its bytes: the array's size decides
+    repeated = fg.ops.view(t, (3, n), (0, size), ctx=host_ctx)
+    np.testing.assert_array_equal(repeated.numpy(), np.tile(data[0], (3, 1)))

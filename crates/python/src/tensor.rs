@@ -150,8 +150,8 @@ fn write_array_bytes(py: Python<'_>, t: &Tensor, src: &[u8]) -> PyResult<()> {
 
 /// [`to_numpy`] for a small tensor of a plain numpy type (f32, f16, int8-64), without calls
 /// into Python (`numpy.empty` and a byte view cost microseconds, most of a small read):
-/// `None` for the other types. Only below `DETACH_THRESHOLD` bytes, where allocating the
-/// array cannot fail for its size.
+/// `None` for the other types. Only for arrays below `DETACH_THRESHOLD` bytes (the caller
+/// checks), where allocating them cannot fail for their size.
 fn small_to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Option<Bound<'py, PyAny>>> {
     match t.dtype() {
         DType::F32 => small_to_numpy_as::<f32>(py, t),
@@ -195,7 +195,10 @@ pub(crate) fn to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Bound<'py, 
     // StaleTensorError naming it and the fix.
     t.check_current()?;
     let large = t.nbytes() >= DETACH_THRESHOLD;
-    if !large {
+    // The array's size, not the tensor's span: a zero-stride view names more elements than its
+    // bytes hold.
+    let array_bytes = t.nelements().checked_mul(t.dtype().type_size());
+    if array_bytes.is_some_and(|n| n < DETACH_THRESHOLD) {
         if let Some(array) = small_to_numpy(py, t)? {
             return Ok(array);
         }
