@@ -272,3 +272,95 @@ fn adjacent_mat_vecs_sharing_activations_keep_their_bits() -> Result<()> {
     }
     Ok(())
 }
+
+/// The same for plainly stored weights of other block types (the direct dot path): adjacent
+/// mat-vecs of one type reading the same activations run as one job, each with its bits alone,
+/// and a product of another type or row length ends the run.
+#[test]
+fn adjacent_plain_mat_vecs_sharing_activations_keep_their_bits() -> Result<()> {
+    let mut rng = Rng(33);
+    let k = 512;
+    for dtype in [
+        DType::Q4_0,
+        DType::Q8_0,
+        DType::Q4_K,
+        DType::Q6_K,
+        DType::IQ4_NL,
+    ] {
+        // (rows, type, row length): the 4th is another type, the 5th another row length.
+        let shapes = [
+            (40usize, dtype, k),
+            (19, dtype, k),
+            (8, dtype, k),
+            (24, DType::Q5_1, k),
+            (16, dtype, 256),
+            (33, dtype, k),
+        ];
+        let weights = shapes
+            .iter()
+            .map(|&(rows, t, len)| {
+                let x: Vec<f32> = (0..rows * len).map(|_| rng.unit()).collect();
+                let mut data = vec![0u8; t.row_size(len)? * rows];
+                t.row_from_f32(&x, &mut data)?;
+                let ctx = Context::new(true);
+                let w = ctx.new_tensor(t, &[len, rows])?;
+                alloc_ctx_tensors_from_buft(&ctx, CpuBufferType::shared())?;
+                w.write_bytes(0, &data)?;
+                Ok((ctx, w))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for n in [1usize, 2] {
+            let values = |len: usize| -> Vec<f32> {
+                (0..len * n)
+                    .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+                    .collect()
+            };
+            let expect = weights
+                .iter()
+                .map(|(_, w)| {
+                    let ctx = Context::new(true);
+                    let x = input(&ctx, w.ne()[0], n)?;
+                    let out = ops::mul_mat(&ctx, w, &x)?;
+                    out.set_output();
+                    let graph = Graph::build(std::slice::from_ref(&out));
+                    let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+                    galloc.alloc_graph(&graph)?;
+                    x.set_f32(&values(w.ne()[0]))?;
+                    CpuBackend::new(1)?.graph_compute(&graph)?;
+                    Ok(out
+                        .to_f32_vec()?
+                        .iter()
+                        .map(|v| v.to_bits())
+                        .collect::<Vec<u32>>())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            for threads in [1, 2, 3] {
+                let ctx = Context::new(true);
+                let (x, x256) = (input(&ctx, k, n)?, input(&ctx, 256, n)?);
+                let outs = weights
+                    .iter()
+                    .map(|(_, w)| {
+                        let act = if w.ne()[0] == k { &x } else { &x256 };
+                        let out = ops::mul_mat(&ctx, w, act)?;
+                        out.set_output();
+                        Ok(out)
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let graph = Graph::build(&outs);
+                let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+                galloc.alloc_graph(&graph)?;
+                x.set_f32(&values(k))?;
+                x256.set_f32(&values(256))?;
+                CpuBackend::new(threads)?.graph_compute(&graph)?;
+                for (i, out) in outs.iter().enumerate() {
+                    let got: Vec<u32> = out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect();
+                    assert_eq!(
+                        got, expect[i],
+                        "{dtype} product {i}, n={n}, {threads} threads"
+                    );
+                }
+            }
+        }
+    }
+    Ok(())
+}

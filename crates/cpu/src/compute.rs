@@ -13,7 +13,7 @@ use crate::graph::Graph;
 use crate::ops::Op;
 use crate::pool::Threadpool;
 use crate::tensor::Tensor;
-use matmul::InterleavedProduct;
+use matmul::{InterleavedProduct, PlainProduct};
 
 /// Options of a CPU compute call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -192,37 +192,69 @@ pub fn compute_graph(
     })
 }
 
-/// A mat-vec whose weights are stored interleaved, as one product of a fused run, and its
-/// activations.
-fn interleaved_mat_vec(
-    node: &Tensor,
-    options: &ComputeOptions,
-) -> Option<(InterleavedProduct, RawTensor)> {
+/// One product of a fused run of mat-vecs: interleaved weights (the repacking buffer type's
+/// q4_1 layout) or plainly stored quantized weights.
+#[derive(Clone, Copy)]
+enum RunProduct {
+    Interleaved(InterleavedProduct),
+    Plain(PlainProduct),
+}
+
+impl RunProduct {
+    /// The weights as the product reads them.
+    fn weights(&self) -> &RawTensor {
+        match self {
+            RunProduct::Interleaved(p) => &p.a,
+            RunProduct::Plain(p) => &p.a,
+        }
+    }
+
+    /// Whether `self` can run in one job with `other` (same kind, type and row length).
+    fn joins(&self, other: &RunProduct) -> bool {
+        let same_kind = matches!(
+            (self, other),
+            (RunProduct::Interleaved(_), RunProduct::Interleaved(_))
+                | (RunProduct::Plain(_), RunProduct::Plain(_))
+        );
+        let (a, b) = (self.weights(), other.weights());
+        same_kind && a.dtype == b.dtype && a.ne[0] == b.ne[0]
+    }
+}
+
+/// A mat-vec that may join a fused run, and its activations.
+fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, RawTensor)> {
     if !matches!(node.op(), Op::MulMat) || node.srcs().len() != 2 || node.is_empty() {
         return None;
     }
     let (a, b) = (&node.srcs()[0], &node.srcs()[1]);
-    let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
-    else {
-        return None;
-    };
-    let a = RawTensor {
-        ptr: super::kernels::view::SendPtr(ptr),
-        dtype: a.dtype(),
-        ne: a.ne(),
-        nb: a.nb(),
-    };
     let dst = RawTensor::new(node).ok()?;
     let b = RawTensor::new(b).ok()?;
-    matmul::joins_interleaved_run(&dst, &a, &layout, &b, options.use_reference)
-        .then_some((InterleavedProduct { dst, a, layout }, b))
+    if let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
+    {
+        let a = RawTensor {
+            ptr: super::kernels::view::SendPtr(ptr),
+            dtype: a.dtype(),
+            ne: a.ne(),
+            nb: a.nb(),
+        };
+        return matmul::joins_interleaved_run(&dst, &a, &layout, &b, options.use_reference)
+            .then_some((
+                RunProduct::Interleaved(InterleavedProduct { dst, a, layout }),
+                b,
+            ));
+    }
+    let a = RawTensor::new(a).ok()?;
+    matmul::joins_plain_run(&dst, &a, &b, options.use_reference)
+        .then_some((RunProduct::Plain(PlainProduct { dst, a }), b))
 }
 
 /// Runs node `i` and the mat-vecs after it (view nodes between are skipped) that read the
-/// same activations with interleaved weights as one job ([`matmul::mul_mat_interleaved_run`]):
-/// the index of the next node to run, or `None` (nothing run) when node `i` starts no run of
-/// two or more. Safe to run early: every product reads only the shared activations (computed
-/// before node `i`) and its weights (leaves), and none reads another's output.
+/// same activations with weights of the same kind, type and row length as one job
+/// ([`matmul::mul_mat_interleaved_run`], [`matmul::mul_mat_plain_run`]): the index of the next
+/// node to run, or `None` (nothing run) when node `i` starts no run of two or more. Safe to
+/// run early: every product reads only the shared activations (computed before node `i`) and
+/// its quantized weights (never another product's f32 output, nor a view of one), and none
+/// reads another's output.
 fn compute_mat_vec_run(
     nodes: &[Tensor],
     i: usize,
@@ -231,7 +263,7 @@ fn compute_mat_vec_run(
 ) -> Result<Option<usize>> {
     /// Products per run at most (a layer's q, k, v; its gate and up).
     const MAX_RUN: usize = 4;
-    let Some((first, b)) = interleaved_mat_vec(&nodes[i], options) else {
+    let Some((first, b)) = run_product(&nodes[i], options) else {
         return Ok(None);
     };
     let activations = nodes[i].srcs()[1].id();
@@ -249,9 +281,7 @@ fn compute_mat_vec_run(
             && node.srcs().len() == 2
             && node.srcs()[1].id() == activations
             && !outputs.contains(&node.srcs()[0].id());
-        match interleaved_mat_vec(node, options)
-            .filter(|(p, _)| joins && p.a.ne[0] == first.a.ne[0])
-        {
+        match run_product(node, options).filter(|(p, _)| joins && first.joins(p)) {
             Some((product, _)) => {
                 run.push(product);
                 outputs.push(node.id());
@@ -263,7 +293,28 @@ fn compute_mat_vec_run(
     if run.len() < 2 {
         return Ok(None);
     }
-    matmul::mul_mat_interleaved_run(&run, b, scratch)?;
+    match first {
+        RunProduct::Interleaved(_) => {
+            let products: Vec<InterleavedProduct> = run
+                .iter()
+                .filter_map(|p| match p {
+                    RunProduct::Interleaved(p) => Some(*p),
+                    RunProduct::Plain(_) => None,
+                })
+                .collect();
+            matmul::mul_mat_interleaved_run(&products, b, scratch)?;
+        }
+        RunProduct::Plain(_) => {
+            let products: Vec<PlainProduct> = run
+                .iter()
+                .filter_map(|p| match p {
+                    RunProduct::Plain(p) => Some(*p),
+                    RunProduct::Interleaved(_) => None,
+                })
+                .collect();
+            matmul::mul_mat_plain_run(&products, b, scratch)?;
+        }
+    }
     Ok(Some(next))
 }
 

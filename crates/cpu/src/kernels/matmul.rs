@@ -538,6 +538,117 @@ fn mul_mat_tiles(
     })
 }
 
+/// One product of a run of plainly stored mat-vecs sharing their activations
+/// ([`mul_mat_plain_run`]).
+#[derive(Clone, Copy)]
+pub struct PlainProduct {
+    /// The output, `(m, n)` f32.
+    pub dst: RawTensor,
+    /// The quantized weights, `(k, m)`.
+    pub a: RawTensor,
+}
+
+/// Whether `dst = a · b` is a mat-vec with plainly stored quantized weights that
+/// [`mul_mat_plain_run`] may compute together with others of the same weight type reading the
+/// same `b`: 2-D operands, at most [`DIRECT_DOT_MAX_COLS`] columns, dense weight rows, so that
+/// alone it would take [`mul_mat`]'s direct dot path.
+pub fn joins_plain_run(dst: &RawTensor, a: &RawTensor, b: &RawTensor, reference: bool) -> bool {
+    let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
+    !reference
+        && a.dtype.is_quantized()
+        && block_dot::vec_dot_type(a.dtype).is_some()
+        && a.nb[0] == a.dtype.type_size()
+        && a.ne[2] * a.ne[3] == 1
+        && b.dtype == DType::F32
+        && b.ne[0] == k
+        && b.ne[2] * b.ne[3] == 1
+        && (1..=DIRECT_DOT_MAX_COLS).contains(&n)
+        && k > 0
+        && m > 0
+        && dst.dtype == DType::F32
+        && dst.ne[0] == m
+        && dst.ne[1] == n
+        && dst.ne[2] * dst.ne[3] == 1
+        && !gemm::applies(a, dst, n)
+}
+
+/// Several mat-vecs with plainly stored weights of one quantized type and the same
+/// activations `b` as one parallel job: the activations are prepared once and every product's
+/// tasks (the row and column tiles [`mul_mat`] would use for it alone) form one list. Every
+/// product must satisfy [`joins_plain_run`] and share the first one's type and row length;
+/// each result has the bits of [`mul_mat`] alone.
+pub fn mul_mat_plain_run(
+    products: &[PlainProduct],
+    b: RawTensor,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let Some(first) = products.first() else {
+        return Ok(());
+    };
+    let same = |p: &PlainProduct| {
+        joins_plain_run(&p.dst, &p.a, &b, false)
+            && p.a.dtype == first.a.dtype
+            && p.a.ne[0] == first.a.ne[0]
+    };
+    if !products.iter().all(same) {
+        return Err(Error::shape(
+            "fused mat-vecs: operands do not fit this path",
+        ));
+    }
+    let n = b.ne[1];
+    // As `mul_mat_tiles` prepares them for each product alone (same type, same dense rows).
+    let q4_pairs = super::quant_dot::PairsIsa::best() != super::quant_dot::PairsIsa::Portable;
+    let prepared = prepare(first.a.dtype, b, scratch, q4_pairs)?;
+    // Per product: (first task, row tile, column tiles, columns per tile).
+    let mut plans = Vec::with_capacity(products.len());
+    let mut total = 0;
+    for p in products {
+        let ti = row_tile(p.a.ne[1]);
+        let i_tiles = p.a.ne[1].div_ceil(ti);
+        let j_tiles = if i_tiles >= MIN_TASKS {
+            1
+        } else {
+            MIN_TASKS.div_ceil(i_tiles).min(n)
+        };
+        let tj = n.div_ceil(j_tiles).max(1);
+        let j_tiles = n.div_ceil(tj);
+        plans.push((total, ti, j_tiles, tj));
+        total += i_tiles * j_tiles;
+    }
+    par_ranges(total, 1, |range| {
+        let mut abuf = Vec::new();
+        let mut cols = Vec::with_capacity(n);
+        for task in range {
+            let which = plans.partition_point(|plan| plan.0 <= task) - 1;
+            let (start, ti, j_tiles, tj) = plans[which];
+            let PlainProduct { dst, a } = products[which];
+            let local = task - start;
+            let (jt, it) = (local % j_tiles, local / j_tiles);
+            cols.clear();
+            for j in jt * tj..((jt + 1) * tj).min(n) {
+                cols.push(Col {
+                    b: (j, 0, 0),
+                    dst: dst.row_offset(j, 0, 0),
+                });
+            }
+            let rows = it * ti..((it + 1) * ti).min(a.ne[1]);
+            run_tile(
+                &a,
+                (0, 0),
+                rows,
+                &cols,
+                n,
+                &prepared,
+                &dst,
+                false,
+                None,
+                &mut abuf,
+            )?;
+        }
+        Ok(())
+    })
+}
+
 /// Whether `t`'s batches (dimensions 2 and 3) follow each other with the row stride, so its
 /// rows can be addressed as one matrix of `ne1 · ne2 · ne3` rows.
 fn batches_flat(t: &RawTensor) -> bool {
