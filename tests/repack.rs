@@ -49,8 +49,19 @@ fn weight(
     k: usize,
     data: &[u8],
 ) -> Result<(Context, Tensor)> {
+    weight_of(buft, DType::Q4_1, rows, k, data)
+}
+
+/// A weight context: one `dtype` matrix allocated in `buft`, holding `data`.
+fn weight_of(
+    buft: Arc<dyn BufferType>,
+    dtype: DType,
+    rows: usize,
+    k: usize,
+    data: &[u8],
+) -> Result<(Context, Tensor)> {
     let ctx = Context::new(true);
-    let w = ctx.new_tensor(DType::Q4_1, &[k, rows])?;
+    let w = ctx.new_tensor(dtype, &[k, rows])?;
     w.set_name("w");
     alloc_ctx_tensors_from_buft(&ctx, buft)?;
     w.write_bytes(0, data)?;
@@ -71,11 +82,7 @@ fn compute(
     galloc.alloc_graph(&graph)?;
     for leaf in graph.leafs() {
         if leaf.name() == "x" {
-            let n = leaf.nelements();
-            let values: Vec<f32> = (0..n)
-                .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
-                .collect();
-            leaf.set_f32(&values)?;
+            leaf.set_f32(&input_values(leaf.nelements()))?;
         }
         if leaf.name() == "ids" {
             let ids: Vec<u8> = [5i32, 0, 18, 9]
@@ -87,6 +94,64 @@ fn compute(
     }
     CpuBackend::new(threads)?.graph_compute(&graph)?;
     Ok(out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect())
+}
+
+/// The values every test input holds.
+fn input_values(n: usize) -> Vec<f32> {
+    (0..n)
+        .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
+        .collect()
+}
+
+/// The bits of each product `w · x` (`x`: `n` columns of [`input_values`], one input per row
+/// length), all in one graph on a backend of `threads` threads, in the order given: adjacent
+/// products sharing an input may run as one job.
+fn products_in_one_graph(weights: &[&Tensor], n: usize, threads: usize) -> Result<Vec<Vec<u32>>> {
+    let ctx = Context::new(true);
+    let mut inputs: Vec<Tensor> = Vec::new();
+    let mut outs = Vec::new();
+    for &w in weights {
+        let len = Tensor::ne(w)[0];
+        let x = match inputs.iter().find(|x| Tensor::ne(x)[0] == len) {
+            Some(x) => x.clone(),
+            None => {
+                inputs.push(input(&ctx, len, n)?);
+                inputs[inputs.len() - 1].clone()
+            }
+        };
+        let out = ops::mul_mat(&ctx, w, &x)?;
+        out.set_output();
+        outs.push(out);
+    }
+    let graph = Graph::build(&outs);
+    let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+    galloc.alloc_graph(&graph)?;
+    for x in &inputs {
+        x.set_f32(&input_values(x.nelements()))?;
+    }
+    CpuBackend::new(threads)?.graph_compute(&graph)?;
+    outs.iter()
+        .map(|out| Ok(out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect()))
+        .collect()
+}
+
+/// Asserts that the products of `weights` computed in one graph (adjacent ones sharing an input
+/// may run as one job) have, at 1, 2 and 3 threads and 1 and 2 columns, the bits of each
+/// `alone[i]` (the same matrix, maybe stored otherwise) computed by itself.
+fn assert_each_keeps_its_bits(weights: &[&Tensor], alone: &[&Tensor], what: &str) -> Result<()> {
+    for n in [1usize, 2] {
+        let expect = alone
+            .iter()
+            .map(|w| Ok(products_in_one_graph(&[w], n, 1)?.remove(0)))
+            .collect::<Result<Vec<_>>>()?;
+        for threads in [1, 2, 3] {
+            let got = products_in_one_graph(weights, n, threads)?;
+            for (i, (got, want)) in got.iter().zip(&expect).enumerate() {
+                assert_eq!(got, want, "{what} product {i}, n={n}, {threads} threads");
+            }
+        }
+    }
+    Ok(())
 }
 
 fn input(ctx: &Context, k: usize, n: usize) -> Result<Tensor> {
@@ -231,45 +296,9 @@ fn adjacent_mat_vecs_sharing_activations_keep_their_bits() -> Result<()> {
             Ok((ctx, w, plain_ctx, plain))
         })
         .collect::<Result<Vec<_>>>()?;
-    for n in [1usize, 2] {
-        // Each product alone, plain weights: the expected bits.
-        let expect = weights
-            .iter()
-            .map(|(_, _, _, plain)| {
-                let len = plain.ne()[0];
-                compute(plain, 1, &move |c: &Context, w: &Tensor| {
-                    ops::mul_mat(c, w, &input(c, len, n)?)
-                })
-            })
-            .collect::<Result<Vec<_>>>()?;
-        for threads in [1, 2, 3] {
-            let ctx = Context::new(true);
-            let (x, x64) = (input(&ctx, k, n)?, input(&ctx, 64, n)?);
-            let outs = weights
-                .iter()
-                .map(|(_, w, _, _)| {
-                    let act = if w.ne()[0] == k { &x } else { &x64 };
-                    let out = ops::mul_mat(&ctx, w, act)?;
-                    out.set_output();
-                    Ok(out)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let graph = Graph::build(&outs);
-            let mut galloc = GraphAllocator::new(CpuBufferType::shared());
-            galloc.alloc_graph(&graph)?;
-            for leaf in [&x, &x64] {
-                let values: Vec<f32> = (0..leaf.nelements())
-                    .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
-                    .collect();
-                leaf.set_f32(&values)?;
-            }
-            CpuBackend::new(threads)?.graph_compute(&graph)?;
-            for (i, out) in outs.iter().enumerate() {
-                let got: Vec<u32> = out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect();
-                assert_eq!(got, expect[i], "product {i}, n={n}, {threads} threads");
-            }
-        }
-    }
+    let packed: Vec<&Tensor> = weights.iter().map(|(_, w, _, _)| w).collect();
+    let plain: Vec<&Tensor> = weights.iter().map(|(_, _, _, w)| w).collect();
+    assert_each_keeps_its_bits(&packed, &plain, "q4_1")?;
     Ok(())
 }
 
@@ -302,65 +331,11 @@ fn adjacent_plain_mat_vecs_sharing_activations_keep_their_bits() -> Result<()> {
                 let x: Vec<f32> = (0..rows * len).map(|_| rng.unit()).collect();
                 let mut data = vec![0u8; t.row_size(len)? * rows];
                 t.row_from_f32(&x, &mut data)?;
-                let ctx = Context::new(true);
-                let w = ctx.new_tensor(t, &[len, rows])?;
-                alloc_ctx_tensors_from_buft(&ctx, CpuBufferType::shared())?;
-                w.write_bytes(0, &data)?;
-                Ok((ctx, w))
+                weight_of(CpuBufferType::shared(), t, rows, len, &data)
             })
             .collect::<Result<Vec<_>>>()?;
-        for n in [1usize, 2] {
-            let values = |len: usize| -> Vec<f32> {
-                (0..len * n)
-                    .map(|i| ((i * 7919) % 1013) as f32 / 500.0 - 1.0)
-                    .collect()
-            };
-            let expect = weights
-                .iter()
-                .map(|(_, w)| {
-                    let ctx = Context::new(true);
-                    let x = input(&ctx, w.ne()[0], n)?;
-                    let out = ops::mul_mat(&ctx, w, &x)?;
-                    out.set_output();
-                    let graph = Graph::build(std::slice::from_ref(&out));
-                    let mut galloc = GraphAllocator::new(CpuBufferType::shared());
-                    galloc.alloc_graph(&graph)?;
-                    x.set_f32(&values(w.ne()[0]))?;
-                    CpuBackend::new(1)?.graph_compute(&graph)?;
-                    Ok(out
-                        .to_f32_vec()?
-                        .iter()
-                        .map(|v| v.to_bits())
-                        .collect::<Vec<u32>>())
-                })
-                .collect::<Result<Vec<_>>>()?;
-            for threads in [1, 2, 3] {
-                let ctx = Context::new(true);
-                let (x, x256) = (input(&ctx, k, n)?, input(&ctx, 256, n)?);
-                let outs = weights
-                    .iter()
-                    .map(|(_, w)| {
-                        let act = if w.ne()[0] == k { &x } else { &x256 };
-                        let out = ops::mul_mat(&ctx, w, act)?;
-                        out.set_output();
-                        Ok(out)
-                    })
-                    .collect::<Result<Vec<_>>>()?;
-                let graph = Graph::build(&outs);
-                let mut galloc = GraphAllocator::new(CpuBufferType::shared());
-                galloc.alloc_graph(&graph)?;
-                x.set_f32(&values(k))?;
-                x256.set_f32(&values(256))?;
-                CpuBackend::new(threads)?.graph_compute(&graph)?;
-                for (i, out) in outs.iter().enumerate() {
-                    let got: Vec<u32> = out.to_f32_vec()?.iter().map(|v| v.to_bits()).collect();
-                    assert_eq!(
-                        got, expect[i],
-                        "{dtype} product {i}, n={n}, {threads} threads"
-                    );
-                }
-            }
-        }
+        let plain: Vec<&Tensor> = weights.iter().map(|(_, w)| w).collect();
+        assert_each_keeps_its_bits(&plain, &plain, &dtype.to_string())?;
     }
     Ok(())
 }

@@ -209,15 +209,52 @@ impl RunProduct {
         }
     }
 
-    /// Whether `self` can run in one job with `other` (same kind, type and row length).
-    fn joins(&self, other: &RunProduct) -> bool {
-        let same_kind = matches!(
-            (self, other),
-            (RunProduct::Interleaved(_), RunProduct::Interleaved(_))
-                | (RunProduct::Plain(_), RunProduct::Plain(_))
-        );
+    /// Whether `self`'s weights have `other`'s type and row length.
+    fn matches(&self, other: &RunProduct) -> bool {
         let (a, b) = (self.weights(), other.weights());
-        same_kind && a.dtype == b.dtype && a.ne[0] == b.ne[0]
+        a.dtype == b.dtype && a.ne[0] == b.ne[0]
+    }
+}
+
+/// The products of a fused run, all of one kind.
+enum Run {
+    Interleaved(Vec<InterleavedProduct>),
+    Plain(Vec<PlainProduct>),
+}
+
+impl Run {
+    /// A run of one product.
+    fn new(first: RunProduct) -> Run {
+        match first {
+            RunProduct::Interleaved(p) => Run::Interleaved(vec![p]),
+            RunProduct::Plain(p) => Run::Plain(vec![p]),
+        }
+    }
+
+    /// Products in the run.
+    fn len(&self) -> usize {
+        match self {
+            Run::Interleaved(products) => products.len(),
+            Run::Plain(products) => products.len(),
+        }
+    }
+
+    /// Adds `product` if it is of the run's kind; false (nothing added) otherwise.
+    fn push(&mut self, product: RunProduct) -> bool {
+        match (self, product) {
+            (Run::Interleaved(products), RunProduct::Interleaved(p)) => products.push(p),
+            (Run::Plain(products), RunProduct::Plain(p)) => products.push(p),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Computes every product of the run with the activations `b`.
+    fn compute(&self, b: RawTensor, scratch: &mut Vec<u8>) -> Result<()> {
+        match self {
+            Run::Interleaved(products) => matmul::mul_mat_interleaved_run(products, b, scratch),
+            Run::Plain(products) => matmul::mul_mat_plain_run(products, b, scratch),
+        }
     }
 }
 
@@ -267,7 +304,7 @@ fn compute_mat_vec_run(
         return Ok(None);
     };
     let activations = nodes[i].srcs()[1].id();
-    let mut run = vec![first];
+    let mut run = Run::new(first);
     let mut outputs = vec![nodes[i].id()];
     let mut next = i + 1;
     let mut j = i + 1;
@@ -281,40 +318,18 @@ fn compute_mat_vec_run(
             && node.srcs().len() == 2
             && node.srcs()[1].id() == activations
             && !outputs.contains(&node.srcs()[0].id());
-        match run_product(node, options).filter(|(p, _)| joins && first.joins(p)) {
-            Some((product, _)) => {
-                run.push(product);
+        match run_product(node, options).filter(|(p, _)| joins && first.matches(p)) {
+            Some((product, _)) if run.push(product) => {
                 outputs.push(node.id());
                 next = j;
             }
-            None => break,
+            _ => break,
         }
     }
     if run.len() < 2 {
         return Ok(None);
     }
-    match first {
-        RunProduct::Interleaved(_) => {
-            let products: Vec<InterleavedProduct> = run
-                .iter()
-                .filter_map(|p| match p {
-                    RunProduct::Interleaved(p) => Some(*p),
-                    RunProduct::Plain(_) => None,
-                })
-                .collect();
-            matmul::mul_mat_interleaved_run(&products, b, scratch)?;
-        }
-        RunProduct::Plain(_) => {
-            let products: Vec<PlainProduct> = run
-                .iter()
-                .filter_map(|p| match p {
-                    RunProduct::Plain(p) => Some(*p),
-                    RunProduct::Interleaved(_) => None,
-                })
-                .collect();
-            matmul::mul_mat_plain_run(&products, b, scratch)?;
-        }
-    }
+    run.compute(b, scratch)?;
     Ok(Some(next))
 }
 
