@@ -354,10 +354,15 @@ fn writes_are_atomic_and_replace_the_file() {
     write_gguf(&path, &[("a".into(), GgufValue::U8(1))], &[], 32).unwrap();
     let file = GgufFile::open(&path).unwrap();
     assert_eq!(file.get("a"), Some(&GgufValue::U8(1)));
+    // Only this file's temporaries: other tests write into the same directory concurrently
+    // (a `.names.gguf.*.tmp` of a write in progress once failed this test).
     let leftovers: Vec<_> = std::fs::read_dir(tmp_dir())
         .unwrap()
         .filter_map(|e| e.ok())
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with(".replace.gguf.") && name.ends_with(".tmp")
+        })
         .collect();
     assert!(leftovers.is_empty(), "{leftovers:?}");
 }
