@@ -300,10 +300,25 @@ fn compute_mat_vec_run(
 ) -> Result<Option<usize>> {
     /// Products per run at most (a layer's q, k, v; its gate and up).
     const MAX_RUN: usize = 4;
-    let Some((first, b)) = run_product(&nodes[i], options) else {
+    // Cheap test first (ids only): a product with no partner reading its activations, the
+    // common case, resolves no operands here; `compute_in_pool` does that once.
+    let shares_activations = |node: &Tensor, activations: u64| {
+        matches!(node.op(), Op::MulMat)
+            && node.srcs().len() == 2
+            && node.srcs()[1].id() == activations
+    };
+    let node = &nodes[i];
+    if !matches!(node.op(), Op::MulMat) || node.srcs().len() != 2 {
+        return Ok(None);
+    }
+    let activations = node.srcs()[1].id();
+    let partner = nodes[i + 1..].iter().find(|n| !is_noop(n));
+    if !partner.is_some_and(|n| shares_activations(n, activations)) {
+        return Ok(None);
+    }
+    let Some((first, b)) = run_product(node, options) else {
         return Ok(None);
     };
-    let activations = nodes[i].srcs()[1].id();
     let mut run = Run::new(first);
     let mut outputs = vec![nodes[i].id()];
     let mut next = i + 1;
@@ -314,10 +329,8 @@ fn compute_mat_vec_run(
         if is_noop(node) {
             continue;
         }
-        let joins = matches!(node.op(), Op::MulMat)
-            && node.srcs().len() == 2
-            && node.srcs()[1].id() == activations
-            && !outputs.contains(&node.srcs()[0].id());
+        let joins =
+            shares_activations(node, activations) && !outputs.contains(&node.srcs()[0].id());
         match run_product(node, options).filter(|(p, _)| joins && first.matches(p)) {
             Some((product, _)) if run.push(product) => {
                 outputs.push(node.id());

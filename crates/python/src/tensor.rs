@@ -97,19 +97,46 @@ fn write_logical(t: &Tensor, src: &[u8]) -> Result<()> {
     })
 }
 
+/// Runs `$body` with `$T` the Rust element type of a plain numpy dtype (f32, f16, int8-64),
+/// else evaluates `$other`: the types `Tensor.set` and `Tensor.numpy()` move without Python
+/// calls.
+macro_rules! plain_element {
+    ($dtype:expr, $T:ident => $body:expr, $other:expr) => {
+        match $dtype {
+            DType::F32 => {
+                type $T = f32;
+                $body
+            }
+            DType::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            DType::I8 => {
+                type $T = i8;
+                $body
+            }
+            DType::I16 => {
+                type $T = i16;
+                $body
+            }
+            DType::I32 => {
+                type $T = i32;
+                $body
+            }
+            DType::I64 => {
+                type $T = i64;
+                $body
+            }
+            _ => $other,
+        }
+    };
+}
+
 /// `Tensor.set`'s common case without a Python call: a C-contiguous array of exactly the
 /// tensor's element type (native byte order) and shape. Returns whether it applied; `false`
 /// leaves every other case (conversions, checks, their errors) to the general path.
 fn set_exact(t: &Tensor, array: &Bound<'_, PyAny>) -> PyResult<bool> {
-    match t.dtype() {
-        DType::F32 => set_exact_as::<f32>(t, array),
-        DType::F16 => set_exact_as::<half::f16>(t, array),
-        DType::I8 => set_exact_as::<i8>(t, array),
-        DType::I16 => set_exact_as::<i16>(t, array),
-        DType::I32 => set_exact_as::<i32>(t, array),
-        DType::I64 => set_exact_as::<i64>(t, array),
-        _ => Ok(false),
-    }
+    plain_element!(t.dtype(), T => set_exact_as::<T>(t, array), Ok(false))
 }
 
 /// [`set_exact`] for element type `T`.
@@ -153,15 +180,7 @@ fn write_array_bytes(py: Python<'_>, t: &Tensor, src: &[u8]) -> PyResult<()> {
 /// `None` for the other types. Only for arrays below `DETACH_THRESHOLD` bytes (the caller
 /// checks), where allocating them cannot fail for their size.
 fn small_to_numpy<'py>(py: Python<'py>, t: &Tensor) -> PyResult<Option<Bound<'py, PyAny>>> {
-    match t.dtype() {
-        DType::F32 => small_to_numpy_as::<f32>(py, t),
-        DType::F16 => small_to_numpy_as::<half::f16>(py, t),
-        DType::I8 => small_to_numpy_as::<i8>(py, t),
-        DType::I16 => small_to_numpy_as::<i16>(py, t),
-        DType::I32 => small_to_numpy_as::<i32>(py, t),
-        DType::I64 => small_to_numpy_as::<i64>(py, t),
-        _ => Ok(None),
-    }
+    plain_element!(t.dtype(), T => small_to_numpy_as::<T>(py, t), Ok(None))
 }
 
 /// [`small_to_numpy`] for element type `T`.

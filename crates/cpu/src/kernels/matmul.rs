@@ -412,6 +412,29 @@ fn row_tile(m: usize) -> usize {
     16.min(m.max(1))
 }
 
+/// The column tiles of a product with `row_tasks` row tiles (over all batches) and `n`
+/// columns: `(tiles, columns per tile)`. Chosen from the shape alone, never from the thread
+/// count: the f16 path and the register-tile widths depend on a tile's columns, so a
+/// thread-dependent split would change the results' last bits with `n_threads`.
+fn column_split(row_tasks: usize, n: usize) -> (usize, usize) {
+    let j_tiles = if row_tasks >= MIN_TASKS {
+        1
+    } else {
+        MIN_TASKS.div_ceil(row_tasks).min(n.max(1))
+    };
+    let tj = n.div_ceil(j_tiles.max(1)).max(1);
+    (n.div_ceil(tj), tj)
+}
+
+/// Whether q4_0 activations are prepared in the pairs layout (offset corrections folded in:
+/// no sign fixes per block) for weights `a`: dense rows and a SIMD kernel for it (AVX2,
+/// 512-bit VNNI).
+fn uses_q4_pairs(a: &RawTensor, reference: bool) -> bool {
+    !reference
+        && a.nb[0] == a.dtype.type_size()
+        && super::quant_dot::PairsIsa::best() != super::quant_dot::PairsIsa::Portable
+}
+
 /// MUL_MAT: `dst [M, N, ne12, ne13] = b · aᵀ` per batch, with `a`'s batches broadcast.
 pub fn mul_mat(
     dst: RawTensor,
@@ -480,25 +503,11 @@ fn mul_mat_tiles(
     } else {
         a.dtype
     };
-    // q4_0 mat-vecs read activations prepared in the pairs layout (offset corrections folded
-    // in: no sign fixes per block) wherever a SIMD kernel for it exists (AVX2, 512-bit VNNI).
-    let q4_pairs = !reference
-        && a.nb[0] == a.dtype.type_size()
-        && super::quant_dot::PairsIsa::best() != super::quant_dot::PairsIsa::Portable;
-    let prepared = prepare(activations, b, scratch, q4_pairs)?;
+    let prepared = prepare(activations, b, scratch, uses_q4_pairs(&a, reference))?;
     let ti = row_tile(m);
     let i_tiles = m.div_ceil(ti);
     let batches = ne12 * ne13;
-    // Column tiles are chosen from the shape alone, never from the thread count: the f16 path
-    // and the register-tile widths depend on a tile's columns, so a thread-dependent split
-    // would change the results' last bits with `n_threads`.
-    let j_tiles = if batches * i_tiles >= MIN_TASKS {
-        1
-    } else {
-        MIN_TASKS.div_ceil(batches * i_tiles).min(n.max(1))
-    };
-    let tj = n.div_ceil(j_tiles.max(1)).max(1);
-    let j_tiles = n.div_ceil(tj);
+    let (j_tiles, tj) = column_split(batches * i_tiles, n);
     let tasks = batches * i_tiles * j_tiles;
     // Small products run on one thread: a task costs about ti·tj·K multiply-adds. A
     // mat-vec's chunks are claimed by the threads as they go, and its rows take a few
@@ -597,21 +606,14 @@ pub fn mul_mat_plain_run(
     }
     let n = b.ne[1];
     // As `mul_mat_tiles` prepares them for each product alone (same type, same dense rows).
-    let q4_pairs = super::quant_dot::PairsIsa::best() != super::quant_dot::PairsIsa::Portable;
-    let prepared = prepare(first.a.dtype, b, scratch, q4_pairs)?;
+    let prepared = prepare(first.a.dtype, b, scratch, uses_q4_pairs(&first.a, false))?;
     // Per product: (first task, row tile, column tiles, columns per tile).
     let mut plans = Vec::with_capacity(products.len());
     let mut total = 0;
     for p in products {
         let ti = row_tile(p.a.ne[1]);
         let i_tiles = p.a.ne[1].div_ceil(ti);
-        let j_tiles = if i_tiles >= MIN_TASKS {
-            1
-        } else {
-            MIN_TASKS.div_ceil(i_tiles).min(n)
-        };
-        let tj = n.div_ceil(j_tiles).max(1);
-        let j_tiles = n.div_ceil(tj);
+        let (j_tiles, tj) = column_split(i_tiles, n);
         plans.push((total, ti, j_tiles, tj));
         total += i_tiles * j_tiles;
     }
