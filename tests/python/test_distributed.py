@@ -499,12 +499,22 @@ def test_cli_generate_distributed_streams_the_local_text(
 
 _LOCAL_LAUNCH = """
 import json
+import os
+import time
 import ray  # imported before launch(): Ray has read its settings already
 import ferrograph as fg
 
 cluster = fg.distributed.launch(1)
 assert cluster.owns_ray and ray.is_initialized()
 print(json.dumps({"server": cluster.servers[0].pid, "endpoint": cluster.endpoints[0]}))
+# the report also goes to a file; the test samples sockets until it has seen the server
+# listening, then lets the cluster go (a bounded wait: it never hangs)
+with open("report.json.tmp", "w") as f:
+    json.dump({"server": cluster.servers[0].pid}, f)
+os.replace("report.json.tmp", "report.json")
+deadline = time.monotonic() + 60
+while not os.path.exists("go") and time.monotonic() < deadline:
+    time.sleep(0.05)
 cluster.shutdown()
 assert not ray.is_initialized()
 """
@@ -526,9 +536,17 @@ def test_a_local_ray_started_by_launch_stays_on_loopback(tmp_path: Any) -> None:
         text=True,
     )
     # while it runs, collect the sockets of its process tree
+    # (the script waits, at most a minute, for "go" once it has reported its server, so the
+    # sampling cannot miss a server that lives only between two samples)
     seen: list[tuple[str, str, str, int]] = []
+    released = False
     while proc.poll() is None:
         seen.extend(_sockets_of(_descendants(proc.pid)))
+        if not released and (tmp_path / "report.json").exists():
+            server = json.loads((tmp_path / "report.json").read_text())["server"]
+            if any(s[0] == "LISTEN" and s[3] == server for s in seen):
+                (tmp_path / "go").touch()
+                released = True
         time.sleep(0.2)
     out, err = proc.communicate()
     assert proc.returncode == 0, err
