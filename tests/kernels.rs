@@ -805,6 +805,10 @@ fn mul_mat_float_weights_with_batch_broadcast() {
             (9, 6, 4, [1, 1], [1, 2]),
             // GEMM path with converted weights split into per-thread panels (m ≥ 128).
             (40, 300, 33, [1, 1], [1, 1]),
+            // One full activation panel (15-16 columns: f32 weights take the GEMM on AVX2),
+            // several weight micro-panels (each prefetching the next), k past one block.
+            (70, 40, 15, [1, 1], [1, 1]),
+            (800, 131, 16, [2, 1], [1, 1]),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, bs[0], bs[1]]).unwrap();
@@ -1737,6 +1741,8 @@ fn mul_mat_bits_do_not_depend_on_thread_count() {
         for (k, m, n, batches) in [
             (64usize, 19usize, 5usize, 1usize),
             (96, 513, 40, 1),
+            (800, 131, 16, 1),
+            (96, 200, 15, 2),
             (64, 300, 33, 3),
             (32, 40, 64, 12),
             (128, 130, 3, 2),

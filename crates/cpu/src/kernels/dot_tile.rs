@@ -27,7 +27,13 @@ fn has_avx512f() -> bool {
 }
 
 /// `out[r][c] = a[r] · b[c]` for 4 rows of `a` and `C` (1 to 4) of `b`, all of length `k`.
-pub fn dots_4xc<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C]) -> [[f32; C]; 4] {
+/// With `next`, it asks meanwhile for the cache lines of the first `k` elements of those 4
+/// rows (the weight rows the caller computes next; a hint: nothing is read through them).
+pub fn dots_4xc<const C: usize>(
+    a: [&[f32]; 4],
+    b: [&[f32]; C],
+    next: Option<[*const f32; 4]>,
+) -> [[f32; C]; 4] {
     debug_assert!((1..=4).contains(&C));
     let k = b[0].len();
     assert!(a.iter().chain(&b).all(|r| r.len() == k));
@@ -35,13 +41,13 @@ pub fn dots_4xc<const C: usize>(a: [&[f32]; 4], b: [&[f32]; C]) -> [[f32; C]; 4]
     if has_avx512f() {
         if let Some(s) = Avx512::new() {
             // SAFETY: the token proves AVX-512F; every row holds `k` elements (asserted).
-            return unsafe { dots_4xc_avx512(s, a, b, k) };
+            return unsafe { dots_4xc_avx512(s, a, b, k, next) };
         }
     }
     #[cfg(target_arch = "x86_64")]
     if let Some(s) = Avx2::new() {
         // SAFETY: the token proves AVX2 and FMA; every row holds `k` elements (asserted).
-        return unsafe { dots_4xc_avx2(s, a, b, k) };
+        return unsafe { dots_4xc_avx2(s, a, b, k, next) };
     }
     let mut out = [[0f32; C]; 4];
     for (r, row) in a.iter().enumerate() {
@@ -63,9 +69,10 @@ unsafe fn dots_4xc_avx512<const C: usize>(
     a: [&[f32]; 4],
     b: [&[f32]; C],
     k: usize,
+    next: Option<[*const f32; 4]>,
 ) -> [[f32; C]; 4] {
     // SAFETY: forwarded (caller).
-    unsafe { dots_4xc_simd(s, a, b, k) }
+    unsafe { dots_4xc_simd(s, a, b, k, next) }
 }
 
 /// [`dots_4xc`] for AVX2 (8 lanes; the last `k % 8` elements added in scalar code).
@@ -79,9 +86,10 @@ unsafe fn dots_4xc_avx2<const C: usize>(
     a: [&[f32]; 4],
     b: [&[f32]; C],
     k: usize,
+    next: Option<[*const f32; 4]>,
 ) -> [[f32; C]; 4] {
     // SAFETY: forwarded (caller).
-    unsafe { dots_4xc_simd(s, a, b, k) }
+    unsafe { dots_4xc_simd(s, a, b, k, next) }
 }
 
 /// The tile for any [`Simd`]: lane `l` of accumulator `(r, c)` sums the products of elements
@@ -99,6 +107,7 @@ unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
     a: [&[f32]; 4],
     b: [&[f32]; C],
     k: usize,
+    next: Option<[*const f32; 4]>,
 ) -> [[f32; C]; 4] {
     // acc[c][r]: column-major so each column's four row accumulators reduce together.
     let mut acc = [[s.zero(); 4]; C];
@@ -109,7 +118,20 @@ unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
     };
     // One loop (no closure: a closure might not be inlined into the target-feature caller).
     let mut i = 0;
+    // The next rows' lines, as many per step as this step reads of the current rows (4 rows
+    // of LANES floats), in row-interleaved order.
+    let per_step = 4 * S::LANES / 16;
+    let mut line = 0usize;
     while i < full {
+        if let Some(rows) = next {
+            for _ in 0..per_step {
+                let (r, col) = (line % 4, line / 4 * 16);
+                if col < k {
+                    super::simd::prefetch_lines(rows[r].wrapping_add(col).cast(), 4);
+                }
+                line += 1;
+            }
+        }
         // SAFETY: without masked tails i + LANES <= k; with them only the first k - i lanes
         // are accessed; every slice holds k elements (caller).
         unsafe {
@@ -166,7 +188,7 @@ mod tests {
         k: usize,
     ) -> [[f32; C]; 4] {
         // SAFETY: forwarded (caller).
-        unsafe { dots_4xc_simd(s, a, b, k) }
+        unsafe { dots_4xc_simd(s, a, b, k, None) }
     }
 
     #[cfg(target_arch = "x86_64")]
@@ -211,18 +233,28 @@ mod tests {
     fn check<const C: usize>(rows: &[Vec<f32>], k: usize) {
         let a = [&rows[0][..], &rows[1][..], &rows[2][..], &rows[3][..]];
         let b: [&[f32]; C] = std::array::from_fn(|c| &rows[4 + c][..]);
-        let mut paths = vec![("dispatch", dots_4xc(a, b))];
+        let mut paths = vec![("dispatch", dots_4xc(a, b, None))];
+        // Prefetching other rows meanwhile is a hint: the same bits.
+        #[cfg(target_arch = "x86_64")]
+        {
+            let next = std::array::from_fn(|r| rows[(r + 1) % rows.len()].as_ptr());
+            assert_eq!(
+                bits(dots_4xc(a, b, Some(next))),
+                bits(paths[0].1),
+                "prefetching k={k}"
+            );
+        }
         #[cfg(target_arch = "x86_64")]
         {
             if let Some(s) = Avx2::new() {
                 // SAFETY: every row holds `k` elements.
-                let got = unsafe { dots_4xc_avx2(s, a, b, k) };
+                let got = unsafe { dots_4xc_avx2(s, a, b, k, None) };
                 assert_eq!(bits(got), bits(model(8, false, a, b, k)), "avx2 k={k}");
                 paths.push(("avx2", got));
             }
             if let Some(s) = Avx512::new() {
                 // SAFETY: every row holds `k` elements.
-                let got = unsafe { dots_4xc_avx512(s, a, b, k) };
+                let got = unsafe { dots_4xc_avx512(s, a, b, k, None) };
                 assert_eq!(bits(got), bits(model(16, true, a, b, k)), "avx512 k={k}");
                 paths.push(("avx512", got));
             }

@@ -46,6 +46,14 @@ use crate::error::Result;
 /// (`dot_tile`).
 pub const MIN_COLS: usize = 32;
 
+/// Column counts below [`MIN_COLS`] that f32 weights still take through the GEMM path on
+/// AVX2-only CPUs: the ones that fill one 16-row activation panel, where the 6 × 16 kernel
+/// reads each weight once (a broadcast) for 15-16 columns. Measured against the register
+/// tiles on MiniLM's products with weights streaming from memory (DECISIONS: "Few-column f32
+/// products on AVX2"): 15-25% faster at 15-16 columns on 1 and 2 threads, about even at 12-14,
+/// slower at 17-28 (a second, mostly empty panel).
+const AVX2_ONE_PANEL: std::ops::RangeInclusive<usize> = 15..=16;
+
 /// Elements of `k` per block: a multiple of the quantized block size (32), so converted
 /// quantized weights start each block on a block boundary.
 const KC: usize = 768;
@@ -258,7 +266,8 @@ fn weights_direct(a: &RawTensor) -> bool {
 
 /// Whether the GEMM path handles this product.
 pub fn applies(a: &RawTensor, dst: &RawTensor, n_cols: usize) -> bool {
-    n_cols >= MIN_COLS
+    (n_cols >= MIN_COLS
+        || (a.dtype == DType::F32 && AVX2_ONE_PANEL.contains(&n_cols) && Isa::best() == Isa::Avx2))
         && a.ne[0] >= 8
         && dst.dtype == DType::F32
         && dst.nb[0] == 4
@@ -474,6 +483,12 @@ unsafe fn block(
             // SAFETY: weight rows i0..i0 + nr_here and elements pc..pc + kc exist; `pc` is a
             // multiple of KC, itself a multiple of every block size.
             let (w, w_stride) = unsafe { p.weights.rows(i0, nr_here, (pc, kc), weights)? };
+            // In-place f32 weights: the next micro-panel's rows, prefetched while this one
+            // computes with the first activation panel (null: nothing to prefetch).
+            let next = match p.weights {
+                WeightRows::F32 { .. } if i0 + nr < cols.end => w.wrapping_add(nr * w_stride),
+                _ => std::ptr::null(),
+            };
             for (q, panel) in packed.as_slice().chunks_exact(mr * kc).enumerate() {
                 let j0 = rows.start + q * mr;
                 let rows_here = mr.min(rows.end - j0);
@@ -497,6 +512,7 @@ unsafe fn block(
                         (w, w_stride),
                         tile,
                         pc > 0,
+                        if q == 0 { next } else { std::ptr::null() },
                     );
                     store_tile(isa, c, p.dst_stride, shape, mr, tile);
                 }
@@ -805,13 +821,14 @@ unsafe fn micro_kernel(
     (w, w_stride): (*const f32, usize),
     tile: &mut [f32],
     accumulate: bool,
+    next: *const f32,
 ) {
     debug_assert!(nr <= isa.nr() && rows <= isa.mr() && panel.len() >= kc * isa.mr());
     let (b, t) = (panel.as_ptr(), tile.as_mut_ptr());
     macro_rules! dispatch {
         ($kernel:ident, $nv:literal, $($n:literal)+) => {
             match nr {
-                $($n => $kernel::<$n, $nv>(kc, b, w, w_stride, t, accumulate),)+
+                $($n => $kernel::<$n, $nv>(kc, b, w, w_stride, t, accumulate, next),)+
                 _ => unreachable!("tile rows are at most the ISA's NR"),
             }
         };
@@ -853,6 +870,7 @@ unsafe fn kernel_portable<const NR: usize, const _NV: usize>(
     w_stride: usize,
     tile: *mut f32,
     accumulate: bool,
+    _next: *const f32,
 ) {
     const MR: usize = 8;
     let mut acc = [[0f32; MR]; NR];
@@ -896,9 +914,12 @@ unsafe fn kernel_avx2<const NR: usize, const NV: usize>(
     w_stride: usize,
     tile: *mut f32,
     accumulate: bool,
+    next: *const f32,
 ) {
     // SAFETY: the CPU has AVX2 and FMA; the rest is forwarded (caller).
-    unsafe { kernel_simd::<_, NR, NV>(Avx2::assume(), kc, b, (w, w_stride), tile, accumulate) }
+    unsafe {
+        kernel_simd::<_, NR, NV>(Avx2::assume(), kc, b, (w, w_stride), tile, accumulate, next)
+    }
 }
 
 /// AVX-512 micro-kernel: `NR` (≤ 12) weight rows × `NV` × 16 activation rows.
@@ -914,9 +935,20 @@ unsafe fn kernel_avx512<const NR: usize, const NV: usize>(
     w_stride: usize,
     tile: *mut f32,
     accumulate: bool,
+    next: *const f32,
 ) {
     // SAFETY: the CPU has AVX-512F, AVX2 and FMA; the rest is forwarded (caller).
-    unsafe { kernel_simd::<_, NR, NV>(Avx512::assume(), kc, b, (w, w_stride), tile, accumulate) }
+    unsafe {
+        kernel_simd::<_, NR, NV>(
+            Avx512::assume(),
+            kc,
+            b,
+            (w, w_stride),
+            tile,
+            accumulate,
+            next,
+        )
+    }
 }
 
 /// The micro-kernel for any [`Simd`]: `NR` weight rows × `NV` vectors of activation rows of a
@@ -933,6 +965,7 @@ unsafe fn kernel_simd<S: Simd, const NR: usize, const NV: usize>(
     (w, w_stride): (*const f32, usize),
     tile: *mut f32,
     accumulate: bool,
+    next: *const f32,
 ) {
     let lanes = S::LANES;
     let mr = 2 * lanes;
@@ -951,7 +984,21 @@ unsafe fn kernel_simd<S: Simd, const NR: usize, const NV: usize>(
         for (r, p) in rows.iter_mut().enumerate() {
             *p = w.add(r * w_stride);
         }
+        // One line of the next micro-panel's weights per step (row by row, 16 floats at a
+        // time), so its rows are on their way while this one computes.
+        let (mut pf_row, mut pf_col) = (0usize, 0usize);
         for kk in 0..kc {
+            if !next.is_null() && pf_col < kc {
+                super::simd::prefetch_lines(
+                    next.wrapping_add(pf_row * w_stride + pf_col).cast(),
+                    4,
+                );
+                pf_row += 1;
+                if pf_row == NR {
+                    pf_row = 0;
+                    pf_col += 16;
+                }
+            }
             let bp = b.add(kk * mr);
             let mut bv = [s.zero(); NV];
             for (v, x) in bv.iter_mut().enumerate() {
@@ -1322,8 +1369,9 @@ mod tests {
             tile: *mut f32,
             accumulate: bool,
         ) {
-            // SAFETY: forwarded.
-            unsafe { kernel_simd::<_, NR, NV>(s, kc, b, w, tile, accumulate) }
+            // SAFETY: forwarded (the weights stand in for a next micro-panel to prefetch: a
+            // hint that must leave the results alone).
+            unsafe { kernel_simd::<_, NR, NV>(s, kc, b, w, tile, accumulate, w.0) }
         }
         #[target_feature(enable = "avx2,fma")]
         unsafe fn avx2<const NR: usize, const NV: usize>(
@@ -1335,7 +1383,7 @@ mod tests {
             accumulate: bool,
         ) {
             // SAFETY: forwarded.
-            unsafe { kernel_avx2::<NR, NV>(kc, b, w, w_stride, tile, accumulate) }
+            unsafe { kernel_avx2::<NR, NV>(kc, b, w, w_stride, tile, accumulate, w) }
         }
         #[target_feature(enable = "avx512f,avx2,fma")]
         unsafe fn avx512<const NR: usize, const NV: usize>(
@@ -1347,7 +1395,7 @@ mod tests {
             accumulate: bool,
         ) {
             // SAFETY: forwarded.
-            unsafe { kernel_avx512::<NR, NV>(kc, b, w, w_stride, tile, accumulate) }
+            unsafe { kernel_avx512::<NR, NV>(kc, b, w, w_stride, tile, accumulate, w) }
         }
         if let Some(s) = Emu16::new() {
             check::<_, 1, 1>(emu::<1, 1>, s);

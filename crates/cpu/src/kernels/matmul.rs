@@ -351,15 +351,20 @@ fn run_tile(
                 for r0 in (0..r_tiled).step_by(4) {
                     let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
                     let row0 = rows.start + r0;
+                    // The next 4 rows (weights read in place: from memory) are fetched while
+                    // the first column group computes; the later groups find these in L1.
+                    let next = (direct && r0 + 8 <= arows.len())
+                        .then(|| std::array::from_fn(|r| arows[r0 + 4 + r].as_ptr()));
                     let mut c0 = 0;
                     for g in 0..n_groups {
                         let width = base + usize::from(g < extra);
                         let group = &cols[c0..c0 + width];
+                        let next = if g == 0 { next } else { None };
                         match width {
-                            1 => tile::<1>(a4, group, b, k, row0, &write),
-                            2 => tile::<2>(a4, group, b, k, row0, &write),
-                            3 => tile::<3>(a4, group, b, k, row0, &write),
-                            _ => tile::<4>(a4, group, b, k, row0, &write),
+                            1 => tile::<1>(a4, group, b, k, row0, next, &write),
+                            2 => tile::<2>(a4, group, b, k, row0, next, &write),
+                            3 => tile::<3>(a4, group, b, k, row0, next, &write),
+                            _ => tile::<4>(a4, group, b, k, row0, next, &write),
                         }
                         c0 += width;
                     }
@@ -384,10 +389,11 @@ fn tile<const C: usize>(
     b: &Prepared<'_>,
     k: usize,
     row0: usize,
+    next: Option<[*const f32; 4]>,
     write: &impl Fn(&Col, usize, f32),
 ) {
     let brows: [&[f32]; C] = std::array::from_fn(|c| b.f32_row(k, group[c].b));
-    for (dr, row) in dots_4xc(a4, brows).iter().enumerate() {
+    for (dr, row) in dots_4xc(a4, brows, next).iter().enumerate() {
         for (col, &v) in group.iter().zip(row) {
             write(col, row0 + dr, v);
         }
