@@ -31,6 +31,7 @@ mod system;
 mod tensor;
 mod tensor_raw;
 mod utils;
+mod wordpiece;
 
 /// The native module `ferrograph._core`.
 #[pymodule]
@@ -60,6 +61,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     row_split::register(m)?;
     gguf::register(m)?;
     utils::register(m)?;
+    wordpiece::register(m)?;
     let ops_module = PyModule::new(py, "ops")?;
     ops::register(&ops_module)?;
     m.add_submodule(&ops_module)?;

@@ -418,6 +418,23 @@ class SplitWeight:
     def set(self, array: npt.ArrayLike) -> SplitWeight: ...
     def mul_mat(self, x: npt.ArrayLike) -> npt.NDArray[np.float32]: ...
 
+@final
+class WordPieceAscii:
+    def __new__(
+        cls,
+        vocab: Mapping[str, int],
+        *,
+        prefix: str,
+        unk_id: int,
+        cls_id: int,
+        sep_id: int,
+        max_word_chars: int,
+        lowercase: bool,
+        max_pieces: int | None,
+        triggers: str,
+    ) -> WordPieceAscii: ...
+    def encode(self, text: str) -> list[int] | None: ...
+
 def tensor_set(
     tensor: Tensor, data: npt.NDArray[Any] | bytes | bytearray | memoryview, offset: int = 0
 ) -> None: ...

@@ -72,6 +72,7 @@ from .tokenization import (
     tokenize,
 )
 from .weights import device_backends, load_weights, place_layer_weights, weights_dtype_name
+from .wordpiece import FastWordPiece
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -237,7 +238,7 @@ class SentenceEncoder:
         self.fuse_qkv = fuse_qkv
         self.bucket_lengths = bool(bucket_lengths)
         self._max_seq_length = self.settings.max_seq_length
-        self.tokenizer: Tokenizer = load_tokenizer(
+        self.tokenizer = load_tokenizer(
             self.settings.transformer_dir, self._max_seq_length, self.settings.do_lower_case
         )
         self._special_ids = special_token_ids(self.tokenizer, self.settings.transformer_dir)
@@ -304,6 +305,21 @@ class SentenceEncoder:
     # ----- properties -----
 
     @property
+    def tokenizer(self) -> Tokenizer:
+        """The ``tokenizers`` tokenizer (truncating to :attr:`max_seq_length`, no padding).
+
+        One-sentence queries of ASCII text take a fast path with the same ids
+        (:class:`~ferrograph.models.wordpiece.FastWordPiece`), built from this tokenizer's
+        pipeline when it is set; after changing the pipeline in place, set the tokenizer
+        again (``encoder.tokenizer = encoder.tokenizer``) so the fast path follows it."""
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value: Tokenizer) -> None:
+        self._tokenizer = value
+        self._fast_tokenizer = FastWordPiece.from_tokenizer(value)
+
+    @property
     def max_seq_length(self) -> int:
         """Tokens per sentence after truncation (special tokens included). Settable, from 2
         up to the model's ``max_position_embeddings``."""
@@ -316,6 +332,7 @@ class SentenceEncoder:
             raise fg.InvalidArgumentError(f"max_seq_length must be in [2, {limit}], got {value!r}")
         self._max_seq_length = value
         set_truncation(self.tokenizer, value)
+        self.tokenizer = self.tokenizer  # the fast path truncates as the tokenizer does
 
     @property
     def dim(self) -> int:
@@ -939,8 +956,11 @@ class SentenceEncoder:
         clock = _Stages(stages)
         began = clock.last
         if n == 1:
-            # One query: the single-text call skips encode_batch's hand-off to its thread pool.
-            encodings = [self.tokenizer.encode(sentences[0])]
+            # One query: the fast path for ASCII text, else the single-text call (which skips
+            # encode_batch's hand-off to its thread pool).
+            fast = self._fast_tokenizer
+            one = None if fast is None else fast.encode(sentences[0])
+            encodings: Sequence[Any] = [self.tokenizer.encode(sentences[0]) if one is None else one]
         else:
             encodings = self.tokenizer.encode_batch(sentences)
         clock.lap("tokenize")
@@ -956,11 +976,16 @@ class SentenceEncoder:
             seq = self.padded_length(lengths[idx[0]])
             batch = self._pad([encodings[i] for i in idx], seq)
             if profile:
-                out[idx], timings = self._run_batch(batch, prompt_length, True, clock)
+                rows, timings = self._run_batch(batch, prompt_length, True, clock)
                 if timings is not None:
                     total = timings if total is None else total + timings
             else:
-                out[idx] = self.run_batch(batch, prompt_length)  # the public hook, as before
+                rows = self.run_batch(batch, prompt_length)  # the public hook, as before
+            if n == 1:
+                # one query: its own array (an indexed assignment costs ~0.08 ms, cold)
+                out = np.asarray(rows, np.float32).reshape(1, self.dim)
+            else:
+                out[idx] = rows
             done += len(idx)
             if report is not None:
                 report(done, n)
