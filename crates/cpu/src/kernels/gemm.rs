@@ -833,7 +833,9 @@ unsafe fn store_tile_portable(
 }
 
 /// `tile[r][l] (+)= Σ_kk panel[kk][l] · w[r][kk]` for `nr` weight rows; `rows` activation rows
-/// are valid (the rest of the panel is zeros and their lanes are ignored).
+/// are valid (the rest of the panel is zeros and their lanes are ignored). A non-null `next`
+/// is the first of the next micro-panel's weight rows (same stride): the SIMD kernels ask for
+/// one of its cache lines per step (a hint; the address is never read through).
 ///
 /// # Safety
 /// `panel` holds `kc` × `isa.mr()` values; `w` addresses `nr ≤ isa.nr()` rows of `kc`
