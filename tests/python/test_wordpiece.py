@@ -113,6 +113,27 @@ def test_the_fast_path_gives_the_library_ids(settings: dict[str, Any]) -> None:
     assert taken > 3000
 
 
+def test_long_unknown_words_take_bounded_work_and_the_library_ids() -> None:
+    # A tokenizer that allows long words: the greedy split never looks up a piece longer than
+    # the longest vocabulary entry (the same result, with work linear in the word's length).
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors
+
+    vocab = {token: i for i, token in enumerate(VOCAB)}
+    tok = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]", max_input_chars_per_word=2000))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tok.post_processor = processors.BertProcessing(
+        ("[SEP]", vocab["[SEP]"]), ("[CLS]", vocab["[CLS]"])
+    )
+    fast = FastWordPiece.from_tokenizer(tok)
+    assert fast is not None
+    for text in ["ab" * 300, "hello" * 100 + "z", "a" * 1999, "the" + "x" * 700 + "sat"]:
+        got = fast.encode(text)
+        assert got is not None and got.ids == tok.encode(text).ids, text[:20]
+    # far past the word limit: one unknown token, at once
+    assert fast.encode("q" * 500_000) is not None
+
+
 def test_text_outside_the_class_goes_to_the_library() -> None:
     fast = FastWordPiece.from_tokenizer(_tokenizer())
     assert fast is not None

@@ -28,6 +28,10 @@ const MAX_TEXT_BYTES: usize = 1 << 20;
 #[pyclass(name = "WordPieceAscii", module = "ferrograph._core", frozen)]
 pub struct PyWordPieceAscii {
     vocab: HashMap<Vec<u8>, u32>,
+    /// Bytes of the longest vocabulary entry: no longer candidate piece is looked up, which
+    /// bounds a word's work by its length times this (the result is the same: a longer
+    /// piece cannot match).
+    longest: usize,
     prefix: Vec<u8>,
     unk_id: u32,
     cls_id: u32,
@@ -79,7 +83,12 @@ impl PyWordPieceAscii {
         let mut start = 0;
         while start < word.len() {
             let mut found = None;
-            let mut end = word.len();
+            let room = if start > 0 {
+                self.longest.saturating_sub(self.prefix.len())
+            } else {
+                self.longest
+            };
+            let mut end = word.len().min(start + room);
             while start < end {
                 piece.clear();
                 if start > 0 {
@@ -132,11 +141,13 @@ impl PyWordPieceAscii {
             }
             trigger_set[c as usize] = true;
         }
+        let longest = vocab.keys().map(String::len).max().unwrap_or(0);
         Ok(Self {
             vocab: vocab
                 .into_iter()
                 .map(|(k, v)| (k.into_bytes(), v))
                 .collect(),
+            longest,
             prefix: prefix.into_bytes(),
             unk_id,
             cls_id,
