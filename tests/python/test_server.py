@@ -390,6 +390,28 @@ def test_bad_requests_get_openai_errors(client: Any, server: str, ids: dict[str,
     assert r.status_code == 404 and "error" in r.json()
     r = httpx.post(f"{server}/v1/embeddings", json=[1, 2], headers=headers, timeout=30)
     assert r.status_code == 400
+    # JSON's \ud800 escapes carry lone surrogates (json.dumps writes them as escapes): not
+    # text any tokenizer can read, nor any UTF-8 reply
+    emb, chat = ids["embedding"], ids["chat"]
+    for path, request in (
+        ("/v1/embeddings", {"model": emb, "input": "a\ud800"}),
+        ("/v1/embeddings", {"model": emb, "input": ["ok", "\udfff"]}),
+        ("/v1/completions", {"model": chat, "prompt": "x\ud800", "max_tokens": 2}),
+        ("/v1/completions", {"model": chat, "prompt": "x", "stop": ["\udc80"]}),
+        (
+            "/v1/chat/completions",
+            {"model": chat, "max_tokens": 2, "messages": [{"role": "user", "content": "\ud83d"}]},
+        ),
+    ):
+        body = json.dumps(request)
+        r = httpx.post(f"{server}{path}", content=body.encode(), headers=headers, timeout=60)
+        assert r.status_code == 400, (path, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "invalid_request_error"
+    body = json.dumps({"model": "m\udfff", "input": "x"})  # an unknown model, named back
+    r = httpx.post(f"{server}/v1/embeddings", content=body.encode(), headers=headers, timeout=60)
+    assert r.status_code in (400, 404) and "error" in r.json(), r.text
+    # and the server still serves
+    assert client.embeddings.create(model=ids["embedding"], input="x").data
 
 
 def test_a_wrong_or_missing_key_is_401(server: str, ids: dict[str, str]) -> None:

@@ -137,7 +137,7 @@ def test_long_unknown_words_take_bounded_work_and_the_library_ids() -> None:
 def test_text_outside_the_class_goes_to_the_library() -> None:
     fast = FastWordPiece.from_tokenizer(_tokenizer())
     assert fast is not None
-    for text in ["café", "naïve words", "日本", "a [MASK] b", "[CLS]", "x[y", "\u00a0"]:
+    for text in ["café", "naïve words", "日本", "a [MASK] b", "[CLS]", "x[y", "\u00a0", "a\ud800"]:
         assert fast.encode(text) is None, text
     assert fast.encode("a" * (1 << 20 + 1)) is None  # over the native side's bound
 
@@ -214,3 +214,18 @@ def test_the_packaged_minilm_vocabulary() -> None:
     for text in texts:
         got = fast.encode(text)
         assert got is not None and got.ids == tok.encode(text).ids, repr(text)
+
+
+def test_a_sentence_that_is_not_unicode_is_named(tmp_path: Any) -> None:
+    minilm = pytest.importorskip("ferrograph.models.minilm")
+    try:
+        model_dir = minilm.find_model_dir()
+    except Exception:
+        pytest.skip("the MiniLM package is not installed")
+    import ferrograph as fg
+
+    enc = fg.models.SentenceEncoder(model_dir, n_threads=1)
+    for batch in (["a\ud800"], ["fine", "x\udfff y"]):
+        with pytest.raises(fg.InvalidArgumentError, match="not valid Unicode"):
+            enc.encode(batch)
+    assert enc.encode("still fine").shape == (enc.dim,)

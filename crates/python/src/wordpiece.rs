@@ -159,10 +159,15 @@ impl PyWordPieceAscii {
         })
     }
 
-    /// ``[cls_id, pieces..., sep_id]`` for ``text``, or ``None`` when ``text`` is not ASCII,
-    /// holds a trigger character or is longer than 1 MiB (the caller uses the library).
+    /// ``[cls_id, pieces..., sep_id]`` for ``text``, or ``None`` when ``text`` is not ASCII
+    /// (or not encodable at all), holds a trigger character or is longer than 1 MiB (the caller
+    /// uses the library).
     fn encode(&self, text: &Bound<'_, PyString>) -> PyResult<Option<Vec<u32>>> {
-        let text = text.to_str()?.as_bytes();
+        // Text Python cannot encode as UTF-8 (lone surrogates) is the library's to judge.
+        let Ok(text) = text.to_str() else {
+            return Ok(None);
+        };
+        let text = text.as_bytes();
         if text.len() > MAX_TEXT_BYTES
             || !text.is_ascii()
             || text.iter().any(|&b| self.triggers[usize::from(b)])

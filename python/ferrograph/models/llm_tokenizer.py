@@ -273,12 +273,24 @@ class GGUFTokenizer:
 
         ``add_special``: add BOS/EOS as the file's ``add_bos_token``/``add_eos_token`` say.
         ``parse_special``: read control-token text (``<|im_start|>``) as that one token; else
-        it is tokenized as plain text.
+        it is tokenized as plain text. Text with a lone surrogate (not valid Unicode) raises
+        :class:`ferrograph.InvalidArgumentError`.
         """
         if not isinstance(text, str):
             raise fg.ArgumentTypeError(f"tokenize expects a str, got {type(text).__name__}")
         tok = self._special if parse_special else self._plain
-        ids: list[int] = list(tok.encode(text, add_special_tokens=False).ids) if text else []
+        try:
+            ids: list[int] = list(tok.encode(text, add_special_tokens=False).ids) if text else []
+        except TypeError:
+            # tokenizers refuses a str it cannot encode as UTF-8 (a lone surrogate, which JSON's
+            # "\ud800" escapes can carry) with a TypeError that says nothing of why
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as error:
+                raise fg.InvalidArgumentError(
+                    f"the text is not valid Unicode ({error.reason} at position {error.start})"
+                ) from None
+            raise
         if add_special:
             if self.add_bos and self.bos_id is not None:
                 ids.insert(0, self.bos_id)

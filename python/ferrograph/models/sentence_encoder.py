@@ -897,10 +897,10 @@ class SentenceEncoder:
         Raises
         ------
         fg.InvalidArgumentError
-            For a ``batch_size`` below 1, a sentence that is not a ``str``, an unknown
-            ``prompt_name``, a sentence longer than the model's positions (possible only when
-            the model's own ``max_seq_length`` exceeds them), or a left-out prompt that fills
-            a whole sentence.
+            For a ``batch_size`` below 1, a sentence that is not a ``str`` or not valid
+            Unicode (a lone surrogate), an unknown ``prompt_name``, a sentence longer than
+            the model's positions (possible only when the model's own ``max_seq_length``
+            exceeds them), or a left-out prompt that fills a whole sentence.
         """
         single = isinstance(sentences, str)
         if single:
@@ -955,14 +955,29 @@ class SentenceEncoder:
             stages = dict.fromkeys(("tokenize", "inputs", "setup", "compute", "output"), 0.0)
         clock = _Stages(stages)
         began = clock.last
-        if n == 1:
-            # One query: the fast path for ASCII text, else the single-text call (which skips
-            # encode_batch's hand-off to its thread pool).
-            fast = self._fast_tokenizer
-            one = None if fast is None else fast.encode(sentences[0])
-            encodings: Sequence[Any] = [self.tokenizer.encode(sentences[0]) if one is None else one]
-        else:
-            encodings = self.tokenizer.encode_batch(sentences)
+        try:
+            if n == 1:
+                # One query: the fast path for ASCII text, else the single-text call (which
+                # skips encode_batch's hand-off to its thread pool).
+                fast = self._fast_tokenizer
+                one = None if fast is None else fast.encode(sentences[0])
+                encodings: Sequence[Any] = [
+                    self.tokenizer.encode(sentences[0]) if one is None else one
+                ]
+            else:
+                encodings = self.tokenizer.encode_batch(sentences)
+        except TypeError:
+            # tokenizers refuses a str it cannot encode as UTF-8 (a lone surrogate) with a
+            # TypeError that names no sentence
+            for i, s in enumerate(sentences):
+                try:
+                    s.encode("utf-8")
+                except UnicodeEncodeError as error:
+                    raise fg.InvalidArgumentError(
+                        f"sentence {i} is not valid Unicode text ({error.reason} at "
+                        f"position {error.start})"
+                    ) from None
+            raise
         clock.lap("tokenize")
         lengths = self._check_encodings(encodings)
         # Longest first (stable): batches pad little and the first is the largest shape.

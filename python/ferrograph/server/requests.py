@@ -113,6 +113,19 @@ def _flag(body: dict[str, Any], name: str) -> bool:
     return value
 
 
+def _unicode(text: str, param: str, label: str) -> str:
+    """``text``, checked to be valid Unicode: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which no tokenizer (and no UTF-8 reply) can carry."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise bad_request(
+            f"'{label}' is not valid Unicode text ({error.reason} at position {error.start})",
+            param,
+        ) from None
+    return text
+
+
 def parse_embeddings(raw: Any, max_input_chars: int) -> EmbeddingRequest:
     """``input`` is a string or a list of 1 to :data:`MAX_EMBEDDING_INPUTS` strings, none
     longer than ``max_input_chars`` nor empty; ``encoding_format`` ``float`` or ``base64``."""
@@ -135,6 +148,7 @@ def parse_embeddings(raw: Any, max_input_chars: int) -> EmbeddingRequest:
     for i, text in enumerate(inputs):
         if not text:
             raise bad_request(f"'input[{i}]' is an empty string", "input")
+        _unicode(text, "input", f"input[{i}]")
         if len(text) > max_input_chars:
             raise APIError(
                 413,
@@ -163,7 +177,7 @@ def _stop(body: dict[str, Any]) -> list[str]:
         raise bad_request(f"'stop' has {len(stops)} strings; at most {MAX_STOP_STRINGS}", "stop")
     if any(len(s) > MAX_STOP_LENGTH for s in stops):
         raise bad_request(f"a stop string is longer than {MAX_STOP_LENGTH} characters", "stop")
-    return list(stops)
+    return [_unicode(s, "stop", f"stop[{i}]") for i, s in enumerate(stops)]
 
 
 def _sampling(body: dict[str, Any], max_tokens_names: tuple[str, ...]) -> dict[str, Any]:
@@ -215,9 +229,9 @@ def parse_completion(raw: Any) -> GenerationRequest:
     value = body.get("prompt")
     prompt: str | list[int]
     if isinstance(value, str):
-        prompt = value
+        prompt = _unicode(value, "prompt", "prompt")
     elif isinstance(value, list) and len(value) == 1 and isinstance(value[0], str):
-        prompt = value[0]
+        prompt = _unicode(value[0], "prompt", "prompt")
     elif (
         isinstance(value, list)
         and value
@@ -234,6 +248,10 @@ def parse_completion(raw: Any) -> GenerationRequest:
 
 
 def _content(value: Any, index: int) -> str:
+    return _unicode(_content_text(value, index), "messages", f"messages[{index}].content")
+
+
+def _content_text(value: Any, index: int) -> str:
     if isinstance(value, str):
         return value
     if value is None:
