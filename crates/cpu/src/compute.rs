@@ -258,9 +258,14 @@ impl Run {
     }
 }
 
+/// The id of a MUL_MAT node's activations (its second source); `None` for any other node.
+fn mul_mat_activations(node: &Tensor) -> Option<u64> {
+    (matches!(node.op(), Op::MulMat) && node.srcs().len() == 2).then(|| node.srcs()[1].id())
+}
+
 /// A mat-vec that may join a fused run, and its activations.
 fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, RawTensor)> {
-    if !matches!(node.op(), Op::MulMat) || node.srcs().len() != 2 || node.is_empty() {
+    if mul_mat_activations(node).is_none() || node.is_empty() {
         return None;
     }
     let (a, b) = (&node.srcs()[0], &node.srcs()[1]);
@@ -302,21 +307,14 @@ fn compute_mat_vec_run(
     const MAX_RUN: usize = 4;
     // Cheap test first (ids only): a product with no partner reading its activations, the
     // common case, resolves no operands here; `compute_in_pool` does that once.
-    let shares_activations = |node: &Tensor, activations: u64| {
-        matches!(node.op(), Op::MulMat)
-            && node.srcs().len() == 2
-            && node.srcs()[1].id() == activations
+    let Some(activations) = mul_mat_activations(&nodes[i]) else {
+        return Ok(None);
     };
-    let node = &nodes[i];
-    if !matches!(node.op(), Op::MulMat) || node.srcs().len() != 2 {
-        return Ok(None);
-    }
-    let activations = node.srcs()[1].id();
     let partner = nodes[i + 1..].iter().find(|n| !is_noop(n));
-    if !partner.is_some_and(|n| shares_activations(n, activations)) {
+    if partner.and_then(mul_mat_activations) != Some(activations) {
         return Ok(None);
     }
-    let Some((first, b)) = run_product(node, options) else {
+    let Some((first, b)) = run_product(&nodes[i], options) else {
         return Ok(None);
     };
     let mut run = Run::new(first);
@@ -329,8 +327,8 @@ fn compute_mat_vec_run(
         if is_noop(node) {
             continue;
         }
-        let joins =
-            shares_activations(node, activations) && !outputs.contains(&node.srcs()[0].id());
+        let joins = mul_mat_activations(node) == Some(activations)
+            && !outputs.contains(&node.srcs()[0].id());
         match run_product(node, options).filter(|(p, _)| joins && first.matches(p)) {
             Some((product, _)) if run.push(product) => {
                 outputs.push(node.id());

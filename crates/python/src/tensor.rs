@@ -102,31 +102,15 @@ fn write_logical(t: &Tensor, src: &[u8]) -> Result<()> {
 /// calls.
 macro_rules! plain_element {
     ($dtype:expr, $T:ident => $body:expr, $other:expr) => {
+        plain_element!(@arms $dtype, $T, $body, $other;
+            F32 f32, F16 half::f16, I8 i8, I16 i16, I32 i32, I64 i64)
+    };
+    (@arms $dtype:expr, $T:ident, $body:expr, $other:expr; $($variant:ident $rust:ty),*) => {
         match $dtype {
-            DType::F32 => {
-                type $T = f32;
+            $(DType::$variant => {
+                type $T = $rust;
                 $body
-            }
-            DType::F16 => {
-                type $T = half::f16;
-                $body
-            }
-            DType::I8 => {
-                type $T = i8;
-                $body
-            }
-            DType::I16 => {
-                type $T = i16;
-                $body
-            }
-            DType::I32 => {
-                type $T = i32;
-                $body
-            }
-            DType::I64 => {
-                type $T = i64;
-                $body
-            }
+            })*
             _ => $other,
         }
     };

@@ -412,24 +412,78 @@ const MIN_TASKS: usize = 16;
 /// [`run_tile`]), never by a tile's, so the path does not depend on how the output is split.
 const DIRECT_DOT_MAX_COLS: usize = 2;
 
-/// Weight rows per task: 16, so even a small mat-vec (a 192-row projection) splits into
-/// enough tasks for every thread.
-fn row_tile(m: usize) -> usize {
-    16.min(m.max(1))
+/// How the direct/tiled path cuts a product into tasks: row tiles of [`TilePlan::ti`] weight
+/// rows (16, so even a small mat-vec, a 192-row projection, splits into enough tasks for every
+/// thread) times column tiles, over every batch. Chosen from the shape alone, never from the
+/// thread count: the f16 path and the register-tile widths depend on a tile's columns, so a
+/// thread-dependent split would change the results' last bits with `n_threads`.
+#[derive(Clone, Copy)]
+struct TilePlan {
+    /// Weight rows of the product.
+    m: usize,
+    /// Columns of the product.
+    n: usize,
+    /// Weight rows per row tile.
+    ti: usize,
+    /// Row tiles per batch.
+    i_tiles: usize,
+    /// Column tiles per batch.
+    j_tiles: usize,
+    /// Columns per column tile.
+    tj: usize,
 }
 
-/// The column tiles of a product with `row_tasks` row tiles (over all batches) and `n`
-/// columns: `(tiles, columns per tile)`. Chosen from the shape alone, never from the thread
-/// count: the f16 path and the register-tile widths depend on a tile's columns, so a
-/// thread-dependent split would change the results' last bits with `n_threads`.
-fn column_split(row_tasks: usize, n: usize) -> (usize, usize) {
-    let j_tiles = if row_tasks >= MIN_TASKS {
-        1
-    } else {
-        MIN_TASKS.div_ceil(row_tasks).min(n.max(1))
-    };
-    let tj = n.div_ceil(j_tiles.max(1)).max(1);
-    (n.div_ceil(tj), tj)
+impl TilePlan {
+    fn new(m: usize, n: usize, batches: usize) -> TilePlan {
+        let ti = 16.min(m.max(1));
+        let i_tiles = m.div_ceil(ti);
+        let row_tasks = batches * i_tiles;
+        let j_tiles = if row_tasks >= MIN_TASKS {
+            1
+        } else {
+            MIN_TASKS.div_ceil(row_tasks).min(n.max(1))
+        };
+        let tj = n.div_ceil(j_tiles.max(1)).max(1);
+        TilePlan {
+            m,
+            n,
+            ti,
+            i_tiles,
+            j_tiles: n.div_ceil(tj),
+            tj,
+        }
+    }
+
+    /// Tasks over `batches` batches.
+    fn tasks(&self, batches: usize) -> usize {
+        batches * self.i_tiles * self.j_tiles
+    }
+
+    /// Task `task`'s batch, weight rows and columns.
+    fn task(&self, task: usize) -> (usize, std::ops::Range<usize>, std::ops::Range<usize>) {
+        let jt = task % self.j_tiles;
+        let it = (task / self.j_tiles) % self.i_tiles;
+        let batch = task / (self.j_tiles * self.i_tiles);
+        (
+            batch,
+            it * self.ti..((it + 1) * self.ti).min(self.m),
+            jt * self.tj..((jt + 1) * self.tj).min(self.n),
+        )
+    }
+}
+
+/// Fills `cols` with the output columns `columns` of batch `(i12, i13)` of `dst`.
+fn columns_of(
+    dst: &RawTensor,
+    columns: std::ops::Range<usize>,
+    (i12, i13): (usize, usize),
+    cols: &mut Vec<Col>,
+) {
+    cols.clear();
+    cols.extend(columns.map(|j| Col {
+        b: (j, i12, i13),
+        dst: dst.row_offset(j, i12, i13),
+    }));
 }
 
 /// Whether q4_0 activations are prepared in the pairs layout (offset corrections folded in:
@@ -510,36 +564,25 @@ fn mul_mat_tiles(
         a.dtype
     };
     let prepared = prepare(activations, b, scratch, uses_q4_pairs(&a, reference))?;
-    let ti = row_tile(m);
-    let i_tiles = m.div_ceil(ti);
     let batches = ne12 * ne13;
-    let (j_tiles, tj) = column_split(batches * i_tiles, n);
-    let tasks = batches * i_tiles * j_tiles;
+    let plan = TilePlan::new(m, n, batches);
     // Small products run on one thread: a task costs about ti·tj·K multiply-adds. A
     // mat-vec's chunks are claimed by the threads as they go, and its rows take a few
     // microseconds each: smaller chunks there keep the threads' shares even.
-    let work_per_task = ti * tj * a.ne[0];
+    let work_per_task = plan.ti * plan.tj * a.ne[0];
     let min_chunk_work = if n == 1 { 1usize << 14 } else { 1usize << 16 };
     let grain = min_chunk_work.div_ceil(work_per_task.max(1)).max(1);
-    par_ranges(tasks, grain, |range| {
+    par_ranges(plan.tasks(batches), grain, |range| {
         let mut abuf = Vec::new();
-        let mut cols = Vec::with_capacity(tj);
+        let mut cols = Vec::with_capacity(plan.tj);
         for task in range {
-            let jt = task % j_tiles;
-            let it = (task / j_tiles) % i_tiles;
-            let batch = task / (j_tiles * i_tiles);
+            let (batch, rows, columns) = plan.task(task);
             let (i12, i13) = (batch % ne12, batch / ne12);
-            cols.clear();
-            for j in jt * tj..((jt + 1) * tj).min(n) {
-                cols.push(Col {
-                    b: (j, i12, i13),
-                    dst: dst.row_offset(j, i12, i13),
-                });
-            }
+            columns_of(&dst, columns, (i12, i13), &mut cols);
             run_tile(
                 &a,
                 (i12 / r2, i13 / r3),
-                it * ti..((it + 1) * ti).min(m),
+                rows,
                 &cols,
                 n,
                 &prepared,
@@ -613,33 +656,23 @@ pub fn mul_mat_plain_run(
     let n = b.ne[1];
     // As `mul_mat_tiles` prepares them for each product alone (same type, same dense rows).
     let prepared = prepare(first.a.dtype, b, scratch, uses_q4_pairs(&first.a, false))?;
-    // Per product: (first task, row tile, column tiles, columns per tile).
+    // Per product: its first task and the tiles `mul_mat_tiles` would cut it into alone.
     let mut plans = Vec::with_capacity(products.len());
     let mut total = 0;
     for p in products {
-        let ti = row_tile(p.a.ne[1]);
-        let i_tiles = p.a.ne[1].div_ceil(ti);
-        let (j_tiles, tj) = column_split(i_tiles, n);
-        plans.push((total, ti, j_tiles, tj));
-        total += i_tiles * j_tiles;
+        let plan = TilePlan::new(p.a.ne[1], n, 1);
+        plans.push((total, plan));
+        total += plan.tasks(1);
     }
     par_ranges(total, 1, |range| {
         let mut abuf = Vec::new();
         let mut cols = Vec::with_capacity(n);
         for task in range {
-            let which = plans.partition_point(|plan| plan.0 <= task) - 1;
-            let (start, ti, j_tiles, tj) = plans[which];
+            let which = plans.partition_point(|(start, _)| *start <= task) - 1;
+            let (start, plan) = plans[which];
             let PlainProduct { dst, a } = products[which];
-            let local = task - start;
-            let (jt, it) = (local % j_tiles, local / j_tiles);
-            cols.clear();
-            for j in jt * tj..((jt + 1) * tj).min(n) {
-                cols.push(Col {
-                    b: (j, 0, 0),
-                    dst: dst.row_offset(j, 0, 0),
-                });
-            }
-            let rows = it * ti..((it + 1) * ti).min(a.ne[1]);
+            let (_, rows, columns) = plan.task(task - start);
+            columns_of(&dst, columns, (0, 0), &mut cols);
             run_tile(
                 &a,
                 (0, 0),
