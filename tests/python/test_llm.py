@@ -298,6 +298,14 @@ def test_tokenizer_special_tokens_and_round_trip(tiny: tuple[Path, dict[str, np.
     assert 1 not in plain and 2 not in plain
     assert model.detokenize(plain) == text
     assert model.detokenize(special) == "hello world"  # control tokens have no text
+    # a lone surrogate (JSON's \ud800 escape, argv that is not UTF-8) is named, not a TypeError
+    for call in (
+        lambda: model.tokenize("a\ud800"),
+        lambda: model.generate("b\udfff", max_tokens=1),
+        lambda: model.chat([{"role": "user", "content": "\ud83d"}], max_tokens=1),
+    ):
+        with pytest.raises(fg.InvalidArgumentError, match="not valid Unicode"):
+            call()
     hello = model.tokenize("hello")
     assert len(hello) < 5  # merges applied (he, ll, hell)
     assert model.detokenize(model.tokenize("  spaces\n\ttabs 123 ü")) == "  spaces\n\ttabs 123 ü"

@@ -228,4 +228,10 @@ def test_a_sentence_that_is_not_unicode_is_named(tmp_path: Any) -> None:
     for batch in (["a\ud800"], ["fine", "x\udfff y"]):
         with pytest.raises(fg.InvalidArgumentError, match="not valid Unicode"):
             enc.encode(batch)
+    with pytest.raises(fg.InvalidArgumentError, match="sentence 1 is not valid Unicode"):
+        enc.tokenize(["fine", "y\ud800"])
+    with pytest.raises(fg.InvalidArgumentError, match="prompt is not valid Unicode"):
+        enc.prompt_length("q\udc80: ")
+    with pytest.raises(fg.InvalidArgumentError, match="not valid Unicode"):
+        enc.encode(["fine"], prompt="q\udc80: ")
     assert enc.encode("still fine").shape == (enc.dim,)

@@ -26,6 +26,7 @@ from typing import Any
 import ferrograph as fg
 
 from .settings import UnsupportedModelError
+from .tokenization import check_unicode
 
 # Token types of tokenizer.ggml.token_type (llama.cpp's numbering).
 TOKEN_NORMAL = 1
@@ -281,15 +282,8 @@ class GGUFTokenizer:
         tok = self._special if parse_special else self._plain
         try:
             ids: list[int] = list(tok.encode(text, add_special_tokens=False).ids) if text else []
-        except TypeError:
-            # tokenizers refuses a str it cannot encode as UTF-8 (a lone surrogate, which JSON's
-            # "\ud800" escapes can carry) with a TypeError that says nothing of why
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as error:
-                raise fg.InvalidArgumentError(
-                    f"the text is not valid Unicode ({error.reason} at position {error.start})"
-                ) from None
+        except TypeError:  # tokenizers' answer to a lone surrogate says nothing of why
+            check_unicode([("the text", text)])
             raise
         if add_special:
             if self.add_bos and self.bos_id is not None:

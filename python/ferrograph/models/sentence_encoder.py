@@ -65,6 +65,7 @@ from ._progress import ProgressBar
 from .settings import ModelSettings, read_settings
 from .tokenization import (
     Batch,
+    check_unicode,
     load_tokenizer,
     pad,
     set_truncation,
@@ -332,7 +333,8 @@ class SentenceEncoder:
             raise fg.InvalidArgumentError(f"max_seq_length must be in [2, {limit}], got {value!r}")
         self._max_seq_length = value
         set_truncation(self.tokenizer, value)
-        self.tokenizer = self.tokenizer  # the fast path truncates as the tokenizer does
+        # the fast path truncates as the tokenizer does
+        self._fast_tokenizer = FastWordPiece.from_tokenizer(self.tokenizer)
 
     @property
     def dim(self) -> int:
@@ -966,17 +968,8 @@ class SentenceEncoder:
                 ]
             else:
                 encodings = self.tokenizer.encode_batch(sentences)
-        except TypeError:
-            # tokenizers refuses a str it cannot encode as UTF-8 (a lone surrogate) with a
-            # TypeError that names no sentence
-            for i, s in enumerate(sentences):
-                try:
-                    s.encode("utf-8")
-                except UnicodeEncodeError as error:
-                    raise fg.InvalidArgumentError(
-                        f"sentence {i} is not valid Unicode text ({error.reason} at "
-                        f"position {error.start})"
-                    ) from None
+        except TypeError:  # tokenizers' answer to a lone surrogate names no sentence
+            check_unicode((f"sentence {i}", text) for i, text in enumerate(sentences))
             raise
         clock.lap("tokenize")
         lengths = self._check_encodings(encodings)
@@ -1038,7 +1031,11 @@ class SentenceEncoder:
         """Tokens of ``prompt`` at the start of a sentence, as sentence-transformers counts
         them: the prompt tokenized alone (truncated as any text), less its trailing special
         token ([SEP])."""
-        ids = self.tokenizer.encode(prompt).ids
+        try:
+            ids = self.tokenizer.encode(prompt).ids
+        except TypeError:
+            check_unicode([("the prompt", prompt)])
+            raise
         return len(ids) - 1 if ids and ids[-1] in self._special_ids else len(ids)
 
     def tokenize(self, sentences: Sequence[str]) -> Batch:

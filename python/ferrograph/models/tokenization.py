@@ -17,7 +17,7 @@ Other tokenizer classes raise :class:`~ferrograph.models.UnsupportedModelError`.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +31,16 @@ from .weights import INSTALL_HINT, MissingDependencyError
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["Batch", "load_tokenizer", "pad", "set_truncation", "special_token_ids", "tokenize"]
+__all__ = [
+    "Batch",
+    "check_unicode",
+    "load_tokenizer",
+    "pad",
+    "set_truncation",
+    "special_token_ids",
+    "tokenize",
+    "unicode_problem",
+]
 
 
 def _has_lowercase(normalizer: Any) -> bool:
@@ -168,6 +177,29 @@ def special_token_ids(tokenizer: Tokenizer, model_dir: Path) -> set[int]:
     return ids
 
 
+def unicode_problem(text: str) -> str | None:
+    """Why ``text`` is not valid Unicode, or ``None``. A Python ``str`` may hold lone
+    surrogates (JSON's ``\\ud800`` escapes decode to them, and so does argv that is not UTF-8);
+    no UTF-8 text can carry them, and ``tokenizers`` refuses them with a bare ``TypeError``."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return f"{error.reason} at position {error.start}"
+    return None
+
+
+def check_unicode(named: Iterable[tuple[str, str]]) -> None:
+    """Raises :class:`ferrograph.InvalidArgumentError` naming the first ``(name, text)`` whose
+    text is not valid Unicode (see :func:`unicode_problem`); callers use it to explain a
+    tokenizer's ``TypeError``."""
+    import ferrograph as fg
+
+    for name, text in named:
+        problem = unicode_problem(text)
+        if problem is not None:
+            raise fg.InvalidArgumentError(f"{name} is not valid Unicode text ({problem})")
+
+
 def set_truncation(tokenizer: Tokenizer, max_length: int) -> None:
     """Truncates to ``max_length`` tokens (special tokens included), longest first."""
     tokenizer.enable_truncation(max_length=max_length, strategy="longest_first")
@@ -228,4 +260,10 @@ def pad(encodings: Sequence[Any], length: int | None = None) -> Batch:
 def tokenize(tokenizer: Tokenizer, sentences: Sequence[str]) -> Batch:
     """Tokenizes ``sentences`` with a tokenizer from :func:`load_tokenizer` and pads them to
     the longest."""
-    return pad(tokenizer.encode_batch(list(sentences)))
+    texts = list(sentences)
+    try:
+        encodings = tokenizer.encode_batch(texts)
+    except TypeError:
+        check_unicode((f"sentence {i}", text) for i, text in enumerate(texts))
+        raise
+    return pad(encodings)

@@ -49,9 +49,8 @@ class FastWordPiece:
     """BERT's WordPiece tokenization of ASCII text, bit-exact with ``tokenizers`` (see the
     module doc). Build it with :meth:`from_tokenizer`."""
 
-    def __init__(self, native: _core.WordPieceAscii, lowercase: bool) -> None:
+    def __init__(self, native: _core.WordPieceAscii) -> None:
         self._native = native
-        self.lowercase = lowercase
 
     def __repr__(self) -> str:
         return f"FastWordPiece({self._native!r})"
@@ -120,7 +119,7 @@ class FastWordPiece:
             max_pieces=None if max_length is None else max_length - 2,
             triggers="".join(sorted(triggers)),
         )
-        return cls(native, normalizer["lowercase"])
+        return cls(native)
 
     def encode(self, text: str) -> FastEncoding | None:
         """``[CLS]`` + the word pieces of ``text`` (truncated) + ``[SEP]``, or ``None`` when

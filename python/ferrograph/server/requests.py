@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from ..models.tokenization import unicode_problem
 from .errors import APIError, bad_request
 
 __all__ = [
@@ -114,15 +115,11 @@ def _flag(body: dict[str, Any], name: str) -> bool:
 
 
 def _unicode(text: str, param: str, label: str) -> str:
-    """``text``, checked to be valid Unicode: JSON's ``\\ud800`` escapes decode to lone
-    surrogates, which no tokenizer (and no UTF-8 reply) can carry."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as error:
-        raise bad_request(
-            f"'{label}' is not valid Unicode text ({error.reason} at position {error.start})",
-            param,
-        ) from None
+    """``text``, checked to be valid Unicode (:func:`unicode_problem`: JSON's ``\\ud800``
+    escapes decode to lone surrogates, which no tokenizer and no UTF-8 reply can carry)."""
+    problem = unicode_problem(text)
+    if problem is not None:
+        raise bad_request(f"'{label}' is not valid Unicode text ({problem})", param)
     return text
 
 
