@@ -454,6 +454,44 @@ fn load_binds_in_place_on_the_cpu_and_copies_elsewhere() {
 }
 
 #[test]
+fn small_tensors_beside_placed_ones_are_copied_and_large_ones_stay_in_place() {
+    // Two matrices over SMALL_IN_PLACE_BYTES around a small vector: with the first placed
+    // elsewhere (its file pages released), the small one is copied too, the large second one
+    // stays in the map; with nothing placed, everything stays in the map.
+    let big = ferrograph::gguf::SMALL_IN_PLACE_BYTES / 4 + 64;
+    let a = pattern(big * 4, 1);
+    let v = pattern(64 * 4, 2);
+    let b = pattern(big * 4, 3);
+    let path = tmp("placed-small.gguf");
+    let to_write =
+        [("a", &a, big), ("v", &v, 64), ("b", &b, big)].map(|(name, data, n)| GgufTensorToWrite {
+            name: name.into(),
+            dtype: DType::F32,
+            ne: vec![n],
+            data,
+        });
+    write_gguf(&path, &[], &to_write, 32).unwrap();
+    let file = GgufFile::open(&path).unwrap();
+    let cpu = CpuDevice::shared();
+    let in_map = |w: &ferrograph::gguf::GgufWeights, name: &str| {
+        let base = w.buffer.base().unwrap().as_ptr() as usize;
+        let ptr = w.get(name).unwrap().host_ptr().unwrap() as usize;
+        (base..base + w.buffer.size()).contains(&ptr)
+    };
+    let plain = file.load(cpu.as_ref()).unwrap();
+    assert!(plain.zero_copy && plain.extra_buffers.is_empty());
+    assert!(["a", "v", "b"].iter().all(|n| in_map(&plain, n)));
+    let placed = std::collections::HashMap::from([("a".to_string(), CpuBufferType::shared())]);
+    let ctx = ferrograph::Context::new(true);
+    let w = file.load_into_placed(cpu.as_ref(), &ctx, &placed).unwrap();
+    assert!(w.zero_copy);
+    assert!(!in_map(&w, "a") && !in_map(&w, "v") && in_map(&w, "b"));
+    for (name, data) in [("a", &a), ("v", &v), ("b", &b)] {
+        assert_eq!(&read_all(w.get(name).unwrap()), data, "{name}");
+    }
+}
+
+#[test]
 fn in_place_tensors_are_copy_on_write_and_outlive_the_file() {
     let path = tmp("cow.gguf");
     write_tensors(&path, 32, &[]);

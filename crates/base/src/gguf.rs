@@ -84,6 +84,14 @@ pub const ALIGNMENT_KEY: &str = "general.alignment";
 /// with the default alignment (32) or a multiple of it always qualify.
 pub const ZERO_COPY_ALIGNMENT: usize = 32;
 
+/// Tensors of at most this many bytes that would stay in the file's map beside tensors copied
+/// elsewhere are copied too ([`GgufFile::load_into_placed`]). Reading an in-place tensor maps
+/// the page-cache folios around it (up to 2 MiB each side on kernels with large folios), which
+/// can bring back the released pages of its copied neighbours: SmolLM2's norm vectors, read
+/// every token, kept 25 MiB of its repacked matrices resident. Copying a tensor this small
+/// costs no more memory than it could pin.
+pub const SMALL_IN_PLACE_BYTES: usize = 4 << 20;
+
 /// Bytes of the header: magic, version, tensor count, metadata count.
 const HEADER_SIZE: usize = 24;
 
@@ -1213,7 +1221,9 @@ impl GgufFile {
     /// buffer of the buffer type given for it (such as the CPU's repacking type, which stores
     /// matrices in its kernels' layout), its data copied in; the rest are bound as
     /// `load_into` binds them. The file's pages that only the placed tensors used are released
-    /// from this process's memory after the copy. Unknown names are an error.
+    /// from this process's memory after the copy; when the rest stay in the file's map, those
+    /// of at most [`SMALL_IN_PLACE_BYTES`] are copied into a buffer of the device's own type
+    /// too, so reading them cannot map the released pages again. Unknown names are an error.
     pub fn load_into_placed(
         &self,
         device: &dyn Device,
@@ -1236,12 +1246,23 @@ impl GgufFile {
             tensor.set_name(&info.name);
             tensors.push(tensor);
         }
+        let wrap = self.can_wrap(device);
+        // With pages released (some tensors copied) and the rest in the map, the small ones
+        // are copied into the device's own buffer type as well (see SMALL_IN_PLACE_BYTES).
+        let mut copied = placed.clone();
+        if !placed.is_empty() && wrap.is_some() {
+            for info in &self.tensors {
+                if info.nbytes <= SMALL_IN_PLACE_BYTES && !placed.contains_key(&info.name) {
+                    copied.insert(info.name.clone(), device.buffer_type());
+                }
+            }
+        }
         let is_placed: Vec<bool> = self
             .tensors
             .iter()
-            .map(|info| placed.contains_key(&info.name))
+            .map(|info| copied.contains_key(&info.name))
             .collect();
-        let extra_buffers = self.copy_placed(&tensors, placed)?;
+        let extra_buffers = self.copy_placed(&tensors, &copied)?;
         let rest: Vec<(&GgufTensorInfo, &Tensor)> = self
             .tensors
             .iter()
@@ -1250,7 +1271,6 @@ impl GgufFile {
             .filter(|(_, &p)| !p)
             .map(|(pair, _)| pair)
             .collect();
-        let wrap = self.can_wrap(device);
         let (buffer, zero_copy) = match wrap {
             Some(file) => match self.wrap_map(device, file, &rest) {
                 Ok(buffer) => (buffer, true),
@@ -1498,9 +1518,10 @@ type TensorPair<'a> = (&'a GgufTensorInfo, &'a Tensor);
 #[derive(Debug, Clone)]
 pub struct GgufWeights {
     /// The buffer holding every tensor (wrapping the file's map, or a copy) but the placed
-    /// ones ([`GgufFile::load_into_placed`]).
+    /// ones and the small ones copied beside them ([`GgufFile::load_into_placed`]).
     pub buffer: Buffer,
-    /// The buffers of the placed tensors, one per buffer type.
+    /// The buffers of the placed tensors (and of the small ones copied beside them), one per
+    /// buffer type.
     pub extra_buffers: Vec<Buffer>,
     /// The context the tensors belong to; tensors reach their context only while it lives.
     pub context: Context,
