@@ -104,6 +104,33 @@ fn compute_plan_and_abort() {
 }
 
 #[test]
+fn a_failing_graph_fails_every_compute_and_a_replayed_graph_keeps_its_results() {
+    // The backend keeps its scratch and skips the per-node kernel check for a graph epoch it
+    // computed successfully; a failing graph must never be remembered as checked.
+    let backend = CpuBackend::new(2).unwrap();
+    let ctx = Context::new(true);
+    let a = ctx.new_tensor(DType::F32, &[4]).unwrap();
+    let bad = Graph::build(&[ops::scale(&ctx, &a, 2.0, 0.0).unwrap()]);
+    for _ in 0..3 {
+        let err = backend.graph_compute(&bad).unwrap_err();
+        assert!(err.to_string().contains("no memory"), "{err}");
+    }
+    let (_ctx, x, out, graph) = small_graph();
+    for round in 0..3 {
+        x.set_f32(&(0..15).map(|i| (i + round) as f32).collect::<Vec<_>>())
+            .unwrap();
+        assert_eq!(backend.graph_compute(&graph).unwrap(), Status::Success);
+        let values = out.to_f32_vec().unwrap();
+        for (i, v) in values.iter().enumerate() {
+            let expected = ((i + round) as f32 + (i % 5 + 1) as f32) * 2.0 + 0.5;
+            assert_eq!(*v, expected, "round {round}");
+        }
+        // The failing graph still fails between replays.
+        assert!(backend.graph_compute(&bad).is_err());
+    }
+}
+
+#[test]
 fn tensor_transfers_and_copies() {
     let backend = registry::init_by_name("CPU", "").unwrap();
     let ctx = Context::new(true);

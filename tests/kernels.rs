@@ -70,6 +70,7 @@ fn bytes_of(t: &Tensor) -> Option<Vec<u8>> {
 fn compute_graph_all_threads(graph: &Graph, reference: bool) -> Result<Status> {
     let options = ComputeOptions {
         use_reference: reference,
+        ..Default::default()
     };
     let inputs: Vec<(Tensor, Vec<u8>)> = graph
         .leafs()

@@ -651,9 +651,32 @@ impl Tensor {
         self.storage().ok().map(|s| s.buffer)
     }
 
+    /// The host address of the first byte when the tensor is bound to live host memory;
+    /// `None` otherwise, without building an error ([`Tensor::host_ptr`] says why). Compute
+    /// loops ask this for every operand of every node, so it reads the binding in place: no
+    /// clone of the buffer handle (whose shared count all of a buffer's tensors touch) and no
+    /// message formatted for operands that are resolved another way (repacked weights).
+    #[inline]
+    pub fn live_host_ptr(&self) -> Option<*mut u8> {
+        let owner = self.0.view_src.as_ref().unwrap_or(self);
+        let binding = lock(&owner.0.storage);
+        let s = binding.as_ref()?;
+        if s.buffer.is_freed() || s.buffer.generation() != s.generation {
+            return None;
+        }
+        let base = s.buffer.host_ptr()?;
+        // SAFETY: `bind` checked that `offset + nbytes` lies inside the buffer, and views were
+        // checked to lie inside their source at creation.
+        Some(unsafe { base.as_ptr().add(s.offset + self.0.view_offset) })
+    }
+
     /// The host address of the first byte, for tensors in host memory.
     #[inline]
     pub fn host_ptr(&self) -> Result<*mut u8> {
+        if let Some(ptr) = self.live_host_ptr() {
+            return Ok(ptr);
+        }
+        // Unbound, stale or not host memory: the slow path names the problem.
         let storage = self.storage()?;
         let base = storage
             .buffer
@@ -1029,6 +1052,18 @@ impl RawTensor {
     pub fn new(tensor: &Tensor) -> Result<RawTensor> {
         let ptr = tensor.host_ptr()?;
         Ok(RawTensor {
+            ptr: SendPtr(ptr),
+            dtype: tensor.dtype(),
+            ne: tensor.ne(),
+            nb: tensor.nb(),
+        })
+    }
+
+    /// [`RawTensor::new`] without the error: `None` when the tensor is not bound to live host
+    /// memory (nothing is formatted, so callers with another way to read it pay nothing).
+    pub fn live(tensor: &Tensor) -> Option<RawTensor> {
+        let ptr = tensor.live_host_ptr()?;
+        Some(RawTensor {
             ptr: SendPtr(ptr),
             dtype: tensor.dtype(),
             ne: tensor.ne(),

@@ -1,7 +1,7 @@
 //! The CPU device, its backend (a persistent thread pool per backend), and its registration.
 
 use std::any::Any;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, RwLock};
 
 use crate::compute::{self, ComputeOptions};
@@ -108,6 +108,11 @@ pub struct CpuBackend {
     pool: Mutex<Arc<Threadpool>>,
     abort: Mutex<Option<AbortCallback>>,
     use_reference: AtomicBool,
+    /// The epoch of the last graph computed successfully (every node's kernel checked), so
+    /// replaying it — a language model's decoding graph, once per token — skips the check.
+    checked_epoch: AtomicU64,
+    /// Scratch kept between computes (converted activations of matrix products).
+    scratch: Mutex<Vec<u8>>,
 }
 
 /// A prepared CPU computation (ggml's CPU graph plan).
@@ -147,6 +152,8 @@ impl CpuBackend {
             pool: Mutex::new(Threadpool::new(&ThreadpoolParams::new(n_threads))?),
             abort: Mutex::new(None),
             use_reference: AtomicBool::new(false),
+            checked_epoch: AtomicU64::new(0),
+            scratch: Mutex::new(Vec::new()),
         })
     }
 
@@ -187,8 +194,11 @@ impl CpuBackend {
 
     fn run(&self, graph: &Graph) -> Result<Status> {
         let pool = self.threadpool();
+        // Epoch 0 is every empty graph's: nothing to remember.
+        let epoch = graph.epoch();
         let options = ComputeOptions {
             use_reference: self.use_reference(),
+            ops_checked: epoch != 0 && self.checked_epoch.load(Ordering::Relaxed) == epoch,
         };
         let own = lock(&self.abort).clone();
         let global = global_abort()
@@ -197,7 +207,16 @@ impl CpuBackend {
             .clone();
         let abort =
             move || own.as_ref().is_some_and(|f| f()) || global.as_ref().is_some_and(|f| f());
-        compute::compute_graph(graph, &pool, &options, Some(&abort))
+        // Computes on one backend from several threads take turns on the pool; one that
+        // finds the scratch taken uses its own.
+        let mut own_scratch = Vec::new();
+        let mut kept = self.scratch.try_lock().ok();
+        let scratch = kept.as_deref_mut().unwrap_or(&mut own_scratch);
+        let status = compute::compute_graph_in(graph, &pool, &options, Some(&abort), scratch)?;
+        if status == Status::Success {
+            self.checked_epoch.store(epoch, Ordering::Relaxed);
+        }
+        Ok(status)
     }
 }
 

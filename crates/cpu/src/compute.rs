@@ -21,6 +21,10 @@ pub struct ComputeOptions {
     /// Use the scalar reference kernels (no SIMD dispatch) where a kernel has both, as
     /// ggml's `use_ref` does for its reference backend in tests.
     pub use_reference: bool,
+    /// Every node of the graph is known to have a kernel (an earlier successful compute of a
+    /// graph with the same epoch checked them): skip the per-node check. Ops and types of a
+    /// graph's nodes never change, so the check's answer cannot either.
+    pub ops_checked: bool,
 }
 
 fn is_float(dtype: DType) -> bool {
@@ -161,8 +165,20 @@ pub fn compute_graph(
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
 ) -> Result<Status> {
-    let nodes = graph.nodes();
     let mut scratch = Vec::with_capacity(work_size(graph, pool.n_threads()));
+    compute_graph_in(graph, pool, options, abort, &mut scratch)
+}
+
+/// [`compute_graph`] with the caller's scratch (grown as nodes need it), which a backend
+/// keeps from one compute to the next.
+pub fn compute_graph_in(
+    graph: &Graph,
+    pool: &Threadpool,
+    options: &ComputeOptions,
+    abort: Option<&(dyn Fn() -> bool + Sync)>,
+    scratch: &mut Vec<u8>,
+) -> Result<Status> {
+    let nodes = graph.nodes();
     // No hand-over: this thread walks the graph and runs small nodes alone; a node that splits
     // its work shares it with the pool's workers (spinning between nodes, or woken).
     pool.run(|| {
@@ -176,11 +192,11 @@ pub fn compute_graph(
                 i += 1;
                 continue;
             }
-            if let Some(next) = compute_mat_vec_run(nodes, i, options, &mut scratch)? {
+            if let Some(next) = compute_mat_vec_run(nodes, i, options, scratch)? {
                 i = next;
                 continue;
             }
-            compute_in_pool(node, options, &mut scratch)?;
+            compute_in_pool(node, options, scratch)?;
             i += 1;
         }
         Ok(Status::Success)
@@ -216,34 +232,44 @@ impl RunProduct {
     }
 }
 
-/// The products of a fused run, all of one kind.
+/// Products per fused run at most (a layer's q, k, v; its gate and up).
+const MAX_RUN: usize = 4;
+
+/// The products of a fused run, all of one kind, in place (no allocation per run): the
+/// first `len` entries of the array.
 enum Run {
-    Interleaved(Vec<InterleavedProduct>),
-    Plain(Vec<PlainProduct>),
+    Interleaved([InterleavedProduct; MAX_RUN], usize),
+    Plain([PlainProduct; MAX_RUN], usize),
 }
 
 impl Run {
     /// A run of one product.
     fn new(first: RunProduct) -> Run {
         match first {
-            RunProduct::Interleaved(p) => Run::Interleaved(vec![p]),
-            RunProduct::Plain(p) => Run::Plain(vec![p]),
+            RunProduct::Interleaved(p) => Run::Interleaved([p; MAX_RUN], 1),
+            RunProduct::Plain(p) => Run::Plain([p; MAX_RUN], 1),
         }
     }
 
     /// Products in the run.
     fn len(&self) -> usize {
         match self {
-            Run::Interleaved(products) => products.len(),
-            Run::Plain(products) => products.len(),
+            Run::Interleaved(_, len) | Run::Plain(_, len) => *len,
         }
     }
 
-    /// Adds `product` if it is of the run's kind; false (nothing added) otherwise.
+    /// Adds `product` if it is of the run's kind and the run is not full; false (nothing
+    /// added) otherwise.
     fn push(&mut self, product: RunProduct) -> bool {
         match (self, product) {
-            (Run::Interleaved(products), RunProduct::Interleaved(p)) => products.push(p),
-            (Run::Plain(products), RunProduct::Plain(p)) => products.push(p),
+            (Run::Interleaved(products, len), RunProduct::Interleaved(p)) if *len < MAX_RUN => {
+                products[*len] = p;
+                *len += 1;
+            }
+            (Run::Plain(products, len), RunProduct::Plain(p)) if *len < MAX_RUN => {
+                products[*len] = p;
+                *len += 1;
+            }
             _ => return false,
         }
         true
@@ -252,8 +278,10 @@ impl Run {
     /// Computes every product of the run with the activations `b`.
     fn compute(&self, b: RawTensor, scratch: &mut Vec<u8>) -> Result<()> {
         match self {
-            Run::Interleaved(products) => matmul::mul_mat_interleaved_run(products, b, scratch),
-            Run::Plain(products) => matmul::mul_mat_plain_run(products, b, scratch),
+            Run::Interleaved(products, len) => {
+                matmul::mul_mat_interleaved_run(&products[..*len], b, scratch)
+            }
+            Run::Plain(products, len) => matmul::mul_mat_plain_run(&products[..*len], b, scratch),
         }
     }
 }
@@ -269,8 +297,8 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
         return None;
     }
     let (a, b) = (&node.srcs()[0], &node.srcs()[1]);
-    let dst = RawTensor::new(node).ok()?;
-    let b = RawTensor::new(b).ok()?;
+    let dst = RawTensor::live(node)?;
+    let b = RawTensor::live(b)?;
     if let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
     {
         let a = RawTensor {
@@ -285,7 +313,7 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
                 b,
             ));
     }
-    let a = RawTensor::new(a).ok()?;
+    let a = RawTensor::live(a)?;
     matmul::joins_plain_run(&dst, &a, &b, options.use_reference)
         .then_some((RunProduct::Plain(PlainProduct { dst, a }), b))
 }
@@ -303,8 +331,6 @@ fn compute_mat_vec_run(
     options: &ComputeOptions,
     scratch: &mut Vec<u8>,
 ) -> Result<Option<usize>> {
-    /// Products per run at most (a layer's q, k, v; its gate and up).
-    const MAX_RUN: usize = 4;
     // Cheap test first (ids only): a product with no partner reading its activations, the
     // common case, resolves no operands here; `compute_in_pool` does that once.
     let Some(activations) = mul_mat_activations(&nodes[i]) else {
@@ -318,7 +344,8 @@ fn compute_mat_vec_run(
         return Ok(None);
     };
     let mut run = Run::new(first);
-    let mut outputs = vec![nodes[i].id()];
+    // The run's outputs (ids): a later product reading one of them cannot join.
+    let mut outputs = [nodes[i].id(); MAX_RUN];
     let mut next = i + 1;
     let mut j = i + 1;
     while j < nodes.len() && run.len() < MAX_RUN {
@@ -328,10 +355,10 @@ fn compute_mat_vec_run(
             continue;
         }
         let joins = mul_mat_activations(node) == Some(activations)
-            && !outputs.contains(&node.srcs()[0].id());
+            && !outputs[..run.len()].contains(&node.srcs()[0].id());
         match run_product(node, options).filter(|(p, _)| joins && first.matches(p)) {
             Some((product, _)) if run.push(product) => {
-                outputs.push(node.id());
+                outputs[run.len() - 1] = node.id();
                 next = j;
             }
             _ => break,
@@ -366,7 +393,7 @@ pub fn compute_node(
 
 /// Computes one non-view node on the pool this thread computes on.
 fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8>) -> Result<()> {
-    if !supports_op(node) {
+    if !options.ops_checked && !supports_op(node) {
         return Err(unsupported(node));
     }
     let dst = RawTensor::new(node)?;
@@ -389,16 +416,17 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
     let mut copies = Vec::new();
     let mut interleaved = None;
     for (i, (slot, src)) in srcs.iter_mut().zip(node.srcs()).enumerate() {
-        *slot = match RawTensor::new(src) {
-            Ok(view) => view,
-            Err(e) => {
+        *slot = match RawTensor::live(src) {
+            Some(view) => view,
+            None => {
                 let weight_of_product = i == 0 && matches!(node.op(), Op::MulMat);
                 match repacked_operand(src, weight_of_product, &mut copies)? {
                     Some((view, layout)) => {
                         interleaved = interleaved.or(layout);
                         view
                     }
-                    None => return Err(e),
+                    // Neither: the error says why (unbound, stale, not host memory).
+                    None => RawTensor::new(src)?,
                 }
             }
         };
