@@ -810,6 +810,11 @@ fn mul_mat_float_weights_with_batch_broadcast() {
             // several weight micro-panels (each prefetching the next), k past one block.
             (70, 40, 15, [1, 1], [1, 1]),
             (800, 131, 16, [2, 1], [1, 1]),
+            // 14-31 columns (f32 weights take the GEMM on AVX-512): one activation vector
+            // (14), a second, partly filled one (23, 31).
+            (96, 45, 14, [1, 1], [1, 1]),
+            (130, 70, 23, [1, 2], [1, 1]),
+            (64, 29, 31, [1, 1], [1, 1]),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, bs[0], bs[1]]).unwrap();

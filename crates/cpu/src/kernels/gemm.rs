@@ -54,6 +54,23 @@ pub const MIN_COLS: usize = 32;
 /// slower at 17-28 (a second, mostly empty panel).
 const AVX2_ONE_PANEL: std::ops::RangeInclusive<usize> = 15..=16;
 
+/// The fewest columns with which f32 weights take the GEMM path on AVX-512 CPUs. Measured on
+/// one-sentence MiniLM calls (Zen 5, 2 threads, weights streaming from memory; DECISIONS:
+/// "Few-column f32 products on AVX-512"): the 12 × 32 kernel reads each weight once for up to
+/// 16 columns and the 4 × 4 register tiles four times; 11 columns 6% faster on the tiles,
+/// 12-13 even, 14-16 6-26% faster on the GEMM, 17-18 even (a second, mostly empty vector),
+/// 19-31 16-34% faster on the GEMM.
+const AVX512_F32_MIN_COLS: usize = 14;
+
+/// Whether an f32 product with `n_cols` (below [`MIN_COLS`]) takes the GEMM path on `isa`.
+fn f32_few_cols(isa: Isa, n_cols: usize) -> bool {
+    match isa {
+        Isa::Avx2 => AVX2_ONE_PANEL.contains(&n_cols),
+        Isa::Avx512 => n_cols >= AVX512_F32_MIN_COLS,
+        Isa::Portable => false,
+    }
+}
+
 /// Elements of `k` per block: a multiple of the quantized block size (32), so converted
 /// quantized weights start each block on a block boundary.
 const KC: usize = 768;
@@ -266,8 +283,7 @@ fn weights_direct(a: &RawTensor) -> bool {
 
 /// Whether the GEMM path handles this product.
 pub fn applies(a: &RawTensor, dst: &RawTensor, n_cols: usize) -> bool {
-    (n_cols >= MIN_COLS
-        || (a.dtype == DType::F32 && AVX2_ONE_PANEL.contains(&n_cols) && Isa::best() == Isa::Avx2))
+    (n_cols >= MIN_COLS || (a.dtype == DType::F32 && f32_few_cols(Isa::best(), n_cols)))
         && a.ne[0] >= 8
         && dst.dtype == DType::F32
         && dst.nb[0] == 4
