@@ -233,14 +233,13 @@ fn pack_panel(
     assert!(rows.iter().flatten().all(|r| r.len() >= nb * block));
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: both x86 families run on CPUs with AVX2, FMA and F16C (an AVX-512 VNNI CPU
-        // has them; checked when the family was chosen); sizes as above, and `out` is zeroed.
-        // The VNNI kernel reads the same panels; this packer's loads and in-register
-        // transposes measured 25% faster per one-sentence MiniLM call on Zen 5 than the
-        // 16-lane gathers the VNNI family used before (DECISIONS: "Packing integer panels").
-        Isa::Vnni512 | Isa::Avx2 => unsafe {
-            avx2::pack_panel(dtype == DType::Q4_0, rows, nb, out)
-        },
+        // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C; sizes as above, and
+        // `out` is zeroed when a row is missing.
+        Isa::Avx2 => unsafe { avx2::pack_panel(dtype == DType::Q4_0, rows, nb, out) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI and AVX2/F16C;
+        // sizes as above, and `out` is zeroed when a row is missing.
+        Isa::Vnni512 => unsafe { x86::pack_panel(dtype == DType::Q4_0, rows, nb, out) },
         _ => pack_panel_portable(dtype, rows, nb, out),
     }
 }
@@ -336,6 +335,98 @@ mod x86 {
     use super::{Line, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
     use half::f16;
     use std::arch::x86_64::*;
+
+    /// [`super::pack_panel`] with 512-bit vectors: each row's block is loaded as 32 signed
+    /// bytes (q4_0 nibbles unpacked, minus 8), rows `p` and `p + 8` share one register, and
+    /// an 8 × 8 transpose of 4-byte groups inside each 256-bit half plus one lane exchange
+    /// gives whole packed lines (16 rows × 4 consecutive `k`). Writes the same bytes as the
+    /// portable packer; a half panel without rows is left as it is (zeroed by the caller).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI, AVX2 and F16C; every present row holds `nb`
+    /// blocks of `q4`'s type and `out` holds `nb` packed blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
+        let block = if q4 {
+            super::Q4_0_BYTES
+        } else {
+            super::Q8_0_BYTES
+        };
+        let ones = _mm512_set1_epi8(1);
+        let low = _mm_set1_epi8(0x0f);
+        let eight = _mm256_set1_epi8(8);
+        // Qwords of the lane exchange: lines 0-3 take lanes 0 and 2 of both inputs, lines
+        // 4-7 lanes 1 and 3 (`a` = rows 0-3 and 8-11, `b` = rows 4-7 and 12-15).
+        let first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+        let second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+        for b in 0..nb {
+            // SAFETY: packed block `b` exists in `out` (caller).
+            let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();
+            for v in 0..2 {
+                let half = &rows[v * 16..v * 16 + 16];
+                if half.iter().all(Option::is_none) {
+                    continue;
+                }
+                // Plain loops and a macro, no closures: a closure would not inherit this
+                // function's target features (its intrinsics would become calls).
+                let mut scales = [0u16; 16];
+                let mut r = [_mm256_setzero_si256(); 16];
+                for (i, row) in half.iter().enumerate() {
+                    let Some(row) = row else {
+                        continue;
+                    };
+                    // SAFETY: block `b` of the row spans `block` bytes inside it (caller).
+                    unsafe {
+                        let at = row.as_ptr().add(b * block);
+                        scales[i] = at.cast::<u16>().read_unaligned();
+                        r[i] = if q4 {
+                            let x = _mm_loadu_si128(at.add(2).cast());
+                            let lo = _mm_and_si128(x, low);
+                            let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
+                            _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+                        } else {
+                            _mm256_loadu_si256(at.add(2).cast())
+                        };
+                    }
+                }
+                let mut z = [_mm512_setzero_si512(); 8];
+                for p in 0..8 {
+                    z[p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r[p]), r[p + 8]);
+                }
+                // Within each 128-bit lane: t = 2-row interleaves, u[j] (j < 4) = dword j of
+                // rows 0-3, u[4 + j] = of rows 4-7 (and of rows 8-15 in the upper half).
+                let mut t = [_mm512_setzero_si512(); 8];
+                for p in 0..4 {
+                    t[2 * p] = _mm512_unpacklo_epi32(z[2 * p], z[2 * p + 1]);
+                    t[2 * p + 1] = _mm512_unpackhi_epi32(z[2 * p], z[2 * p + 1]);
+                }
+                let mut u = [_mm512_setzero_si512(); 8];
+                for g in 0..2 {
+                    let o = 4 * g;
+                    u[o] = _mm512_unpacklo_epi64(t[o], t[o + 2]);
+                    u[o + 1] = _mm512_unpackhi_epi64(t[o], t[o + 2]);
+                    u[o + 2] = _mm512_unpacklo_epi64(t[o + 1], t[o + 3]);
+                    u[o + 3] = _mm512_unpackhi_epi64(t[o + 1], t[o + 3]);
+                }
+                let mut sum = _mm512_setzero_si512();
+                for s in 0..STEPS {
+                    let (j, idx) = if s < 4 { (s, first) } else { (s - 4, second) };
+                    let line = _mm512_permutex2var_epi64(u[j], idx, u[j + 4]);
+                    // SAFETY: line `2s + v` of packed block `b` (64-byte aligned `Line`s).
+                    unsafe { _mm512_store_si512(blk.add((s * 2 + v) * 64).cast(), line) };
+                    sum = _mm512_dpbusd_epi32(sum, ones, line);
+                }
+                // SAFETY: `scales` holds 16 u16; the stores write one line each of block `b`.
+                unsafe {
+                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().cast()));
+                    _mm512_store_ps(blk.add(SCALES_AT + v * 64).cast(), d);
+                    let comp =
+                        _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum));
+                    _mm512_store_si512(blk.add(COMP_AT + v * 64).cast(), comp);
+                }
+            }
+        }
+    }
 
     /// [`super::prepare_row`] with AVX-512: the same operations as `quantize_row_q8_0`
     /// (maximum magnitude, `d = amax / 127`, `id = 1 / d`, round half away from zero,
@@ -696,13 +787,18 @@ mod tests {
     fn every_isa_matches_the_block_arithmetic_bit_for_bit() {
         let k = 96;
         let nb = k / QK;
-        for dtype in [DType::Q8_0, DType::Q4_0] {
+        // 29 rows: the second half panel partly present; 11: the second half panel empty.
+        for (dtype, m) in [
+            (DType::Q8_0, 29),
+            (DType::Q4_0, 29),
+            (DType::Q8_0, 11),
+            (DType::Q4_0, 11),
+        ] {
             let block = if dtype == DType::Q8_0 {
                 Q8_0_BYTES
             } else {
                 Q4_0_BYTES
             };
-            let m = 29;
             let mut raw = vec![0u8; m * nb * block];
             let mut s = 7u32;
             for byte in raw.iter_mut() {
