@@ -668,13 +668,13 @@ pub fn mul_mat(
             let cols = jb * cb..((jb + 1) * cb).min(n);
             for j0 in cols.clone().step_by(COLS) {
                 let j1 = (j0 + COLS).min(cols.end);
-                let act_rows: Vec<&[u8]> = (j0..j1)
-                    .map(|j| {
-                        let r = j + n * (i12 + ne12 * i13);
-                        &acts[r * row_bytes..(r + 1) * row_bytes]
-                    })
-                    .collect();
-                run_tile(isa, &buf, &act_rows, k, &mut out);
+                // The tile's activation rows, on the stack (no allocation per tile).
+                let mut act_rows: [&[u8]; COLS] = [&[]; COLS];
+                for (slot, j) in act_rows.iter_mut().zip(j0..j1) {
+                    let r = j + n * (i12 + ne12 * i13);
+                    *slot = &acts[r * row_bytes..(r + 1) * row_bytes];
+                }
+                run_tile(isa, &buf, &act_rows[..j1 - j0], k, &mut out);
                 for (c, j) in (j0..j1).enumerate() {
                     let base = dst.row_offset(j, i12, i13) + i0 * 4;
                     // SAFETY: output elements (i0..i0 + valid, j) of batch (i12, i13) lie
