@@ -341,10 +341,15 @@ fn two_clients_compute_at_once() {
     assert_eq!(srv.sessions(), 0, "sessions end when their clients leave");
 }
 
-/// A graph that takes a while: a chain of 256×256 products.
+/// Rows and columns of [`slow_graph`]'s matrices.
+const SLOW: usize = 512;
+
+/// A graph that takes a while: a chain of 400 products of SLOW × SLOW matrices (107 GFLOP,
+/// a quarter of a second at 450 GFLOPS; 256 × 256 finished within the test's 150 ms on a
+/// Zen 5 machine).
 fn slow_graph(ctx: &Context) -> (Tensor, Tensor, Graph) {
-    let w = ctx.new_tensor(DType::F32, &[256, 256]).unwrap();
-    let x = ctx.new_tensor(DType::F32, &[256, 256]).unwrap();
+    let w = ctx.new_tensor(DType::F32, &[SLOW, SLOW]).unwrap();
+    let x = ctx.new_tensor(DType::F32, &[SLOW, SLOW]).unwrap();
     let mut y = x.clone();
     for _ in 0..400 {
         y = ops::scale(ctx, &ops::mul_mat(ctx, &w, &y).unwrap(), 0.01, 0.0).unwrap();
@@ -368,8 +373,8 @@ fn a_server_killed_mid_compute_gives_device_lost() {
     let ctx = Context::new(true);
     let (w, x, graph) = slow_graph(&ctx);
     let _buf = alloc_ctx_tensors_from_buft(&ctx, reg.remote_devices()[0].buffer_type()).unwrap();
-    w.set_f32(&values(256 * 256, 3)).unwrap();
-    x.set_f32(&values(256 * 256, 4)).unwrap();
+    w.set_f32(&values(SLOW * SLOW, 3)).unwrap();
+    x.set_f32(&values(SLOW * SLOW, 4)).unwrap();
     remote.graph_compute_async(&graph).unwrap();
     std::thread::sleep(Duration::from_millis(150));
     srv.stop();

@@ -339,3 +339,119 @@ fn adjacent_plain_mat_vecs_sharing_activations_keep_their_bits() -> Result<()> {
     }
     Ok(())
 }
+
+/// `dtype` bytes of a random `rows` × `k` matrix.
+fn matrix_of(rng: &mut Rng, dtype: DType, rows: usize, k: usize) -> Vec<u8> {
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.unit()).collect();
+    let mut out = vec![0u8; dtype.row_size(k).unwrap() * rows];
+    dtype.row_from_f32(&x, &mut out).unwrap();
+    out
+}
+
+#[test]
+fn q8_0_and_q4_0_panels_read_write_and_fill_exactly() -> Result<()> {
+    let mut rng = Rng(5);
+    for (dtype, rows, k) in [(DType::Q8_0, 45usize, 96usize), (DType::Q4_0, 33, 64)] {
+        let ctx = Context::new(true);
+        let v = ctx.new_tensor(DType::F32, &[37])?;
+        let w = ctx.new_tensor(dtype, &[k, rows])?;
+        let after = ctx.new_tensor(DType::F32, &[11])?;
+        let repack = RepackBufferType::shared();
+        // The panels take more bytes than the plain matrix (a 64-row panel area, f32 scales).
+        assert!(repack.alloc_size(&w) > w.nbytes());
+        let _buffers = alloc_ctx_tensors_from_buft(&ctx, repack)?;
+        assert!(matches!(
+            repack::stored_view(&w),
+            Some(repack::StoredView::Panels(..))
+        ));
+        let (vbytes, abytes) = (rng.bytes(v.nbytes()), rng.bytes(after.nbytes()));
+        v.write_bytes(0, &vbytes)?;
+        after.write_bytes(0, &abytes)?;
+        let mut plain = rng.bytes(w.nbytes());
+        for chunk_start in (0..plain.len()).step_by(13) {
+            let end = (chunk_start + 13).min(plain.len());
+            w.write_bytes(chunk_start, &plain[chunk_start..end])?;
+        }
+        let mut back = vec![0u8; plain.len()];
+        w.read_bytes(0, &mut back)?;
+        assert_eq!(back, plain, "{dtype}");
+        for _ in 0..100 {
+            let a = rng.next() as usize % plain.len();
+            let b = a + rng.next() as usize % (plain.len() - a + 1);
+            let mut piece = vec![0u8; b - a];
+            w.read_bytes(a, &mut piece)?;
+            assert_eq!(piece, plain[a..b], "{dtype} {a}..{b}");
+        }
+        // A fill of part of the matrix is that part's bytes, nothing else.
+        w.fill_bytes(50, 77, 0x5A)?;
+        plain[50..127].fill(0x5A);
+        w.read_bytes(0, &mut back)?;
+        assert_eq!(back, plain, "{dtype} after a partial fill");
+        // Its neighbours were not touched.
+        let mut vback = vec![0u8; vbytes.len()];
+        v.read_bytes(0, &mut vback)?;
+        assert_eq!(vback, vbytes);
+        let mut aback = vec![0u8; abytes.len()];
+        after.read_bytes(0, &mut aback)?;
+        assert_eq!(aback, abytes);
+    }
+    Ok(())
+}
+
+#[test]
+fn products_with_panels_equal_the_plain_layout() -> Result<()> {
+    let mut rng = Rng(13);
+    for (dtype, rows, k) in [
+        (DType::Q8_0, 45usize, 96usize),
+        (DType::Q4_0, 70, 64),
+        (DType::Q8_0, 32, 384),
+        (DType::Q4_0, 7, 32),
+    ] {
+        let data = matrix_of(&mut rng, dtype, rows, k);
+        let (_pc, plain) = weight_of(CpuBufferType::shared(), dtype, rows, k, &data)?;
+        let (_rc, packed) = weight_of(RepackBufferType::shared(), dtype, rows, k, &data)?;
+        for n in [1usize, 2, 3, 6, 17, 32, 45] {
+            let build = move |c: &Context, w: &Tensor| ops::mul_mat(c, w, &input(c, k, n)?);
+            let expect = compute(&plain, 1, &build)?;
+            let first = compute(&packed, 1, &build)?;
+            for threads in [2, 3] {
+                assert_eq!(
+                    compute(&packed, threads, &build)?,
+                    first,
+                    "{dtype} {rows}x{k} n={n}: {threads} threads"
+                );
+            }
+            if n > 2 {
+                // Both take the integer GEMM: the same bits.
+                assert_eq!(first, expect, "{dtype} {rows}x{k} n={n}");
+            } else {
+                // The plain layout takes the dot products there; the panels the GEMM, whose
+                // block sums are the same integers accumulated in another order.
+                for (g, e) in first.iter().zip(&expect) {
+                    let (g, e) = (f32::from_bits(*g), f32::from_bits(*e));
+                    assert!(
+                        (g - e).abs() <= 1e-5 * (1.0 + e.abs()),
+                        "{dtype} n={n}: {g} {e}"
+                    );
+                }
+            }
+        }
+        // Lookups and views read the plain bytes.
+        let lookup = move |c: &Context, w: &Tensor| {
+            let ids = c.new_tensor(DType::I32, &[4])?;
+            ids.set_name("ids");
+            ids.set_input();
+            ops::get_rows(c, w, &ids)
+        };
+        if rows > 18 {
+            assert_eq!(compute(&packed, 2, &lookup)?, compute(&plain, 1, &lookup)?);
+        }
+        let view = move |c: &Context, w: &Tensor| {
+            let row_bytes = w.nb()[1];
+            let v = ops::view(c, w, &[k, 4], &[row_bytes], 2 * row_bytes)?;
+            ops::mul_mat(c, &v, &input(c, k, 5)?)
+        };
+        assert_eq!(compute(&packed, 3, &view)?, compute(&plain, 1, &view)?);
+    }
+    Ok(())
+}

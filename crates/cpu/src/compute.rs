@@ -7,6 +7,7 @@
 use super::kernels::{
     attention, binary, copy, custom, matmul, norm, reduce, rope, softmax, unary, view::RawTensor,
 };
+use super::repack::StoredLayout;
 use crate::dtype::DType;
 use crate::error::{Error, Result, Status};
 use crate::graph::Graph;
@@ -414,7 +415,7 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
     let mut srcs = [dst; MAX_INLINE_SRCS];
     // Plain copies of operands stored in a repacking buffer's layout (rarely any).
     let mut copies = Vec::new();
-    let mut interleaved = None;
+    let mut laid_out = None;
     for (i, (slot, src)) in srcs.iter_mut().zip(node.srcs()).enumerate() {
         *slot = match RawTensor::live(src) {
             Some(view) => view,
@@ -422,7 +423,7 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
                 let weight_of_product = i == 0 && matches!(node.op(), Op::MulMat);
                 match repacked_operand(src, weight_of_product, &mut copies)? {
                     Some((view, layout)) => {
-                        interleaved = interleaved.or(layout);
+                        laid_out = laid_out.or(layout);
                         view
                     }
                     // Neither: the error says why (unbound, stale, not host memory).
@@ -434,28 +435,42 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
     if node.is_empty() {
         return Ok(());
     }
-    if let Some(layout) = interleaved {
-        return matmul::mul_mat_interleaved(
-            dst,
-            srcs[0],
-            &layout,
-            srcs[1],
-            options.use_reference,
-            scratch,
-        );
+    match laid_out {
+        Some(StoredLayout::Interleaved(layout)) => {
+            return matmul::mul_mat_interleaved(
+                dst,
+                srcs[0],
+                &layout,
+                srcs[1],
+                options.use_reference,
+                scratch,
+            )
+        }
+        Some(StoredLayout::Panels(layout)) => {
+            return matmul::mul_mat_panels(
+                dst,
+                srcs[0],
+                &layout,
+                srcs[1],
+                options.use_reference,
+                scratch,
+            )
+        }
+        None => {}
     }
     run(node, dst, &srcs[..n_srcs], options, scratch)
 }
 
 /// The view of an operand stored in the CPU's repacking buffer ([`super::repack`]), or `None`
-/// when it is not. Plainly stored tensors are read in place; an interleaved matrix is read in
-/// place (with its layout) only as the weights of a MUL_MAT (`weight_of_product`); otherwise
-/// the operand's plain bytes are copied into `copies`, which must outlive the computation.
+/// when it is not. Plainly stored tensors are read in place; a laid-out matrix (interleaved or
+/// packed panels) is read in place, with its layout, only as the weights of a MUL_MAT
+/// (`weight_of_product`); otherwise the operand's plain bytes are copied into `copies`, which
+/// must outlive the computation.
 fn repacked_operand(
     src: &Tensor,
     weight_of_product: bool,
     copies: &mut Vec<Vec<u64>>,
-) -> Result<Option<(RawTensor, Option<super::kernels::interleaved::Layout>)>> {
+) -> Result<Option<(RawTensor, Option<StoredLayout>)>> {
     use super::kernels::view::SendPtr;
     use super::repack::StoredView;
     let view = |ptr: *mut u8| RawTensor {
@@ -468,7 +483,10 @@ fn repacked_operand(
         None => None,
         Some(StoredView::Plain(ptr)) => Some((view(ptr), None)),
         Some(StoredView::Interleaved(ptr, layout)) if weight_of_product => {
-            Some((view(ptr), Some(layout)))
+            Some((view(ptr), Some(StoredLayout::Interleaved(layout))))
+        }
+        Some(StoredView::Panels(ptr, layout)) if weight_of_product => {
+            Some((view(ptr), Some(StoredLayout::Panels(layout))))
         }
         Some(_) => {
             let n = src.nbytes();

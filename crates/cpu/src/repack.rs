@@ -1,18 +1,21 @@
 //! The CPU's repacking buffer type (ggml's "extra" buffer types): host memory in which weight
 //! matrices the CPU has a faster kernel for are stored in that kernel's layout.
 //!
-//! A tensor bound in a [`RepackBufferType`] buffer whose rows can be interleaved
-//! ([`interleaved::supported`]: q4_1 rows of whole blocks, a plain 2-D matrix) is laid out as
-//! [`interleaved`] describes from the moment it is bound; every other tensor is stored plainly.
-//! The layout is a permutation of whole block fields, so writes and reads of any byte range
-//! go through the mapping and return exactly the plain bytes: a weight can be set piece by
-//! piece, read back, copied to another device, and nothing can go stale. The memory has no
-//! host pointer for others to use ([`BufferType::is_host`] is false), so only the CPU backend,
-//! which knows the layout ([`stored_view`]), reads it directly: its matrix product uses the
-//! interleaved kernel, and any other op gets a plain copy of the operand.
+//! A whole, contiguous 2-D matrix bound in a [`RepackBufferType`] buffer gets a layout from
+//! the moment it is bound ([`layout_for`]): q4_1 rows of whole blocks are interleaved eight
+//! rows at a time ([`interleaved`], the decoding mat-vec's layout: a permutation of the plain
+//! bytes), q8_0 and q4_0 rows of whole blocks are stored as the integer GEMM's packed panels
+//! ([`panels`], larger than the plain bytes: [`BufferType::alloc_size`] says how much). Every
+//! other tensor is stored plainly. Writes and reads of any byte range go through the layout's
+//! mapping and return exactly the plain bytes: a weight can be set piece by piece, read back,
+//! copied to another device, and nothing can go stale. The memory has no host pointer for
+//! others to use ([`BufferType::is_host`] is false), so only the CPU backend, which knows the
+//! layouts ([`stored_view`]), reads it directly: its matrix products use the layouts' kernels,
+//! and any other op gets a plain copy of the operand.
 //!
 //! The CPU device offers the type as its extra buffer type (`dev_get_extra_bufts`); the GGUF
-//! loader places a language model's matrices in it when asked.
+//! loader places a language model's q4_1 matrices in it when asked, the sentence encoder its
+//! q8_0/q4_0 matrices.
 
 use std::ptr::NonNull;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -20,7 +23,8 @@ use std::sync::{Arc, OnceLock, RwLock};
 use crate::buffer::{Buffer, BufferMemory, BufferType, HostMemory, HOST_ALIGNMENT};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::interleaved::Layout;
+use crate::kernels::gemm_q8::stored::{self as panels, PanelLayout};
+use crate::kernels::interleaved::{self, Layout};
 use crate::tensor::Tensor;
 
 /// The name of the repacking buffer type.
@@ -55,6 +59,10 @@ impl BufferType for RepackBufferType {
         HOST_ALIGNMENT
     }
 
+    fn alloc_size(&self, tensor: &Tensor) -> usize {
+        layout_for(tensor).map_or(tensor.nbytes(), |l| l.stored_bytes())
+    }
+
     fn is_host(&self) -> bool {
         false
     }
@@ -69,42 +77,88 @@ pub fn is_repack(buffer_type: &dyn BufferType) -> bool {
     buffer_type.name() == NAME && !buffer_type.is_host()
 }
 
-/// The layout `tensor` would get in a repacking buffer, if it is interleaved there: a whole,
-/// contiguous 2-D matrix (not a view) of an interleavable type with at least one group.
-pub fn layout_for(tensor: &Tensor) -> Option<Layout> {
+/// How a matrix is laid out in a repacking buffer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StoredLayout {
+    /// q4_1 rows interleaved eight at a time (the same bytes, permuted).
+    Interleaved(Layout),
+    /// q8_0 / q4_0 rows as the integer GEMM's packed panels (more bytes than plain).
+    Panels(PanelLayout),
+}
+
+impl StoredLayout {
+    /// Bytes of the tensor stored plainly: the range reads and writes address.
+    pub fn plain_bytes(&self) -> usize {
+        match self {
+            StoredLayout::Interleaved(l) => l.bytes(),
+            StoredLayout::Panels(l) => l.plain_bytes(),
+        }
+    }
+
+    /// Bytes the layout occupies in the buffer (at least [`Self::plain_bytes`]).
+    pub fn stored_bytes(&self) -> usize {
+        match self {
+            StoredLayout::Interleaved(l) => l.bytes(),
+            StoredLayout::Panels(l) => l.stored_bytes(),
+        }
+    }
+
+    fn copy_in(&self, stored: &mut [u8], start: usize, data: &[u8]) {
+        match self {
+            StoredLayout::Interleaved(l) => interleaved::copy_in(l, stored, start, data),
+            StoredLayout::Panels(l) => panels::copy_in(l, stored, start, data),
+        }
+    }
+
+    fn copy_out(&self, stored: &[u8], start: usize, out: &mut [u8]) {
+        match self {
+            StoredLayout::Interleaved(l) => interleaved::copy_out(l, stored, start, out),
+            StoredLayout::Panels(l) => panels::copy_out(l, stored, start, out),
+        }
+    }
+}
+
+/// The layout `tensor` would get in a repacking buffer, if any: a whole, contiguous 2-D matrix
+/// (not a view) of q4_1 with at least one group of eight rows (interleaved), or of q8_0 / q4_0
+/// (packed panels), in rows of whole blocks.
+pub fn layout_for(tensor: &Tensor) -> Option<StoredLayout> {
     let ne = tensor.ne();
     if tensor.view_src().is_some() || !tensor.is_contiguous() || ne[2] != 1 || ne[3] != 1 {
         return None;
     }
-    Layout::new(tensor.dtype(), ne[0], ne[1]).filter(|l| l.grouped_rows() > 0)
+    if let Some(l) = Layout::new(tensor.dtype(), ne[0], ne[1]).filter(|l| l.grouped_rows() > 0) {
+        return Some(StoredLayout::Interleaved(l));
+    }
+    PanelLayout::new(tensor.dtype(), ne[0], ne[1]).map(StoredLayout::Panels)
 }
 
 /// The memory of a repacking buffer: host bytes plus the interleaved tensors' places.
 struct RepackMemory {
     host: HostMemory,
-    /// `(offset, layout)` of each interleaved tensor, sorted by offset, not overlapping.
-    layouts: RwLock<Vec<(usize, Layout)>>,
+    /// `(offset, layout)` of each laid-out tensor, sorted by offset, their stored spans not
+    /// overlapping.
+    layouts: RwLock<Vec<(usize, StoredLayout)>>,
 }
 
 impl RepackMemory {
-    fn layouts(&self) -> std::sync::RwLockReadGuard<'_, Vec<(usize, Layout)>> {
+    fn layouts(&self) -> std::sync::RwLockReadGuard<'_, Vec<(usize, StoredLayout)>> {
         self.layouts.read().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Calls `f(offset, len, Some((tensor offset, layout)))` for each piece of
-    /// `offset..offset + len` inside an interleaved tensor and `f(offset, len, None)` for each
-    /// plain piece, in order.
+    /// `offset..offset + len` inside a laid-out tensor's plain range and `f(offset, len, None)`
+    /// for each plain piece, in order.
     fn for_pieces(
         &self,
         offset: usize,
         len: usize,
-        mut f: impl FnMut(usize, usize, Option<(usize, &Layout)>),
+        mut f: impl FnMut(usize, usize, Option<(usize, &StoredLayout)>),
     ) {
         let layouts = self.layouts();
         let end = offset + len;
         let mut at = offset;
         for (start, layout) in layouts.iter() {
-            let stop = start + layout.bytes();
+            let stop = start + layout.plain_bytes();
             if stop <= at {
                 continue;
             }
@@ -154,10 +208,10 @@ impl BufferMemory for RepackMemory {
             let src = &data[at - offset..at - offset + n];
             match tensor {
                 Some((start, layout)) => {
-                    // SAFETY: the interleaved tensor lies inside the memory (it was bound
-                    // there); writers of a buffer's bytes are ordered by the caller.
-                    let stored = unsafe { self.region(start, layout.bytes()) };
-                    crate::kernels::interleaved::copy_in(layout, stored, at - start, src);
+                    // SAFETY: the laid-out tensor lies inside the memory (it was bound there);
+                    // writers of a buffer's bytes are ordered by the caller.
+                    let stored = unsafe { self.region(start, layout.stored_bytes()) };
+                    layout.copy_in(stored, at - start, src);
                 }
                 // SAFETY: `Buffer` checked the range; as above.
                 None => unsafe { self.region(at, n) }.copy_from_slice(src),
@@ -172,8 +226,8 @@ impl BufferMemory for RepackMemory {
             match tensor {
                 Some((start, layout)) => {
                     // SAFETY: as in `write`; the bytes are only read.
-                    let stored = unsafe { self.region(start, layout.bytes()) };
-                    crate::kernels::interleaved::copy_out(layout, stored, at - start, dst);
+                    let stored = unsafe { self.region(start, layout.stored_bytes()) };
+                    layout.copy_out(stored, at - start, dst);
                 }
                 // SAFETY: as in `write`; the bytes are only read.
                 None => dst.copy_from_slice(unsafe { self.region(at, n) }),
@@ -183,22 +237,49 @@ impl BufferMemory for RepackMemory {
     }
 
     fn fill(&self, offset: usize, len: usize, value: u8) -> Result<()> {
-        // A permutation of equal bytes is the same bytes: fill in place.
-        self.host.fill(offset, len, value)
+        // Plain pieces in place; a laid-out tensor's piece as a write of that many `value`s
+        // (a part of an interleaved matrix is not the same part of its stored bytes).
+        let chunk = [value; 4096];
+        let mut result = Ok(());
+        self.for_pieces(offset, len, |at, n, tensor| match tensor {
+            None => result = result.clone().and(self.host.fill(at, n, value)),
+            Some((start, layout)) => {
+                // SAFETY: as in `write`.
+                let stored = unsafe { self.region(start, layout.stored_bytes()) };
+                for piece in (at..at + n).step_by(chunk.len()) {
+                    let m = chunk.len().min(at + n - piece);
+                    layout.copy_in(stored, piece - start, &chunk[..m]);
+                }
+            }
+        });
+        result
     }
 
     fn init_tensor(&self, tensor: &Tensor, offset: usize) -> Result<()> {
+        let layout = layout_for(tensor);
+        let span = layout.map_or(tensor.nbytes(), |l| l.stored_bytes());
         let end = offset
-            .checked_add(tensor.nbytes())
-            .ok_or_else(|| Error::out_of_bounds("tensor range overflows"))?;
+            .checked_add(span)
+            .filter(|&end| end <= self.size())
+            .ok_or_else(|| {
+                Error::out_of_bounds(format!(
+                    "{} needs {span} bytes at offset {offset} of a {}-byte {NAME} buffer",
+                    tensor.label(),
+                    self.size()
+                ))
+            })?;
         let mut layouts = self.layouts.write().unwrap_or_else(|p| p.into_inner());
         // The range's old tenants are gone; its bytes now follow the new tensor's layout.
-        layouts.retain(|(start, l)| start + l.bytes() <= offset || *start >= end);
-        if tensor.view_src().is_none() {
-            if let Some(layout) = layout_for(tensor) {
-                let at = layouts.partition_point(|(start, _)| *start < offset);
-                layouts.insert(at, (offset, layout));
+        layouts.retain(|(start, l)| start + l.stored_bytes() <= offset || *start >= end);
+        if let Some(layout) = layout {
+            if let StoredLayout::Panels(_) = layout {
+                // Rows past the matrix's last one stay zero in its last panel.
+                // SAFETY: the span lies inside the memory (checked above); binding is ordered
+                // before any use of the tensor by the caller.
+                unsafe { self.region(offset, span) }.fill(0);
             }
+            let at = layouts.partition_point(|(start, _)| *start < offset);
+            layouts.insert(at, (offset, layout));
         }
         Ok(())
     }
@@ -214,7 +295,9 @@ pub enum StoredView {
     Plain(*mut u8),
     /// The whole interleaved matrix at this host address.
     Interleaved(*mut u8, Layout),
-    /// Part of an interleaved matrix (a view): readable only through a plain copy.
+    /// The whole matrix as packed panels at this host address.
+    Panels(*mut u8, PanelLayout),
+    /// Part of a laid-out matrix (a view): readable only through a plain copy.
     Mapped,
 }
 
@@ -233,13 +316,16 @@ pub fn stored_view(tensor: &Tensor) -> Option<StoredView> {
     let layouts = memory.layouts();
     let covering = layouts
         .iter()
-        .find(|(start, l)| *start < end.max(offset + 1) && offset < start + l.bytes());
+        .find(|(start, l)| *start < end.max(offset + 1) && offset < start + l.plain_bytes());
     // SAFETY: `offset + nbytes` lies inside the buffer (checked when the tensor was bound).
     let at = unsafe { base.add(offset) };
     Some(match covering {
         None => StoredView::Plain(at),
         Some((start, layout)) if *start == offset && Some(*layout) == layout_for(tensor) => {
-            StoredView::Interleaved(at, *layout)
+            match *layout {
+                StoredLayout::Interleaved(l) => StoredView::Interleaved(at, l),
+                StoredLayout::Panels(l) => StoredView::Panels(at, l),
+            }
         }
         Some(_) => StoredView::Mapped,
     })

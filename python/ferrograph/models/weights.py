@@ -229,6 +229,12 @@ class LoadedWeights:
         The (metadata-only) context the tensors belong to.
     buffer
         The backend buffer holding them (usage ``WEIGHTS``).
+    packed
+        With q8_0/q4_0 weights on the CPU backend: the buffer of the CPU's repacking type
+        (``CPU_REPACK``) holding the linear layers' matrices as the integer GEMM's packed
+        panels; ``None`` otherwise.
+    packed_ctx
+        The (metadata-only) context of those matrices; ``None`` without them.
     tensors
         Name -> tensor; with fused QKV, ``encoder.layer.N.attention.self.qkv.weight`` / ``.bias``
         replace the query, key and value tensors.
@@ -237,6 +243,8 @@ class LoadedWeights:
     ctx: fg.Context
     buffer: fg.Buffer
     tensors: dict[str, fg.Tensor]
+    packed: fg.Buffer | None = None
+    packed_ctx: fg.Context | None = None
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
@@ -304,15 +312,41 @@ def load_weights(
                     if kind == "weight" and f"{parts[0]}" in converted:
                         converted.add(f"{p}qkv.weight")
         shapes = expected_shapes(config)
-        for name, parts in sources.items():
+
+        def _shape_of(name: str, parts: list[str]) -> tuple[int, ...]:
             part_shapes = [shapes[n] for n in parts]
-            shape = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
+            return (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
+
+        linear_names = linear_weight_names(config) | (
+            {
+                f"encoder.layer.{i}.attention.self.qkv.weight"
+                for i in range(config.num_hidden_layers)
+            }
+            if fuse_qkv
+            else set()
+        )
+        for name, parts in sources.items():
             dtype = target if name in converted else fg.float32
-            tensors[name] = ctx.new_tensor(dtype, shape, name=name)
+            if _repack_type(backend, target) is None or name not in linear_names or dtype != target:
+                tensors[name] = ctx.new_tensor(dtype, _shape_of(name, parts), name=name)
+        # q8_0/q4_0 matrices of the linear layers go to the CPU's repacking buffer type, which
+        # stores them as the integer GEMM's packed panels (packed once here, not per call);
+        # the rest (embeddings, norms, biases) in the backend's own buffer.
+        repack = _repack_type(backend, target)
+        packed_ctx = fg.Context() if repack is not None else ctx
+        for name, parts in sources.items():
+            if repack is not None and name in converted and name in linear_names:
+                tensors[name] = packed_ctx.new_tensor(target, _shape_of(name, parts), name=name)
         buffer = fg.alloc_ctx_tensors(ctx, backend)
         if buffer is None:
             raise fg.AllocationError("no buffer was allocated for the model weights")
         buffer.usage = fg.BufferUsage.WEIGHTS
+        packed = None
+        if repack is not None:
+            packed = fg.alloc_ctx_tensors(packed_ctx, repack)
+            if packed is None:
+                raise fg.AllocationError("no buffer was allocated for the packed weights")
+            packed.usage = fg.BufferUsage.WEIGHTS
         for name, array in head.items():
             tensors[name].set(array)
         for name, tensor in tensors.items():
@@ -321,7 +355,17 @@ def load_weights(
             arrays = [file.get_tensor(keys[n]) for n in sources[name]]
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
-    return LoadedWeights(ctx, buffer, tensors)
+    return LoadedWeights(ctx, buffer, tensors, packed, packed_ctx if packed is not None else None)
+
+
+def _repack_type(backend: fg.Backend, dtype: fg.DType) -> fg.BufferType | None:
+    """The CPU's repacking buffer type when ``backend`` is the CPU backend and ``dtype`` one it
+    stores as packed panels (q8_0, q4_0); else ``None``."""
+    if backend.name != "CPU" or dtype.name not in ("q8_0", "q4_0"):
+        return None
+    cpu = fg.reg_by_name("CPU")
+    extra = cpu.extra_buffer_types() if cpu is not None else []
+    return next((b for b in extra if b.name == "CPU_REPACK"), None)
 
 
 def device_backends(

@@ -30,6 +30,7 @@ use crate::error::{Error, Result};
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod stored;
 
 /// Weight rows per packed panel (two 16-lane vectors).
 pub const PANEL: usize = 32;
@@ -619,6 +620,45 @@ pub fn mul_mat(
     (r2, r3): (usize, usize),
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
+    mul_mat_from(isa, dst, a, None, b, (r2, r3), scratch)
+}
+
+/// [`mul_mat`] with weights stored as packed panels ([`stored`]): `a` describes the plain
+/// 2-D matrix (types, shape and strides) and points at the stored panels, which must start at
+/// a multiple of 64 bytes and follow `layout`. Same bits as [`mul_mat`] on the plain rows.
+pub fn mul_mat_stored(
+    isa: Isa,
+    dst: &RawTensor,
+    a: &RawTensor,
+    layout: &stored::PanelLayout,
+    b: &RawTensor,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let fits = layout.dtype() == a.dtype
+        && layout.k == a.ne[0]
+        && layout.rows == a.ne[1]
+        && a.ne[2] == 1
+        && a.ne[3] == 1
+        && (a.ptr.0 as usize).is_multiple_of(std::mem::align_of::<Line>());
+    if !fits {
+        return Err(Error::shape(
+            "quantized GEMM: stored panels do not fit this product",
+        ));
+    }
+    mul_mat_from(isa, dst, a, Some(a.ptr), b, (b.ne[2], b.ne[3]), scratch)
+}
+
+/// [`mul_mat`] and [`mul_mat_stored`]: panels packed per task from `a`'s rows, or read from
+/// `stored`.
+fn mul_mat_from(
+    isa: Isa,
+    dst: &RawTensor,
+    a: &RawTensor,
+    stored: Option<super::view::SendPtr>,
+    b: &RawTensor,
+    (r2, r3): (usize, usize),
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
     if !applies(a, dst) || b.ne[0] != a.ne[0] {
         return Err(Error::shape(
             "quantized GEMM: operands do not fit this path",
@@ -651,19 +691,34 @@ pub fn mul_mat(
             let (i12, i13) = (batch % ne12, batch / ne12);
             let (i02, i03) = (i12 / r2, i13 / r3);
             let i0 = p * PANEL;
-            let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
-                (i0 + r < m).then(|| {
-                    // SAFETY: weight row (i0 + r, i02, i03) lies inside `a` (read-only) and
-                    // holds `a_row_bytes` bytes of adjacent blocks (`applies`).
-                    unsafe {
-                        std::slice::from_raw_parts(
-                            a.at(a.row_offset(i0 + r, i02, i03)).cast_const(),
-                            a_row_bytes,
-                        )
-                    }
-                })
-            });
-            pack_panel(isa, a.dtype, &rows, nb, &mut buf);
+            let panel: &[Line] = match stored {
+                // SAFETY: panel `p` of the stored matrix: `nb` packed blocks of 64-byte
+                // aligned lines (`mul_mat_stored` checked the alignment and the layout),
+                // read-only during the product.
+                Some(base) => unsafe {
+                    let at = base
+                        .0
+                        .add(p * nb * BLOCK_LINES * std::mem::size_of::<Line>());
+                    std::slice::from_raw_parts(at.cast::<Line>(), nb * BLOCK_LINES)
+                },
+                None => {
+                    let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
+                        (i0 + r < m).then(|| {
+                            // SAFETY: weight row (i0 + r, i02, i03) lies inside `a`
+                            // (read-only) and holds `a_row_bytes` bytes of adjacent blocks
+                            // (`applies`).
+                            unsafe {
+                                std::slice::from_raw_parts(
+                                    a.at(a.row_offset(i0 + r, i02, i03)).cast_const(),
+                                    a_row_bytes,
+                                )
+                            }
+                        })
+                    });
+                    pack_panel(isa, a.dtype, &rows, nb, &mut buf);
+                    &buf
+                }
+            };
             let valid = (m - i0).min(PANEL);
             let cols = jb * cb..((jb + 1) * cb).min(n);
             for j0 in cols.clone().step_by(COLS) {
@@ -674,7 +729,7 @@ pub fn mul_mat(
                     let r = j + n * (i12 + ne12 * i13);
                     *slot = &acts[r * row_bytes..(r + 1) * row_bytes];
                 }
-                run_tile(isa, &buf, &act_rows[..j1 - j0], k, &mut out);
+                run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 for (c, j) in (j0..j1).enumerate() {
                     let base = dst.row_offset(j, i12, i13) + i0 * 4;
                     // SAFETY: output elements (i0..i0 + valid, j) of batch (i12, i13) lie

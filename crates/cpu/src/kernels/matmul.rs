@@ -892,6 +892,44 @@ pub fn mul_mat_interleaved(
     )
 }
 
+/// MUL_MAT with q8_0/q4_0 weights stored as the integer GEMM's packed panels (the repacking
+/// buffer type's layout for them, [`gemm_q8::stored`]): the GEMM reads the panels as stored,
+/// for any column count. The reference kernels, a CPU without the integer kernels, or a
+/// product the GEMM cannot take get the plain bytes rebuilt and the plain path, with the same
+/// bits as the GEMM where both run.
+pub fn mul_mat_panels(
+    dst: RawTensor,
+    a: RawTensor,
+    layout: &gemm_q8::stored::PanelLayout,
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let isa = gemm_q8::Isa::best();
+    let direct = !reference
+        && isa != gemm_q8::Isa::Portable
+        && gemm_q8::applies(&a, &dst)
+        && b.ne[0] == a.ne[0]
+        && (a.ptr.0 as usize).is_multiple_of(64);
+    if direct {
+        return gemm_q8::mul_mat_stored(isa, &dst, &a, layout, &b, scratch);
+    }
+    let mut plain = vec![0u64; layout.plain_bytes().div_ceil(8)];
+    // SAFETY: `plain` holds at least `plain_bytes` bytes; viewing u64s as bytes is valid.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), layout.plain_bytes())
+    };
+    // SAFETY: `a` is the whole stored matrix of `layout.stored_bytes()` bytes, read-only during
+    // the product.
+    let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), layout.stored_bytes()) };
+    gemm_q8::stored::copy_out(layout, stored, 0, bytes);
+    let a_plain = RawTensor {
+        ptr: SendPtr(bytes.as_mut_ptr()),
+        ..a
+    };
+    mul_mat(dst, a_plain, b, reference, scratch)
+}
+
 /// Whether `a` is the whole 2-D interleaved q4_1 matrix of `layout` and `dst = a · b` one batch
 /// of columns: the shapes the group kernel handles.
 fn is_whole_interleaved(
