@@ -218,6 +218,36 @@ def test_weights_are_in_a_weights_buffer() -> None:
     assert model_for("f16").weights_nbytes < model_for("f32").weights_nbytes
 
 
+def test_q8_0_matrices_are_packed_panels_with_the_plain_results(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On the CPU backend the q8_0 linear layers live in the repacking buffer type (the
+    integer GEMM's panels, packed once at load); the embeddings are those of plainly stored
+    weights, bit for bit from 3 tokens on (both take the integer GEMM)."""
+    from ferrograph.models import weights as weights_module
+
+    packed = model_for("q8_0")
+    assert packed.packed_weights is not None
+    _ctx, buffer = packed.packed_weights
+    assert buffer.buffer_type.name == "CPU_REPACK" and buffer.usage == fg.BufferUsage.WEIGHTS
+    w = packed.weights["encoder.layer.0.intermediate.dense.weight"]
+    assert w.buffer.buffer_type.name == "CPU_REPACK"
+    assert packed.weights["embeddings.word_embeddings.weight"].buffer.buffer_type.name == "CPU"
+    # Their bytes read back as q8_0 rows.
+    row = np.frombuffer(fg.tensor_get(w, 0, 34), dtype=np.uint8)
+    assert row.shape == (34,)
+    monkeypatch.setattr(weights_module, "_repack_type", lambda backend, dtype: None)
+    plain = minilm.MiniLM(weights_dtype="q8_0", n_threads=2, attention="soft_max")
+    assert plain.packed_weights is None
+    assert fg.tensor_get(plain.weights["encoder.layer.0.intermediate.dense.weight"]) == (
+        fg.tensor_get(w)
+    )
+    sentences = ["A man is eating food.", "x", "The girl is carrying a baby, slowly."]
+    np.testing.assert_array_equal(packed.encode(sentences), plain.encode(sentences))
+    two = packed.encode([""])  # [CLS] [SEP]: dot products on plain rows, the GEMM on panels
+    np.testing.assert_allclose(two, plain.encode([""]), atol=1e-5)
+
+
 def test_edge_inputs() -> None:
     model = model_for("f32")
     assert model.encode([]).shape == (0, 384)
