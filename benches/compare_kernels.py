@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 from _bench_timing import best_seconds as _best_seconds
+from _bench_timing import streaming_read_gbs
 
 import ferrograph as fg
 
@@ -81,18 +82,37 @@ def interleaved_best_seconds(fns: dict[str, Callable[[], object]], repeat: int) 
 class Table:
     """Collects rows: workload, implementation, figure, unit, ratio to ferrograph."""
 
-    def __init__(self, peak_gflops: float, bandwidth: float) -> None:
+    def __init__(self, peak_gflops: float, bandwidth: float, int8_peak: float) -> None:
         self.rows: list[tuple[str, str, float, str, str]] = []
         self.peak_gflops = peak_gflops
         self.bandwidth = bandwidth
+        self.int8_peak = int8_peak
 
-    def add(self, workload: str, amount: float, unit: str, timings: dict[str, float]) -> None:
+    def add(
+        self,
+        workload: str,
+        amount: float,
+        unit: str,
+        timings: dict[str, float],
+        integer: bool = False,
+        flops: float = 0.0,
+    ) -> None:
+        """One workload's rows; ``integer``: a q8_0/q4_0 product, quoted against the integer
+        peak (GFLOPS) — GB/s rows against the measured streaming read and, given the
+        product's ``flops``, also against the compute peak (whichever binds)."""
         ours = timings["ferrograph"]
+        compute_peak = self.int8_peak if integer else self.peak_gflops
         for name, seconds in timings.items():
             figure = amount / seconds / 1e9
             if name == "ferrograph":
-                peak = self.peak_gflops if unit == "GFLOPS" else self.bandwidth
-                note = f"{figure / peak:.0%} of peak" if peak else ""
+                if unit == "GB/s":
+                    note = f"{figure / self.bandwidth:.0%} of the streaming read"
+                    if flops and compute_peak:
+                        share = flops / seconds / 1e9 / compute_peak
+                        note += f", {share:.0%} of the {'int8' if integer else 'f32'} peak"
+                else:
+                    of = "int8" if integer else "f32"
+                    note = f"{figure / compute_peak:.0%} of the {of} peak" if compute_peak else ""
             else:
                 note = f"{seconds / ours:.2f}x"
             self.rows.append((workload, name, figure, unit, note))
@@ -144,11 +164,15 @@ def mul_mat_case(
             else:
                 fns["torch"] = lambda: torch.matmul(tx, tw.T)
     timings = interleaved_best_seconds(fns, repeat)
-    if n == 1:
-        # One-column products are bound by reading the weights: report GB/s of weight bytes.
-        table.add(f"{label} [GB/s of weights]", w.nbytes, "GB/s", timings)
+    if n <= 32 and m * k >= 1 << 24:
+        # Products with few columns and weights larger than the caches are bound by reading
+        # the weights: report GB/s of weight bytes.
+        integer = dtype in (fg.q8_0, fg.q4_0)
+        table.add(
+            f"{label} [GB/s of weights]", w.nbytes, "GB/s", timings, integer, flops if n > 1 else 0
+        )
     else:
-        table.add(label, flops, "GFLOPS", timings)
+        table.add(label, flops, "GFLOPS", timings, integer=dtype in (fg.q8_0, fg.q4_0))
 
 
 def binary_case(
@@ -295,7 +319,12 @@ def main() -> None:
         help="f32 FMA peak of the threads used (default: measured on this machine with "
         "fg.cpu.fma_peak_gflops)",
     )
-    parser.add_argument("--bandwidth", type=float, default=27.0, help="memory GB/s")
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=None,
+        help="memory GB/s (default: the fastest plain streaming read measured here)",
+    )
     parser.add_argument("--quick", action="store_true", help="smaller shapes (smoke run)")
     parser.add_argument(
         "--only-matmul", action="store_true", help="the matrix products alone (f32 and typed)"
@@ -320,7 +349,12 @@ def main() -> None:
     )
     print(f"numpy BLAS: {blas_description()}")
     print(f"f32 FMA peak of {args.threads} threads: {args.peak_gflops:.1f} GFLOPS ({peak_source})")
-    table = Table(args.peak_gflops, args.bandwidth)
+    int8_peak = max(fg.cpu.int8_peak_gops(args.threads) for _ in range(3))
+    print(f"integer GEMM peak of {args.threads} threads: {int8_peak:.1f} GOPS (measured)")
+    if args.bandwidth is None:
+        args.bandwidth, read_by = streaming_read_gbs(args.threads)
+        print(f"streaming read on {args.threads} threads: {args.bandwidth:.1f} GB/s ({read_by})")
+    table = Table(args.peak_gflops, args.bandwidth, int8_peak)
     big_k, big_m = (1024, 2048) if args.quick else (4096, 14336)
     square = 1024 if args.quick else 4096
     r = args.repeat
@@ -348,9 +382,13 @@ def main() -> None:
             for dtype in (fg.bfloat16, fg.q8_0):
                 label = f"MUL_MAT {dtype} MiniLM {m}x{k} by {n}"
                 mul_mat_case(table, cpu, r, dtype, m, k, n, label, False)
+    every = (fg.float32, fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0)
+    # 512 columns: compute-bound; 1, 16 and 32: bound by streaming the weights (GB/s).
     for n, dtypes, with_peers in (
-        (512, (fg.float32, fg.float16, fg.bfloat16, fg.q8_0, fg.q4_0), fg.float16),
-        (1, (fg.float32, fg.float16, fg.q8_0, fg.q4_0), fg.float32),
+        (512, every, fg.float16),
+        (1, every, fg.float32),
+        (16, every, None),
+        (32, every, None),
     ):
         for dtype in dtypes:
             label = f"MUL_MAT {dtype} {big_k}x{big_m} by {n}"

@@ -23,6 +23,8 @@ import sys
 import time
 from typing import Any
 
+from _bench_timing import streaming_read_gbs
+
 
 def _prompt(n: int) -> list[int]:
     # a fixed pseudo-random prompt of ordinary tokens (ids 100..30000)
@@ -95,47 +97,6 @@ def _decode_breakdown(llm: Any, position: int, steps: int = 32) -> dict[str, flo
         "between_nodes_share": 1.0 - profile.node_seconds / profile.total_seconds,
         "weight_bytes": float(weight_bytes),
     }
-
-
-def streaming_read_gbs(threads: int, nbytes: int = 1 << 29) -> tuple[float, str]:
-    """The fastest read of ``nbytes`` from memory this process can measure on ``threads``
-    threads, best of 3 each, and what gave it: numpy reductions split over Python threads
-    (they release the interpreter), and OpenBLAS's f32 matrix-vector product over rows of
-    4096 values (limited to ``threads`` through threadpoolctl, or used only when ``threads``
-    is the machine's core count). The BLAS product streams with several rows and software
-    prefetch and reads measurably faster than the reductions on these machines, so taking it
-    keeps the bound honest."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    import numpy as np
-
-    def best_of_3(fn: Any) -> float:
-        best = float("inf")
-        for _ in range(3):
-            t0 = time.perf_counter()
-            fn()
-            best = min(best, time.perf_counter() - t0)
-        return nbytes / best / 1e9
-
-    results: dict[str, float] = {}
-    for name, dtype in (("numpy int64 sum", np.int64), ("numpy f32 max", np.float32)):
-        parts = np.array_split(np.ones(nbytes // np.dtype(dtype).itemsize, dtype), threads)
-        with ThreadPoolExecutor(threads) as pool:
-            op = np.sum if dtype == np.int64 else np.max
-            results[name] = best_of_3(lambda op=op, parts=parts: list(pool.map(op, parts)))
-    matrix = np.ones((nbytes // (4 * 4096), 4096), np.float32)
-    vector = np.ones(4096, np.float32)
-    try:
-        from threadpoolctl import threadpool_limits
-
-        with threadpool_limits(limits=threads, user_api="blas"):
-            results["OpenBLAS f32 gemv"] = best_of_3(lambda: matrix @ vector)
-    except ImportError:
-        if threads == os.cpu_count():
-            results["OpenBLAS f32 gemv"] = best_of_3(lambda: matrix @ vector)
-    name = max(results, key=lambda k: results[k])
-    return results[name], name
 
 
 def worker_llamacpp(model: str | None, threads: int) -> dict[str, float]:

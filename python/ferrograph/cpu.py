@@ -15,6 +15,7 @@ __all__ = [
     "TypeTraits",
     "features",
     "fma_peak_gflops",
+    "int8_peak_gops",
     "simd_path",
     "system_info",
     "type_traits",
@@ -77,3 +78,16 @@ def fma_peak_gflops(n_threads: int | None = None, seconds: float = 0.2) -> float
     ``seconds``, and ``fg.UnsupportedOpError`` on a CPU without AVX2 and FMA.
     """
     return float(_core.cpu_fma_peak_gflops(n_threads, seconds))
+
+
+def int8_peak_gops(n_threads: int | None = None, seconds: float = 0.2) -> float:
+    """This machine's peak for the integer GEMM's byte products (q8_0/q4_0 weights) in
+    giga-operations per second (a product and its sum count two), measured like
+    :func:`fma_peak_gflops`: chains of ``vpdpbusd`` on CPUs with AVX-512 VNNI, else of the AVX2
+    kernel's ``vpmaddwd`` + ``vpaddd``. The figure ``benches/compare_kernels.py`` quotes the
+    q8_0/q4_0 GEMM against.
+
+    Raises ``fg.InvalidArgumentError`` for a thread count outside ``1..512`` or a negative
+    ``seconds``, and ``fg.UnsupportedOpError`` on a CPU without AVX2.
+    """
+    return float(_core.cpu_int8_peak_gops(n_threads, seconds))

@@ -102,6 +102,15 @@ fn cpu_fma_peak_gflops(py: Python<'_>, n_threads: Option<usize>, seconds: f64) -
     Ok(py.detach(|| ferrograph::cpu::fma_peak_gflops(n, seconds))?)
 }
 
+/// The measured peak of the integer GEMM's byte products of `n_threads` threads, giga-operations
+/// per second (see `ferrograph.cpu.int8_peak_gops`). Runs without the interpreter.
+#[pyfunction]
+#[pyo3(signature = (n_threads = None, seconds = 0.2))]
+fn cpu_int8_peak_gops(py: Python<'_>, n_threads: Option<usize>, seconds: f64) -> PyResult<f64> {
+    let n = n_threads.unwrap_or_else(ferrograph::pool::default_n_threads);
+    Ok(py.detach(|| ferrograph::cpu::int8_peak_gops(n, seconds))?)
+}
+
 /// The numeric CPU facts, `{"sve_cnt": bytes, "rvv_vlen": bytes}`: the SVE vector length on
 /// AArch64 Linux and the RISC-V vector register length where the build targets the V extension;
 /// 0 where the machine has no such vectors.
@@ -306,6 +315,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu_from_float, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_vec_dot, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_fma_peak_gflops, m)?)?;
+    m.add_function(wrap_pyfunction!(cpu_int8_peak_gops, m)?)?;
     m.add_function(wrap_pyfunction!(cpu_feature_counts, m)?)?;
     m.add_function(wrap_pyfunction!(numa_init, m)?)?;
     m.add_function(wrap_pyfunction!(is_numa, m)?)?;

@@ -1,10 +1,13 @@
-//! The machine's measured f32 multiply-add peak: what the GEMM kernels are judged against.
+//! The machine's measured peaks: what the GEMM kernels are judged against.
 //!
-//! Each of `n` threads runs independent chains of fused multiply-adds on the widest vector
-//! ISA the kernels use (AVX-512 where present, else AVX2) from registers only, all threads
-//! started together; the peak is their floating-point operations over the slowest thread's
-//! wall time. Enough chains (12) are in flight to cover the multiply-add latency on every
-//! x86 core this project runs on (4 cycles, two pipes: 8 needed).
+//! Each of `n` threads runs independent chains of one instruction from registers only, all
+//! threads started together; the peak is their operations over the slowest thread's wall
+//! time. [`fma_peak_gflops`]: f32 fused multiply-adds on the widest vector ISA the kernels use
+//! (AVX-512 where present, else AVX2), 2 operations per lane. [`int8_peak_gops`]: the integer
+//! GEMM's byte products — `vpdpbusd` (AVX-512 VNNI: 64 products and their sums per
+//! instruction) where present, else the AVX2 kernel's `vpmaddwd` + `vpaddd` (16), 2 operations
+//! per product. Enough chains (12) are in flight to cover the latency on every x86 core this
+//! project runs on (4 cycles, two pipes: 8 needed).
 
 use crate::error::{Error, Result};
 use std::time::{Duration, Instant};
@@ -25,13 +28,61 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
     let chains = Chains::detect().ok_or_else(|| {
         Error::unsupported("fma_peak_gflops needs AVX2 and FMA (or AVX-512)".to_string())
     })?;
-    let lanes = chains.lanes();
+    let ops = (CHAINS * chains.lanes() * 2) as f64;
+    measure(n_threads, min_seconds, ops, |iters| {
+        std::hint::black_box(chains.run(iters));
+    })
+}
+
+/// The integer GEMM's peak in giga-operations per second (a byte product and its sum are two)
+/// of `n_threads` threads, measured as [`fma_peak_gflops`] is: `vpdpbusd` chains on CPUs with
+/// AVX-512 VNNI, else the AVX2 kernel's `vpmaddwd` + `vpaddd`. Errors as
+/// [`fma_peak_gflops`] (no AVX2: nothing to measure).
+pub fn int8_peak_gops(n_threads: usize, min_seconds: f64) -> Result<f64> {
+    crate::pool::check_n_threads(n_threads)?;
+    if !min_seconds.is_finite() || min_seconds < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "int8_peak_gops: seconds must be a finite non-negative number, got {min_seconds}"
+        )));
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let isa = crate::isa::get();
+        if isa.avx512_bw_vnni() {
+            let ops = (CHAINS * 64 * 2) as f64;
+            return measure(n_threads, min_seconds, ops, |iters| {
+                // SAFETY: the CPU has AVX-512F/BW/VNNI (checked).
+                std::hint::black_box(unsafe { entry::dpbusd_chains(iters) });
+            });
+        }
+        if isa.avx2_fma() {
+            let ops = (CHAINS * 16 * 2) as f64;
+            return measure(n_threads, min_seconds, ops, |iters| {
+                // SAFETY: the CPU has AVX2 (checked).
+                std::hint::black_box(unsafe { entry::maddwd_chains(iters) });
+            });
+        }
+    }
+    Err(Error::unsupported(
+        "int8_peak_gops needs AVX2 (or AVX-512 VNNI)".to_string(),
+    ))
+}
+
+/// Runs `run(iters)` (`ops` operations per iteration) on `n_threads` threads started
+/// together for about `min_seconds` (at least 1 ms), best of three runs: operations per second
+/// over the slowest thread's time, in billions.
+fn measure(
+    n_threads: usize,
+    min_seconds: f64,
+    ops: f64,
+    run: impl Fn(u64) + Sync,
+) -> Result<f64> {
     let target = Duration::from_secs_f64(min_seconds.clamp(1e-3, 60.0));
     // Calibrate on one thread: iterations that take about a tenth of the target, then scale.
     let mut iters = 1u64 << 12;
     loop {
         let t = Instant::now();
-        std::hint::black_box(chains.run(iters));
+        run(iters);
         let took = t.elapsed();
         if took >= target / 10 || iters >= 1 << 40 {
             let scale = target.as_secs_f64() / took.as_secs_f64().max(1e-9);
@@ -40,7 +91,7 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
         }
         iters *= 4;
     }
-    let flops = (n_threads as u64 * iters * (CHAINS * lanes * 2) as u64) as f64;
+    let total = n_threads as f64 * iters as f64 * ops;
     let mut best = f64::INFINITY;
     for _ in 0..3 {
         let start = std::sync::Barrier::new(n_threads);
@@ -50,7 +101,7 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
                     scope.spawn(|| {
                         start.wait();
                         let t = Instant::now();
-                        std::hint::black_box(chains.run(iters));
+                        run(iters);
                         t.elapsed()
                     })
                 })
@@ -63,7 +114,7 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
         });
         best = best.min(slowest.as_secs_f64());
     }
-    Ok(flops / best / 1e9)
+    Ok(total / best / 1e9)
 }
 
 /// The ISA the chains run on: the widest the kernels use.
@@ -156,6 +207,50 @@ mod entry {
     pub(super) unsafe fn chains_avx512(t: Avx512, iters: u64) -> f32 {
         super::chains(t, iters)
     }
+
+    /// `iters` rounds of [`super::CHAINS`] `vpdpbusd`s (operands unknown to the compiler, so
+    /// nothing folds); the lanes wrap, which is harmless.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F/BW/VNNI.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn dpbusd_chains(iters: u64) -> i32 {
+        use std::arch::x86_64::*;
+        let a = _mm512_set1_epi8(std::hint::black_box(1));
+        let b = _mm512_set1_epi8(std::hint::black_box(2));
+        let mut acc = [_mm512_setzero_si512(); super::CHAINS];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                *v = _mm512_dpbusd_epi32(*v, a, b);
+            }
+        }
+        let total = acc.iter().fold(_mm512_setzero_si512(), |t, &v| _mm512_add_epi32(t, v));
+        _mm512_reduce_add_epi32(total)
+    }
+
+    /// `iters` rounds of [`super::CHAINS`] `vpmaddwd` + `vpaddd` pairs (the AVX2 integer
+    /// kernel's step).
+    ///
+    /// # Safety
+    /// The CPU must have AVX2.
+    #[target_feature(enable = "avx2")]
+    pub(super) unsafe fn maddwd_chains(iters: u64) -> i32 {
+        use std::arch::x86_64::*;
+        let a = _mm256_set1_epi16(std::hint::black_box(1));
+        let b = _mm256_set1_epi16(std::hint::black_box(2));
+        let mut acc = [_mm256_setzero_si256(); super::CHAINS];
+        for _ in 0..iters {
+            for v in acc.iter_mut() {
+                // The product reads the chain, so it cannot be hoisted out of the loop.
+                *v = _mm256_add_epi32(_mm256_madd_epi16(*v, b), a);
+            }
+        }
+        let total = acc.iter().fold(_mm256_setzero_si256(), |t, &v| _mm256_add_epi32(t, v));
+        let mut lanes = [0i32; 8];
+        // SAFETY: `lanes` holds 8 i32.
+        unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total) };
+        lanes.iter().fold(0i32, |t, &v| t.wrapping_add(v))
+    }
 }
 
 #[cfg(test)]
@@ -175,6 +270,12 @@ mod tests {
         assert!(fma_peak_gflops(0, 0.01).is_err());
         assert!(fma_peak_gflops(1, f64::NAN).is_err());
         assert!(fma_peak_gflops(1, -1.0).is_err());
+        for n in [1, 2] {
+            let g = int8_peak_gops(n, 0.001).unwrap();
+            assert!(g.is_finite() && g > 0.0, "{n} threads: {g}");
+        }
+        assert!(int8_peak_gops(0, 0.01).is_err());
+        assert!(int8_peak_gops(1, f64::INFINITY).is_err());
         // The chains converge to b / (1 − a) = 1 in every lane.
         let v = chains.run(100_000) / (chains.lanes() * CHAINS) as f32;
         assert!((v - 1.0).abs() < 1e-3, "{v}");
