@@ -20,7 +20,7 @@ use super::gemm_q8;
 use super::interleaved::Layout as Interleaved;
 use super::par_ranges;
 use super::quant_dot::{
-    dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
+    dot_bf16_f32, dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
     dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
 use super::view::{read_index, RawTensor, SendPtr};
@@ -54,8 +54,9 @@ fn f32_direct(t: &RawTensor) -> bool {
         && t.nb[1..].iter().all(|s| s % 4 == 0)
 }
 
-fn f16_direct(t: &RawTensor) -> bool {
-    t.dtype == DType::F16
+/// Dense 2-byte rows of `dtype` (f16 or bf16) that a dot product reads in place.
+fn half_direct(t: &RawTensor, dtype: DType) -> bool {
+    t.dtype == dtype
         && (t.ne[0] <= 1 || t.nb[0] == 2)
         && (t.ptr.0 as usize).is_multiple_of(2)
         && t.nb[1..].iter().all(|s| s % 2 == 0)
@@ -289,18 +290,25 @@ fn run_tile(
                 }
             }
         }
-        DType::F16 if !reference && f16_direct(a) && n_cols <= DIRECT_DOT_MAX_COLS => {
-            // Few columns (DIRECT_DOT_MAX_COLS): dot products straight from the f16 weights,
-            // half the bytes of an f32 copy and no conversion pass.
+        half @ (DType::F16 | DType::BF16)
+            if !reference && half_direct(a, half) && n_cols <= DIRECT_DOT_MAX_COLS =>
+        {
+            // Few columns (DIRECT_DOT_MAX_COLS): dot products straight from the f16 / bf16
+            // weights, half the bytes of an f32 copy and no conversion pass.
+            let dot = if half == DType::F16 {
+                dot_f16_f32
+            } else {
+                dot_bf16_f32
+            };
             for col in cols {
                 let brow = b.f32_row(k, col.b);
                 for i in rows.clone() {
                     // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and holds
-                    // `k` dense, 2-byte aligned f16 values (checked by `f16_direct`).
+                    // `k` dense, 2-byte aligned values (checked by `half_direct`).
                     let arow = unsafe {
                         std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)).cast::<u16>(), k)
                     };
-                    write(col, i, dot_f16_f32(arow, brow));
+                    write(col, i, dot(arow, brow));
                 }
             }
         }

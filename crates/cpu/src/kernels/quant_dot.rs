@@ -211,6 +211,27 @@ pub fn dot_f16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
     dot_widened_ref(a, b, f16_bits_to_f32)
 }
 
+/// bf16 bits widened to f32 (exact: the bits shifted into place).
+fn bf16_bits_widened(h: u16) -> f32 {
+    f32::from_bits(u32::from(h) << 16)
+}
+
+/// bf16 (as raw bits) · f32 dot product, scalar reference with 8 accumulators.
+pub fn dot_bf16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
+    dot_widened_ref(a, b, bf16_bits_widened)
+}
+
+/// bf16 · f32 dot product (weights read as bf16, widened in registers: no f32 copy), SIMD when
+/// available.
+pub fn dot_bf16_f32(a: &[u16], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::get().avx2_fma() {
+        // SAFETY: AVX2 and FMA were detected at run time.
+        return unsafe { x86::dot_bf16_f32(a, b) };
+    }
+    dot_bf16_f32_ref(a, b)
+}
+
 /// Whether the AVX512-VNNI q4_0 dot product (256-bit `vpdpbusd`, which needs AVX512-VL too,
 /// besides the AVX2/FMA/F16C of the rest of the kernel) can run on this CPU.
 fn has_avx512_vnni() -> bool {
@@ -622,6 +643,53 @@ mod x86 {
         let mut sum = unsafe { hsum(total) };
         while i < n {
             sum += super::f16_bits_to_f32(a[i]) * b[i];
+            i += 1;
+        }
+        sum
+    }
+
+    /// [`super::dot_bf16_f32`]: the f16 kernel's loop with bf16 widened by a shift.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2 and FMA.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn dot_bf16_f32(a: &[u16], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (pa, pb) = (a.as_ptr(), b.as_ptr());
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut i = 0;
+        // A macro, not a closure: a closure would not inherit this function's features.
+        macro_rules! widen {
+            ($at:expr) => {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                    _mm_loadu_si128(pa.add($at).cast::<__m128i>()),
+                )))
+            };
+        }
+        // SAFETY: every load reads 8 elements below `n` from both slices.
+        unsafe {
+            while i + 32 <= n {
+                // The weights ahead: one line per 32 values (64 bytes of bf16).
+                super::super::simd::prefetch_ahead(pa.add(i).cast::<u8>(), 64);
+                for (k, slot) in acc.iter_mut().enumerate() {
+                    let x = widen!(i + 8 * k);
+                    let y = _mm256_loadu_ps(pb.add(i + 8 * k));
+                    *slot = _mm256_fmadd_ps(x, y, *slot);
+                }
+                i += 32;
+            }
+            while i + 8 <= n {
+                let x = widen!(i);
+                let y = _mm256_loadu_ps(pb.add(i));
+                acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
+                i += 8;
+            }
+        }
+        let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        // SAFETY: AVX2 is enabled for this function.
+        let mut sum = unsafe { hsum(total) };
+        while i < n {
+            sum += super::bf16_bits_widened(a[i]) * b[i];
             i += 1;
         }
         sum
@@ -1260,6 +1328,15 @@ mod tests {
                 .collect();
             let d = dot_f16_f32(&h, &b) - dot_f16_f32_ref(&h, &b);
             assert!(d.abs() < 1e-4, "f16 n={n} diff {d}");
+            let h: Vec<u16> = a
+                .iter()
+                .map(|&v| half::bf16::from_f32(v).to_bits())
+                .collect();
+            let d = dot_bf16_f32(&h, &b) - dot_bf16_f32_ref(&h, &b);
+            assert!(d.abs() < 1e-4, "bf16 n={n} diff {d}");
+            // The widened dot is the f32 dot of the widened values, bit for bit.
+            let wide: Vec<f32> = h.iter().map(|&x| bf16_bits_widened(x)).collect();
+            assert_eq!(dot_bf16_f32(&h, &b).to_bits(), dot_f32(&wide, &b).to_bits());
         }
         let x = values(128, 3);
         let y = values(128, 4);
