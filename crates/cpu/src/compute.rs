@@ -435,28 +435,14 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
     if node.is_empty() {
         return Ok(());
     }
-    match laid_out {
-        Some(StoredLayout::Interleaved(layout)) => {
-            return matmul::mul_mat_interleaved(
-                dst,
-                srcs[0],
-                &layout,
-                srcs[1],
-                options.use_reference,
-                scratch,
-            )
-        }
-        Some(StoredLayout::Panels(layout)) => {
-            return matmul::mul_mat_panels(
-                dst,
-                srcs[0],
-                &layout,
-                srcs[1],
-                options.use_reference,
-                scratch,
-            )
-        }
-        None => {}
+    if let Some(layout) = laid_out {
+        let (a, b, reference) = (srcs[0], srcs[1], options.use_reference);
+        return match layout {
+            StoredLayout::Interleaved(l) => {
+                matmul::mul_mat_interleaved(dst, a, &l, b, reference, scratch)
+            }
+            StoredLayout::Panels(l) => matmul::mul_mat_panels(dst, a, &l, b, reference, scratch),
+        };
     }
     run(node, dst, &srcs[..n_srcs], options, scratch)
 }

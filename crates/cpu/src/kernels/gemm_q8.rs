@@ -28,6 +28,37 @@ use super::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
+/// Loads block `b` (of `block` bytes) of each present row of `rows` into `r` as 32 signed
+/// bytes — q8_0's quants, or q4_0's nibbles unpacked (the low ones first) minus 8 — and its f16
+/// scale bits into `scales`; missing rows keep their zeros. A macro so that it expands inside
+/// the packers' target-feature functions (AVX2 enabled there).
+#[cfg(target_arch = "x86_64")]
+macro_rules! load_row_blocks {
+    ($rows:expr, $b:expr, $block:expr, $q4:expr, $r:expr, $scales:expr) => {{
+        let low = _mm_set1_epi8(0x0f);
+        let eight = _mm256_set1_epi8(8);
+        for (i, row) in $rows.iter().enumerate() {
+            let Some(row) = row else {
+                continue;
+            };
+            // SAFETY: block `b` of the row spans `block` bytes inside it (the packer's caller
+            // guarantees every present row holds the blocks).
+            unsafe {
+                let at = row.as_ptr().add($b * $block);
+                $scales[i] = at.cast::<u16>().read_unaligned();
+                $r[i] = if $q4 {
+                    let x = _mm_loadu_si128(at.add(2).cast());
+                    let lo = _mm_and_si128(x, low);
+                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
+                    _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
+                } else {
+                    _mm256_loadu_si256(at.add(2).cast())
+                };
+            }
+        }
+    }};
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx2;
 pub mod stored;
@@ -354,8 +385,6 @@ mod x86 {
             super::Q8_0_BYTES
         };
         let ones = _mm512_set1_epi8(1);
-        let low = _mm_set1_epi8(0x0f);
-        let eight = _mm256_set1_epi8(8);
         // Qwords of the lane exchange: lines 0-3 take lanes 0 and 2 of both inputs, lines
         // 4-7 lanes 1 and 3 (`a` = rows 0-3 and 8-11, `b` = rows 4-7 and 12-15).
         let first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
@@ -372,24 +401,7 @@ mod x86 {
                 // function's target features (its intrinsics would become calls).
                 let mut scales = [0u16; 16];
                 let mut r = [_mm256_setzero_si256(); 16];
-                for (i, row) in half.iter().enumerate() {
-                    let Some(row) = row else {
-                        continue;
-                    };
-                    // SAFETY: block `b` of the row spans `block` bytes inside it (caller).
-                    unsafe {
-                        let at = row.as_ptr().add(b * block);
-                        scales[i] = at.cast::<u16>().read_unaligned();
-                        r[i] = if q4 {
-                            let x = _mm_loadu_si128(at.add(2).cast());
-                            let lo = _mm_and_si128(x, low);
-                            let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
-                            _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
-                        } else {
-                            _mm256_loadu_si256(at.add(2).cast())
-                        };
-                    }
-                }
+                load_row_blocks!(half, b, block, q4, r, scales);
                 let mut z = [_mm512_setzero_si512(); 8];
                 for p in 0..8 {
                     z[p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r[p]), r[p + 8]);

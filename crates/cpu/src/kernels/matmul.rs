@@ -20,8 +20,9 @@ use super::gemm_q8;
 use super::interleaved::Layout as Interleaved;
 use super::par_ranges;
 use super::quant_dot::{
-    dot_bf16_f32, dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
-    dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0, Q8_0_BYTES, QK,
+    dot_bf16_f32, dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref,
+    dot_q8_0_q8_0, dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0,
+    Q8_0_BYTES, QK,
 };
 use super::view::{read_index, RawTensor, SendPtr};
 use crate::dtype::DType;
@@ -872,21 +873,18 @@ pub fn mul_mat_interleaved(
         return mul_mat_tiles(dst, a, Some(layout), b, reference, scratch);
     }
     if reference || !whole {
-        let mut plain = vec![0u64; layout.bytes().div_ceil(8)];
-        // SAFETY: `plain` holds at least `layout.bytes()` bytes; viewing u64s as bytes is
-        // always valid.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), layout.bytes())
+        let rebuild = |stored: &[u8], out: &mut [u8]| {
+            super::interleaved::copy_out(layout, stored, 0, out);
         };
-        // SAFETY: `a` is the whole interleaved tensor of `layout.bytes()` bytes, read-only
-        // during the product.
-        let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), layout.bytes()) };
-        super::interleaved::copy_out(layout, stored, 0, bytes);
-        let a_plain = RawTensor {
-            ptr: SendPtr(bytes.as_mut_ptr()),
-            ..a
-        };
-        return mul_mat(dst, a_plain, b, reference, scratch);
+        return mul_mat_rebuilt(
+            dst,
+            a,
+            (layout.bytes(), layout.bytes()),
+            rebuild,
+            b,
+            reference,
+            scratch,
+        );
     }
     debug_assert!(k > 0 && m > 0);
     mat_vecs_interleaved(
@@ -922,15 +920,30 @@ pub fn mul_mat_panels(
     if direct {
         return gemm_q8::mul_mat_stored(isa, &dst, &a, layout, &b, scratch);
     }
-    let mut plain = vec![0u64; layout.plain_bytes().div_ceil(8)];
+    let sizes = (layout.stored_bytes(), layout.plain_bytes());
+    let rebuild = |stored: &[u8], out: &mut [u8]| gemm_q8::stored::copy_out(layout, stored, 0, out);
+    mul_mat_rebuilt(dst, a, sizes, rebuild, b, reference, scratch)
+}
+
+/// MUL_MAT on a plain copy of weights stored in a repacking layout: `a` points at the
+/// `stored` bytes (`sizes`: stored, plain), `rebuild` writes the plain bytes.
+fn mul_mat_rebuilt(
+    dst: RawTensor,
+    a: RawTensor,
+    (stored_bytes, plain_bytes): (usize, usize),
+    rebuild: impl FnOnce(&[u8], &mut [u8]),
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let mut plain = vec![0u64; plain_bytes.div_ceil(8)];
     // SAFETY: `plain` holds at least `plain_bytes` bytes; viewing u64s as bytes is valid.
-    let bytes = unsafe {
-        std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), layout.plain_bytes())
-    };
-    // SAFETY: `a` is the whole stored matrix of `layout.stored_bytes()` bytes, read-only during
-    // the product.
-    let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), layout.stored_bytes()) };
-    gemm_q8::stored::copy_out(layout, stored, 0, bytes);
+    let bytes =
+        unsafe { std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), plain_bytes) };
+    // SAFETY: `a` is the whole stored matrix of `stored_bytes` bytes (the caller's layout),
+    // read-only during the product.
+    let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), stored_bytes) };
+    rebuild(stored, bytes);
     let a_plain = RawTensor {
         ptr: SendPtr(bytes.as_mut_ptr()),
         ..a

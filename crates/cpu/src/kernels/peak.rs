@@ -71,12 +71,7 @@ pub fn int8_peak_gops(n_threads: usize, min_seconds: f64) -> Result<f64> {
 /// Runs `run(iters)` (`ops` operations per iteration) on `n_threads` threads started
 /// together for about `min_seconds` (at least 1 ms), best of three runs: operations per second
 /// over the slowest thread's time, in billions.
-fn measure(
-    n_threads: usize,
-    min_seconds: f64,
-    ops: f64,
-    run: impl Fn(u64) + Sync,
-) -> Result<f64> {
+fn measure(n_threads: usize, min_seconds: f64, ops: f64, run: impl Fn(u64) + Sync) -> Result<f64> {
     let target = Duration::from_secs_f64(min_seconds.clamp(1e-3, 60.0));
     // Calibrate on one thread: iterations that take about a tenth of the target, then scale.
     let mut iters = 1u64 << 12;
@@ -224,7 +219,9 @@ mod entry {
                 *v = _mm512_dpbusd_epi32(*v, a, b);
             }
         }
-        let total = acc.iter().fold(_mm512_setzero_si512(), |t, &v| _mm512_add_epi32(t, v));
+        let total = acc
+            .iter()
+            .fold(_mm512_setzero_si512(), |t, &v| _mm512_add_epi32(t, v));
         _mm512_reduce_add_epi32(total)
     }
 
@@ -245,7 +242,9 @@ mod entry {
                 *v = _mm256_add_epi32(_mm256_madd_epi16(*v, b), a);
             }
         }
-        let total = acc.iter().fold(_mm256_setzero_si256(), |t, &v| _mm256_add_epi32(t, v));
+        let total = acc
+            .iter()
+            .fold(_mm256_setzero_si256(), |t, &v| _mm256_add_epi32(t, v));
         let mut lanes = [0i32; 8];
         // SAFETY: `lanes` holds 8 i32.
         unsafe { _mm256_storeu_si256(lanes.as_mut_ptr().cast(), total) };

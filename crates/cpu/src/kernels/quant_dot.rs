@@ -225,8 +225,8 @@ pub fn dot_bf16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
 /// available.
 pub fn dot_bf16_f32(a: &[u16], b: &[f32]) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if crate::isa::get().avx2_fma() {
-        // SAFETY: AVX2 and FMA were detected at run time.
+    if has_f16c() {
+        // SAFETY: AVX2, FMA and F16C were detected at run time.
         return unsafe { x86::dot_bf16_f32(a, b) };
     }
     dot_bf16_f32_ref(a, b)
@@ -610,66 +610,53 @@ mod x86 {
         sum
     }
 
+    /// [`super::dot_f16_f32`].
+    ///
     /// # Safety
     /// The CPU must support AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_f16_f32(a: &[u16], b: &[f32]) -> f32 {
-        let n = a.len().min(b.len());
-        let (pa, pb) = (a.as_ptr(), b.as_ptr());
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut i = 0;
-        // SAFETY: every load reads 8 elements below `n` from both slices.
-        unsafe {
-            while i + 32 <= n {
-                // The weights ahead: one line per 32 values (64 bytes of f16).
-                super::super::simd::prefetch_ahead(pa.add(i).cast::<u8>(), 64);
-                for (k, slot) in acc.iter_mut().enumerate() {
-                    let h = _mm_loadu_si128(pa.add(i + 8 * k).cast::<__m128i>());
-                    let x = _mm256_cvtph_ps(h);
-                    let y = _mm256_loadu_ps(pb.add(i + 8 * k));
-                    *slot = _mm256_fmadd_ps(x, y, *slot);
-                }
-                i += 32;
-            }
-            while i + 8 <= n {
-                let x = _mm256_cvtph_ps(_mm_loadu_si128(pa.add(i).cast::<__m128i>()));
-                let y = _mm256_loadu_ps(pb.add(i));
-                acc[0] = _mm256_fmadd_ps(x, y, acc[0]);
-                i += 8;
-            }
-        }
-        let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        // SAFETY: AVX2 is enabled for this function.
-        let mut sum = unsafe { hsum(total) };
-        while i < n {
-            sum += super::f16_bits_to_f32(a[i]) * b[i];
-            i += 1;
-        }
-        sum
+        // SAFETY: forwarded (the features are this function's).
+        unsafe { dot_half::<false>(a, b) }
     }
 
-    /// [`super::dot_bf16_f32`]: the f16 kernel's loop with bf16 widened by a shift.
+    /// [`super::dot_bf16_f32`].
     ///
     /// # Safety
-    /// The CPU must support AVX2 and FMA.
-    #[target_feature(enable = "avx2,fma")]
+    /// As [`dot_f16_f32`].
+    #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_bf16_f32(a: &[u16], b: &[f32]) -> f32 {
+        // SAFETY: forwarded.
+        unsafe { dot_half::<true>(a, b) }
+    }
+
+    /// A 16-bit float row (`BF16`: bf16, widened by a shift; else f16, by `vcvtph2ps`) dotted
+    /// with an f32 row: [`dot_f32`]'s loop and lanes on the widened values, so the result is
+    /// the f32 dot of the widened row bit for bit.
+    ///
+    /// # Safety
+    /// As [`dot_f16_f32`].
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_half<const BF16: bool>(a: &[u16], b: &[f32]) -> f32 {
         let n = a.len().min(b.len());
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
         // A macro, not a closure: a closure would not inherit this function's features.
         macro_rules! widen {
-            ($at:expr) => {
-                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                    _mm_loadu_si128(pa.add($at).cast::<__m128i>()),
-                )))
-            };
+            ($at:expr) => {{
+                let h = _mm_loadu_si128(pa.add($at).cast::<__m128i>());
+                if BF16 {
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+                } else {
+                    _mm256_cvtph_ps(h)
+                }
+            }};
         }
         // SAFETY: every load reads 8 elements below `n` from both slices.
         unsafe {
             while i + 32 <= n {
-                // The weights ahead: one line per 32 values (64 bytes of bf16).
+                // The weights ahead: one line per 32 values (64 bytes).
                 super::super::simd::prefetch_ahead(pa.add(i).cast::<u8>(), 64);
                 for (k, slot) in acc.iter_mut().enumerate() {
                     let x = widen!(i + 8 * k);
@@ -689,7 +676,12 @@ mod x86 {
         // SAFETY: AVX2 is enabled for this function.
         let mut sum = unsafe { hsum(total) };
         while i < n {
-            sum += super::bf16_bits_widened(a[i]) * b[i];
+            let w = if BF16 {
+                super::bf16_bits_widened(a[i])
+            } else {
+                super::f16_bits_to_f32(a[i])
+            };
+            sum += w * b[i];
             i += 1;
         }
         sum

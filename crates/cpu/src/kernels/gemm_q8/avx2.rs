@@ -63,8 +63,6 @@ pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out
     };
     let ones8 = _mm256_set1_epi8(1);
     let ones16 = _mm256_set1_epi16(1);
-    let low = _mm_set1_epi8(0x0f);
-    let eight = _mm256_set1_epi8(8);
     for b in 0..nb {
         // SAFETY: packed block `b` exists in `out` (caller).
         let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();
@@ -75,24 +73,7 @@ pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out
             }
             let mut scales = [0u16; ROWS];
             let mut r = [_mm256_setzero_si256(); ROWS];
-            for (i, row) in group.iter().enumerate() {
-                let Some(row) = row else {
-                    continue;
-                };
-                // SAFETY: block `b` of the row spans `block` bytes inside it (caller).
-                unsafe {
-                    let at = row.as_ptr().add(b * block);
-                    scales[i] = at.cast::<u16>().read_unaligned();
-                    r[i] = if q4 {
-                        let x = _mm_loadu_si128(at.add(2).cast());
-                        let lo = _mm_and_si128(x, low);
-                        let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
-                        _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
-                    } else {
-                        _mm256_loadu_si256(at.add(2).cast())
-                    };
-                }
-            }
+            load_row_blocks!(group, b, block, q4, r, scales);
             transpose8(&mut r);
             // Line `v` holds rows 16v..16v + 16: this group is its low or high half.
             let (v, half) = (g / 2, (g % 2) * 32);
