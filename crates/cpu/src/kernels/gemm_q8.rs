@@ -257,11 +257,7 @@ fn pack_panel(
         out.clear();
         out.resize(lines, Line([0; 64]));
     }
-    let block = if dtype == DType::Q4_0 {
-        Q4_0_BYTES
-    } else {
-        Q8_0_BYTES
-    };
+    let block = block_bytes(dtype == DType::Q4_0);
     assert!(rows.iter().flatten().all(|r| r.len() >= nb * block));
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -278,43 +274,82 @@ fn pack_panel(
 
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
 fn pack_panel_portable(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-    let bytes = out;
-    for b in 0..nb {
-        let blk = &mut bytes[b * BLOCK_LINES..(b + 1) * BLOCK_LINES];
+    let q4 = dtype == DType::Q4_0;
+    let bb = block_bytes(q4);
+    // SAFETY: a `Line` is 64 plain bytes (`repr(C)`), so the lines are `64 · len` bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    };
+    for (b, blk) in bytes.chunks_exact_mut(PACKED_BLOCK).take(nb).enumerate() {
         for (r, row) in rows.iter().enumerate() {
-            let Some(row) = row else {
-                continue;
-            };
-            let mut w = [0i8; QK];
-            let d = match dtype {
-                DType::Q4_0 => {
-                    let x = &row[b * Q4_0_BYTES..(b + 1) * Q4_0_BYTES];
-                    for j in 0..QK / 2 {
-                        w[j] = (x[2 + j] & 0x0f) as i8 - 8;
-                        w[j + QK / 2] = (x[2 + j] >> 4) as i8 - 8;
-                    }
-                    u16::from_ne_bytes([x[0], x[1]])
-                }
-                _ => {
-                    let x = &row[b * Q8_0_BYTES..(b + 1) * Q8_0_BYTES];
-                    for (q, &v) in w.iter_mut().zip(&x[2..]) {
-                        *q = v as i8;
-                    }
-                    u16::from_ne_bytes([x[0], x[1]])
-                }
-            };
-            let (v, lane) = (r / 16, r % 16);
-            for s in 0..STEPS {
-                let line = &mut blk[s * 2 + v].0;
-                for t in 0..4 {
-                    line[lane * 4 + t] = w[4 * s + t] as u8;
-                }
+            if let Some(row) = row {
+                pack_block(q4, &row[b * bb..(b + 1) * bb], blk, r);
             }
-            let sum: i32 = w.iter().map(|&x| i32::from(x)).sum();
-            let scale = f16_bits_to_f32(d).to_ne_bytes();
-            let comp = (-128 * sum).to_ne_bytes();
-            blk[STEPS * 2 + v].0[lane * 4..lane * 4 + 4].copy_from_slice(&scale);
-            blk[STEPS * 2 + 2 + v].0[lane * 4..lane * 4 + 4].copy_from_slice(&comp);
+        }
+    }
+}
+
+/// Bytes of one packed block (all [`PANEL`] rows of a panel, [`QK`] values of `k`).
+const PACKED_BLOCK: usize = BLOCK_LINES * std::mem::size_of::<Line>();
+
+/// Bytes of one plain q4_0 (`q4`) or q8_0 block.
+fn block_bytes(q4: bool) -> usize {
+    if q4 {
+        Q4_0_BYTES
+    } else {
+        Q8_0_BYTES
+    }
+}
+
+/// Packs one plain q4_0 (`q4`) or q8_0 block (`plain`: its bytes) as lane `r` (0..[`PANEL`])
+/// of the packed block `blk` ([`PACKED_BLOCK`] bytes): its values in the quant lines, its
+/// scale widened to f32 and its offset correction. The definition every packer follows.
+fn pack_block(q4: bool, plain: &[u8], blk: &mut [u8], r: usize) {
+    let mut w = [0i8; QK];
+    if q4 {
+        for j in 0..QK / 2 {
+            w[j] = (plain[2 + j] & 0x0f) as i8 - 8;
+            w[j + QK / 2] = (plain[2 + j] >> 4) as i8 - 8;
+        }
+    } else {
+        for (q, &v) in w.iter_mut().zip(&plain[2..2 + QK]) {
+            *q = v as i8;
+        }
+    }
+    let (v, lane) = (r / 16, r % 16);
+    for s in 0..STEPS {
+        let at = (s * 2 + v) * 64 + lane * 4;
+        for t in 0..4 {
+            blk[at + t] = w[4 * s + t] as u8;
+        }
+    }
+    let sum: i32 = w.iter().map(|&x| i32::from(x)).sum();
+    let scale = f16_bits_to_f32(u16::from_ne_bytes([plain[0], plain[1]]));
+    let at = SCALES_AT + v * 64 + lane * 4;
+    blk[at..at + 4].copy_from_slice(&scale.to_ne_bytes());
+    let at = COMP_AT + v * 64 + lane * 4;
+    blk[at..at + 4].copy_from_slice(&(-128 * sum).to_ne_bytes());
+}
+
+/// The inverse of [`pack_block`] for the values: lane `r`'s values of the packed block `blk`
+/// as a plain block's quant bytes (`quants`: the block's bytes after its scale).
+fn unpack_block_quants(q4: bool, blk: &[u8], r: usize, quants: &mut [u8]) {
+    let (v, lane) = (r / 16, r % 16);
+    let mut w = [0i8; QK];
+    for s in 0..STEPS {
+        let at = (s * 2 + v) * 64 + lane * 4;
+        for t in 0..4 {
+            w[4 * s + t] = blk[at + t] as i8;
+        }
+    }
+    if q4 {
+        for j in 0..QK / 2 {
+            let (lo, hi) = ((w[j] + 8) as u8, (w[j + QK / 2] + 8) as u8);
+            quants[j] = lo | (hi << 4);
+        }
+    } else {
+        for (o, &q) in quants[..QK].iter_mut().zip(&w) {
+            *o = q as u8;
         }
     }
 }
@@ -379,11 +414,7 @@ mod x86 {
     /// blocks of `q4`'s type and `out` holds `nb` packed blocks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
     pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-        let block = if q4 {
-            super::Q4_0_BYTES
-        } else {
-            super::Q8_0_BYTES
-        };
+        let block = super::block_bytes(q4);
         let ones = _mm512_set1_epi8(1);
         // Qwords of the lane exchange: lines 0-3 take lanes 0 and 2 of both inputs, lines
         // 4-7 lanes 1 and 3 (`a` = rows 0-3 and 8-11, `b` = rows 4-7 and 12-15).
@@ -708,9 +739,7 @@ fn mul_mat_from(
                 // aligned lines (`mul_mat_stored` checked the alignment and the layout),
                 // read-only during the product.
                 Some(base) => unsafe {
-                    let at = base
-                        .0
-                        .add(p * nb * BLOCK_LINES * std::mem::size_of::<Line>());
+                    let at = base.0.add(p * nb * PACKED_BLOCK);
                     std::slice::from_raw_parts(at.cast::<Line>(), nb * BLOCK_LINES)
                 },
                 None => {

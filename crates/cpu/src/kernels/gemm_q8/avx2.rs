@@ -56,11 +56,7 @@ fn transpose8(r: &mut [__m256i; 8]) {
 /// and `out` holds `nb` zeroed packed blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-    let block = if q4 {
-        super::Q4_0_BYTES
-    } else {
-        super::Q8_0_BYTES
-    };
+    let block = super::block_bytes(q4);
     let ones8 = _mm256_set1_epi8(1);
     let ones16 = _mm256_set1_epi16(1);
     for b in 0..nb {

@@ -12,12 +12,8 @@
 //! of any plain byte range go block by block: a block that a write covers only partly is
 //! rebuilt, patched and packed again, so nothing can go stale.
 
-use super::{f16_bits_to_f32, Line, BLOCK_LINES, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
-use super::{Q4_0_BYTES, Q8_0_BYTES};
+use super::{block_bytes, pack_block, unpack_block_quants, PACKED_BLOCK, PANEL, Q8_0_BYTES, QK};
 use crate::dtype::DType;
-
-/// Bytes of one packed block (all 32 rows of a panel, 32 values of `k`).
-const PACKED_BLOCK: usize = BLOCK_LINES * std::mem::size_of::<Line>();
 
 /// The packed-panel layout of one weight matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -56,11 +52,7 @@ impl PanelLayout {
     }
 
     fn block_bytes(&self) -> usize {
-        if self.q4 {
-            Q4_0_BYTES
-        } else {
-            Q8_0_BYTES
-        }
+        block_bytes(self.q4)
     }
 
     /// Bytes of the matrix stored plainly (what reads and writes address).
@@ -82,70 +74,30 @@ impl PanelLayout {
         self.panels_bytes() + self.rows * self.nb() * 2
     }
 
-    /// Byte offset of `row`'s lane in packed block `b`: (block start, line half `v`, lane in
-    /// the half).
-    fn place(&self, row: usize, b: usize) -> (usize, usize, usize) {
-        let (p, lane) = (row / PANEL, row % PANEL);
-        (
-            p * self.panel_bytes() + b * PACKED_BLOCK,
-            lane / 16,
-            lane % 16,
-        )
+    /// The stored range of the packed block holding block `b` of `row`, and `row`'s lane in it.
+    fn packed(&self, row: usize, b: usize) -> (std::ops::Range<usize>, usize) {
+        let at = row / PANEL * self.panel_bytes() + b * PACKED_BLOCK;
+        (at..at + PACKED_BLOCK, row % PANEL)
+    }
+
+    /// Where the file's f16 scale of block `b` of `row` is kept.
+    fn scale_at(&self, row: usize, b: usize) -> std::ops::Range<usize> {
+        let at = self.panels_bytes() + (row * self.nb() + b) * 2;
+        at..at + 2
     }
 
     /// Packs the plain block `plain` as block `b` of `row`.
     fn store_block(&self, stored: &mut [u8], row: usize, b: usize, plain: &[u8]) {
-        let mut w = [0i8; QK];
-        if self.q4 {
-            for j in 0..QK / 2 {
-                w[j] = (plain[2 + j] & 0x0f) as i8 - 8;
-                w[j + QK / 2] = (plain[2 + j] >> 4) as i8 - 8;
-            }
-        } else {
-            for (q, &v) in w.iter_mut().zip(&plain[2..2 + QK]) {
-                *q = v as i8;
-            }
-        }
-        let d = [plain[0], plain[1]];
-        let (base, v, l) = self.place(row, b);
-        for s in 0..STEPS {
-            let at = base + (s * 2 + v) * 64 + l * 4;
-            for t in 0..4 {
-                stored[at + t] = w[4 * s + t] as u8;
-            }
-        }
-        let sum: i32 = w.iter().map(|&x| i32::from(x)).sum();
-        let scale = f16_bits_to_f32(u16::from_ne_bytes(d)).to_ne_bytes();
-        let at = base + SCALES_AT + v * 64 + l * 4;
-        stored[at..at + 4].copy_from_slice(&scale);
-        let at = base + COMP_AT + v * 64 + l * 4;
-        stored[at..at + 4].copy_from_slice(&(-128 * sum).to_ne_bytes());
-        let at = self.panels_bytes() + (row * self.nb() + b) * 2;
-        stored[at..at + 2].copy_from_slice(&d);
+        let (blk, lane) = self.packed(row, b);
+        pack_block(self.q4, plain, &mut stored[blk], lane);
+        stored[self.scale_at(row, b)].copy_from_slice(&plain[..2]);
     }
 
     /// Rebuilds the plain bytes of block `b` of `row` into `out` (one block's bytes).
     fn load_block(&self, stored: &[u8], row: usize, b: usize, out: &mut [u8]) {
-        let (base, v, l) = self.place(row, b);
-        let mut w = [0i8; QK];
-        for s in 0..STEPS {
-            let at = base + (s * 2 + v) * 64 + l * 4;
-            for t in 0..4 {
-                w[4 * s + t] = stored[at + t] as i8;
-            }
-        }
-        let at = self.panels_bytes() + (row * self.nb() + b) * 2;
-        out[..2].copy_from_slice(&stored[at..at + 2]);
-        if self.q4 {
-            for j in 0..QK / 2 {
-                let (lo, hi) = ((w[j] + 8) as u8, (w[j + QK / 2] + 8) as u8);
-                out[2 + j] = lo | (hi << 4);
-            }
-        } else {
-            for (o, &q) in out[2..2 + QK].iter_mut().zip(&w) {
-                *o = q as u8;
-            }
-        }
+        let (blk, lane) = self.packed(row, b);
+        unpack_block_quants(self.q4, &stored[blk], lane, &mut out[2..]);
+        out[..2].copy_from_slice(&stored[self.scale_at(row, b)]);
     }
 
     /// Calls `f(row, block, plain offset of the block, covered range inside the block)` for
