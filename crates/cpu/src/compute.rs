@@ -436,13 +436,8 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
         return Ok(());
     }
     if let Some(layout) = laid_out {
-        let (a, b, reference) = (srcs[0], srcs[1], options.use_reference);
-        return match layout {
-            StoredLayout::Interleaved(l) => {
-                matmul::mul_mat_interleaved(dst, a, &l, b, reference, scratch)
-            }
-            StoredLayout::Panels(l) => matmul::mul_mat_panels(dst, a, &l, b, reference, scratch),
-        };
+        let reference = options.use_reference;
+        return matmul::mul_mat_laid_out(dst, srcs[0], &layout, srcs[1], reference, scratch);
     }
     run(node, dst, &srcs[..n_srcs], options, scratch)
 }

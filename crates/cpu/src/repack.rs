@@ -5,7 +5,7 @@
 //! the moment it is bound ([`layout_for`]): q4_1 rows of whole blocks are interleaved eight
 //! rows at a time ([`interleaved`], the decoding mat-vec's layout: a permutation of the plain
 //! bytes), q8_0 and q4_0 rows of whole blocks are stored as the integer GEMM's packed panels
-//! ([`panels`], larger than the plain bytes: [`BufferType::alloc_size`] says how much). Every
+//! ([`crate::kernels::gemm_q8::stored`], larger than the plain bytes: [`BufferType::alloc_size`] says how much). Every
 //! other tensor is stored plainly. Writes and reads of any byte range go through the layout's
 //! mapping and return exactly the plain bytes: a weight can be set piece by piece, read back,
 //! copied to another device, and nothing can go stale. The memory has no host pointer for
@@ -23,8 +23,9 @@ use std::sync::{Arc, OnceLock, RwLock};
 use crate::buffer::{Buffer, BufferMemory, BufferType, HostMemory, HOST_ALIGNMENT};
 use crate::device::Device;
 use crate::error::{Error, Result};
-use crate::kernels::gemm_q8::stored::{self as panels, PanelLayout};
-use crate::kernels::interleaved::{self, Layout};
+use crate::kernels::gemm_q8::stored::PanelLayout;
+use crate::kernels::interleaved::Layout;
+pub use crate::kernels::stored_layout::StoredLayout;
 use crate::tensor::Tensor;
 
 /// The name of the repacking buffer type.
@@ -75,47 +76,6 @@ impl BufferType for RepackBufferType {
 /// Whether `buffer_type` is the repacking type.
 pub fn is_repack(buffer_type: &dyn BufferType) -> bool {
     buffer_type.name() == NAME && !buffer_type.is_host()
-}
-
-/// How a matrix is laid out in a repacking buffer.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum StoredLayout {
-    /// q4_1 rows interleaved eight at a time (the same bytes, permuted).
-    Interleaved(Layout),
-    /// q8_0 / q4_0 rows as the integer GEMM's packed panels (more bytes than plain).
-    Panels(PanelLayout),
-}
-
-impl StoredLayout {
-    /// Bytes of the tensor stored plainly: the range reads and writes address.
-    pub fn plain_bytes(&self) -> usize {
-        match self {
-            StoredLayout::Interleaved(l) => l.bytes(),
-            StoredLayout::Panels(l) => l.plain_bytes(),
-        }
-    }
-
-    /// Bytes the layout occupies in the buffer (at least [`Self::plain_bytes`]).
-    pub fn stored_bytes(&self) -> usize {
-        match self {
-            StoredLayout::Interleaved(l) => l.bytes(),
-            StoredLayout::Panels(l) => l.stored_bytes(),
-        }
-    }
-
-    fn copy_in(&self, stored: &mut [u8], start: usize, data: &[u8]) {
-        match self {
-            StoredLayout::Interleaved(l) => interleaved::copy_in(l, stored, start, data),
-            StoredLayout::Panels(l) => panels::copy_in(l, stored, start, data),
-        }
-    }
-
-    fn copy_out(&self, stored: &[u8], start: usize, out: &mut [u8]) {
-        match self {
-            StoredLayout::Interleaved(l) => interleaved::copy_out(l, stored, start, out),
-            StoredLayout::Panels(l) => panels::copy_out(l, stored, start, out),
-        }
-    }
 }
 
 /// The layout `tensor` would get in a repacking buffer, if any: a whole, contiguous 2-D matrix
@@ -242,7 +202,8 @@ impl BufferMemory for RepackMemory {
         let chunk = [value; 4096];
         let mut result = Ok(());
         self.for_pieces(offset, len, |at, n, tensor| match tensor {
-            None => result = result.clone().and(self.host.fill(at, n, value)),
+            None if result.is_ok() => result = self.host.fill(at, n, value),
+            None => {}
             Some((start, layout)) => {
                 // SAFETY: as in `write`.
                 let stored = unsafe { self.region(start, layout.stored_bytes()) };

@@ -24,6 +24,7 @@ use super::quant_dot::{
     dot_q8_0_q8_0, dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0,
     Q8_0_BYTES, QK,
 };
+use super::stored_layout::StoredLayout;
 use super::view::{read_index, RawTensor, SendPtr};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -873,18 +874,8 @@ pub fn mul_mat_interleaved(
         return mul_mat_tiles(dst, a, Some(layout), b, reference, scratch);
     }
     if reference || !whole {
-        let rebuild = |stored: &[u8], out: &mut [u8]| {
-            super::interleaved::copy_out(layout, stored, 0, out);
-        };
-        return mul_mat_rebuilt(
-            dst,
-            a,
-            (layout.bytes(), layout.bytes()),
-            rebuild,
-            b,
-            reference,
-            scratch,
-        );
+        let stored = StoredLayout::Interleaved(*layout);
+        return mul_mat_rebuilt(dst, a, &stored, b, reference, scratch);
     }
     debug_assert!(k > 0 && m > 0);
     mat_vecs_interleaved(
@@ -896,6 +887,22 @@ pub fn mul_mat_interleaved(
         b,
         scratch,
     )
+}
+
+/// MUL_MAT with weights stored in one of the repacking buffer type's layouts (`a` points at
+/// the stored bytes): each layout's own path.
+pub fn mul_mat_laid_out(
+    dst: RawTensor,
+    a: RawTensor,
+    layout: &StoredLayout,
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    match layout {
+        StoredLayout::Interleaved(l) => mul_mat_interleaved(dst, a, l, b, reference, scratch),
+        StoredLayout::Panels(l) => mul_mat_panels(dst, a, l, b, reference, scratch),
+    }
 }
 
 /// MUL_MAT with q8_0/q4_0 weights stored as the integer GEMM's packed panels (the repacking
@@ -920,30 +927,34 @@ pub fn mul_mat_panels(
     if direct {
         return gemm_q8::mul_mat_stored(isa, &dst, &a, layout, &b, scratch);
     }
-    let sizes = (layout.stored_bytes(), layout.plain_bytes());
-    let rebuild = |stored: &[u8], out: &mut [u8]| gemm_q8::stored::copy_out(layout, stored, 0, out);
-    mul_mat_rebuilt(dst, a, sizes, rebuild, b, reference, scratch)
+    mul_mat_rebuilt(
+        dst,
+        a,
+        &StoredLayout::Panels(*layout),
+        b,
+        reference,
+        scratch,
+    )
 }
 
-/// MUL_MAT on a plain copy of weights stored in a repacking layout: `a` points at the
-/// `stored` bytes (`sizes`: stored, plain), `rebuild` writes the plain bytes.
+/// MUL_MAT on a plain copy of weights stored in `layout` (`a` points at the stored bytes).
 fn mul_mat_rebuilt(
     dst: RawTensor,
     a: RawTensor,
-    (stored_bytes, plain_bytes): (usize, usize),
-    rebuild: impl FnOnce(&[u8], &mut [u8]),
+    layout: &StoredLayout,
     b: RawTensor,
     reference: bool,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
+    let plain_bytes = layout.plain_bytes();
     let mut plain = vec![0u64; plain_bytes.div_ceil(8)];
     // SAFETY: `plain` holds at least `plain_bytes` bytes; viewing u64s as bytes is valid.
     let bytes =
         unsafe { std::slice::from_raw_parts_mut(plain.as_mut_ptr().cast::<u8>(), plain_bytes) };
-    // SAFETY: `a` is the whole stored matrix of `stored_bytes` bytes (the caller's layout),
-    // read-only during the product.
-    let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), stored_bytes) };
-    rebuild(stored, bytes);
+    // SAFETY: `a` is the whole matrix stored in `layout` (the caller's), read-only during the
+    // product.
+    let stored = unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), layout.stored_bytes()) };
+    layout.copy_out(stored, 0, bytes);
     let a_plain = RawTensor {
         ptr: SendPtr(bytes.as_mut_ptr()),
         ..a

@@ -26,6 +26,7 @@ pub mod reduce;
 pub mod rope;
 pub(crate) mod simd;
 pub mod softmax;
+pub mod stored_layout;
 pub mod unary;
 pub mod view;
 
