@@ -43,7 +43,7 @@ import ferrograph as fg
 from .llm_tokenizer import GGUFTokenizer, StreamDecoder
 from .sampling import Sampler, SamplingParams
 from .settings import ModelNotFoundError, UnsupportedModelError
-from .weights import device_backends, place_layer_weights
+from .weights import device_backends, place_layer_weights, repack_buffer_type
 
 __all__ = [
     "LLM",
@@ -375,9 +375,7 @@ class LLM:
         """The matrices the CPU's repacking buffer type interleaves (q4_1 rows of whole
         32-value blocks, at least 8 rows), mapped to that type; the token embedding (read by
         row lookups, not products) stays in place."""
-        cpu = fg.reg_by_name("CPU")
-        extra = cpu.extra_buffer_types() if cpu is not None else []
-        repack = next((b for b in extra if b.name == "CPU_REPACK"), None)
+        repack = repack_buffer_type()
         if repack is None:
             return {}
         return {

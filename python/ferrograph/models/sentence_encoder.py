@@ -261,11 +261,9 @@ class SentenceEncoder:
         self.weights_ctx = loaded.ctx
         self.weights_buffer = loaded.buffer
         #: The linear layers' q8_0/q4_0 matrices as packed panels (CPU backend), else ``None``.
-        self.packed_weights: tuple[fg.Context, fg.Buffer] | None = (
-            (loaded.packed_ctx, loaded.packed)
-            if loaded.packed is not None and loaded.packed_ctx is not None
-            else None
-        )
+        self.packed_weights: tuple[fg.Context, fg.Buffer] | None = None
+        if loaded.packed is not None and loaded.packed_ctx is not None:
+            self.packed_weights = (loaded.packed_ctx, loaded.packed)
         self.weights: dict[str, fg.Tensor] = loaded.tensors
         logger.info(
             "loaded %s (%d layers, hidden %d, %s) as %s: %.1f MiB of weights in %.2f s",

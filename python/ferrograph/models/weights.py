@@ -35,6 +35,7 @@ __all__ = [
     "load_state_dict",
     "load_weights",
     "place_layer_weights",
+    "repack_buffer_type",
     "weights_dtype_name",
 ]
 
@@ -312,37 +313,28 @@ def load_weights(
                     if kind == "weight" and f"{parts[0]}" in converted:
                         converted.add(f"{p}qkv.weight")
         shapes = expected_shapes(config)
-
-        def _shape_of(name: str, parts: list[str]) -> tuple[int, ...]:
-            part_shapes = [shapes[n] for n in parts]
-            return (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
-
-        linear_names = linear_weight_names(config) | (
-            {
-                f"encoder.layer.{i}.attention.self.qkv.weight"
-                for i in range(config.num_hidden_layers)
-            }
-            if fuse_qkv
-            else set()
-        )
-        for name, parts in sources.items():
-            dtype = target if name in converted else fg.float32
-            if _repack_type(backend, target) is None or name not in linear_names or dtype != target:
-                tensors[name] = ctx.new_tensor(dtype, _shape_of(name, parts), name=name)
+        fused = {
+            f"encoder.layer.{i}.attention.self.qkv.weight" for i in range(config.num_hidden_layers)
+        }
+        linear_names = linear_weight_names(config) | (fused if fuse_qkv else set())
         # q8_0/q4_0 matrices of the linear layers go to the CPU's repacking buffer type, which
         # stores them as the integer GEMM's packed panels (packed once here, not per call);
-        # the rest (embeddings, norms, biases) in the backend's own buffer.
+        # the rest (embeddings, norms, biases) to the backend's own buffer.
         repack = _repack_type(backend, target)
-        packed_ctx = fg.Context() if repack is not None else ctx
+        packed_ctx = fg.Context() if repack is not None else None
         for name, parts in sources.items():
-            if repack is not None and name in converted and name in linear_names:
-                tensors[name] = packed_ctx.new_tensor(target, _shape_of(name, parts), name=name)
+            part_shapes = [shapes[n] for n in parts]
+            shape = (sum(s[0] for s in part_shapes), *part_shapes[0][1:])
+            dtype = target if name in converted else fg.float32
+            packs = dtype == target and name in linear_names
+            home = packed_ctx if packed_ctx is not None and packs else ctx
+            tensors[name] = home.new_tensor(dtype, shape, name=name)
         buffer = fg.alloc_ctx_tensors(ctx, backend)
         if buffer is None:
             raise fg.AllocationError("no buffer was allocated for the model weights")
         buffer.usage = fg.BufferUsage.WEIGHTS
         packed = None
-        if repack is not None:
+        if repack is not None and packed_ctx is not None:
             packed = fg.alloc_ctx_tensors(packed_ctx, repack)
             if packed is None:
                 raise fg.AllocationError("no buffer was allocated for the packed weights")
@@ -355,17 +347,23 @@ def load_weights(
             arrays = [file.get_tensor(keys[n]) for n in sources[name]]
             array = arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
             _set_weight(tensor, np.ascontiguousarray(array, dtype=np.float32))
-    return LoadedWeights(ctx, buffer, tensors, packed, packed_ctx if packed is not None else None)
+    return LoadedWeights(ctx, buffer, tensors, packed, packed_ctx)
 
 
-def _repack_type(backend: fg.Backend, dtype: fg.DType) -> fg.BufferType | None:
-    """The CPU's repacking buffer type when ``backend`` is the CPU backend and ``dtype`` one it
-    stores as packed panels (q8_0, q4_0); else ``None``."""
-    if backend.name != "CPU" or dtype.name not in ("q8_0", "q4_0"):
-        return None
+def repack_buffer_type() -> fg.BufferType | None:
+    """The CPU device's repacking buffer type (``CPU_REPACK``, its extra buffer type), or
+    ``None`` when the CPU registration offers none."""
     cpu = fg.reg_by_name("CPU")
     extra = cpu.extra_buffer_types() if cpu is not None else []
     return next((b for b in extra if b.name == "CPU_REPACK"), None)
+
+
+def _repack_type(backend: fg.Backend, dtype: fg.DType) -> fg.BufferType | None:
+    """The repacking buffer type when ``backend`` is the CPU backend and ``dtype`` one it
+    stores as packed panels (q8_0, q4_0); else ``None``."""
+    if backend.name != "CPU" or dtype.name not in ("q8_0", "q4_0"):
+        return None
+    return repack_buffer_type()
 
 
 def device_backends(
