@@ -19,12 +19,7 @@ const CHAINS: usize = 12;
 /// `min_seconds` (at least 1 ms), best of three such runs. Errors for a thread count outside
 /// `1..=MAX_THREADS` and on CPUs without AVX2 and FMA (no vector multiply-add to measure).
 pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
-    crate::pool::check_n_threads(n_threads)?;
-    if !min_seconds.is_finite() || min_seconds < 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "fma_peak_gflops: seconds must be a finite non-negative number, got {min_seconds}"
-        )));
-    }
+    check_arguments("fma_peak_gflops", n_threads, min_seconds)?;
     let chains = Chains::detect().ok_or_else(|| {
         Error::unsupported("fma_peak_gflops needs AVX2 and FMA (or AVX-512)".to_string())
     })?;
@@ -39,12 +34,7 @@ pub fn fma_peak_gflops(n_threads: usize, min_seconds: f64) -> Result<f64> {
 /// AVX-512 VNNI, else the AVX2 kernel's `vpmaddwd` + `vpaddd`. Errors as
 /// [`fma_peak_gflops`] (no AVX2: nothing to measure).
 pub fn int8_peak_gops(n_threads: usize, min_seconds: f64) -> Result<f64> {
-    crate::pool::check_n_threads(n_threads)?;
-    if !min_seconds.is_finite() || min_seconds < 0.0 {
-        return Err(Error::InvalidArgument(format!(
-            "int8_peak_gops: seconds must be a finite non-negative number, got {min_seconds}"
-        )));
-    }
+    check_arguments("int8_peak_gops", n_threads, min_seconds)?;
     #[cfg(target_arch = "x86_64")]
     {
         let isa = crate::isa::get();
@@ -66,6 +56,18 @@ pub fn int8_peak_gops(n_threads: usize, min_seconds: f64) -> Result<f64> {
     Err(Error::unsupported(
         "int8_peak_gops needs AVX2 (or AVX-512 VNNI)".to_string(),
     ))
+}
+
+/// A thread count in `1..=MAX_THREADS` and a finite, non-negative duration, or the error
+/// naming `what` was called with what.
+fn check_arguments(what: &str, n_threads: usize, min_seconds: f64) -> Result<()> {
+    crate::pool::check_n_threads(n_threads)?;
+    if !min_seconds.is_finite() || min_seconds < 0.0 {
+        return Err(Error::InvalidArgument(format!(
+            "{what}: seconds must be a finite non-negative number, got {min_seconds}"
+        )));
+    }
+    Ok(())
 }
 
 /// Runs `run(iters)` (`ops` operations per iteration) on `n_threads` threads started
