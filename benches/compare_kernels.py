@@ -164,15 +164,15 @@ def mul_mat_case(
             else:
                 fns["torch"] = lambda: torch.matmul(tx, tw.T)
     timings = interleaved_best_seconds(fns, repeat)
+    integer = dtype in (fg.q8_0, fg.q4_0)
     if n <= 32 and m * k >= 1 << 24:
         # Products with few columns and weights larger than the caches are bound by reading
         # the weights: report GB/s of weight bytes.
-        integer = dtype in (fg.q8_0, fg.q4_0)
         table.add(
             f"{label} [GB/s of weights]", w.nbytes, "GB/s", timings, integer, flops if n > 1 else 0
         )
     else:
-        table.add(label, flops, "GFLOPS", timings, integer=dtype in (fg.q8_0, fg.q4_0))
+        table.add(label, flops, "GFLOPS", timings, integer)
 
 
 def binary_case(
