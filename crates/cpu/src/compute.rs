@@ -300,23 +300,26 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
     let (a, b) = (&node.srcs()[0], &node.srcs()[1]);
     let dst = RawTensor::live(node)?;
     let b = RawTensor::live(b)?;
-    if let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
-    {
-        let a = RawTensor {
-            ptr: super::kernels::view::SendPtr(ptr),
-            dtype: a.dtype(),
-            ne: a.ne(),
-            nb: a.nb(),
-        };
-        return matmul::joins_interleaved_run(&dst, &a, &layout, &b, options.use_reference)
-            .then_some((
-                RunProduct::Interleaved(InterleavedProduct { dst, a, layout }),
-                b,
-            ));
+    // Host weights first (the common case, one binding read); the repacking buffer has no
+    // host pointer, so only weights without one are looked up there.
+    if let Some(a) = RawTensor::live(a) {
+        return matmul::joins_plain_run(&dst, &a, &b, options.use_reference)
+            .then_some((RunProduct::Plain(PlainProduct { dst, a }), b));
     }
-    let a = RawTensor::live(a)?;
-    matmul::joins_plain_run(&dst, &a, &b, options.use_reference)
-        .then_some((RunProduct::Plain(PlainProduct { dst, a }), b))
+    let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
+    else {
+        return None;
+    };
+    let a = RawTensor {
+        ptr: super::kernels::view::SendPtr(ptr),
+        dtype: a.dtype(),
+        ne: a.ne(),
+        nb: a.nb(),
+    };
+    matmul::joins_interleaved_run(&dst, &a, &layout, &b, options.use_reference).then_some((
+        RunProduct::Interleaved(InterleavedProduct { dst, a, layout }),
+        b,
+    ))
 }
 
 /// Runs node `i` and the mat-vecs after it (view nodes between are skipped) that read the
