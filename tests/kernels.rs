@@ -840,6 +840,42 @@ fn mul_mat_float_weights_with_batch_broadcast() {
     }
 }
 
+/// f16 and bf16 weights with 3-13 columns (register tiles widening the rows as they load
+/// them) give the bits of the same product with the weights widened to f32 first (f32 rows
+/// take the same tiles there), including leftover rows and a partial last vector.
+#[test]
+fn mul_mat_half_tiles_equal_widened_f32_weights() {
+    let mut rng = Rng::new(31);
+    for dtype in [DType::F16, DType::BF16] {
+        for (k, m, n) in [
+            (37usize, 18usize, 3usize),
+            (64, 21, 4),
+            (130, 40, 7),
+            (384, 35, 13),
+        ] {
+            let c = ctx();
+            let a = c.new_tensor(dtype, &[k, m]).unwrap();
+            let wide = c.new_tensor(DType::F32, &[k, m]).unwrap();
+            let b = c.new_tensor(DType::F32, &[k, n]).unwrap();
+            let av = fill(&a, &mut rng, -1.0, 1.0);
+            wide.set_f32(&av).unwrap();
+            fill(&b, &mut rng, -1.0, 1.0);
+            let half_out = ops::mul_mat(&c, &a, &b).unwrap();
+            let f32_out = ops::mul_mat(&c, &wide, &b).unwrap();
+            compute(&half_out);
+            compute(&f32_out);
+            let bits = |t: &Tensor| -> Vec<u32> {
+                t.to_f32_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.to_bits())
+                    .collect()
+            };
+            assert_eq!(bits(&half_out), bits(&f32_out), "{dtype} k{k} m{m} n{n}");
+        }
+    }
+}
+
 #[test]
 fn mul_mat_permuted_and_transposed_operands() {
     let mut rng = Rng::new(11);

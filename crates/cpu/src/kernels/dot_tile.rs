@@ -12,7 +12,7 @@ use super::simd::{hsum4, load_tail, Avx2, Avx512, Simd};
 /// Activation rows per pass of [`dots_4xc`] on this CPU: 4 with AVX-512 (32 registers: 16
 /// accumulators, 4 activation vectors, 1 weight vector), else 3 (the widest tile that fits
 /// the 16 AVX registers).
-pub fn max_tile_cols() -> usize {
+pub(crate) fn max_tile_cols() -> usize {
     if has_avx512f() {
         4
     } else {
@@ -26,33 +26,117 @@ fn has_avx512f() -> bool {
     crate::isa::get().avx512f_avx2_fma()
 }
 
+/// The element type of the weight rows a tile reads: f32, or the bits of 16-bit floats,
+/// widened to f32 in registers as they are loaded (exactly, so a tile over 16-bit rows gives
+/// the bits of the same tile over the rows converted to f32 first).
+pub(crate) trait TileWeight: Copy + Sync {
+    /// `LANES` elements at `p` widened, or with masked tails the first `min(n, LANES)` and
+    /// zeros (as [`load_tail`] reads f32).
+    ///
+    /// # Safety
+    /// As [`load_tail`], for elements of this type; the CPU has F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load<S: Simd>(s: S, p: *const Self, n: usize) -> S::V;
+
+    /// One element as f32 (exact).
+    fn widen(self) -> f32;
+
+    /// `row` as f32: itself, or widened into `buf`.
+    fn widen_row<'a>(row: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32] {
+        buf.clear();
+        buf.extend(row.iter().map(|w| w.widen()));
+        buf
+    }
+}
+
+impl TileWeight for f32 {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const f32, n: usize) -> S::V {
+        // SAFETY: forwarded (caller).
+        unsafe { load_tail(s, p, n) }
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    fn widen_row<'a>(row: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
+        row
+    }
+}
+
+/// The bits of an IEEE half-precision float (GGML's f16), as a tile's weight element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct F16Bits(pub u16);
+
+/// The bits of a bfloat16, as a tile's weight element.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(transparent)]
+pub(crate) struct Bf16Bits(pub u16);
+
+impl TileWeight for F16Bits {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const F16Bits, n: usize) -> S::V {
+        // SAFETY: forwarded (caller): `F16Bits` is a transparent `u16`.
+        unsafe { s.load_half::<false>(p.cast(), n) }
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        half::f16::from_bits(self.0).to_f32()
+    }
+}
+
+impl TileWeight for Bf16Bits {
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load<S: Simd>(s: S, p: *const Bf16Bits, n: usize) -> S::V {
+        // SAFETY: forwarded (caller): `Bf16Bits` is a transparent `u16`.
+        unsafe { s.load_half::<true>(p.cast(), n) }
+    }
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self.0) << 16)
+    }
+}
+
+/// Whether [`dots_4xc`] runs SIMD code on this CPU (otherwise it widens 16-bit weight rows
+/// one by one: callers holding such rows convert them once instead).
+pub(crate) fn simd_tiles() -> bool {
+    has_avx512f() || crate::isa::get().avx2_fma_f16c()
+}
+
 /// `out[r][c] = a[r] · b[c]` for 4 rows of `a` and `C` (1 to 4) of `b`, all of length `k`.
 /// With `next`, it asks meanwhile for the cache lines of the first `k` elements of those 4
 /// rows (the weight rows the caller computes next; a hint: nothing is read through them).
-pub fn dots_4xc<const C: usize>(
-    a: [&[f32]; 4],
+pub(crate) fn dots_4xc<W: TileWeight, const C: usize>(
+    a: [&[W]; 4],
     b: [&[f32]; C],
-    next: Option<[*const f32; 4]>,
+    next: Option<[*const W; 4]>,
 ) -> [[f32; C]; 4] {
     debug_assert!((1..=4).contains(&C));
     let k = b[0].len();
-    assert!(a.iter().chain(&b).all(|r| r.len() == k));
+    assert!(a.iter().all(|r| r.len() == k) && b.iter().all(|r| r.len() == k));
     #[cfg(target_arch = "x86_64")]
     if has_avx512f() {
         if let Some(s) = Avx512::new() {
-            // SAFETY: the token proves AVX-512F; every row holds `k` elements (asserted).
+            // SAFETY: the token proves AVX-512F (which implies F16C); every row holds `k`
+            // elements (asserted).
             return unsafe { dots_4xc_avx512(s, a, b, k, next) };
         }
     }
     #[cfg(target_arch = "x86_64")]
-    if let Some(s) = Avx2::new() {
-        // SAFETY: the token proves AVX2 and FMA; every row holds `k` elements (asserted).
-        return unsafe { dots_4xc_avx2(s, a, b, k, next) };
+    if crate::isa::get().avx2_fma_f16c() {
+        // SAFETY: the CPU has AVX2, FMA and F16C (checked); every row holds `k` elements
+        // (asserted).
+        return unsafe { dots_4xc_avx2(Avx2::assume(), a, b, k, next) };
     }
     let mut out = [[0f32; C]; 4];
     for (r, row) in a.iter().enumerate() {
+        let row: Vec<f32> = row.iter().map(|w| w.widen()).collect();
         for (c, col) in b.iter().enumerate() {
-            out[r][c] = dot_f32(row, col);
+            out[r][c] = dot_f32(&row, col);
         }
     }
     out
@@ -64,12 +148,12 @@ pub fn dots_4xc<const C: usize>(
 /// Every slice must hold at least `k` elements.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
-unsafe fn dots_4xc_avx512<const C: usize>(
+unsafe fn dots_4xc_avx512<W: TileWeight, const C: usize>(
     s: Avx512,
-    a: [&[f32]; 4],
+    a: [&[W]; 4],
     b: [&[f32]; C],
     k: usize,
-    next: Option<[*const f32; 4]>,
+    next: Option<[*const W; 4]>,
 ) -> [[f32; C]; 4] {
     // SAFETY: forwarded (caller).
     unsafe { dots_4xc_simd(s, a, b, k, next) }
@@ -78,15 +162,16 @@ unsafe fn dots_4xc_avx512<const C: usize>(
 /// [`dots_4xc`] for AVX2 (8 lanes; the last `k % 8` elements added in scalar code).
 ///
 /// # Safety
-/// Every slice must hold at least `k` elements.
+/// The CPU must have F16C (as well as the token's AVX2 and FMA); every slice must hold at
+/// least `k` elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_4xc_avx2<const C: usize>(
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_4xc_avx2<W: TileWeight, const C: usize>(
     s: Avx2,
-    a: [&[f32]; 4],
+    a: [&[W]; 4],
     b: [&[f32]; C],
     k: usize,
-    next: Option<[*const f32; 4]>,
+    next: Option<[*const W; 4]>,
 ) -> [[f32; C]; 4] {
     // SAFETY: forwarded (caller).
     unsafe { dots_4xc_simd(s, a, b, k, next) }
@@ -96,18 +181,19 @@ unsafe fn dots_4xc_avx2<const C: usize>(
 /// `i ≡ l (mod LANES)` in order with fused multiply-adds; the lanes are folded to 8
 /// ([`Simd::halves8`]) and the 4 rows of a column reduced together ([`hsum4`]). With masked
 /// tails the last partial vector is loaded with zeros past `k`; without, the last `k % LANES`
-/// products are added to the reduced sum one by one (unfused).
+/// products are added to the reduced sum one by one (unfused). Weight elements are widened
+/// exactly, so the arithmetic is that of the widened rows.
 ///
 /// # Safety
-/// Every slice must hold at least `k` elements.
+/// Every slice must hold at least `k` elements; the CPU has F16C.
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
+unsafe fn dots_4xc_simd<S: Simd, W: TileWeight, const C: usize>(
     s: S,
-    a: [&[f32]; 4],
+    a: [&[W]; 4],
     b: [&[f32]; C],
     k: usize,
-    next: Option<[*const f32; 4]>,
+    next: Option<[*const W; 4]>,
 ) -> [[f32; C]; 4] {
     // acc[c][r]: column-major so each column's four row accumulators reduce together.
     let mut acc = [[s.zero(); 4]; C];
@@ -119,13 +205,14 @@ unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
     // One loop (no closure: a closure might not be inlined into the target-feature caller).
     let mut i = 0;
     // The next rows' lines, as many per step as this step reads of the current rows (4 rows
-    // of LANES floats), in row-interleaved order.
-    let per_step = 4 * S::LANES / 16;
+    // of LANES elements), in row-interleaved order.
+    let per_line = 64 / std::mem::size_of::<W>();
+    let per_step = (4 * S::LANES).div_ceil(per_line);
     let mut line = 0usize;
     while i < full {
         if let Some(rows) = next {
             for _ in 0..per_step {
-                let (r, col) = (line % 4, line / 4 * 16);
+                let (r, col) = (line % 4, line / 4 * per_line);
                 if col < k {
                     super::simd::prefetch_lines(rows[r].wrapping_add(col).cast(), 4);
                 }
@@ -140,7 +227,7 @@ unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
                 *v = load_tail(s, col.as_ptr().add(i), k - i);
             }
             for r in 0..4 {
-                let w = load_tail(s, a[r].as_ptr().add(i), k - i);
+                let w = W::load(s, a[r].as_ptr().add(i), k - i);
                 for c in 0..C {
                     acc[c][r] = s.fma(w, bv[c], acc[c][r]);
                 }
@@ -161,7 +248,7 @@ unsafe fn dots_4xc_simd<S: Simd, const C: usize>(
         for r in 0..4 {
             let mut sum = sums[r];
             for j in full..k {
-                sum += a[r][j] * b[c][j];
+                sum += a[r][j].widen() * b[c][j];
             }
             out[r][c] = sum;
         }
@@ -180,10 +267,10 @@ mod tests {
     /// # Safety
     /// As [`dots_4xc_simd`].
     #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn emu16<const C: usize>(
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn emu16<W: TileWeight, const C: usize>(
         s: Emu16,
-        a: [&[f32]; 4],
+        a: [&[W]; 4],
         b: [&[f32]; C],
         k: usize,
     ) -> [[f32; C]; 4] {
@@ -246,9 +333,9 @@ mod tests {
         }
         #[cfg(target_arch = "x86_64")]
         {
-            if let Some(s) = Avx2::new() {
-                // SAFETY: every row holds `k` elements.
-                let got = unsafe { dots_4xc_avx2(s, a, b, k, None) };
+            if crate::isa::get().avx2_fma_f16c() {
+                // SAFETY: the CPU has AVX2, FMA and F16C; every row holds `k` elements.
+                let got = unsafe { dots_4xc_avx2(Avx2::assume(), a, b, k, None) };
                 assert_eq!(bits(got), bits(model(8, false, a, b, k)), "avx2 k={k}");
                 paths.push(("avx2", got));
             }
@@ -258,8 +345,8 @@ mod tests {
                 assert_eq!(bits(got), bits(model(16, true, a, b, k)), "avx512 k={k}");
                 paths.push(("avx512", got));
             }
-            if let Some(s) = Emu16::new() {
-                // SAFETY: every row holds `k` elements.
+            if let Some(s) = Emu16::new().filter(|_| crate::isa::get().f16c) {
+                // SAFETY: every row holds `k` elements; the CPU has F16C.
                 let got = unsafe { emu16(s, a, b, k) };
                 assert_eq!(bits(got), bits(model(16, true, a, b, k)), "emu16 k={k}");
                 paths.push(("emu16", got));
@@ -298,6 +385,84 @@ mod tests {
             check::<2>(&rows, k);
             check::<3>(&rows, k);
             check::<4>(&rows, k);
+        }
+    }
+
+    /// Every path's tile over 16-bit weight rows, widened as loaded, against the same path's
+    /// tile over the rows widened to f32 first: the same bits (widening is exact), prefetch
+    /// or not, for row lengths with and without a partial last vector.
+    #[cfg(target_arch = "x86_64")]
+    fn check_half<W: TileWeight, const C: usize>(bits16: &[Vec<u16>], wrap: fn(u16) -> W) {
+        let k = bits16[0].len();
+        let half: Vec<Vec<W>> = bits16
+            .iter()
+            .map(|r| r.iter().map(|&b| wrap(b)).collect())
+            .collect();
+        let wide: Vec<Vec<f32>> = half
+            .iter()
+            .map(|r| r.iter().map(|w| w.widen()).collect())
+            .collect();
+        let (ah, aw) = (
+            [&half[0][..], &half[1][..], &half[2][..], &half[3][..]],
+            [&wide[0][..], &wide[1][..], &wide[2][..], &wide[3][..]],
+        );
+        let b: [&[f32]; C] = std::array::from_fn(|c| &wide[4 + c][..]);
+        let next = std::array::from_fn(|r| half[(r + 1) % 4].as_ptr());
+        let want = bits(dots_4xc(aw, b, None));
+        assert_eq!(bits(dots_4xc(ah, b, None)), want, "dispatch k={k} C={C}");
+        assert_eq!(
+            bits(dots_4xc(ah, b, Some(next))),
+            want,
+            "prefetching k={k} C={C}"
+        );
+        if crate::isa::get().avx2_fma_f16c() {
+            // SAFETY: the CPU has AVX2, FMA and F16C; every row holds `k` elements.
+            let (got, want) = unsafe {
+                (
+                    dots_4xc_avx2(Avx2::assume(), ah, b, k, None),
+                    dots_4xc_avx2(Avx2::assume(), aw, b, k, None),
+                )
+            };
+            assert_eq!(bits(got), bits(want), "avx2 k={k} C={C}");
+        }
+        if let Some(s) = Avx512::new() {
+            // SAFETY: every row holds `k` elements.
+            let (got, want) = unsafe {
+                (
+                    dots_4xc_avx512(s, ah, b, k, None),
+                    dots_4xc_avx512(s, aw, b, k, None),
+                )
+            };
+            assert_eq!(bits(got), bits(want), "avx512 k={k} C={C}");
+        }
+        if let Some(s) = Emu16::new().filter(|_| crate::isa::get().f16c) {
+            // SAFETY: every row holds `k` elements; the CPU has F16C.
+            let (got, want) = unsafe { (emu16(s, ah, b, k), emu16(s, aw, b, k)) };
+            assert_eq!(bits(got), bits(want), "emu16 k={k} C={C}");
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn half_rows_widen_to_the_bits_of_f32_rows() {
+        for k in [1usize, 7, 8, 9, 17, 31, 384, 1537] {
+            // Every 16-bit pattern class: normal, subnormal and zero values of both signs
+            // (infinities and NaNs would make the sums NaN in every path alike).
+            let rows: Vec<Vec<u16>> = (0..8u32)
+                .map(|r| {
+                    (0..k as u32)
+                        .map(|i| {
+                            let x = (i.wrapping_mul(2_654_435_761) ^ r.wrapping_mul(40_503)) >> 7;
+                            (x as u16 & 0xbbff) | (0x0100 * (x as u16 & 1))
+                        })
+                        .collect()
+                })
+                .collect();
+            check_half::<F16Bits, 1>(&rows, F16Bits);
+            check_half::<F16Bits, 3>(&rows, F16Bits);
+            check_half::<F16Bits, 4>(&rows, F16Bits);
+            check_half::<Bf16Bits, 2>(&rows, Bf16Bits);
+            check_half::<Bf16Bits, 4>(&rows, Bf16Bits);
         }
     }
 }

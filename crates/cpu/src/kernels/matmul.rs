@@ -13,7 +13,7 @@ use super::view::RowIo;
 use std::ops::Range;
 
 use super::block_dot;
-use super::dot_tile::{dots_4xc, max_tile_cols};
+use super::dot_tile::{self, dots_4xc, max_tile_cols, Bf16Bits, F16Bits, TileWeight};
 use super::gemm::{self, F32Rows};
 use super::gemm_bf16;
 use super::gemm_q8;
@@ -293,6 +293,32 @@ fn run_tile(
             }
         }
         half @ (DType::F16 | DType::BF16)
+            if !reference
+                && half_direct(a, half)
+                && n_cols > DIRECT_DOT_MAX_COLS
+                && interleaved.is_none()
+                && dot_tile::simd_tiles() =>
+        {
+            // More columns: register tiles widening the 16-bit rows as they load them (no
+            // f32 copy of the rows to write and read back); the rows left over below a
+            // multiple of 4 are widened once and take f32 dots.
+            let row_at = |i: usize| a.row_offset(i, i02, i03);
+            if half == DType::F16 {
+                // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and holds `k`
+                // dense, 2-byte aligned values (checked by `half_direct`).
+                let arows = rows
+                    .clone()
+                    .map(|i| unsafe { std::slice::from_raw_parts(a.at(row_at(i)).cast(), k) });
+                tiled_rows::<F16Bits>(arows, rows.start, cols, b, k, true, abuf, &write);
+            } else {
+                // SAFETY: as above.
+                let arows = rows
+                    .clone()
+                    .map(|i| unsafe { std::slice::from_raw_parts(a.at(row_at(i)).cast(), k) });
+                tiled_rows::<Bf16Bits>(arows, rows.start, cols, b, k, true, abuf, &write);
+            }
+        }
+        half @ (DType::F16 | DType::BF16)
             if !reference && half_direct(a, half) && n_cols <= DIRECT_DOT_MAX_COLS =>
         {
             // Few columns (DIRECT_DOT_MAX_COLS): dot products straight from the f16 / bf16
@@ -315,7 +341,6 @@ fn run_tile(
             }
         }
         _ => {
-            let dot = if reference { dot_f32_ref } else { dot_f32 };
             let direct = f32_direct(a);
             if !direct {
                 abuf.resize(rows.len() * k, 0.0);
@@ -330,76 +355,103 @@ fn run_tile(
                     }
                 }
             }
-            let arows: Vec<&[f32]> = rows
-                .clone()
-                .enumerate()
-                .map(|(ii, i)| {
-                    if direct {
-                        // SAFETY: dense aligned f32 row inside `a` (checked by `f32_direct`),
-                        // read-only during the product.
-                        unsafe {
-                            std::slice::from_raw_parts(
-                                a.at(a.row_offset(i, i02, i03)).cast::<f32>(),
-                                k,
-                            )
-                        }
-                    } else {
-                        &abuf[ii * k..(ii + 1) * k]
+            let converted: &[f32] = abuf;
+            let arows = rows.clone().enumerate().map(|(ii, i)| {
+                if direct {
+                    // SAFETY: dense aligned f32 row inside `a` (checked by `f32_direct`),
+                    // read-only during the product.
+                    unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)).cast::<f32>(), k)
                     }
-                })
-                .collect();
-            let mut r_tiled = 0;
-            if !reference {
-                // 4 rows x 2-4 columns per pass (register tiles); leftover rows below. Rows
-                // outside, columns inside: each 4-row block is fetched from memory once, in
-                // address order (a steady stream for the prefetcher), then reused from L1 by
-                // every column group. Groups are balanced (13 columns: 4+3+3+3 with AVX-512,
-                // else 3+3+3+2+2) so no pass has a single column, which would be bound by loads.
-                r_tiled = arows.len() / 4 * 4;
-                let n_groups = cols.len().div_ceil(max_tile_cols());
-                let (base, extra) = (cols.len() / n_groups, cols.len() % n_groups);
-                for r0 in (0..r_tiled).step_by(4) {
-                    let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
-                    let row0 = rows.start + r0;
-                    // The next 4 rows (weights read in place: from memory) are fetched while
-                    // the first column group computes; the later groups find these in L1.
-                    let next = (direct && r0 + 8 <= arows.len())
-                        .then(|| std::array::from_fn(|r| arows[r0 + 4 + r].as_ptr()));
-                    let mut c0 = 0;
-                    for g in 0..n_groups {
-                        let width = base + usize::from(g < extra);
-                        let group = &cols[c0..c0 + width];
-                        let next = if g == 0 { next } else { None };
-                        match width {
-                            1 => tile::<1>(a4, group, b, k, row0, next, &write),
-                            2 => tile::<2>(a4, group, b, k, row0, next, &write),
-                            3 => tile::<3>(a4, group, b, k, row0, next, &write),
-                            _ => tile::<4>(a4, group, b, k, row0, next, &write),
-                        }
-                        c0 += width;
+                } else {
+                    &converted[ii * k..(ii + 1) * k]
+                }
+            });
+            if reference {
+                for col in cols {
+                    let brow = b.f32_row(k, col.b);
+                    for (ii, arow) in arows.clone().enumerate() {
+                        write(col, rows.start + ii, dot_f32_ref(arow, brow));
                     }
                 }
-            }
-            for col in cols {
-                let brow = b.f32_row(k, col.b);
-                for (ii, arow) in arows.iter().enumerate().skip(r_tiled) {
-                    write(col, rows.start + ii, dot(arow, brow));
-                }
+            } else {
+                tiled_rows::<f32>(
+                    arows,
+                    rows.start,
+                    cols,
+                    b,
+                    k,
+                    direct,
+                    &mut Vec::new(),
+                    &write,
+                );
             }
         }
     }
     Ok(())
 }
 
-/// One register tile of [`run_tile`]'s f32 path: weight rows `a4` (rows `row0..row0 + 4`)
-/// against the `C` columns of `group`, each result passed to `write`.
-fn tile<const C: usize>(
-    a4: [&[f32]; 4],
+/// [`run_tile`]'s register-tiled dot products: the task's weight rows `arows` (rows
+/// `row0..`, as f32 or 16-bit floats widened in registers) against the columns `cols`.
+///
+/// 4 rows × 2-4 columns per pass (register tiles); rows left over below a multiple of 4 take
+/// f32 dots (16-bit rows widened into `widened` first). Rows outside, columns inside: each
+/// 4-row block is fetched from memory once, in address order (a steady stream for the
+/// prefetcher), then reused from L1 by every column group. Groups are balanced (13 columns:
+/// 4+3+3+3 with AVX-512, else 3+3+3+2+2) so no pass has a single column, which would be bound
+/// by loads. With `prefetch` (rows read in place, from memory) the next 4 rows are fetched
+/// while the first column group computes; the later groups find these in L1.
+#[allow(clippy::too_many_arguments)]
+fn tiled_rows<'r, W: TileWeight + 'r>(
+    arows: impl Iterator<Item = &'r [W]>,
+    row0: usize,
+    cols: &[Col],
+    b: &Prepared<'_>,
+    k: usize,
+    prefetch: bool,
+    widened: &mut Vec<f32>,
+    write: &impl Fn(&Col, usize, f32),
+) {
+    let arows: Vec<&[W]> = arows.collect();
+    let r_tiled = arows.len() / 4 * 4;
+    let n_groups = cols.len().div_ceil(max_tile_cols());
+    let (base, extra) = (cols.len() / n_groups, cols.len() % n_groups);
+    for r0 in (0..r_tiled).step_by(4) {
+        let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
+        let next = (prefetch && r0 + 8 <= arows.len())
+            .then(|| std::array::from_fn(|r| arows[r0 + 4 + r].as_ptr()));
+        let mut c0 = 0;
+        for g in 0..n_groups {
+            let width = base + usize::from(g < extra);
+            let group = &cols[c0..c0 + width];
+            let next = if g == 0 { next } else { None };
+            let at = row0 + r0;
+            match width {
+                1 => tile::<W, 1>(a4, group, b, k, at, next, write),
+                2 => tile::<W, 2>(a4, group, b, k, at, next, write),
+                3 => tile::<W, 3>(a4, group, b, k, at, next, write),
+                _ => tile::<W, 4>(a4, group, b, k, at, next, write),
+            }
+            c0 += width;
+        }
+    }
+    for (ii, arow) in arows.iter().enumerate().skip(r_tiled) {
+        let arow = W::widen_row(arow, widened);
+        for col in cols {
+            write(col, row0 + ii, dot_f32(arow, b.f32_row(k, col.b)));
+        }
+    }
+}
+
+/// One register tile of [`tiled_rows`]: weight rows `a4` (rows `row0..row0 + 4`) against
+/// the `C` columns of `group`, each result passed to `write`.
+fn tile<W: TileWeight, const C: usize>(
+    a4: [&[W]; 4],
     group: &[Col],
     b: &Prepared<'_>,
     k: usize,
     row0: usize,
-    next: Option<[*const f32; 4]>,
+    next: Option<[*const W; 4]>,
     write: &impl Fn(&Col, usize, f32),
 ) {
     let brows: [&[f32]; C] = std::array::from_fn(|c| b.f32_row(k, group[c].b));
@@ -416,9 +468,9 @@ const MIN_TASKS: usize = 16;
 
 /// Largest column count for which compact weights (f16, q8_0, q4_0) are read by dot products
 /// of their own type (f16 · f32, integer dots against q8_0 activations): reading the compact
-/// rows once is what counts there. With more columns the rows are converted to f32 once per
-/// tile and reused by the register-tiled f32 kernel, which is faster (and, for quantized
-/// weights, more accurate). Both decide by the whole product's column count (`n_cols` of
+/// rows once is what counts there. With more columns the register-tiled kernel takes over:
+/// f16/bf16 rows widened to f32 as it loads them, quantized rows converted to f32 once per
+/// tile (faster there, and more accurate). Both decide by the whole product's column count (`n_cols` of
 /// [`run_tile`]), never by a tile's, so the path does not depend on how the output is split.
 const DIRECT_DOT_MAX_COLS: usize = 2;
 

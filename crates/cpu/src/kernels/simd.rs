@@ -90,6 +90,25 @@ pub(crate) unsafe trait Simd: Copy {
     /// # Safety
     /// `p` must be valid for writing `min(n, LANES)` floats.
     unsafe fn store_partial(self, p: *mut f32, v: Self::V, n: usize);
+    /// The first `min(n, LANES)` 16-bit floats at `p` (f16 bits, or bf16 bits with `BF16`)
+    /// widened to f32 — exactly — the other lanes 0; values past them are not accessed.
+    ///
+    /// # Safety
+    /// `p` must be valid for reading `min(n, LANES)` values; for f16 the CPU must have F16C.
+    unsafe fn load_half<const BF16: bool>(self, p: *const u16, n: usize) -> Self::V;
+}
+
+/// The first `min(n, N)` values at `p` and zeros, in a stack array (a vector's last partial
+/// piece of 16-bit floats, widened from there).
+///
+/// # Safety
+/// `p` must be valid for reading `min(n, N)` values.
+#[inline(always)]
+unsafe fn half_tail<const N: usize>(p: *const u16, n: usize) -> [u16; N] {
+    let mut t = [0u16; N];
+    // SAFETY: min(n, N) values are readable at `p` (caller) and fit `t`.
+    unsafe { std::ptr::copy_nonoverlapping(p, t.as_mut_ptr(), n.min(N)) };
+    t
 }
 
 /// `LANES` floats at `p` ([`Simd::loadu`]), or, with masked tails, the first `min(n, LANES)`
@@ -372,6 +391,23 @@ unsafe impl Simd for Avx2 {
         // (caller).
         unsafe { _mm256_maskstore_ps(p, mask8(self, n), v) }
     }
+    #[inline(always)]
+    unsafe fn load_half<const BF16: bool>(self, p: *const u16, n: usize) -> __m256 {
+        // SAFETY: 8 values are readable when n ≥ 8, else the first n are copied (caller);
+        // F16C for f16 (caller), AVX2 (token) for bf16.
+        unsafe {
+            let h = if n >= 8 {
+                _mm_loadu_si128(p.cast())
+            } else {
+                _mm_loadu_si128(half_tail::<8>(p, n).as_ptr().cast())
+            };
+            if BF16 {
+                _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+            } else {
+                _mm256_cvtph_ps(h)
+            }
+        }
+    }
 }
 
 /// AVX-512F, 16 lanes of `__m512`. (Rust's `avx512f` target feature implies AVX2, FMA and
@@ -505,6 +541,23 @@ unsafe impl Simd for Avx512 {
         // writable (caller).
         unsafe { _mm512_mask_storeu_ps(p, lanes16(n), v) }
     }
+    #[inline(always)]
+    unsafe fn load_half<const BF16: bool>(self, p: *const u16, n: usize) -> __m512 {
+        // SAFETY: 16 values are readable when n ≥ 16, else the first n are copied (caller);
+        // AVX-512F (token) converts both formats.
+        unsafe {
+            let h = if n >= 16 {
+                _mm256_loadu_si256(p.cast())
+            } else {
+                _mm256_loadu_si256(half_tail::<16>(p, n).as_ptr().cast())
+            };
+            if BF16 {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+            } else {
+                _mm512_cvtph_ps(h)
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -632,6 +685,17 @@ pub(crate) mod tests {
                 self.0.store_partial(p, v[0], n);
                 self.0
                     .store_partial(p.wrapping_add(8), v[1], n.saturating_sub(8));
+            }
+        }
+        #[inline(always)]
+        unsafe fn load_half<const BF16: bool>(self, p: *const u16, n: usize) -> [__m256; 2] {
+            // SAFETY: as in `load_partial`, for 16-bit values.
+            unsafe {
+                [
+                    self.0.load_half::<BF16>(p, n),
+                    self.0
+                        .load_half::<BF16>(p.wrapping_add(8), n.saturating_sub(8)),
+                ]
             }
         }
     }
