@@ -20,10 +20,13 @@ pub(crate) fn max_tile_cols() -> usize {
     }
 }
 
-/// Whether the AVX-512 tile kernel can run on this CPU (AVX-512F, with the AVX2 and FMA the
-/// rest of the module's code is built with).
+/// Whether the AVX-512 tile kernel can run on this CPU: AVX-512F and VL (with VL, 256-bit
+/// instructions such as the f16 loads may use all 32 registers: with F alone LLVM kept the 16
+/// accumulators in the lower 16 and spilled them to the stack every step), with the AVX2 and
+/// FMA the rest of the module's code is built with.
 fn has_avx512f() -> bool {
-    crate::isa::get().avx512f_avx2_fma()
+    let isa = crate::isa::get();
+    isa.avx512f_avx2_fma() && isa.avx512vl
 }
 
 /// The element type of the weight rows a tile reads: f32, or the bits of 16-bit floats,
@@ -54,7 +57,13 @@ impl TileWeight for f32 {
     #[inline(always)]
     unsafe fn load<S: Simd>(s: S, p: *const f32, n: usize) -> S::V {
         // SAFETY: forwarded (caller).
-        unsafe { load_tail(s, p, n) }
+        unsafe {
+            if n >= S::LANES {
+                s.loadu(p)
+            } else {
+                load_tail(s, p, n)
+            }
+        }
     }
     #[inline(always)]
     fn widen(self) -> f32 {
@@ -121,8 +130,8 @@ pub(crate) fn dots_4xc<W: TileWeight, const C: usize>(
     #[cfg(target_arch = "x86_64")]
     if has_avx512f() {
         if let Some(s) = Avx512::new() {
-            // SAFETY: the token proves AVX-512F (which implies F16C); every row holds `k`
-            // elements (asserted).
+            // SAFETY: the token proves AVX-512F (which implies F16C), `has_avx512f` checked
+            // VL; every row holds `k` elements (asserted).
             return unsafe { dots_4xc_avx512(s, a, b, k, next) };
         }
     }
@@ -145,9 +154,10 @@ pub(crate) fn dots_4xc<W: TileWeight, const C: usize>(
 /// [`dots_4xc`] for AVX-512 (16 lanes; the last `k % 16` elements through masked loads).
 ///
 /// # Safety
-/// Every slice must hold at least `k` elements.
+/// The CPU must have AVX-512VL (as well as the token's AVX-512F); every slice must hold at
+/// least `k` elements.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+#[target_feature(enable = "avx512f,avx512vl")]
 unsafe fn dots_4xc_avx512<W: TileWeight, const C: usize>(
     s: Avx512,
     a: [&[W]; 4],
@@ -202,38 +212,26 @@ unsafe fn dots_4xc_simd<S: Simd, W: TileWeight, const C: usize>(
     } else {
         k / S::LANES * S::LANES
     };
-    // One loop (no closure: a closure might not be inlined into the target-feature caller).
+    // Whole vectors with plain loads, then (masked tails) one partial vector: the same steps
+    // as masked loads all along, without a mask to compute per load.
+    let whole = k / S::LANES * S::LANES;
     let mut i = 0;
-    // The next rows' lines, as many per step as this step reads of the current rows (4 rows
-    // of LANES elements), in row-interleaved order.
-    let per_line = 64 / std::mem::size_of::<W>();
-    let per_step = (4 * S::LANES).div_ceil(per_line);
-    let mut line = 0usize;
-    while i < full {
+    while i < whole {
+        // The next rows' line at this offset, each time the current rows enter a new line.
         if let Some(rows) = next {
-            for _ in 0..per_step {
-                let (r, col) = (line % 4, line / 4 * per_line);
-                if col < k {
-                    super::simd::prefetch_lines(rows[r].wrapping_add(col).cast(), 4);
-                }
-                line += 1;
-            }
-        }
-        // SAFETY: without masked tails i + LANES <= k; with them only the first k - i lanes
-        // are accessed; every slice holds k elements (caller).
-        unsafe {
-            let mut bv = [s.zero(); C];
-            for (v, col) in bv.iter_mut().zip(&b) {
-                *v = load_tail(s, col.as_ptr().add(i), k - i);
-            }
-            for r in 0..4 {
-                let w = W::load(s, a[r].as_ptr().add(i), k - i);
-                for c in 0..C {
-                    acc[c][r] = s.fma(w, bv[c], acc[c][r]);
+            if (i * std::mem::size_of::<W>()).is_multiple_of(64) {
+                for row in rows {
+                    super::simd::prefetch_lines(row.wrapping_add(i).cast(), 1);
                 }
             }
         }
+        // SAFETY: i + LANES <= k and every slice holds k elements (caller).
+        unsafe { tile_step(s, &mut acc, &a, &b, i, None) };
         i += S::LANES;
+    }
+    if full > whole {
+        // SAFETY: only the first k - i lanes are accessed (masked tails).
+        unsafe { tile_step(s, &mut acc, &a, &b, i, Some(k - i)) };
     }
     let mut out = [[0f32; C]; 4];
     for c in 0..C {
@@ -254,6 +252,45 @@ unsafe fn dots_4xc_simd<S: Simd, W: TileWeight, const C: usize>(
         }
     }
     out
+}
+
+/// One step of [`dots_4xc_simd`]: elements `i..i + LANES` of every row into the
+/// accumulators (`acc[c][r]` += a[r] × b[c] per lane), or with `tail = Some(n)` the first `n`
+/// through masked loads.
+///
+/// # Safety
+/// Every slice holds `i + LANES` elements, or `i + n` with a tail; the CPU has F16C.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn tile_step<S: Simd, W: TileWeight, const C: usize>(
+    s: S,
+    acc: &mut [[S::V; 4]; C],
+    a: &[&[W]; 4],
+    b: &[&[f32]; C],
+    i: usize,
+    tail: Option<usize>,
+) {
+    // SAFETY: as the caller guarantees.
+    unsafe {
+        let mut bv = [s.zero(); C];
+        for c in 0..C {
+            let p = b[c].as_ptr().add(i);
+            bv[c] = match tail {
+                None => s.loadu(p),
+                Some(n) => s.load_partial(p, n),
+            };
+        }
+        for r in 0..4 {
+            let p = a[r].as_ptr().add(i);
+            let w = match tail {
+                None => W::load(s, p, S::LANES),
+                Some(n) => W::load(s, p, n),
+            };
+            for c in 0..C {
+                acc[c][r] = s.fma(w, bv[c], acc[c][r]);
+            }
+        }
+    }
 }
 
 #[cfg(test)]
@@ -339,8 +376,8 @@ mod tests {
                 assert_eq!(bits(got), bits(model(8, false, a, b, k)), "avx2 k={k}");
                 paths.push(("avx2", got));
             }
-            if let Some(s) = Avx512::new() {
-                // SAFETY: every row holds `k` elements.
+            if let Some(s) = Avx512::new().filter(|_| has_avx512f()) {
+                // SAFETY: the CPU has AVX-512F and VL; every row holds `k` elements.
                 let got = unsafe { dots_4xc_avx512(s, a, b, k, None) };
                 assert_eq!(bits(got), bits(model(16, true, a, b, k)), "avx512 k={k}");
                 paths.push(("avx512", got));
@@ -425,8 +462,8 @@ mod tests {
             };
             assert_eq!(bits(got), bits(want), "avx2 k={k} C={C}");
         }
-        if let Some(s) = Avx512::new() {
-            // SAFETY: every row holds `k` elements.
+        if let Some(s) = Avx512::new().filter(|_| has_avx512f()) {
+            // SAFETY: the CPU has AVX-512F and VL; every row holds `k` elements.
             let (got, want) = unsafe {
                 (
                     dots_4xc_avx512(s, ah, b, k, None),
