@@ -31,9 +31,12 @@ def streaming_read_gbs(threads: int, nbytes: int = 1 << 29) -> tuple[float, str]
     threads, best of 3 each, and what gave it: numpy reductions split over Python threads
     (they release the interpreter), and OpenBLAS's f32 matrix-vector product over rows of
     4096 values (limited to ``threads`` through threadpoolctl, or used only when ``threads``
-    is the machine's core count). The BLAS product streams with several rows and software
-    prefetch and reads measurably faster than the reductions on these machines, so taking it
-    keeps the bound honest."""
+    is the machine's core count), and ferrograph's own f32 matrix-vector product (one column,
+    ``threads`` threads: every weight byte read once). The BLAS product streams with several
+    rows and software prefetch and reads measurably faster than the reductions on these
+    machines; taking the fastest of all keeps the bound honest. (The host's bandwidth itself
+    moves by half between minutes on these shared machines: quote it beside figures measured
+    in the same run only.)"""
     import os
     from concurrent.futures import ThreadPoolExecutor
 
@@ -63,5 +66,18 @@ def streaming_read_gbs(threads: int, nbytes: int = 1 << 29) -> tuple[float, str]
     except ImportError:
         if threads == os.cpu_count():
             results["OpenBLAS f32 gemv"] = best_of_3(lambda: matrix @ vector)
+    try:
+        import ferrograph as fg
+
+        cpu = fg.init_backend("CPU", n_threads=threads)
+        ctx = fg.Context(no_alloc=False)
+        weights = ctx.new_tensor(fg.float32, (nbytes // (4 * 4096), 4096))
+        x = ctx.new_tensor(fg.float32, (1, 4096))
+        graph = fg.Graph.build(fg.ops.mul_mat(weights, x, ctx=ctx))
+        weights.set(matrix)
+        x.set(vector[None, :])
+        results["ferrograph f32 mat-vec"] = best_of_3(lambda: cpu.graph_compute(graph))
+    except ImportError:
+        pass
     name = max(results, key=lambda k: results[k])
     return results[name], name
