@@ -170,7 +170,12 @@ def worker(impl: str, threads: int, repeat: int) -> dict[str, Any]:
 
         import ferrograph
 
-        version = f"ferrograph {ferrograph.__version__} ({ferrograph.simd_path()})"
+        # The kernels' widest vector extensions (not `simd_path`, the fp16 conversion's path).
+        feats = ferrograph.cpu.features()
+        isa = "+".join(
+            k for k in ("avx512", "avx512_vnni", "avx512_bf16", "amx_int8") if feats.get(k)
+        ) or ("avx2" if feats.get("avx2") else "portable")
+        version = f"ferrograph {ferrograph.__version__} ({isa})"
     load_s = time.perf_counter() - start
     results: dict[str, float] = {}
     medians: dict[str, float] = {}
