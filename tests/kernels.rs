@@ -815,6 +815,11 @@ fn mul_mat_float_weights_with_batch_broadcast() {
             (96, 45, 14, [1, 1], [1, 1]),
             (130, 70, 23, [1, 2], [1, 1]),
             (64, 29, 31, [1, 1], [1, 1]),
+            // Weight rows split over tasks sharing one activation block packed once (f32 on
+            // AVX-512 at 14-31 columns, every weight type from 32), over two `k` blocks, with
+            // a partial last panel.
+            (1000, 200, 20, [1, 1], [1, 1]),
+            (800, 300, 40, [1, 1], [1, 1]),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, bs[0], bs[1]]).unwrap();
