@@ -502,19 +502,8 @@ pub fn mul_mat(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::kernels::testing::values;
     use half::bf16;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.max(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
 
     /// The SIMD rounding to bf16 gives the portable bits (ties, NaN, infinities, overflow to
     /// infinity, subnormals), and rounds to nearest even like `half`'s conversion on

@@ -805,18 +805,7 @@ fn mul_mat_from(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed.max(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::kernels::testing::values;
 
     /// The module's arithmetic written out directly from q8_0 blocks (no packing).
     fn reference(wq: &[u8], dtype: DType, act: &[f32], k: usize) -> f32 {

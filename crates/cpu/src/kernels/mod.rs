@@ -130,6 +130,25 @@ pub(crate) mod testing {
     /// Thread counts kernel results are compared at.
     pub const THREAD_COUNTS: [usize; 3] = [1, 2, 3];
 
+    /// A reproducible xorshift32 stream from `seed` (0 counts as 1).
+    pub fn xorshift32(seed: u32) -> impl Iterator<Item = u32> {
+        let mut s = seed.max(1);
+        std::iter::repeat_with(move || {
+            s ^= s << 13;
+            s ^= s >> 17;
+            s ^= s << 5;
+            s
+        })
+    }
+
+    /// `n` reproducible values in [-1, 1] from `seed`.
+    pub fn values(n: usize, seed: u32) -> Vec<f32> {
+        xorshift32(seed)
+            .take(n)
+            .map(|s| (s as f32 / u32::MAX as f32) * 2.0 - 1.0)
+            .collect()
+    }
+
     /// Runs `f` on pools of 1, 2 and 3 threads, asserts that every run returns the same
     /// value (compare bit patterns for floats), and returns it.
     pub fn at_thread_counts<T: PartialEq>(f: impl Fn() -> T + Sync) -> T {

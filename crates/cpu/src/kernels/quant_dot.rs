@@ -1032,18 +1032,7 @@ mod x86 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn values(n: usize, seed: u32) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s as f32 / u32::MAX as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
+    use crate::kernels::testing::values;
 
     /// Every quant value under scales of every kind (normal, subnormal, zero, infinite, NaN):
     /// the dispatched dequantizers (AVX2 where the CPU has it) give the bits of one product

@@ -159,17 +159,10 @@ pub fn copy_out(layout: &PanelLayout, stored: &[u8], start: usize, out: &mut [u8
 mod tests {
     use super::super::{pack_panel_portable, Line, BLOCK_LINES, PANEL};
     use super::*;
+    use crate::kernels::testing::xorshift32;
 
     fn bytes(n: usize, seed: u32) -> Vec<u8> {
-        let mut s = seed.max(1);
-        (0..n)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 17;
-                s ^= s << 5;
-                (s >> 7) as u8
-            })
-            .collect()
+        xorshift32(seed).take(n).map(|s| (s >> 7) as u8).collect()
     }
 
     #[test]
