@@ -93,7 +93,7 @@ impl TileWeight for F16Bits {
     }
     #[inline(always)]
     fn widen(self) -> f32 {
-        half::f16::from_bits(self.0).to_f32()
+        super::quant_dot::f16_bits_to_f32(self.0)
     }
 }
 
@@ -106,7 +106,7 @@ impl TileWeight for Bf16Bits {
     }
     #[inline(always)]
     fn widen(self) -> f32 {
-        f32::from_bits(u32::from(self.0) << 16)
+        super::quant_dot::bf16_bits_widened(self.0)
     }
 }
 

@@ -212,7 +212,7 @@ pub fn dot_f16_f32_ref(a: &[u16], b: &[f32]) -> f32 {
 }
 
 /// bf16 bits widened to f32 (exact: the bits shifted into place).
-fn bf16_bits_widened(h: u16) -> f32 {
+pub(crate) fn bf16_bits_widened(h: u16) -> f32 {
     f32::from_bits(u32::from(h) << 16)
 }
 
@@ -478,6 +478,7 @@ pub fn dot_q4_0_pairs(a: &[u8], y: &[u8]) -> f32 {
 mod x86 {
     use super::{write_d, Q4_0_BYTES, Q8_0_BYTES, QK};
     use crate::quant::legacy::Q8_1_BYTES;
+    use crate::kernels::simd::{Avx2, Simd};
     use std::arch::x86_64::*;
 
     /// `round_to_i8(v)` per lane (C's `roundf`, then a saturating cast; NaN → 0) as integers,
@@ -642,16 +643,13 @@ mod x86 {
         let (pa, pb) = (a.as_ptr(), b.as_ptr());
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut i = 0;
-        // A macro, not a closure: a closure would not inherit this function's features.
+        // SAFETY: the CPU has AVX2 and FMA (this function's features).
+        let s = unsafe { Avx2::assume() };
+        // Eight values widened (F16C: this function's features; inlined into it).
         macro_rules! widen {
-            ($at:expr) => {{
-                let h = _mm_loadu_si128(pa.add($at).cast::<__m128i>());
-                if BF16 {
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
-                } else {
-                    _mm256_cvtph_ps(h)
-                }
-            }};
+            ($at:expr) => {
+                s.load_half::<BF16>(pa.add($at), 8)
+            };
         }
         // SAFETY: every load reads 8 elements below `n` from both slices.
         unsafe {
