@@ -192,7 +192,10 @@ fn bytes_written_in_pieces_read_back_exactly() -> Result<()> {
     v.write_bytes(0, &vbytes)?;
     assert!(matches!(
         repack::stored_view(&w),
-        Some(repack::StoredView::Interleaved(..))
+        Some(repack::StoredView::LaidOut(
+            _,
+            repack::StoredLayout::Interleaved(_)
+        ))
     ));
     assert!(matches!(
         repack::stored_view(&v),
@@ -362,7 +365,10 @@ fn q8_0_and_q4_0_panels_read_write_and_fill_exactly() -> Result<()> {
         let _buffers = alloc_ctx_tensors_from_buft(&ctx, repack)?;
         assert!(matches!(
             repack::stored_view(&w),
-            Some(repack::StoredView::Panels(..))
+            Some(repack::StoredView::LaidOut(
+                _,
+                repack::StoredLayout::Panels(_)
+            ))
         ));
         let (vbytes, abytes) = (rng.bytes(v.nbytes()), rng.bytes(after.nbytes()));
         v.write_bytes(0, &vbytes)?;

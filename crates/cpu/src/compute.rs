@@ -306,7 +306,8 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
         return matmul::joins_plain_run(&dst, &a, &b, options.use_reference)
             .then_some((RunProduct::Plain(PlainProduct { dst, a }), b));
     }
-    let Some(super::repack::StoredView::Interleaved(ptr, layout)) = super::repack::stored_view(a)
+    let Some(super::repack::StoredView::LaidOut(ptr, StoredLayout::Interleaved(layout))) =
+        super::repack::stored_view(a)
     else {
         return None;
     };
@@ -466,11 +467,8 @@ fn repacked_operand(
     Ok(match super::repack::stored_view(src) {
         None => None,
         Some(StoredView::Plain(ptr)) => Some((view(ptr), None)),
-        Some(StoredView::Interleaved(ptr, layout)) if weight_of_product => {
-            Some((view(ptr), Some(StoredLayout::Interleaved(layout))))
-        }
-        Some(StoredView::Panels(ptr, layout)) if weight_of_product => {
-            Some((view(ptr), Some(StoredLayout::Panels(layout))))
+        Some(StoredView::LaidOut(ptr, layout)) if weight_of_product => {
+            Some((view(ptr), Some(layout)))
         }
         Some(_) => {
             let n = src.nbytes();

@@ -254,10 +254,8 @@ impl BufferMemory for RepackMemory {
 pub enum StoredView {
     /// Stored plainly at this host address.
     Plain(*mut u8),
-    /// The whole interleaved matrix at this host address.
-    Interleaved(*mut u8, Layout),
-    /// The whole matrix as packed panels at this host address.
-    Panels(*mut u8, PanelLayout),
+    /// The whole matrix at this host address, in this layout.
+    LaidOut(*mut u8, StoredLayout),
     /// Part of a laid-out matrix (a view): readable only through a plain copy.
     Mapped,
 }
@@ -283,10 +281,7 @@ pub fn stored_view(tensor: &Tensor) -> Option<StoredView> {
     Some(match covering {
         None => StoredView::Plain(at),
         Some((start, layout)) if *start == offset && Some(*layout) == layout_for(tensor) => {
-            match *layout {
-                StoredLayout::Interleaved(l) => StoredView::Interleaved(at, l),
-                StoredLayout::Panels(l) => StoredView::Panels(at, l),
-            }
+            StoredView::LaidOut(at, *layout)
         }
         Some(_) => StoredView::Mapped,
     })

@@ -477,8 +477,8 @@ pub fn dot_q4_0_pairs(a: &[u8], y: &[u8]) -> f32 {
 /// x86-64 kernels: AVX2/FMA/F16C, and AVX512-VNNI for q4_0 (each function says what it needs).
 mod x86 {
     use super::{write_d, Q4_0_BYTES, Q8_0_BYTES, QK};
-    use crate::quant::legacy::Q8_1_BYTES;
     use crate::kernels::simd::{Avx2, Simd};
+    use crate::quant::legacy::Q8_1_BYTES;
     use std::arch::x86_64::*;
 
     /// `round_to_i8(v)` per lane (C's `roundf`, then a saturating cast; NaN → 0) as integers,
