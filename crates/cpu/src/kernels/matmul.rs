@@ -302,20 +302,13 @@ fn run_tile(
             // More columns: register tiles widening the 16-bit rows as they load them (no
             // f32 copy of the rows to write and read back); the rows left over below a
             // multiple of 4 are widened once and take f32 dots.
-            let row_at = |i: usize| a.row_offset(i, i02, i03);
+            let (at, first) = ((i02, i03), rows.start);
             if half == DType::F16 {
-                // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and holds `k`
-                // dense, 2-byte aligned values (checked by `half_direct`).
-                let arows = rows
-                    .clone()
-                    .map(|i| unsafe { std::slice::from_raw_parts(a.at(row_at(i)).cast(), k) });
-                tiled_rows::<F16Bits>(arows, rows.start, cols, b, k, true, abuf, &write);
+                let arows = half_rows::<F16Bits>(a, rows, at);
+                tiled_rows(arows, first, cols, b, k, true, abuf, &write);
             } else {
-                // SAFETY: as above.
-                let arows = rows
-                    .clone()
-                    .map(|i| unsafe { std::slice::from_raw_parts(a.at(row_at(i)).cast(), k) });
-                tiled_rows::<Bf16Bits>(arows, rows.start, cols, b, k, true, abuf, &write);
+                let arows = half_rows::<Bf16Bits>(a, rows, at);
+                tiled_rows(arows, first, cols, b, k, true, abuf, &write);
             }
         }
         half @ (DType::F16 | DType::BF16)
@@ -389,6 +382,21 @@ fn run_tile(
         }
     }
     Ok(())
+}
+
+/// Weight rows `rows` of batch `(i02, i03)` of the 16-bit float matrix `a` as elements of
+/// `W` (its own bits: f16 or bf16, dense and 2-byte aligned, as `half_direct` checks).
+fn half_rows<'a, W: TileWeight + 'a>(
+    a: &'a RawTensor,
+    rows: Range<usize>,
+    (i02, i03): (usize, usize),
+) -> impl Iterator<Item = &'a [W]> {
+    let k = a.ne[0];
+    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only during the product) and
+    // holds `k` dense, 2-byte aligned values of W's 16-bit layout (`half_direct`).
+    rows.map(move |i| unsafe {
+        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)).cast(), k)
+    })
 }
 
 /// [`run_tile`]'s register-tiled dot products: the task's weight rows `arows` (rows
