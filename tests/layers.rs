@@ -18,7 +18,7 @@ const LAYERS: &[(&str, &[&[&str]])] = &[
     (
         "crates/base",
         &[
-            &["error", "util", "isa", "pool", "read_ahead"],
+            &["error", "util", "isa", "pool"],
             &["quant", "dtype", "convert"],
             &["host"],
             // The op IR and the objects name each other: a custom op computes on tensors.

@@ -28,7 +28,6 @@ pub mod op;
 pub mod ops;
 pub mod pool;
 pub mod quant;
-mod read_ahead;
 pub mod registration;
 pub mod sched;
 pub mod tensor;

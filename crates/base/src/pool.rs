@@ -27,7 +27,6 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::error::{Error, Result};
-use crate::read_ahead::{ReadAhead, Reader};
 
 /// The most threads a backend or thread pool may be asked for (ggml's `GGML_MAX_N_THREADS`):
 /// a larger count is a mistake (it would try to start that many OS threads), not a request.
@@ -348,8 +347,6 @@ struct Shared {
     tail_spin: Duration,
     /// Held by the thread computing on the pool (one computation at a time).
     busy: Mutex<()>,
-    /// Memory the owner's next job will read, which idle workers read ahead.
-    read_ahead: ReadAhead,
 }
 
 // SAFETY: every field but `job` is Sync. `job` is written only by the thread holding `busy`
@@ -504,16 +501,11 @@ fn worker_main(shared: Arc<Shared>) {
     // Whether the last look found a computation running: the tail after it counts from when
     // this worker sees it end, not from its last chunk (which may be long before the end).
     let mut saw_computing = false;
-    let mut reader = Reader::default();
     loop {
         if let Some(index) = shared.claim() {
             shared.run_chunk(index);
             idle_since = Instant::now();
             spins = 0;
-            continue;
-        }
-        if shared.read_ahead.has_work(&reader) {
-            shared.read_ahead.read(&mut reader, || shared.claimable());
             continue;
         }
         if shared.shutdown.load(Ordering::Acquire) {
@@ -640,28 +632,6 @@ pub fn run_chunks(n: usize, chunk: usize, f: &ChunkFn<'_>) -> Result<()> {
     (0..n.div_ceil(chunk)).try_for_each(|c| f(c * chunk..((c + 1) * chunk).min(n)))
 }
 
-/// Names `len` bytes at `ptr` as what the computing thread's next job will read, for the
-/// pool's idle workers to read ahead while this thread works alone (see
-/// the `read_ahead` module); replaces the previous hint. Does nothing outside a computation
-/// on a pool with workers, or inside a chunk.
-///
-/// # Safety
-/// The memory stays mapped until the current [`Threadpool::run`] returns (the pool withdraws
-/// the hint, waiting for its readers, before that). It may be written meanwhile.
-pub unsafe fn read_ahead(ptr: *const u8, len: usize) {
-    let context = CONTEXT.get();
-    if context.role == Role::Owner
-        && !context.in_chunk
-        && !context.pool.is_null()
-        && context.n_threads > 1
-    {
-        // SAFETY: an owner's context points at the pool it computes on, kept alive by the
-        // `run` call that set the context.
-        let shared = unsafe { &*context.pool };
-        shared.read_ahead.post(ptr as usize, len);
-    }
-}
-
 /// A persistent pool of worker threads that the computing thread joins.
 pub struct Threadpool {
     shared: Arc<Shared>,
@@ -706,7 +676,6 @@ impl Threadpool {
             spin: SPIN_PER_POLL * params.poll,
             tail_spin: TAIL_SPIN_PER_POLL * params.poll,
             busy: Mutex::new(()),
-            read_ahead: ReadAhead::default(),
         });
         let mut pool = Threadpool {
             shared: shared.clone(),
@@ -897,8 +866,6 @@ struct Session<'a> {
 
 impl Drop for Session<'_> {
     fn drop(&mut self) {
-        // The memory named for reading ahead may be freed once the computation returns.
-        self.shared.read_ahead.withdraw();
         self.shared.computing.store(false, Ordering::Relaxed);
     }
 }
@@ -1124,32 +1091,6 @@ mod tests {
             let (seen, _, result) = visit(&pool, n, 3, |_| Ok(()));
             result.unwrap();
             assert_eq!(seen, vec![1; n]);
-        }
-    }
-
-    #[test]
-    fn memory_named_for_reading_ahead_may_be_freed_when_the_computation_returns() {
-        let pool = Threadpool::new(&ThreadpoolParams::new(2)).unwrap();
-        // Outside a computation a hint is ignored (this address is never read).
-        // SAFETY: nothing is read outside a computation.
-        unsafe { read_ahead(std::ptr::dangling(), 1 << 30) };
-        for round in 0..40 {
-            // Large enough to be unmapped when dropped: a worker still reading would fault.
-            let weights = vec![round as u8; 40 << 20];
-            pool.run(|| {
-                // SAFETY: `weights` outlives the computation.
-                unsafe { read_ahead(weights.as_ptr(), weights.len()) };
-                // Jobs interrupt the reading; it resumes between them.
-                for n in [3, 50] {
-                    let (seen, _, result) = visit(&pool, n, 1, |_| Ok(()));
-                    result.unwrap();
-                    assert_eq!(seen, vec![1; n]);
-                }
-                if round % 2 == 0 {
-                    std::thread::sleep(Duration::from_micros(200));
-                }
-            });
-            drop(weights);
         }
     }
 

@@ -184,9 +184,6 @@ pub fn compute_graph_in(
     // its work shares it with the pool's workers (spinning between nodes, or woken).
     pool.run(|| {
         let mut i = 0;
-        // Nodes before this index need no new read-ahead hint (see `read_ahead_from`); alone
-        // there is no idle worker to read ahead.
-        let mut hinted_until = if pool.n_threads() > 1 { 0 } else { usize::MAX };
         while i < nodes.len() {
             let node = &nodes[i];
             if abort.is_some_and(|f| f()) {
@@ -195,10 +192,6 @@ pub fn compute_graph_in(
             if is_noop(node) {
                 i += 1;
                 continue;
-            }
-            if i >= hinted_until && mul_mat_activations(node).is_none() {
-                // At small nodes only: during a product the workers run its chunks.
-                hinted_until = read_ahead_from(nodes, i);
             }
             if let Some(next) = compute_mat_vec_run(nodes, i, options, scratch)? {
                 i = next;
@@ -381,58 +374,6 @@ fn compute_mat_vec_run(
     }
     run.compute(b, scratch)?;
     Ok(Some(next))
-}
-
-/// Nodes after the current one searched for the next product to read ahead.
-const READ_AHEAD_NODES: usize = 48;
-
-/// Bytes of a product's weights idle workers read ahead at most: half a core's L2 on the
-/// smallest of the CPUs seen. The stretch of small nodes before a product rarely leaves time
-/// for more than ~150 KiB anyway (decoding SmolLM2 on Zen 5 with 2 threads: 0.25, 0.5 and
-/// 1 MiB measured alike).
-const READ_AHEAD_BYTES: usize = 512 << 10;
-
-/// Names the weights of the next product after node `i` for the pool's idle workers to read
-/// ahead (`ferrograph_base::pool::read_ahead`) while node `i` and the other small nodes before
-/// that product run on this thread alone. Only weights in a buffer marked for weights are
-/// named (they are not written while the graph runs). Returns the index from which the next
-/// hint is due: that product's (the first small node after it names the one after), or the
-/// end of the searched range.
-///
-/// Called at small nodes only: a hint posted as a product starts made its workers read ahead
-/// while the computing thread still streamed its last chunk, and measured about half the gain.
-fn read_ahead_from(nodes: &[Tensor], i: usize) -> usize {
-    let end = (i + 1 + READ_AHEAD_NODES).min(nodes.len());
-    for (j, node) in nodes.iter().enumerate().take(end).skip(i + 1) {
-        if mul_mat_activations(node).is_none() {
-            continue;
-        }
-        if let Some((ptr, len)) = weight_bytes(&node.srcs()[0]) {
-            // SAFETY: the weights are bound to a live buffer that the graph's tensors keep
-            // alive until this computation (the pool's `run`) returns, when the pool withdraws
-            // the hint.
-            unsafe { crate::pool::read_ahead(ptr, len.min(READ_AHEAD_BYTES)) };
-        }
-        return j;
-    }
-    end
-}
-
-/// Where a product's weights lie in host memory and how many bytes they span there (a
-/// repacking buffer's layout may store more than the plain bytes), if they are in a buffer
-/// marked for weights.
-fn weight_bytes(a: &Tensor) -> Option<(*const u8, usize)> {
-    if a.buffer()?.usage() != crate::buffer::BufferUsage::Weights {
-        return None;
-    }
-    if let Some(ptr) = a.live_host_ptr() {
-        return Some((ptr, a.nbytes()));
-    }
-    match super::repack::stored_view(a)? {
-        super::repack::StoredView::LaidOut(ptr, layout) => Some((ptr, layout.stored_bytes())),
-        super::repack::StoredView::Plain(ptr) => Some((ptr, a.nbytes())),
-        super::repack::StoredView::Mapped => None,
-    }
 }
 
 /// Leaves and view ops: nothing to compute.
