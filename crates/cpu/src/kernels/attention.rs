@@ -554,7 +554,7 @@ impl Attention {
                 t / (chunks * groups),
             )
         };
-        par_ranges(tasks * splits, 1, |range| {
+        super::par_ranges_streaming(tasks * splits, 1, |range| {
             let base = table_ptr; // the whole SendPtr, not its raw field
             let mut scratch = SCRATCH.with(RefCell::take);
             let result = range.into_iter().try_for_each(|i| {

@@ -637,12 +637,17 @@ fn mul_mat_tiles(
     let batches = ne12 * ne13;
     let plan = TilePlan::new(m, n, batches);
     // Small products run on one thread: a task costs about ti·tj·K multiply-adds. A
-    // mat-vec's chunks are claimed by the threads as they go, and its rows take a few
-    // microseconds each: smaller chunks there keep the threads' shares even.
+    // mat-vec streams its weights, one range per thread (see `par_ranges_streaming`); its
+    // smaller minimum lets products of a few hundred rows use both threads.
     let work_per_task = plan.ti * plan.tj * a.ne[0];
     let min_chunk_work = if n == 1 { 1usize << 14 } else { 1usize << 16 };
     let grain = min_chunk_work.div_ceil(work_per_task.max(1)).max(1);
-    par_ranges(plan.tasks(batches), grain, |range| {
+    let split = if n == 1 {
+        super::par_ranges_streaming
+    } else {
+        par_ranges
+    };
+    split(plan.tasks(batches), grain, |range| {
         let mut abuf = Vec::new();
         let mut cols = Vec::with_capacity(plan.tj);
         for task in range {
@@ -734,7 +739,7 @@ pub fn mul_mat_plain_run(
         plans.push((total, plan));
         total += plan.tasks(1);
     }
-    par_ranges(total, 1, |range| {
+    super::par_ranges_streaming(total, 1, |range| {
         let mut abuf = Vec::new();
         let mut cols = Vec::with_capacity(n);
         for task in range {
@@ -1115,7 +1120,7 @@ fn mat_vecs_interleaved(
         total += p.a.ne[1].div_ceil(tile);
     }
     starts.push(total);
-    par_ranges(total, 1, |tasks| {
+    super::par_ranges_streaming(total, 1, |tasks| {
         let mut t = tasks.start;
         while t < tasks.end {
             // The product holding task `t`, and this range's tasks inside it.

@@ -80,11 +80,31 @@ pub(crate) fn par_ranges<F>(n: usize, grain: usize, f: F) -> Result<()>
 where
     F: Fn(Range<usize>) -> Result<()> + Sync,
 {
+    split_ranges(n, grain, 4, f)
+}
+
+/// [`par_ranges`] for a stream of even, memory-bound tasks (the rows of a mat-vec's weights,
+/// a decoding step's attention over the KV cache): one range per thread. Every range costs a
+/// claim and a done-count on lines the threads share, and restarts the core's prefetch
+/// stream; decoding SmolLM2 (2 threads, Zen 5) measured 8-9% faster per token with one range
+/// per thread than with four (paired blocks in one process).
+pub(crate) fn par_ranges_streaming<F>(n: usize, grain: usize, f: F) -> Result<()>
+where
+    F: Fn(Range<usize>) -> Result<()> + Sync,
+{
+    split_ranges(n, grain, 1, f)
+}
+
+/// [`par_ranges`] with about `per_thread` ranges per thread (fewer when `grain` says so).
+fn split_ranges<F>(n: usize, grain: usize, per_thread: usize, f: F) -> Result<()>
+where
+    F: Fn(Range<usize>) -> Result<()> + Sync,
+{
     if n == 0 {
         return Ok(());
     }
     let threads = current_num_threads().max(1);
-    let chunk = grain.max(n.div_ceil(threads * 4)).max(1);
+    let chunk = grain.max(n.div_ceil(threads * per_thread)).max(1);
     let n_chunks = n.div_ceil(chunk);
     if n_chunks <= 1 || threads == 1 {
         return f(0..n);
