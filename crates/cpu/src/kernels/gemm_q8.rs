@@ -22,7 +22,7 @@
 use super::view::RowIo;
 use std::cell::RefCell;
 
-use super::par_ranges;
+use super::par_ranges_streaming;
 use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTES, QK};
 use super::view::RawTensor;
 use crate::dtype::DType;
@@ -734,7 +734,9 @@ fn mul_mat_from(
     let batches = ne12 * ne13;
     let tasks = batches * panels * col_blocks;
     let (r2, r3) = (r2.max(1), r3.max(1));
-    par_ranges(tasks, 1, |range| {
+    // One range per thread: the panels stream the weights in order (MiniLM q8_0 1x16, 1x128,
+    // 32x128 measured 1.7-2.5% faster than with four ranges per thread).
+    par_ranges_streaming(tasks, 1, |range| {
         let mut buf = PANEL_BUF.with(RefCell::take);
         let mut out = [[0f32; PANEL]; COLS];
         for task in range {

@@ -83,11 +83,11 @@ where
     split_ranges(n, grain, 4, f)
 }
 
-/// [`par_ranges`] for a stream of even, memory-bound tasks (the rows of a mat-vec's weights,
-/// a decoding step's attention over the KV cache): one range per thread. Every range costs a
-/// claim and a done-count on lines the threads share, and restarts the core's prefetch
-/// stream; decoding SmolLM2 (2 threads, Zen 5) measured 8-9% faster per token with one range
-/// per thread than with four (paired blocks in one process).
+/// [`par_ranges`] for even tasks that read memory in order (a mat-vec's weight rows, the int8
+/// GEMM's weight panels, a decoding step's attention over the KV cache): one range per thread.
+/// Every range costs a claim and a done-count on lines the threads share, and restarts the
+/// core's prefetch stream; decoding SmolLM2 (2 threads, Zen 5) measured 8-9% faster per token
+/// with one range per thread than with four (paired blocks in one process).
 pub(crate) fn par_ranges_streaming<F>(n: usize, grain: usize, f: F) -> Result<()>
 where
     F: Fn(Range<usize>) -> Result<()> + Sync,
