@@ -29,11 +29,11 @@ use super::view::RowIo;
 use std::cell::RefCell;
 
 use super::math;
-use super::par_ranges;
 #[cfg(target_arch = "x86_64")]
 use super::simd::{Avx2, Avx512};
 use super::softmax::alibi_slope;
 use super::view::{load_f32, RawTensor};
+use super::{par_ranges, par_ranges_streaming};
 use crate::dtype::DType;
 use crate::error::Result;
 
@@ -554,7 +554,8 @@ impl Attention {
                 t / (chunks * groups),
             )
         };
-        super::par_ranges_streaming(tasks * splits, 1, |range| {
+        // One range per thread: the parts stream their keys and values from the cache.
+        par_ranges_streaming(tasks * splits, 1, |range| {
             let base = table_ptr; // the whole SendPtr, not its raw field
             let mut scratch = SCRATCH.with(RefCell::take);
             let result = range.into_iter().try_for_each(|i| {

@@ -18,7 +18,6 @@ use super::gemm::{self, F32Rows};
 use super::gemm_bf16;
 use super::gemm_q8;
 use super::interleaved::Layout as Interleaved;
-use super::par_ranges;
 use super::quant_dot::{
     dot_bf16_f32, dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref,
     dot_q8_0_q8_0, dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0,
@@ -26,6 +25,7 @@ use super::quant_dot::{
 };
 use super::stored_layout::StoredLayout;
 use super::view::{read_index, RawTensor, SendPtr};
+use super::{par_ranges, par_ranges_streaming};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::tensor::MAX_DIMS;
@@ -643,7 +643,7 @@ fn mul_mat_tiles(
     let min_chunk_work = if n == 1 { 1usize << 14 } else { 1usize << 16 };
     let grain = min_chunk_work.div_ceil(work_per_task.max(1)).max(1);
     let split = if n == 1 {
-        super::par_ranges_streaming
+        par_ranges_streaming
     } else {
         par_ranges
     };
@@ -739,7 +739,7 @@ pub fn mul_mat_plain_run(
         plans.push((total, plan));
         total += plan.tasks(1);
     }
-    super::par_ranges_streaming(total, 1, |range| {
+    par_ranges_streaming(total, 1, |range| {
         let mut abuf = Vec::new();
         let mut cols = Vec::with_capacity(n);
         for task in range {
@@ -1120,7 +1120,7 @@ fn mat_vecs_interleaved(
         total += p.a.ne[1].div_ceil(tile);
     }
     starts.push(total);
-    super::par_ranges_streaming(total, 1, |tasks| {
+    par_ranges_streaming(total, 1, |tasks| {
         let mut t = tasks.start;
         while t < tasks.end {
             // The product holding task `t`, and this range's tasks inside it.
