@@ -1619,6 +1619,41 @@ fn get_rows_and_set_rows() {
         }
         check(&format!("set_rows {dtype} {index_type}"), &got, &want, 0.0);
     }
+
+    // Many rows (a parallel split) onto distinct targets, then onto repeated ones: the rows
+    // land where their indices say, and of rows naming one target the last one stays. The
+    // destination is much larger than the rows written (a cache and one decoding step).
+    for repeated in [false, true] {
+        let c = ctx();
+        let dst = c.new_tensor(DType::F32, &[64, 16384]).unwrap();
+        dst.set_f32(&vec![0f32; dst.nelements()]).unwrap();
+        let n = 8192;
+        let rows = c.new_tensor(DType::F32, &[64, n]).unwrap();
+        let rv = fill(&rows, &mut rng, -1.0, 1.0);
+        let idv: Vec<i32> = (0..n)
+            .map(|r| {
+                if repeated {
+                    (r % 7) as i32 * 3
+                } else {
+                    (16383 - 2 * r) as i32
+                }
+            })
+            .collect();
+        let ids = c.new_tensor(DType::I32, &[n]).unwrap();
+        fill_i32(&ids, &idv);
+        compute(&ops::set_rows(&c, &dst, &rows, &ids).unwrap());
+        let mut want = vec![0f64; dst.nelements()];
+        for (r, &row) in idv.iter().enumerate() {
+            for i0 in 0..64 {
+                want[i0 + 64 * row as usize] = rv[i0 + 64 * r] as f64;
+            }
+        }
+        let label = format!(
+            "set_rows onto {} targets",
+            if repeated { "repeated" } else { "distinct" }
+        );
+        check(&label, &dst.to_f32_vec().unwrap(), &want, 0.0);
+    }
 }
 
 // ----- in place, threads, errors -----

@@ -207,8 +207,9 @@ pub fn set_rows(dst: RawTensor, b: RawTensor, idx: RawTensor) -> Result<()> {
     let n0 = b.ne[0];
     let nrows = b.nrows();
     let mut targets = Vec::with_capacity(nrows);
-    let mut seen = vec![false; dst.ne[1] * dst.ne[2] * dst.ne[3]];
-    let mut distinct = true;
+    // Each written row's place in dst, to tell whether two rows land on one: work of the rows
+    // written, not of dst's size (a decoding step writes one row into a cache of n_ctx).
+    let mut keys = Vec::with_capacity(nrows);
     for r in 0..nrows {
         let (i, i2, i3) = b.row_coords(r);
         // SAFETY: (i, i2 % ne1, i3 % ne2) is inside the index tensor (checked by the builder:
@@ -222,10 +223,11 @@ pub fn set_rows(dst: RawTensor, b: RawTensor, idx: RawTensor) -> Result<()> {
         if row < 0 || row as usize >= dst.ne[1] {
             return Err(bad_index("SET_ROWS", row, dst.ne[1]));
         }
-        let key = row as usize + dst.ne[1] * (i2 + dst.ne[2] * i3);
-        distinct &= !std::mem::replace(&mut seen[key], true);
+        keys.push(row as usize + dst.ne[1] * (i2 + dst.ne[2] * i3));
         targets.push(row as usize);
     }
+    keys.sort_unstable();
+    let distinct = keys.windows(2).all(|w| w[0] != w[1]);
     let work = |range: std::ops::Range<usize>| -> Result<()> {
         let mut buf = vec![0f32; n0];
         for r in range {
