@@ -273,9 +273,13 @@ pub fn stored_view(tensor: &Tensor) -> Option<StoredView> {
     let base = memory.host.host_ptr()?.as_ptr();
     let end = offset + tensor.nbytes();
     let layouts = memory.layouts();
+    // The first laid-out tensor whose plain range ends after `offset` (sorted, not
+    // overlapping: their ends increase), if it starts before the tensor's end. A binary
+    // search: products look their weights up on every compute, among all of a model's.
+    let first_after = layouts.partition_point(|(start, l)| start + l.plain_bytes() <= offset);
     let covering = layouts
-        .iter()
-        .find(|(start, l)| *start < end.max(offset + 1) && offset < start + l.plain_bytes());
+        .get(first_after)
+        .filter(|(start, _)| *start < end.max(offset + 1));
     // SAFETY: `offset + nbytes` lies inside the buffer (checked when the tensor was bound).
     let at = unsafe { base.add(offset) };
     Some(match covering {
