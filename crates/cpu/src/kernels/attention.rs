@@ -241,9 +241,16 @@ pub(crate) fn flash_attn_ext_with(
     let chunks = n_q.div_ceil(q_chunk);
     let groups = n_head / group.max(1);
     let tasks = chunks * groups * n_seq;
-    let splits = key_splits(att.k.ne[1], att.kb, group * q_chunk.min(n_q));
-    if splits > 1 {
-        return att.split_keys(chunks, groups, q_chunk, splits);
+    let task_rows = group * q_chunk.min(n_q);
+    if task_rows <= DIRECT_ROWS {
+        // A decoding step's few rows: split the keys any row sees (a padded cache window's
+        // hidden tail is no part's work).
+        // SAFETY: the operands are the op's checked host tensors.
+        let live = unsafe { att.live_keys()? };
+        let splits = key_splits(live, att.kb, task_rows);
+        if splits > 1 {
+            return att.split_keys(chunks, groups, q_chunk, (splits, live));
+        }
     }
     par_ranges(tasks, 1, |range| {
         // Taken out of the thread-local for the range: a nested parallel call could otherwise
@@ -271,10 +278,11 @@ pub(crate) fn flash_attn_ext_with(
 /// block is used when that is larger).
 const SPLIT_KEYS: usize = 128;
 
-/// Into how many parts the keys of a task of `task_rows` query rows are split: several for
-/// the few rows of a decoding step (the query heads of one key/value head, too few tasks to
-/// keep every thread busy), one otherwise. It depends on the shape alone, never on the thread
-/// count, so the results do not either.
+/// Into how many parts the `n_kv` keys of a task of `task_rows` query rows are split: several
+/// for the few rows of a decoding step (the query heads of one key/value head, too few tasks
+/// to keep every thread busy), one otherwise. It depends on the shape and on how many keys
+/// the mask leaves visible (`Attention::live_keys`), never on the thread count, so the
+/// results do not either.
 fn key_splits(n_kv: usize, kb: usize, task_rows: usize) -> usize {
     if task_rows > DIRECT_ROWS {
         return 1;
@@ -521,22 +529,58 @@ impl Attention {
         Ok(())
     }
 
-    /// The op with each task's keys split into `splits` parts (see [`key_splits`]): every
-    /// (task, part) runs on its own, leaving its rows' max, sum and unnormalised output in a
-    /// shared table; then each task's parts are merged in part order (rescaled to the
-    /// largest max) and stored.
+    /// How many keys some query row sees: one past the last key the mask leaves visible to
+    /// any row (−∞ hides a key, as the block skip reads it); every key without a mask, or
+    /// when the mask hides them all (those rows keep their usual result).
+    ///
+    /// # Safety
+    /// The operands must be valid host tensors of the shapes the op builder checked.
+    unsafe fn live_keys(&self) -> Result<usize> {
+        let n_kv = self.k.ne[1];
+        let Some(m) = &self.mask else {
+            return Ok(n_kv);
+        };
+        let (n_q, n_head, n_seq) = (self.q.ne[1], self.q.ne[2], self.q.ne[3]);
+        let mut buf = Vec::new();
+        let mut live = 0;
+        // The mask broadcasts over heads and sequences: its own rows are enough.
+        for iq3 in 0..n_seq.min(m.ne[3]) {
+            for iq2 in 0..n_head.min(m.ne[2]) {
+                for iq in 0..n_q {
+                    // SAFETY: row iq of the mask holds n_kv values (checked by the builder).
+                    let row = unsafe { self.mask_segment(&mut buf, iq, iq2, iq3, 0, n_kv)? };
+                    if let Some(last) =
+                        row.and_then(|r| r.iter().rposition(|&x| x != f32::NEG_INFINITY))
+                    {
+                        live = live.max(last + 1);
+                    }
+                    if live == n_kv {
+                        return Ok(n_kv);
+                    }
+                }
+            }
+        }
+        Ok(if live == 0 { n_kv } else { live })
+    }
+
+    /// The op with each task's first `live` keys (see [`Attention::live_keys`]; the rest are
+    /// hidden from every row) split into `splits` parts (see [`key_splits`]): every (task,
+    /// part) runs on its own, leaving its rows' max, sum and unnormalised output in a shared
+    /// table; then each task's parts are merged in part order (rescaled to the largest max)
+    /// and stored.
     fn split_keys(
         &self,
         chunks: usize,
         groups: usize,
         q_chunk: usize,
-        splits: usize,
+        (splits, live): (usize, usize),
     ) -> Result<()> {
         let (n_q, n_head, n_seq) = (self.q.ne[1], self.q.ne[2], self.q.ne[3]);
         let (n_kv, dv) = (self.k.ne[1], self.v.ne[0]);
         let group = n_head / groups.max(1);
         let tasks = chunks * groups * n_seq;
-        let per = n_kv.div_ceil(splits).next_multiple_of(self.kb.max(1));
+        // The parts cover the live keys; the keys after them are hidden from every row.
+        let per = live.div_ceil(splits).next_multiple_of(self.kb.max(1));
         // Per (task, part): DIRECT_ROWS rows of [max, sum, output...].
         let slot = dv + 2;
         let part_len = DIRECT_ROWS * slot;
@@ -2010,9 +2054,12 @@ mod tests {
     fn f16_cache_rows_on_the_direct_path_match_f64_reference() {
         use half::f16;
         // (d = dv, n_q, n_kv, n_head, n_head_kv): head sizes with and without 8-wide tails;
-        // 300 and 700 keys are split over tasks (3 and 5 parts, the last ones masked)
+        // the keys a row sees (two thirds of the window; 101 of 512, an early decoding step)
+        // are split over tasks when there are more than 128 (300 and 700 keys: 2 and 4 parts,
+        // the hidden tail in none)
         for (d, n_q, n_kv, n_head, n_head_kv) in [
             (64, 1, 300, 9, 3),
+            (64, 1, 512, 9, 3),
             (24, 2, 130, 4, 2),
             (24, 2, 700, 4, 2),
             (13, 1, 40, 3, 1),
@@ -2027,7 +2074,7 @@ mod tests {
                 .collect();
             let mut q: Vec<f32> = (0..d * n_q * n_head).map(|_| lcg(&mut seed)).collect();
             // causal over the first positions, the tail of the window hidden
-            let used = n_kv * 2 / 3;
+            let used = if n_kv == 512 { 101 } else { n_kv * 2 / 3 };
             let mut mask: Vec<f32> = (0..n_kv * n_q)
                 .map(|i| {
                     if i % n_kv < used - n_q + i / n_kv {
