@@ -157,6 +157,16 @@ impl ThreadpoolParams {
             .collect()
     }
 
+    /// How many CPUs the pool's threads may share: the mask's (at most those the process may
+    /// use), or every CPU the process may use without a mask.
+    pub fn cpus_for_workers(&self) -> usize {
+        let process = default_n_threads();
+        match self.allowed_cpus().len() {
+            0 => process,
+            masked => masked.min(process),
+        }
+    }
+
     /// Checks the ranges: 1 to MAX_THREADS threads, poll at most 100, a mask of at most
     /// MAX_THREADS CPUs.
     pub fn check(&self) -> Result<()> {
@@ -321,6 +331,9 @@ const MAX_CHUNKS: usize = COUNT_MASK as usize;
 /// What the threads of one pool share.
 struct Shared {
     n_threads: usize,
+    /// Whether every thread of the pool can have a CPU of its own (see
+    /// [`current_threads_have_cpus`]).
+    cpu_each: bool,
     /// The job counter: generation, chunk count and next unclaimed chunk, in one word so a
     /// claim (compare-and-swap) can only take a chunk of the job it looked at.
     state: AtomicU64,
@@ -610,6 +623,21 @@ pub fn current_num_threads() -> usize {
     }
 }
 
+/// Whether each thread a split on the current thread may use can run on a CPU of its own:
+/// false on a pool with more threads than the CPUs it may run on (its mask, or the process's
+/// CPUs), where some thread always waits for a CPU and work given to it alone waits too.
+#[inline]
+pub fn current_threads_have_cpus() -> bool {
+    let context = CONTEXT.get();
+    if context.role == Role::Owner && !context.in_chunk && !context.pool.is_null() {
+        // SAFETY: an owner's context points at the pool it computes on, kept alive by the
+        // `run` call that set the context.
+        unsafe { &*context.pool }.cpu_each
+    } else {
+        true
+    }
+}
+
 /// Whether this thread is computing on a pool or is a pool's worker (Python callbacks run
 /// from here must not wait for locks the computation's caller may hold).
 #[inline]
@@ -655,6 +683,7 @@ impl Threadpool {
         let refused = Arc::new(Mutex::new(Vec::new()));
         let shared = Arc::new(Shared {
             n_threads: params.n_threads,
+            cpu_each: params.n_threads <= params.cpus_for_workers(),
             state: AtomicU64::new(0),
             job: UnsafeCell::new(Job {
                 f: &no_job as &ChunkFn<'static>,
@@ -1091,6 +1120,34 @@ mod tests {
             let (seen, _, result) = visit(&pool, n, 3, |_| Ok(()));
             result.unwrap();
             assert_eq!(seen, vec![1; n]);
+        }
+    }
+
+    #[test]
+    fn pools_know_whether_their_threads_have_a_cpu_each() {
+        assert!(current_threads_have_cpus(), "outside a computation");
+        let cpus = default_n_threads();
+        let fits = Threadpool::new(&ThreadpoolParams::new(cpus.min(MAX_THREADS))).unwrap();
+        assert!(fits.run(current_threads_have_cpus));
+        // Two threads on a mask of one CPU share it.
+        let one_cpu = Threadpool::new(&ThreadpoolParams {
+            cpumask: vec![true],
+            ..ThreadpoolParams::new(2)
+        })
+        .unwrap();
+        assert!(!one_cpu.run(current_threads_have_cpus));
+        // More threads than the process's CPUs.
+        if cpus < MAX_THREADS {
+            let over = Threadpool::new(&ThreadpoolParams::new(cpus + 1)).unwrap();
+            assert!(!over.run(current_threads_have_cpus));
+            // Inside a chunk a split stays on its thread: nothing to share.
+            over.run(|| {
+                run_chunks(4, 1, &|_| {
+                    assert!(current_threads_have_cpus());
+                    Ok(())
+                })
+            })
+            .unwrap();
         }
     }
 

@@ -80,29 +80,27 @@ pub(crate) fn par_ranges<F>(n: usize, grain: usize, f: F) -> Result<()>
 where
     F: Fn(Range<usize>) -> Result<()> + Sync,
 {
-    split_ranges(n, grain, 4, f)
+    split_ranges(n, grain, false, f)
 }
 
 /// [`par_ranges`] for even tasks that read memory in order (a mat-vec's weight rows, the int8
 /// GEMM's weight panels, a decoding step's attention over the KV cache): one range per thread.
 /// Every range costs a claim and a done-count on lines the threads share, and restarts the
 /// core's prefetch stream; decoding SmolLM2 (2 threads, Zen 5) measured 8-9% faster per token
-/// with one range per thread than with four (paired blocks in one process). With more threads
-/// than the CPUs this process may use, some thread always waits for a core and nothing could
-/// take over its one range (3 threads on 2 cores: 7% slower than four ranges), so there the
-/// split stays as [`par_ranges`] makes it.
+/// with one range per thread than with four (paired blocks in one process). On a pool with
+/// more threads than the CPUs it may run on, some thread always waits for a CPU and nothing
+/// could take over its one range (3 threads on 2 cores: 7% slower than four ranges), so there
+/// the split stays as [`par_ranges`] makes it.
 pub(crate) fn par_ranges_streaming<F>(n: usize, grain: usize, f: F) -> Result<()>
 where
     F: Fn(Range<usize>) -> Result<()> + Sync,
 {
-    static CPUS: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    let cpus = *CPUS.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
-    let per_thread = if current_num_threads() <= cpus { 1 } else { 4 };
-    split_ranges(n, grain, per_thread, f)
+    split_ranges(n, grain, true, f)
 }
 
-/// [`par_ranges`] with about `per_thread` ranges per thread (fewer when `grain` says so).
-fn split_ranges<F>(n: usize, grain: usize, per_thread: usize, f: F) -> Result<()>
+/// [`par_ranges`] with about four ranges per thread, or one per thread for a `streaming` split
+/// whose threads have a CPU each (see [`par_ranges_streaming`]); fewer when `grain` says so.
+fn split_ranges<F>(n: usize, grain: usize, streaming: bool, f: F) -> Result<()>
 where
     F: Fn(Range<usize>) -> Result<()> + Sync,
 {
@@ -110,6 +108,11 @@ where
         return Ok(());
     }
     let threads = current_num_threads().max(1);
+    let per_thread = if streaming && crate::pool::current_threads_have_cpus() {
+        1
+    } else {
+        4
+    };
     let chunk = grain.max(n.div_ceil(threads * per_thread)).max(1);
     let n_chunks = n.div_ceil(chunk);
     if n_chunks <= 1 || threads == 1 {
