@@ -242,15 +242,17 @@ pub(crate) fn flash_attn_ext_with(
     let groups = n_head / group.max(1);
     let tasks = chunks * groups * n_seq;
     let task_rows = group * q_chunk.min(n_q);
-    if task_rows <= DIRECT_ROWS {
-        // A decoding step's few rows: split the keys any row sees (a padded cache window's
-        // hidden tail is no part's work).
+    // A decoding step's few rows visit only the keys some row sees (a padded cache window's
+    // hidden tail is no task's or part's work); many rows see nearly every key.
+    let live = if task_rows <= DIRECT_ROWS {
         // SAFETY: the operands are the op's checked host tensors.
-        let live = unsafe { att.live_keys()? };
-        let splits = key_splits(live, att.kb, task_rows);
-        if splits > 1 {
-            return att.split_keys(chunks, groups, q_chunk, (splits, live));
-        }
+        unsafe { att.live_keys()? }
+    } else {
+        att.k.ne[1]
+    };
+    let splits = key_splits(live, att.kb, task_rows);
+    if splits > 1 {
+        return att.split_keys(chunks, groups, q_chunk, (splits, live));
     }
     par_ranges(tasks, 1, |range| {
         // Taken out of the thread-local for the range: a nested parallel call could otherwise
@@ -267,7 +269,7 @@ pub(crate) fn flash_attn_ext_with(
             };
             // SAFETY: the task's output rows (its heads × its queries, sequence iq3) are
             // written by this task alone; every other access is a read of a source.
-            unsafe { att.task(&mut scratch, &rows, iq3) }
+            unsafe { att.task(&mut scratch, &rows, iq3, live) }
         });
         SCRATCH.with(|cell| cell.replace(scratch));
         result
@@ -312,16 +314,16 @@ impl TaskRows {
 }
 
 impl Attention {
-    /// The query rows of `rows` (sequence `iq3`) against every key of their shared key/value
-    /// head.
+    /// The query rows of `rows` (sequence `iq3`) against the first `live` keys of their
+    /// shared key/value head (the rest hidden from every row, see [`Attention::live_keys`]).
     ///
     /// # Safety
     /// The operands must be valid host tensors of the shapes the op builder checked, and no
     /// other task may touch the output rows of these queries.
-    unsafe fn task(&self, s: &mut Scratch, rows: &TaskRows, iq3: usize) -> Result<()> {
+    unsafe fn task(&self, s: &mut Scratch, rows: &TaskRows, iq3: usize, live: usize) -> Result<()> {
         // SAFETY: forwarded from the caller.
         unsafe {
-            self.accumulate(s, rows, iq3, 0..self.k.ne[1])?;
+            self.accumulate(s, rows, iq3, 0..live)?;
             self.store(s, rows, iq3)
         }
     }
