@@ -10,7 +10,7 @@ use std::str::FromStr;
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
-use crate::quant::{kquants, legacy};
+use crate::quant::{iquants, kquants, legacy, lowbit};
 use crate::{convert, quant};
 
 /// The element type of a tensor.
@@ -70,11 +70,47 @@ pub enum DType {
     IQ4_NL,
     /// Super-blocks of 256 values: 4-bit indices into the IQ4_NL table with 6-bit group scales.
     IQ4_XS,
+    /// Super-blocks of 256 values at ~2.06 bits each: groups of 8 values from a 256-point grid,
+    /// with 7-bit sign patterns and 4-bit group scales.
+    IQ2_XXS,
+    /// Super-blocks of 256 values at ~2.31 bits each: groups of 8 values from a 512-point grid,
+    /// with 7-bit sign patterns and 4-bit scales per 16 values.
+    IQ2_XS,
+    /// Super-blocks of 256 values at ~3.06 bits each: groups of 4 values from a 256-point grid,
+    /// with 7-bit sign patterns and 4-bit group scales.
+    IQ3_XXS,
+    /// Super-blocks of 256 values at ~1.56 bits each: groups of 8 values in {-1, 0, 1} from a
+    /// 2048-point grid, with a shift and a 3-bit scale per 32 values.
+    IQ1_S,
+    /// Super-blocks of 256 values at ~3.44 bits each: groups of 4 values from a 512-point grid,
+    /// with stored 8-bit sign masks and 4-bit scales per 32 values.
+    IQ3_S,
+    /// Super-blocks of 256 values at ~2.56 bits each: groups of 8 values from a 1024-point grid,
+    /// with stored 8-bit sign masks and 4-bit scales per 16 values.
+    IQ2_S,
+    /// 64-bit IEEE float (a storage type: converted to and from f32).
+    F64,
+    /// Super-blocks of 256 values at ~1.75 bits each: IQ1_S's grid with a shift per 8 values and
+    /// 3-bit scales per 16 values, the f16 super-block scale spread over the scale bits.
+    IQ1_M,
+    /// Super-blocks of 256 ternary values (-1, 0, 1) packed five per byte in base 3 (~1.69 bits
+    /// each) with an f16 scale.
+    TQ1_0,
+    /// Super-blocks of 256 ternary values (-1, 0, 1) at 2 bits each with an f16 scale.
+    TQ2_0,
+    /// Blocks of 32 values: an 8-bit power-of-two exponent and 4-bit FP4 (E2M1) values (the OCP
+    /// microscaling format).
+    MXFP4,
+    /// Blocks of 64 values: four FP8 (E4M3) scales, one per 16 values, and 4-bit FP4 (E2M1)
+    /// values.
+    NVFP4,
+    /// Blocks of 128 values at 1 bit each (a sign) with an f16 scale.
+    Q1_0,
 }
 
 impl DType {
     /// Every type, in declaration order.
-    pub const ALL: [DType; 21] = [
+    pub const ALL: [DType; 34] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -96,6 +132,19 @@ impl DType {
         DType::Q8_K,
         DType::IQ4_NL,
         DType::IQ4_XS,
+        DType::IQ2_XXS,
+        DType::IQ2_XS,
+        DType::IQ3_XXS,
+        DType::IQ1_S,
+        DType::IQ3_S,
+        DType::IQ2_S,
+        DType::F64,
+        DType::IQ1_M,
+        DType::TQ1_0,
+        DType::TQ2_0,
+        DType::MXFP4,
+        DType::NVFP4,
+        DType::Q1_0,
     ];
 
     /// The short name, as ggml spells it (`"f32"`, `"q8_0"`, ...).
@@ -122,6 +171,19 @@ impl DType {
             DType::Q8_K => "q8_K",
             DType::IQ4_NL => "iq4_nl",
             DType::IQ4_XS => "iq4_xs",
+            DType::IQ2_XXS => "iq2_xxs",
+            DType::IQ2_XS => "iq2_xs",
+            DType::IQ3_XXS => "iq3_xxs",
+            DType::IQ1_S => "iq1_s",
+            DType::IQ3_S => "iq3_s",
+            DType::IQ2_S => "iq2_s",
+            DType::F64 => "f64",
+            DType::IQ1_M => "iq1_m",
+            DType::TQ1_0 => "tq1_0",
+            DType::TQ2_0 => "tq2_0",
+            DType::MXFP4 => "mxfp4",
+            DType::NVFP4 => "nvfp4",
+            DType::Q1_0 => "q1_0",
         }
     }
 
@@ -135,6 +197,7 @@ impl DType {
             DType::I16 => Some("int16"),
             DType::I32 => Some("int32"),
             DType::I64 => Some("int64"),
+            DType::F64 => Some("float64"),
             _ => None,
         }
     }
@@ -146,7 +209,7 @@ impl DType {
             DType::F32 | DType::I32 => 4,
             DType::F16 | DType::BF16 | DType::I16 => 2,
             DType::I8 => 1,
-            DType::I64 => 8,
+            DType::I64 | DType::F64 => 8,
             DType::Q8_0 => std::mem::size_of::<quant::BlockQ8_0>(),
             DType::Q4_0 => std::mem::size_of::<quant::BlockQ4_0>(),
             DType::Q4_1 => legacy::Q4_1_BYTES,
@@ -161,6 +224,18 @@ impl DType {
             DType::Q6_K => kquants::Q6_K_BYTES,
             DType::Q8_K => kquants::Q8_K_BYTES,
             DType::IQ4_XS => kquants::IQ4_XS_BYTES,
+            DType::IQ2_XXS => iquants::IQ2_XXS_BYTES,
+            DType::IQ2_XS => iquants::IQ2_XS_BYTES,
+            DType::IQ2_S => iquants::IQ2_S_BYTES,
+            DType::IQ3_XXS => iquants::IQ3_XXS_BYTES,
+            DType::IQ3_S => iquants::IQ3_S_BYTES,
+            DType::IQ1_S => iquants::IQ1_S_BYTES,
+            DType::IQ1_M => iquants::IQ1_M_BYTES,
+            DType::TQ1_0 => lowbit::TQ1_0_BYTES,
+            DType::TQ2_0 => lowbit::TQ2_0_BYTES,
+            DType::MXFP4 => lowbit::MXFP4_BYTES,
+            DType::NVFP4 => lowbit::NVFP4_BYTES,
+            DType::Q1_0 => lowbit::Q1_0_BYTES,
         }
     }
 
@@ -177,7 +252,19 @@ impl DType {
             | DType::Q5_K
             | DType::Q6_K
             | DType::Q8_K
-            | DType::IQ4_XS => quant::QK_K,
+            | DType::IQ4_XS
+            | DType::IQ2_XXS
+            | DType::IQ2_XS
+            | DType::IQ2_S
+            | DType::IQ3_XXS
+            | DType::IQ3_S
+            | DType::IQ1_S
+            | DType::IQ1_M
+            | DType::TQ1_0
+            | DType::TQ2_0 => quant::QK_K,
+            DType::MXFP4 => lowbit::QK_MXFP4,
+            DType::NVFP4 => lowbit::QK_NVFP4,
+            DType::Q1_0 => lowbit::QK_Q1_0,
             _ => 1,
         }
     }
@@ -192,6 +279,22 @@ impl DType {
     #[inline]
     pub fn is_float(self) -> bool {
         matches!(self, DType::F32 | DType::F16 | DType::BF16)
+    }
+
+    /// Whether f32 values can be converted to the type ([`Self::row_from_f32`]): every type but
+    /// the i-quants below 4 bits, which ggml only quantizes with a grid search and an importance
+    /// matrix.
+    pub fn has_quantizer(self) -> bool {
+        !matches!(
+            self,
+            DType::IQ2_XXS
+                | DType::IQ2_XS
+                | DType::IQ2_S
+                | DType::IQ3_XXS
+                | DType::IQ3_S
+                | DType::IQ1_S
+                | DType::IQ1_M
+        )
     }
 
     /// Whether the type is a plain integer type.
@@ -254,6 +357,19 @@ impl DType {
             "q8_k" => DType::Q8_K,
             "iq4_nl" => DType::IQ4_NL,
             "iq4_xs" => DType::IQ4_XS,
+            "f64" | "float64" | "fp64" | "double" | "<f8" => DType::F64,
+            "iq2_xxs" => DType::IQ2_XXS,
+            "iq2_xs" => DType::IQ2_XS,
+            "iq3_xxs" => DType::IQ3_XXS,
+            "iq1_s" => DType::IQ1_S,
+            "iq3_s" => DType::IQ3_S,
+            "iq2_s" => DType::IQ2_S,
+            "iq1_m" => DType::IQ1_M,
+            "tq1_0" => DType::TQ1_0,
+            "tq2_0" => DType::TQ2_0,
+            "mxfp4" => DType::MXFP4,
+            "nvfp4" => DType::NVFP4,
+            "q1_0" => DType::Q1_0,
             _ => {
                 return Err(Error::DType(format!(
                     "unknown dtype {name:?}; expected one of {}",
@@ -310,6 +426,14 @@ impl DType {
                     let mut bytes = [0u8; 8];
                     bytes.copy_from_slice(s);
                     *d = i64::from_ne_bytes(bytes) as f32;
+                }
+            }
+            DType::F64 => {
+                for (d, s) in dst.iter_mut().zip(src.chunks_exact(8)) {
+                    let mut bytes = [0u8; 8];
+                    bytes.copy_from_slice(s);
+                    // Rounds to nearest even; out of range becomes ±inf.
+                    *d = f64::from_ne_bytes(bytes) as f32;
                 }
             }
             DType::Q8_0 => {
@@ -372,6 +496,11 @@ impl DType {
                     d.copy_from_slice(&(s as i64).to_ne_bytes());
                 }
             }
+            DType::F64 => {
+                for (d, &s) in dst.chunks_exact_mut(8).zip(src) {
+                    d.copy_from_slice(&f64::from(s).to_ne_bytes());
+                }
+            }
             DType::Q8_0 => {
                 let blocks = quant::blocks_q8_0_mut(dst)?;
                 quant::quantize_row_q8_0_ref(src, blocks)?;
@@ -382,7 +511,8 @@ impl DType {
             }
             block => {
                 let codec = quant::codec(block).ok_or_else(|| no_codec(block))?;
-                (codec.from_f32)(src, dst);
+                let from_f32 = codec.from_f32.ok_or_else(|| no_quantizer(block))?;
+                from_f32(src, dst);
             }
         }
         Ok(())
@@ -395,8 +525,20 @@ fn no_codec(dtype: DType) -> Error {
     Error::unsupported(format!("no row conversion for {}", dtype.name()))
 }
 
+/// The error for a block type that is read but never written: ggml has no reference quantizer
+/// for it (the i-quants' quantizers search their grids with an importance matrix).
+fn no_quantizer(dtype: DType) -> Error {
+    Error::unsupported(format!(
+        "converting f32 to {} is not supported: ferrograph reads and multiplies {} weights but \
+         does not quantize to them (ggml's quantizers for this type need an importance matrix \
+         or a grid search; quantize the model with llama.cpp)",
+        dtype.name(),
+        dtype.name()
+    ))
+}
+
 /// ggml's numbering of its types (`enum ggml_type`), as GGUF files store them.
-const GGML_TYPE_IDS: [(DType, u32); 21] = [
+const GGML_TYPE_IDS: [(DType, u32); 34] = [
     (DType::F32, 0),
     (DType::F16, 1),
     (DType::Q4_0, 2),
@@ -418,22 +560,21 @@ const GGML_TYPE_IDS: [(DType, u32); 21] = [
     (DType::I32, 26),
     (DType::I64, 27),
     (DType::BF16, 30),
+    (DType::IQ2_XXS, 16),
+    (DType::IQ2_XS, 17),
+    (DType::IQ3_XXS, 18),
+    (DType::IQ1_S, 19),
+    (DType::IQ3_S, 21),
+    (DType::IQ2_S, 22),
+    (DType::F64, 28),
+    (DType::IQ1_M, 29),
+    (DType::TQ1_0, 34),
+    (DType::TQ2_0, 35),
+    (DType::MXFP4, 39),
+    (DType::NVFP4, 40),
+    (DType::Q1_0, 41),
 ];
 
-/// Names of ggml type ids ferrograph does not implement, for error messages.
-const GGML_OTHER_TYPES: [(u32, &str); 11] = [
-    (16, "iq2_xxs"),
-    (17, "iq2_xs"),
-    (18, "iq3_xxs"),
-    (19, "iq1_s"),
-    (21, "iq3_s"),
-    (22, "iq2_s"),
-    (28, "f64"),
-    (29, "iq1_m"),
-    (34, "tq1_0"),
-    (35, "tq2_0"),
-    (39, "mxfp4"),
-];
 
 impl DType {
     /// ggml's id of this type (`enum ggml_type`), as GGUF files and ggml's API number it.
@@ -451,12 +592,9 @@ impl DType {
         if let Some(&(dtype, _)) = GGML_TYPE_IDS.iter().find(|(_, i)| *i == id) {
             return Ok(dtype);
         }
-        match GGML_OTHER_TYPES.iter().find(|(i, _)| *i == id) {
-            Some((_, name)) => Err(Error::DType(format!(
-                "ggml type {id} ({name}) is not supported by ferrograph"
-            ))),
-            None => Err(Error::DType(format!("unknown ggml type id {id}"))),
-        }
+        Err(Error::DType(format!(
+            "unknown ggml type id {id} (ferrograph knows ggml's types up to q1_0, id 41)"
+        )))
     }
 }
 
@@ -517,10 +655,17 @@ mod tests {
         let src: Vec<f32> = (0..256).map(|i| i as f32 / 16.0 - 8.0).collect();
         for dt in DType::ALL {
             let mut bytes = vec![0u8; dt.row_size(src.len()).unwrap()];
-            dt.row_from_f32(&src, &mut bytes).unwrap();
+            if dt.has_quantizer() {
+                dt.row_from_f32(&src, &mut bytes).unwrap();
+            } else {
+                let err = dt.row_from_f32(&src, &mut bytes).unwrap_err().to_string();
+                assert!(err.contains(dt.name()), "{err}");
+                continue;
+            }
             let mut back = vec![0f32; src.len()];
             dt.row_to_f32(&bytes, &mut back).unwrap();
-            // about one quantization step of each type at this range
+            // about one quantization step of each type at this range (the ternary, 1-bit and
+            // FP4 types: half their coarsest step, a scale of 8)
             let tolerance = match dt {
                 DType::I8 | DType::I16 | DType::I32 | DType::I64 => 1.0,
                 DType::Q8_0 | DType::Q8_1 | DType::Q8_K => 0.04,
@@ -529,7 +674,10 @@ mod tests {
                 DType::Q4_0 | DType::Q4_1 | DType::Q4_K | DType::IQ4_NL | DType::IQ4_XS => 1.0,
                 DType::Q3_K => 2.0,
                 DType::Q2_K => 3.0,
-                DType::F32 | DType::F16 | DType::BF16 => 0.0,
+                DType::F32 | DType::F16 | DType::BF16 | DType::F64 => 0.0,
+                DType::MXFP4 | DType::NVFP4 => 1.0,
+                DType::TQ1_0 | DType::TQ2_0 | DType::Q1_0 => 8.0,
+                _ => unreachable!("{dt} has no quantizer"),
             };
             for (a, b) in src.iter().zip(&back) {
                 assert!((a - b).abs() <= tolerance, "{dt}: {a} vs {b}");
@@ -542,9 +690,11 @@ mod tests {
         for dt in DType::ALL {
             assert_eq!(DType::from_ggml_type_id(dt.ggml_type_id()).unwrap(), dt);
         }
-        let err = DType::from_ggml_type_id(16).unwrap_err().to_string();
-        assert!(err.contains("iq2_xxs"), "{err}");
-        assert!(DType::from_ggml_type_id(9999).is_err());
+        // Ids ggml retired (q4_2, q4_3) or never gave a type.
+        for id in [4, 5, 31, 32, 33, 36, 37, 38, 42, 9999] {
+            let err = DType::from_ggml_type_id(id).unwrap_err().to_string();
+            assert!(err.contains(&format!("id {id}")), "{err}");
+        }
     }
 
     #[test]
@@ -554,7 +704,7 @@ mod tests {
             assert_eq!(bytes, postcard::to_stdvec(&dt.ggml_type_id()).unwrap());
             assert_eq!(postcard::from_bytes::<DType>(&bytes).unwrap(), dt);
         }
-        for id in [16u32, 9999, u32::MAX] {
+        for id in [4u32, 31, 9999, u32::MAX] {
             let bytes = postcard::to_stdvec(&id).unwrap();
             assert!(postcard::from_bytes::<DType>(&bytes).is_err(), "{id}");
         }

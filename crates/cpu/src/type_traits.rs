@@ -162,11 +162,14 @@ fn dot_block<const ID: u32>(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
 }
 
 /// The traits of the block types other than q8_0/q4_0, by ggml id (`ID` must be `dtype`'s).
+/// Types without a quantizer ([`DType::has_quantizer`]: the i-quants below 4 bits) have no
+/// `from_float`, as in ggml.
 fn block_traits<const ID: u32>(dtype: DType) -> (Option<FromFloat>, Option<VecDot>, DType) {
+    let from_float = dtype.has_quantizer().then_some(from_block::<ID> as FromFloat);
     match block_dot::vec_dot_type(dtype) {
-        Some(partner) => (Some(from_block::<ID>), Some(dot_block::<ID>), partner),
+        Some(partner) => (from_float, Some(dot_block::<ID>), partner),
         // Activation-only types (q8_1, q8_K): produced from f32, no product of their own.
-        None => (Some(from_block::<ID>), None, dtype),
+        None => (from_float, None, dtype),
     }
 }
 
@@ -191,6 +194,18 @@ pub fn type_traits(dtype: DType) -> CpuTypeTraits {
             DType::Q8_K => block_traits::<15>(dtype),
             DType::IQ4_NL => block_traits::<20>(dtype),
             DType::IQ4_XS => block_traits::<23>(dtype),
+            DType::IQ2_XXS => block_traits::<16>(dtype),
+            DType::IQ2_XS => block_traits::<17>(dtype),
+            DType::IQ3_XXS => block_traits::<18>(dtype),
+            DType::IQ1_S => block_traits::<19>(dtype),
+            DType::IQ3_S => block_traits::<21>(dtype),
+            DType::IQ2_S => block_traits::<22>(dtype),
+            DType::IQ1_M => block_traits::<29>(dtype),
+            DType::TQ1_0 => block_traits::<34>(dtype),
+            DType::TQ2_0 => block_traits::<35>(dtype),
+            DType::MXFP4 => block_traits::<39>(dtype),
+            DType::NVFP4 => block_traits::<40>(dtype),
+            DType::Q1_0 => block_traits::<41>(dtype),
             other => (None, None, other),
         };
     CpuTypeTraits {

@@ -151,7 +151,10 @@ pub fn codec(dtype: DType) -> Option<BlockCodec> {
         DType::IQ4_XS => (decode_iq4_xs, encode_iq4_xs),
         _ => return None,
     };
-    Some(BlockCodec { to_f32, from_f32 })
+    Some(BlockCodec {
+        to_f32,
+        from_f32: Some(from_f32),
+    })
 }
 
 // ---------------------------------------------------------------------------------------------

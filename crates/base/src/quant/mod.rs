@@ -45,8 +45,10 @@ use half::f16;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
+pub mod iquants;
 pub mod kquants;
 pub mod legacy;
+pub mod lowbit;
 
 /// The little-endian `f16` at byte `at` of a block, widened exactly to `f32` (blocks may sit
 /// at any alignment, so the scale is read byte by byte).
@@ -64,14 +66,18 @@ pub const QK_K: usize = 256;
 pub struct BlockCodec {
     /// Decodes whole blocks to f32.
     pub to_f32: fn(&[u8], &mut [f32]),
-    /// Encodes f32 values into whole blocks with ggml's reference quantizer's rules.
-    pub from_f32: fn(&[f32], &mut [u8]),
+    /// Encodes f32 values into whole blocks with ggml's reference quantizer's rules; `None`
+    /// for the types ferrograph reads but does not write ([`DType::has_quantizer`]).
+    pub from_f32: Option<fn(&[f32], &mut [u8])>,
 }
 
 /// The byte codec of a block type other than q8_0/q4_0 (those have typed block structs here),
 /// or `None` for a non-block type.
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
-    legacy::codec(dtype).or_else(|| kquants::codec(dtype))
+    legacy::codec(dtype)
+        .or_else(|| kquants::codec(dtype))
+        .or_else(|| iquants::codec(dtype))
+        .or_else(|| lowbit::codec(dtype))
 }
 
 /// Number of values in one [`BlockQ8_0`].

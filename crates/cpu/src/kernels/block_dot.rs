@@ -7,7 +7,7 @@
 //! the same bits. [`dot_fn`] picks the fastest version this CPU runs; [`dot_fn_with`] a given
 //! one, for tests.
 
-use super::{dot_k, dot_legacy};
+use super::{dot_iq, dot_k, dot_legacy, dot_lowbit};
 use crate::dtype::DType;
 
 /// A dot product of one weight row (whole blocks of its type) and one activation row of the
@@ -45,11 +45,25 @@ impl Isa {
 /// module.
 pub fn vec_dot_type(dtype: DType) -> Option<DType> {
     match dtype {
-        DType::Q5_0 | DType::IQ4_NL => Some(DType::Q8_0),
-        DType::Q4_1 | DType::Q5_1 => Some(DType::Q8_1),
-        DType::Q2_K | DType::Q3_K | DType::Q4_K | DType::Q5_K | DType::Q6_K | DType::IQ4_XS => {
-            Some(DType::Q8_K)
+        DType::Q5_0 | DType::IQ4_NL | DType::MXFP4 | DType::NVFP4 | DType::Q1_0 => {
+            Some(DType::Q8_0)
         }
+        DType::Q4_1 | DType::Q5_1 => Some(DType::Q8_1),
+        DType::Q2_K
+        | DType::Q3_K
+        | DType::Q4_K
+        | DType::Q5_K
+        | DType::Q6_K
+        | DType::IQ4_XS
+        | DType::IQ2_XXS
+        | DType::IQ2_XS
+        | DType::IQ2_S
+        | DType::IQ3_XXS
+        | DType::IQ3_S
+        | DType::IQ1_S
+        | DType::IQ1_M
+        | DType::TQ1_0
+        | DType::TQ2_0 => Some(DType::Q8_K),
         _ => None,
     }
 }
@@ -57,7 +71,10 @@ pub fn vec_dot_type(dtype: DType) -> Option<DType> {
 /// The product of `dtype` rows with their partner rows in family `isa` (one of
 /// [`Isa::available`]), or `None` when the type has no such product.
 pub fn dot_fn_with(dtype: DType, isa: Isa) -> Option<DotFn> {
-    dot_legacy::dot_fn(dtype, isa).or_else(|| dot_k::dot_fn(dtype, isa))
+    dot_legacy::dot_fn(dtype, isa)
+        .or_else(|| dot_k::dot_fn(dtype, isa))
+        .or_else(|| dot_iq::dot_fn(dtype, isa))
+        .or_else(|| dot_lowbit::dot_fn(dtype, isa))
 }
 
 /// The fastest product of `dtype` rows with their partner rows on this CPU.

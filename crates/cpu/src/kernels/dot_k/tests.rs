@@ -82,7 +82,7 @@ fn activations(rng: &mut Rng, kind: Act, nb: usize) -> Vec<u8> {
         Act::Quantized => {
             let x: Vec<f32> = (0..nb * QK_K).map(|_| rng.unit() * 3.0).collect();
             let mut out = vec![0u8; nb * Q8_K_BYTES];
-            (codec(DType::Q8_K).unwrap().from_f32)(&x, &mut out);
+            (codec(DType::Q8_K).unwrap().from_f32.unwrap())(&x, &mut out);
             out
         }
         Act::RawConsistent | Act::RawInconsistent | Act::AllMin => {
@@ -342,7 +342,7 @@ fn quantized_rows_track_f32_dot() {
     let x: Vec<f32> = (0..n).map(|i| 0.1 + 2.0 * (i as f32).cos()).collect();
     let yv: Vec<f32> = (0..n).map(|i| 0.1 + 2.0 * (i as f32 + 1.0).cos()).collect();
     let mut a = vec![0u8; n / QK_K * Q8_K_BYTES];
-    (codec(DType::Q8_K).unwrap().from_f32)(&yv, &mut a);
+    (codec(DType::Q8_K).unwrap().from_f32.unwrap())(&yv, &mut a);
     let exact: f64 = x
         .iter()
         .zip(&yv)
@@ -350,7 +350,7 @@ fn quantized_rows_track_f32_dot() {
         .sum();
     for (dtype, size, _) in TYPES {
         let mut w = vec![0u8; n / QK_K * size];
-        (codec(dtype).unwrap().from_f32)(&x, &mut w);
+        (codec(dtype).unwrap().from_f32.unwrap())(&x, &mut w);
         let limit = if dtype == DType::Q2_K { 0.04 } else { 0.02 };
         for isa in isas() {
             let got = f64::from(dot_fn(dtype, isa).unwrap()(&w, &a));
@@ -482,7 +482,7 @@ fn mul_mat_uses_these_products() {
         let dot = dot_fn(dtype, Isa::best()).unwrap();
         for j in 0..n {
             let mut q8 = vec![0u8; k / QK_K * Q8_K_BYTES];
-            (codec(DType::Q8_K).unwrap().from_f32)(&x[j * k..(j + 1) * k], &mut q8);
+            (codec(DType::Q8_K).unwrap().from_f32.unwrap())(&x[j * k..(j + 1) * k], &mut q8);
             for i in 0..m {
                 let row = &w_bytes[i * (k / QK_K) * size..(i + 1) * (k / QK_K) * size];
                 let want = dot(row, &q8);
