@@ -10,7 +10,7 @@ use std::str::FromStr;
 use half::{bf16, f16};
 
 use crate::error::{Error, Result};
-use crate::quant::{iquants, kquants, legacy, lowbit};
+use crate::quant::{iq1, iq2, iq3, kquants, legacy, lowbit};
 use crate::{convert, quant};
 
 /// The element type of a tensor.
@@ -224,13 +224,13 @@ impl DType {
             DType::Q6_K => kquants::Q6_K_BYTES,
             DType::Q8_K => kquants::Q8_K_BYTES,
             DType::IQ4_XS => kquants::IQ4_XS_BYTES,
-            DType::IQ2_XXS => iquants::IQ2_XXS_BYTES,
-            DType::IQ2_XS => iquants::IQ2_XS_BYTES,
-            DType::IQ2_S => iquants::IQ2_S_BYTES,
-            DType::IQ3_XXS => iquants::IQ3_XXS_BYTES,
-            DType::IQ3_S => iquants::IQ3_S_BYTES,
-            DType::IQ1_S => iquants::IQ1_S_BYTES,
-            DType::IQ1_M => iquants::IQ1_M_BYTES,
+            DType::IQ2_XXS => iq2::IQ2_XXS_BYTES,
+            DType::IQ2_XS => iq2::IQ2_XS_BYTES,
+            DType::IQ2_S => iq2::IQ2_S_BYTES,
+            DType::IQ3_XXS => iq3::IQ3_XXS_BYTES,
+            DType::IQ3_S => iq3::IQ3_S_BYTES,
+            DType::IQ1_S => iq1::IQ1_S_BYTES,
+            DType::IQ1_M => iq1::IQ1_M_BYTES,
             DType::TQ1_0 => lowbit::TQ1_0_BYTES,
             DType::TQ2_0 => lowbit::TQ2_0_BYTES,
             DType::MXFP4 => lowbit::MXFP4_BYTES,
@@ -574,7 +574,6 @@ const GGML_TYPE_IDS: [(DType, u32); 34] = [
     (DType::NVFP4, 40),
     (DType::Q1_0, 41),
 ];
-
 
 impl DType {
     /// ggml's id of this type (`enum ggml_type`), as GGUF files and ggml's API number it.

@@ -165,7 +165,9 @@ fn dot_block<const ID: u32>(n: usize, x: &[u8], y: &[u8]) -> Result<f32> {
 /// Types without a quantizer ([`DType::has_quantizer`]: the i-quants below 4 bits) have no
 /// `from_float`, as in ggml.
 fn block_traits<const ID: u32>(dtype: DType) -> (Option<FromFloat>, Option<VecDot>, DType) {
-    let from_float = dtype.has_quantizer().then_some(from_block::<ID> as FromFloat);
+    let from_float = dtype
+        .has_quantizer()
+        .then_some(from_block::<ID> as FromFloat);
     match block_dot::vec_dot_type(dtype) {
         Some(partner) => (from_float, Some(dot_block::<ID>), partner),
         // Activation-only types (q8_1, q8_K): produced from f32, no product of their own.

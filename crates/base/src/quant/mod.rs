@@ -45,7 +45,9 @@ use half::f16;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-pub mod iquants;
+pub mod iq1;
+pub mod iq2;
+pub mod iq3;
 pub mod kquants;
 pub mod legacy;
 pub mod lowbit;
@@ -76,7 +78,9 @@ pub struct BlockCodec {
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     legacy::codec(dtype)
         .or_else(|| kquants::codec(dtype))
-        .or_else(|| iquants::codec(dtype))
+        .or_else(|| iq2::codec(dtype))
+        .or_else(|| iq3::codec(dtype))
+        .or_else(|| iq1::codec(dtype))
         .or_else(|| lowbit::codec(dtype))
 }
 

@@ -7,7 +7,7 @@
 //! the same bits. [`dot_fn`] picks the fastest version this CPU runs; [`dot_fn_with`] a given
 //! one, for tests.
 
-use super::{dot_iq, dot_k, dot_legacy, dot_lowbit};
+use super::{dot_iq1, dot_iq2, dot_iq3, dot_k, dot_legacy, dot_lowbit};
 use crate::dtype::DType;
 
 /// A dot product of one weight row (whole blocks of its type) and one activation row of the
@@ -73,7 +73,9 @@ pub fn vec_dot_type(dtype: DType) -> Option<DType> {
 pub fn dot_fn_with(dtype: DType, isa: Isa) -> Option<DotFn> {
     dot_legacy::dot_fn(dtype, isa)
         .or_else(|| dot_k::dot_fn(dtype, isa))
-        .or_else(|| dot_iq::dot_fn(dtype, isa))
+        .or_else(|| dot_iq2::dot_fn(dtype, isa))
+        .or_else(|| dot_iq3::dot_fn(dtype, isa))
+        .or_else(|| dot_iq1::dot_fn(dtype, isa))
         .or_else(|| dot_lowbit::dot_fn(dtype, isa))
 }
 
