@@ -1960,11 +1960,11 @@ fn no_op_writes_outside_its_output() {
     check_guard();
 }
 
-// ----- ggml's other block types (q4_1 .. iq4_xs) -----
+// ----- ggml's other block types (q4_1 .. q1_0) -----
 
 /// Every block type a product can use as weights beyond q8_0/q4_0, with the row lengths its
-/// blocks allow (32-value blocks: any multiple of 32; K-quants: multiples of 256).
-const GGUF_WEIGHT_TYPES: [DType; 10] = [
+/// blocks allow (its block size: 32, 64, 128 or 256 values).
+const GGUF_WEIGHT_TYPES: [DType; 22] = [
     DType::Q4_1,
     DType::Q5_0,
     DType::Q5_1,
@@ -1975,15 +1975,53 @@ const GGUF_WEIGHT_TYPES: [DType; 10] = [
     DType::Q5_K,
     DType::Q6_K,
     DType::IQ4_XS,
+    DType::IQ2_XXS,
+    DType::IQ2_XS,
+    DType::IQ2_S,
+    DType::IQ3_XXS,
+    DType::IQ3_S,
+    DType::IQ1_S,
+    DType::IQ1_M,
+    DType::TQ1_0,
+    DType::TQ2_0,
+    DType::MXFP4,
+    DType::NVFP4,
+    DType::Q1_0,
 ];
 
-/// Fills a contiguous block-type tensor through the library's own quantizer and returns the
-/// dequantized values it holds.
+/// Random blocks of a type without a quantizer (the i-quants below 4 bits): every byte random
+/// but the f16 super-block scale, set to a small finite value (at the block's start, or for
+/// iq1_m spread over the top nibbles of its four scale words, the block's last 8 bytes).
+fn random_blocks(dtype: DType, n_values: usize, rng: &mut Rng) -> Vec<u8> {
+    let size = dtype.type_size();
+    let mut bytes: Vec<u8> = (0..dtype.row_size(n_values).unwrap())
+        .map(|_| (rng.uniform(0.0, 256.0) as u32).min(255) as u8)
+        .collect();
+    for block in bytes.chunks_exact_mut(size) {
+        let scale = half::f16::from_f32(rng.uniform(0.001, 0.02)).to_bits();
+        if dtype == DType::IQ1_M {
+            for (i, word) in block[size - 8..].chunks_exact_mut(2).enumerate() {
+                let nibble = (scale >> (4 * i)) & 0xf;
+                word[1] = (word[1] & 0x0f) | ((nibble as u8) << 4);
+            }
+        } else {
+            block[..2].copy_from_slice(&scale.to_le_bytes());
+        }
+    }
+    bytes
+}
+
+/// Fills a contiguous block-type tensor through the library's own quantizer (random blocks for
+/// a type without one) and returns the dequantized values it holds.
 fn fill_block(t: &Tensor, rng: &mut Rng) -> Vec<f32> {
     let dtype = t.dtype();
     let values: Vec<f32> = (0..t.nelements()).map(|_| rng.uniform(-1.0, 1.0)).collect();
     let mut bytes = vec![0u8; dtype.row_size(values.len()).unwrap()];
-    dtype.row_from_f32(&values, &mut bytes).unwrap();
+    if dtype.has_quantizer() {
+        dtype.row_from_f32(&values, &mut bytes).unwrap();
+    } else {
+        bytes = random_blocks(dtype, values.len(), rng);
+    }
     t.write_bytes(0, &bytes).unwrap();
     let mut back = vec![0f32; values.len()];
     dtype.row_to_f32(&bytes, &mut back).unwrap();
@@ -2071,6 +2109,10 @@ fn cpy_and_get_rows_of_gguf_block_types() {
         .chain([DType::Q8_1, DType::Q8_K])
     {
         let k = 2 * dtype.block_size();
+        if !dtype.has_quantizer() {
+            no_quantizer_refuses_cpy_and_reads_rows(dtype, &mut rng);
+            continue;
+        }
         let c = ctx();
         let a = c.new_tensor(DType::F32, &[k, 3]).unwrap();
         let av = fill(&a, &mut rng, -1.0, 1.0);
@@ -2109,6 +2151,37 @@ fn cpy_and_get_rows_of_gguf_block_types() {
             0.0,
         );
     }
+}
+
+/// A type without a quantizer: CPY and SET_ROWS into it are unsupported (a clear error, as in
+/// ggml, whose CPU backend has no `from_float` for it); CPY out of it and GET_ROWS decode.
+fn no_quantizer_refuses_cpy_and_reads_rows(dtype: DType, rng: &mut Rng) {
+    let k = 2 * dtype.block_size();
+    let c = ctx();
+    let a = c.new_tensor(DType::F32, &[k, 3]).unwrap();
+    fill(&a, rng, -1.0, 1.0);
+    let q = c.new_tensor(dtype, &[k, 3]).unwrap();
+    let into = ops::cpy(&c, &a, &q).unwrap();
+    let err = compute_with(&into, false).unwrap_err();
+    assert!(matches!(err, Error::UnsupportedOp(_)), "CPY f32 -> {dtype}: {err}");
+    let bytes = random_blocks(dtype, 3 * k, rng);
+    q.write_bytes(0, &bytes).unwrap();
+    let mut deq = vec![0f32; 3 * k];
+    dtype.row_to_f32(&bytes, &mut deq).unwrap();
+    let back = c.new_tensor(DType::F32, &[k, 3]).unwrap();
+    let out = ops::cpy(&c, &q, &back).unwrap();
+    compute(&out);
+    let want: Vec<f64> = deq.iter().map(|&x| x as f64).collect();
+    check(&format!("CPY {dtype} -> f32"), &back.to_f32_vec().unwrap(), &want, 0.0);
+    let ids = c.new_tensor(DType::I32, &[2]).unwrap();
+    fill_i32(&ids, &[2, 0]);
+    let rows = ops::get_rows(&c, &q, &ids).unwrap();
+    compute(&rows);
+    let mut want = Vec::new();
+    for r in [2usize, 0] {
+        want.extend(deq[r * k..(r + 1) * k].iter().map(|&x| x as f64));
+    }
+    check(&format!("GET_ROWS {dtype}"), &rows.to_f32_vec().unwrap(), &want, 0.0);
 }
 
 /// FLASH_ATTN_EXT with keys and values of every KV-cache type (bf16 and the 32-value block

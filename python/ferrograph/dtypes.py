@@ -24,8 +24,10 @@ __all__ = [
     "bfloat16",
     "f16",
     "f32",
+    "f64",
     "float16",
     "float32",
+    "float64",
     "i8",
     "i16",
     "i32",
@@ -34,8 +36,18 @@ __all__ = [
     "int16",
     "int32",
     "int64",
+    "iq1_m",
+    "iq1_s",
+    "iq2_s",
+    "iq2_xs",
+    "iq2_xxs",
+    "iq3_s",
+    "iq3_xxs",
     "iq4_nl",
     "iq4_xs",
+    "mxfp4",
+    "nvfp4",
+    "q1_0",
     "q2_K",
     "q3_K",
     "q4_0",
@@ -48,6 +60,8 @@ __all__ = [
     "q8_0",
     "q8_1",
     "q8_K",
+    "tq1_0",
+    "tq2_0",
 ]
 
 
@@ -204,6 +218,19 @@ q6_K: Final = DType("q6_K")  # noqa: N816 (ggml spells the K-quants with a capit
 q8_K: Final = DType("q8_K")  # noqa: N816 (ggml spells the K-quants with a capital K)
 iq4_nl: Final = DType("iq4_nl")
 iq4_xs: Final = DType("iq4_xs")
+float64: Final = DType("f64")
+iq2_xxs: Final = DType("iq2_xxs")
+iq2_xs: Final = DType("iq2_xs")
+iq2_s: Final = DType("iq2_s")
+iq3_xxs: Final = DType("iq3_xxs")
+iq3_s: Final = DType("iq3_s")
+iq1_s: Final = DType("iq1_s")
+iq1_m: Final = DType("iq1_m")
+tq1_0: Final = DType("tq1_0")
+tq2_0: Final = DType("tq2_0")
+mxfp4: Final = DType("mxfp4")
+nvfp4: Final = DType("nvfp4")
+q1_0: Final = DType("q1_0")
 
 # ggml-style aliases.
 f32: Final = float32
@@ -213,3 +240,4 @@ i8: Final = int8
 i16: Final = int16
 i32: Final = int32
 i64: Final = int64
+f64: Final = float64

@@ -15,11 +15,16 @@ from gguf import GGMLQuantizationType  # noqa: E402
 # every block type gguf can dequantize, with its gguf id
 DEQUANT_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K"]
 DEQUANT_TYPES += ["q6_K", "iq4_nl", "iq4_xs"]
+# the i-quants below 4 bits: read and multiplied, never written (ggml has no from_float for them)
+READ_ONLY_TYPES = ["iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s", "iq1_s", "iq1_m"]
+DEQUANT_TYPES += [*READ_ONLY_TYPES, "tq1_0", "tq2_0", "mxfp4", "nvfp4"]
 # the ones gguf also quantizes (its quantizers port ggml's reference ones)
-QUANT_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"]
+QUANT_TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "tq1_0", "tq2_0", "mxfp4"]
 # test-quantize-fns: limits on sqrt(Σ(x−x̂)²)/n and |dot − dot_ref|/n on its synthetic row
-ERROR_LIMIT = {"q2_K": 0.0075, "q3_K": 0.0040}
-DOT_LIMIT = {"q2_K": 0.04, "q3_K": 0.04, "iq4_nl": 0.04, "iq4_xs": 0.04}
+ERROR_LIMIT = {"q2_K": 0.0075, "q3_K": 0.0040, "tq1_0": 0.01, "tq2_0": 0.01}
+ERROR_LIMIT |= {"mxfp4": 0.003, "nvfp4": 0.003, "q1_0": 0.025}
+DOT_LIMIT = {"q2_K": 0.04, "q3_K": 0.04, "iq4_nl": 0.04, "iq4_xs": 0.04, "tq1_0": 0.15}
+DOT_LIMIT |= {"tq2_0": 0.15, "mxfp4": 0.03, "nvfp4": 0.03, "q1_0": 0.40}
 
 
 def gguf_type(name: str) -> GGMLQuantizationType:
@@ -37,7 +42,7 @@ def synthetic(n: int, offset: float) -> np.ndarray:
     return (0.1 + 2 * np.cos(np.arange(n) + offset)).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", DEQUANT_TYPES)
+@pytest.mark.parametrize("name", [t for t in DEQUANT_TYPES if t not in READ_ONLY_TYPES])
 def test_dequantize_equals_gguf_on_quantized_data(name: str) -> None:
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     x = (rng.standard_normal(8 * 256) * rng.uniform(0.01, 10)).astype(np.float32)
@@ -49,25 +54,36 @@ def test_dequantize_equals_gguf_on_quantized_data(name: str) -> None:
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
-@pytest.mark.parametrize("name", DEQUANT_TYPES)
-def test_dequantize_equals_gguf_on_random_bytes(name: str) -> None:
+def random_blocks(name: str, n_blocks: int, seed: int) -> np.ndarray:
     """Every bit pattern of quants and sub-block scales; the f16/f32 super-scales are made
     finite (NaN payloads are not compared)."""
     dt = fg.DType(name)
-    rng = np.random.default_rng(7)
-    n_blocks = 64
+    rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, size=(n_blocks, dt.type_size), dtype=np.uint8)
     # finite f16 scales where the layout puts them (d/dmin first for most types, last for
-    # q2_K/q3_K/q6_K); written through the views below
+    # q2_K/q3_K/q6_K and the ternary types); written through the views below
     scales = rng.uniform(-2, 2, size=(n_blocks, 2)).astype(np.float16).view(np.uint8)
     if name in ("q2_K",):
         raw[:, -4:] = scales
-    elif name in ("q3_K", "q6_K"):
+    elif name in ("q3_K", "q6_K", "tq1_0", "tq2_0"):
         raw[:, -2:] = scales[:, :2]
+    elif name == "iq1_m":
+        # the f16 scale is spread over the top nibbles of the four trailing scale words
+        bits = scales[:, :2].copy().view(np.uint16).reshape(-1)
+        for i in range(4):
+            nibble = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
+            raw[:, -7 + 2 * i] = (raw[:, -7 + 2 * i] & 0x0F) | (nibble << 4)
     else:
         # d (and dmin/m) lead; where only d is a scale, the next two bytes are data anyway
         raw[:, :4] = scales
-    flat = raw.reshape(-1)
+    return raw.reshape(-1)
+
+
+@pytest.mark.parametrize("name", DEQUANT_TYPES)
+def test_dequantize_equals_gguf_on_random_bytes(name: str) -> None:
+    dt = fg.DType(name)
+    n_blocks = 64
+    flat = random_blocks(name, n_blocks, 7)
     n = n_blocks * dt.block_size
     got = fg.dequantize(flat, name, n)
     want = reference_dequantize(flat, name, n)
@@ -89,7 +105,24 @@ def test_quantize_equals_gguf(name: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["q4_1", "q5_0", "q5_1", "q2_K", "q3_K", "q4_K", "q5_K", "q6_K", "iq4_nl", "iq4_xs"]
+    "name",
+    [
+        "q4_1",
+        "q5_0",
+        "q5_1",
+        "q2_K",
+        "q3_K",
+        "q4_K",
+        "q5_K",
+        "q6_K",
+        "iq4_nl",
+        "iq4_xs",
+        "tq1_0",
+        "tq2_0",
+        "mxfp4",
+        "nvfp4",
+        "q1_0",
+    ],
 )
 def test_quantization_error_within_ggml_limits(name: str) -> None:
     n = 32 * 128
@@ -117,6 +150,21 @@ def test_partner_types() -> None:
     for act in ("q8_1", "q8_K"):
         t = fg.cpu.type_traits(act)
         assert t.has_from_float and not t.has_vec_dot
+    for k in [*READ_ONLY_TYPES, "tq1_0", "tq2_0"]:
+        assert partner[k] == "q8_K", k
+    for k in ("mxfp4", "nvfp4", "q1_0"):
+        assert fg.cpu.type_traits(k).vec_dot_type.name == "q8_0", k
+
+
+@pytest.mark.parametrize("name", READ_ONLY_TYPES)
+def test_read_only_types_multiply_but_do_not_quantize(name: str) -> None:
+    """The i-quants below 4 bits: a dot product and decoding, but no quantizer — quantizing
+    raises a documented error naming the type, as ggml's CPU backend has no from_float."""
+    traits = fg.cpu.type_traits(name)
+    assert traits.has_vec_dot and not traits.has_from_float
+    x = np.ones(256, np.float32)
+    with pytest.raises(fg.Error, match=name):
+        fg.quantize(x, name)
 
 
 def test_q8_1_and_q8_k_layouts() -> None:
@@ -146,10 +194,14 @@ def test_codecs_refuse_bad_lengths(name: str) -> None:
         fg.dequantize(np.zeros(dt.type_size - 1, np.uint8), name, dt.block_size)
     with pytest.raises(fg.ShapeError):
         fg.dequantize(np.zeros(dt.type_size, np.uint8), name, 2**62)
-    # non-finite input quantizes without a crash
+    # non-finite input quantizes without a crash (a type without a quantizer refuses any input)
     x = np.full(dt.block_size, np.nan, np.float32)
     x[1] = np.inf
-    fg.quantize(x, name)
+    if name in READ_ONLY_TYPES:
+        with pytest.raises(fg.UnsupportedOpError, match=name):
+            fg.quantize(x, name)
+    else:
+        fg.quantize(x, name)
 
 
 @pytest.mark.parametrize("name", DEQUANT_TYPES)
@@ -160,12 +212,16 @@ def test_tensors_of_block_types_compute(name: str) -> None:
     k = 2 * max(dt.block_size, 32)
     rng = np.random.default_rng(11)
     w = rng.standard_normal((24, k)).astype(np.float32)
-    wq = fg.dequantize(fg.quantize(w, name), name, w.size).reshape(w.shape)
+    if name in READ_ONLY_TYPES:
+        raw = random_blocks(name, 24 * k // dt.block_size, 11)
+    else:
+        raw = fg.quantize(w, name).reshape(-1)
+    wq = fg.dequantize(raw, name, w.size).reshape(w.shape)
     for n in (1, 2, 40):
         ctx = fg.Context(no_alloc=False)
         a = ctx.new_tensor(dt, (24, k))
         b = ctx.new_tensor(fg.float32, (n, k))
-        a.set(w)
+        fg.tensor_set(a, raw)
         x = rng.standard_normal((n, k)).astype(np.float32)
         b.set(x)
         out = fg.ops.mul_mat(a, b, ctx=ctx)
@@ -175,7 +231,7 @@ def test_tensors_of_block_types_compute(name: str) -> None:
         assert err < 0.02, (name, n, err)
     ctx = fg.Context(no_alloc=False)
     a = ctx.new_tensor(dt, (24, k))
-    a.set(w)
+    fg.tensor_set(a, raw)
     ids = ctx.new_tensor(fg.int32, (3,))
     ids.set(np.array([5, 0, 23], np.int32))
     rows = fg.ops.get_rows(a, ids, ctx=ctx)

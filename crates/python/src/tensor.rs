@@ -103,7 +103,7 @@ fn write_logical(t: &Tensor, src: &[u8]) -> Result<()> {
 macro_rules! plain_element {
     ($dtype:expr, $T:ident => $body:expr, $other:expr) => {
         plain_element!(@arms $dtype, $T, $body, $other;
-            F32 f32, F16 half::f16, I8 i8, I16 i16, I32 i32, I64 i64)
+            F32 f32, F64 f64, F16 half::f16, I8 i8, I16 i16, I32 i32, I64 i64)
     };
     (@arms $dtype:expr, $T:ident, $body:expr, $other:expr; $($variant:ident $rust:ty),*) => {
         match $dtype {
