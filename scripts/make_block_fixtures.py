@@ -62,7 +62,7 @@ def edge_blocks() -> np.ndarray:
     b[3, 31] = 1.0  # (+1 and -1 tie for the largest magnitude; -1 comes first)
     b[4, :] = np.arange(32, dtype=np.float32) * 0.5 - 8.0  # 4: half steps
     b[5, :] = 3.0  # 5: constant block (d = 0 for the min/max types)
-    b[6, :] = -2.0 ** -30 * np.arange(32, dtype=np.float32)  # 6: scale below f16's normals
+    b[6, :] = -(2.0**-30) * np.arange(32, dtype=np.float32)  # 6: scale below f16's normals
     b[7, :] = np.float32(6e4) * np.sin(np.arange(32, dtype=np.float32))  # 7: large values
     b[8, ::2] = 1.0  # 8: two levels
     b[8, 1::2] = -1.0
@@ -128,7 +128,13 @@ def ggml_quantize(lib: ctypes.CDLL, qtype: T, x: np.ndarray) -> np.ndarray:
     dst = out.ctypes.data_as(ctypes.c_void_p)
     if qtype == T.IQ4_NL:
         f = lib.quantize_iq4_nl
-        f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+        f.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_int64,
+            ctypes.c_int64,
+            ctypes.c_void_p,
+        ]
         f.restype = ctypes.c_size_t
         f(src, dst, x.shape[0], 32, None)
     else:

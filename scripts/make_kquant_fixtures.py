@@ -80,8 +80,15 @@ def q8_k_ref(x: np.ndarray) -> bytes:
     return d.astype("<f4").tobytes() + q.tobytes() + bsums.astype("<i2").tobytes()
 
 
-QUANTIZED = [("q2_K", 84), ("q3_K", 110), ("q4_K", 144), ("q5_K", 176), ("q6_K", 210),
-             ("q8_K", 292), ("iq4_xs", 136)]
+QUANTIZED = [
+    ("q2_K", 84),
+    ("q3_K", 110),
+    ("q4_K", 144),
+    ("q5_K", 176),
+    ("q6_K", 210),
+    ("q8_K", 292),
+    ("iq4_xs", 136),
+]
 
 
 def ggml_quantized(lib_path: str) -> bytes:
@@ -142,7 +149,9 @@ def main() -> None:
 
     # q8_K: random rows of a few magnitudes, one all-zero super-block, single outliers.
     n = 5
-    x = (rng.standard_normal(n * QK_K) * rng.choice([1e-3, 1.0, 40.0], size=n * QK_K)).astype(np.float32)
+    x = (rng.standard_normal(n * QK_K) * rng.choice([1e-3, 1.0, 40.0], size=n * QK_K)).astype(
+        np.float32
+    )
     x[QK_K : 2 * QK_K] = 0.0
     x[2 * QK_K : 3 * QK_K] = 0.0
     x[2 * QK_K + 17] = -3.5

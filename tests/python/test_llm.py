@@ -42,13 +42,43 @@ def _byte_vocab() -> tuple[list[str], list[int], list[str]]:
     return tokens, types, merges
 
 
+def random_blocks(dtype: str, rows: int, cols: int, scale: float, seed: int) -> np.ndarray:
+    """Random blocks of a type without a quantizer (every byte random), their f16 super-block
+    scales then set so that the decoded values have standard deviation ``scale``."""
+    dt = fg.DType(dtype)
+    n_blocks = rows * cols // dt.block_size
+    raw = np.random.default_rng(seed).integers(0, 256, (n_blocks, dt.type_size), dtype=np.uint8)
+
+    def set_scale(value: float) -> None:
+        bits = int(np.float16(value).view(np.uint16))
+        if dtype == "iq1_m":  # nibble i of the f16 is the top nibble of scale word i
+            for i in range(4):
+                at = dt.type_size - 7 + 2 * i
+                raw[:, at] = (raw[:, at] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
+        else:
+            raw[:, 0], raw[:, 1] = bits & 0xFF, bits >> 8
+
+    set_scale(1.0)
+    spread = float(fg.dequantize(raw.reshape(-1), dtype, rows * cols).std())
+    set_scale(scale / spread)
+    return raw.reshape(-1)
+
+
 def write_tiny_model(
-    path: Path, arch: str = "llama", seed: int = 0, n_layer: int = 2, dtype: str = "f32"
+    path: Path,
+    arch: str = "llama",
+    seed: int = 0,
+    n_layer: int = 2,
+    dtype: str = "f32",
+    width: int = 128,
+    n_ff: int = 96,
 ) -> dict[str, np.ndarray]:
-    """Writes a random model; returns its weights as float32 numpy arrays (numpy order)."""
+    """Writes a random model; returns its weights as float32 numpy arrays (numpy order).
+    Matrices whose rows are whole blocks of ``dtype`` are stored in it (random blocks for a type
+    without a quantizer)."""
     rng = np.random.default_rng(seed)
     tokens, types, merges = _byte_vocab()
-    n_vocab, d, n_ff, heads, heads_kv = len(tokens), 128, 96, 4, 2
+    n_vocab, d, heads, heads_kv = len(tokens), width, 4, 2
     hd = d // heads
     w: dict[str, np.ndarray] = {}
 
@@ -96,9 +126,13 @@ def write_tiny_model(
         "tokenizer.chat_template": TEMPLATE,
     }
     stored: dict[str, object] = {}
-    for name, arr in w.items():
-        if dtype != "f32" and arr.ndim == 2 and arr.shape[1] % 32 == 0:
-            q = fg.quantize(arr, dtype)
+    block = fg.DType(dtype).block_size
+    for i, (name, arr) in enumerate(w.items()):
+        if dtype != "f32" and arr.ndim == 2 and arr.shape[1] % block == 0:
+            if fg.DType(dtype).is_quantized and not fg.cpu.type_traits(dtype).has_from_float:
+                q = random_blocks(dtype, *arr.shape, float(arr.std()), seed * 1000 + i)
+            else:
+                q = fg.quantize(arr, dtype)
             stored[name] = (fg.DType(dtype), arr.shape, q.tobytes())
             w[name] = fg.dequantize(q, dtype, arr.size).reshape(arr.shape)
         else:
@@ -155,6 +189,27 @@ def test_quantized_weights_match_their_dequantized_forward(tmp_path: Path, dtype
     want = reference_logits(model, w, ids)
     # activations are quantized to q8_0/q8_1 in products: a small relative error
     assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    ["q2_K", "q4_K", "q6_K", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs", "iq3_s"]
+    + ["iq1_s", "iq1_m", "tq1_0", "tq2_0", "mxfp4", "nvfp4", "q1_0", "q2_0"],
+)
+def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
+    """A model stored in each of ggml's weight block types (rows of 256 values: whole
+    super-blocks) computes the forward pass of its decoded weights; the activations are quantized
+    to the type's partner (q8_K or q8_0) in products, a small relative error."""
+    path = tmp_path / f"{dtype}.gguf"
+    w = write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
+    model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
+    ids = [9, 18, 27, 36, 45, 54]
+    got = model.logits(ids)
+    want = reference_logits(model, w, ids)
+    assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max()), dtype
+    # one token per micro-batch: the products are mat-vecs (the integer dot products)
+    stepwise = llm_mod.LLM(path, n_ctx=64, n_batch=1, kv_dtype="f32").logits(ids)
+    assert np.abs(stepwise - want).max() < 0.05 * max(1.0, np.abs(want).max()), dtype
 
 
 def test_prompt_at_once_equals_token_by_token(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:
