@@ -118,7 +118,7 @@ def write_tiny_model(
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "default",
         "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.token_type": np.array(types, np.int32),  # int32, as llama.cpp reads it
         "tokenizer.ggml.merges": merges,
         "tokenizer.ggml.bos_token_id": 1,
         "tokenizer.ggml.eos_token_id": 2,
@@ -198,18 +198,16 @@ SUPERBLOCK_TYPES += ["iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0", "mxfp4", "nvfp
 @pytest.mark.parametrize("dtype", SUPERBLOCK_TYPES)
 def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     """A model stored in each of ggml's weight block types (rows of 256 values: whole
-    super-blocks) computes the forward pass of its decoded weights; the activations are quantized
-    to the type's partner (q8_K or q8_0) in products, a small relative error."""
+    super-blocks) computes the forward pass of its decoded weights when prompts run in batches
+    (the products decode weight tiles for the f32 GEMM). Token by token the products quantize
+    the activations as llama.cpp does: test_llm_block_types.py compares those with llama.cpp."""
     path = tmp_path / f"{dtype}.gguf"
     w = write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
     model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
     ids = [9, 18, 27, 36, 45, 54]
     got = model.logits(ids)
     want = reference_logits(model, w, ids)
-    assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max()), dtype
-    # one token per micro-batch: the products are mat-vecs (the integer dot products)
-    stepwise = llm_mod.LLM(path, n_ctx=64, n_batch=1, kv_dtype="f32").logits(ids)
-    assert np.abs(stepwise - want).max() < 0.05 * max(1.0, np.abs(want).max()), dtype
+    assert np.abs(got - want).max() < 2e-3 * max(1.0, np.abs(want).max()), dtype
 
 
 def test_prompt_at_once_equals_token_by_token(tiny: tuple[Path, dict[str, np.ndarray]]) -> None:

@@ -1,0 +1,41 @@
+"""Tiny models stored in each of ggml's weight block types, decoded token by token (mat-vecs:
+integer block dot products against activations quantized to the partner type, as llama.cpp
+computes them), against llama.cpp's logits for the same files — checked in by
+scripts/make_block_type_llm_reference.py, so this runs without llama.cpp."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ferrograph.models import llm as llm_mod
+from test_llm import SUPERBLOCK_TYPES, write_tiny_model
+
+DATA = Path(__file__).parent / "data" / "block_types_llamacpp.npz"
+
+
+@pytest.fixture(scope="module")
+def ref() -> dict[str, np.ndarray]:
+    with np.load(DATA) as data:
+        return {k: data[k] for k in data.files}
+
+
+@pytest.mark.parametrize("dtype", SUPERBLOCK_TYPES)
+def test_token_by_token_logits_equal_llama_cpp(
+    tmp_path: Path, ref: dict[str, np.ndarray], dtype: str
+) -> None:
+    path = tmp_path / f"{dtype}.gguf"
+    write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    # A different file means the model builder (numpy's random stream, or a quantizer's bytes)
+    # changed: regenerate the reference with the script rather than compare different models.
+    assert digest == str(ref[f"{dtype}.sha256"]), f"{dtype}: not the reference's model file"
+    ids = [int(i) for i in ref["ids"]]
+    want = ref[f"{dtype}.logits"]
+    got = llm_mod.LLM(path, n_ctx=64, n_batch=1, kv_dtype="f32").logits(ids)
+    # same bytes, same activation quantization; only float summation order differs
+    assert np.abs(got - want).max() < 1e-3 * max(1.0, float(np.abs(want).max())), dtype
+    assert np.array_equal(got.argmax(-1), want.argmax(-1))
