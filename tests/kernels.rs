@@ -1964,7 +1964,7 @@ fn no_op_writes_outside_its_output() {
 
 /// Every block type a product can use as weights beyond q8_0/q4_0, with the row lengths its
 /// blocks allow (its block size: 32, 64, 128 or 256 values).
-const GGUF_WEIGHT_TYPES: [DType; 22] = [
+const GGUF_WEIGHT_TYPES: [DType; 23] = [
     DType::Q4_1,
     DType::Q5_0,
     DType::Q5_1,
@@ -1987,6 +1987,7 @@ const GGUF_WEIGHT_TYPES: [DType; 22] = [
     DType::MXFP4,
     DType::NVFP4,
     DType::Q1_0,
+    DType::Q2_0,
 ];
 
 /// Random blocks of a type without a quantizer (the i-quants below 4 bits): every byte random

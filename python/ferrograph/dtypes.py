@@ -48,6 +48,7 @@ __all__ = [
     "mxfp4",
     "nvfp4",
     "q1_0",
+    "q2_0",
     "q2_K",
     "q3_K",
     "q4_0",
@@ -231,6 +232,7 @@ tq2_0: Final = DType("tq2_0")
 mxfp4: Final = DType("mxfp4")
 nvfp4: Final = DType("nvfp4")
 q1_0: Final = DType("q1_0")
+q2_0: Final = DType("q2_0")
 
 # ggml-style aliases.
 f32: Final = float32

@@ -583,9 +583,9 @@ HOSTILE: dict[str, tuple[bytes, str]] = {
         _pad(_header(n_tensors=1) + _info("w", [4], 999, 0)) + b"\0" * 32,
         "unknown ggml type id 999",
     ),
-    "unsupported ggml type": (
-        _pad(_header(n_tensors=1) + _info("w", [256], 16, 0)) + b"\0" * 128,
-        "iq2_xxs",
+    "retired ggml type": (
+        _pad(_header(n_tensors=1) + _info("w", [256], 31, 0)) + b"\0" * 160,
+        "q4_0_4_4",
     ),
     "misaligned offset": (
         _pad(_header(n_tensors=1) + _info("w", [4], 0, 16)) + b"\0" * 64,

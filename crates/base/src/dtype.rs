@@ -106,11 +106,13 @@ pub enum DType {
     NVFP4,
     /// Blocks of 128 values at 1 bit each (a sign) with an f16 scale.
     Q1_0,
+    /// Blocks of 64 values at 2 bits each (-1, 0, 1, 2) with an f16 scale.
+    Q2_0,
 }
 
 impl DType {
     /// Every type, in declaration order.
-    pub const ALL: [DType; 34] = [
+    pub const ALL: [DType; 35] = [
         DType::F32,
         DType::F16,
         DType::BF16,
@@ -145,6 +147,7 @@ impl DType {
         DType::MXFP4,
         DType::NVFP4,
         DType::Q1_0,
+        DType::Q2_0,
     ];
 
     /// The short name, as ggml spells it (`"f32"`, `"q8_0"`, ...).
@@ -184,6 +187,7 @@ impl DType {
             DType::MXFP4 => "mxfp4",
             DType::NVFP4 => "nvfp4",
             DType::Q1_0 => "q1_0",
+            DType::Q2_0 => "q2_0",
         }
     }
 
@@ -236,6 +240,7 @@ impl DType {
             DType::MXFP4 => lowbit::MXFP4_BYTES,
             DType::NVFP4 => lowbit::NVFP4_BYTES,
             DType::Q1_0 => lowbit::Q1_0_BYTES,
+            DType::Q2_0 => lowbit::Q2_0_BYTES,
         }
     }
 
@@ -265,6 +270,7 @@ impl DType {
             DType::MXFP4 => lowbit::QK_MXFP4,
             DType::NVFP4 => lowbit::QK_NVFP4,
             DType::Q1_0 => lowbit::QK_Q1_0,
+            DType::Q2_0 => lowbit::QK_Q2_0,
             _ => 1,
         }
     }
@@ -370,6 +376,7 @@ impl DType {
             "mxfp4" => DType::MXFP4,
             "nvfp4" => DType::NVFP4,
             "q1_0" => DType::Q1_0,
+            "q2_0" => DType::Q2_0,
             _ => {
                 return Err(Error::DType(format!(
                     "unknown dtype {name:?}; expected one of {}",
@@ -538,7 +545,7 @@ fn no_quantizer(dtype: DType) -> Error {
 }
 
 /// ggml's numbering of its types (`enum ggml_type`), as GGUF files store them.
-const GGML_TYPE_IDS: [(DType, u32); 34] = [
+const GGML_TYPE_IDS: [(DType, u32); 35] = [
     (DType::F32, 0),
     (DType::F16, 1),
     (DType::Q4_0, 2),
@@ -573,6 +580,20 @@ const GGML_TYPE_IDS: [(DType, u32); 34] = [
     (DType::MXFP4, 39),
     (DType::NVFP4, 40),
     (DType::Q1_0, 41),
+    (DType::Q2_0, 42),
+];
+
+/// ggml type ids that once named a type ggml has since removed (older GGUF files may carry
+/// them), for error messages.
+const GGML_RETIRED_TYPES: [(u32, &str); 8] = [
+    (4, "q4_2"),
+    (5, "q4_3"),
+    (31, "q4_0_4_4"),
+    (32, "q4_0_4_8"),
+    (33, "q4_0_8_8"),
+    (36, "iq4_nl_4_4"),
+    (37, "iq4_nl_4_8"),
+    (38, "iq4_nl_8_8"),
 ];
 
 impl DType {
@@ -591,9 +612,15 @@ impl DType {
         if let Some(&(dtype, _)) = GGML_TYPE_IDS.iter().find(|(_, i)| *i == id) {
             return Ok(dtype);
         }
-        Err(Error::DType(format!(
-            "unknown ggml type id {id} (ferrograph knows ggml's types up to q1_0, id 41)"
-        )))
+        match GGML_RETIRED_TYPES.iter().find(|(i, _)| *i == id) {
+            Some((_, name)) => Err(Error::DType(format!(
+                "ggml type id {id} ({name}) was removed from ggml; convert the file with a \
+                 current llama.cpp (it repacks such weights at load time instead)"
+            ))),
+            None => Err(Error::DType(format!(
+                "unknown ggml type id {id} (ferrograph knows ggml's types up to q2_0, id 42)"
+            ))),
+        }
     }
 }
 
@@ -675,7 +702,7 @@ mod tests {
                 DType::Q2_K => 3.0,
                 DType::F32 | DType::F16 | DType::BF16 | DType::F64 => 0.0,
                 DType::MXFP4 | DType::NVFP4 => 1.0,
-                DType::TQ1_0 | DType::TQ2_0 | DType::Q1_0 => 8.0,
+                DType::TQ1_0 | DType::TQ2_0 | DType::Q1_0 | DType::Q2_0 => 8.0,
                 _ => unreachable!("{dt} has no quantizer"),
             };
             for (a, b) in src.iter().zip(&back) {
@@ -689,11 +716,13 @@ mod tests {
         for dt in DType::ALL {
             assert_eq!(DType::from_ggml_type_id(dt.ggml_type_id()).unwrap(), dt);
         }
-        // Ids ggml retired (q4_2, q4_3) or never gave a type.
-        for id in [4, 5, 31, 32, 33, 36, 37, 38, 42, 9999] {
+        // Ids ggml retired (named in the error) or never gave a type.
+        for id in [4, 5, 31, 32, 33, 36, 37, 38, 43, 9999] {
             let err = DType::from_ggml_type_id(id).unwrap_err().to_string();
             assert!(err.contains(&format!("id {id}")), "{err}");
         }
+        let err = DType::from_ggml_type_id(31).unwrap_err().to_string();
+        assert!(err.contains("q4_0_4_4") && err.contains("removed"), "{err}");
     }
 
     #[test]

@@ -33,7 +33,8 @@
 //!   byte other than 0 reads as true (as ggml reads it);
 //! * `general.alignment` must be a `u32`, a power of two, at most [`MAX_ALIGNMENT`] (1 MiB,
 //!   ggml's bound too);
-//! * ggml type ids that ferrograph does not implement (iq2_xxs, ...) are refused by name.
+//! * ggml type ids that name no type (ggml's retired ones, such as q4_0_4_4, by name) are
+//!   refused.
 //!
 //! # Binding without copying
 //!

@@ -208,6 +208,7 @@ pub fn type_traits(dtype: DType) -> CpuTypeTraits {
             DType::MXFP4 => block_traits::<39>(dtype),
             DType::NVFP4 => block_traits::<40>(dtype),
             DType::Q1_0 => block_traits::<41>(dtype),
+            DType::Q2_0 => block_traits::<42>(dtype),
             other => (None, None, other),
         };
     CpuTypeTraits {

@@ -21,3 +21,7 @@ pub const QK_Q1_0: usize = 128;
 pub fn codec(_dtype: DType) -> Option<BlockCodec> {
     None
 }
+/// Placeholder.
+pub const Q2_0_BYTES: usize = 18;
+/// Placeholder.
+pub const QK_Q2_0: usize = 64;
