@@ -12,7 +12,8 @@ release module into ./.venv). For each weight type:
 * **GEMM**: a 4096 x 4096 weight times 512 columns, in GFLOPS beside the f32 weight's product
   measured in the same run (the ratio is throughput over f32's).
 
-Weights are random (normal, 0.1 scale) quantized with ferrograph's reference quantizers.
+Weights are random (normal, 0.1 scale) quantized with ferrograph's reference quantizers; the
+i-quants below 4 bits, which ferrograph does not quantize, get random blocks of that scale.
 ``--quick`` shrinks the shapes for a smoke run.
 """
 
@@ -28,7 +29,8 @@ from _bench_timing import best_seconds
 import ferrograph as fg
 
 TYPES = ["f32", "f16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q2_K", "q3_K"]
-TYPES += ["q4_K", "q5_K", "q6_K", "iq4_xs"]
+TYPES += ["q4_K", "q5_K", "q6_K", "iq4_xs", "iq3_s", "iq3_xxs", "iq2_s", "iq2_xs", "iq2_xxs"]
+TYPES += ["iq1_m", "iq1_s", "tq2_0", "tq1_0", "mxfp4", "nvfp4", "q1_0", "q2_0"]
 
 
 def streaming_read(nbytes: int, threads: int, repeat: int) -> tuple[float, float]:
@@ -45,6 +47,21 @@ def streaming_read(nbytes: int, threads: int, repeat: int) -> tuple[float, float
     return nbytes / t_one / 1e9, nbytes / t_all / 1e9
 
 
+def random_blocks(dtype: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """Random blocks of a type without a quantizer, the f16 scale (first, or for iq1_m spread
+    over the trailing scale words' top nibbles) small enough for values of about 0.1."""
+    dt = fg.DType(dtype)
+    raw = rng.integers(0, 256, (n // dt.block_size, dt.type_size), dtype=np.uint8)
+    bits = int(np.float16(0.004).view(np.uint16))
+    if dtype == "iq1_m":
+        for i in range(4):
+            at = dt.type_size - 7 + 2 * i
+            raw[:, at] = (raw[:, at] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
+    else:
+        raw[:, 0], raw[:, 1] = bits & 0xFF, bits >> 8
+    return raw.reshape(-1)
+
+
 def product(
     cpu: fg.Backend, dtype: str, m: int, k: int, n: int, copies: int
 ) -> tuple[Callable[[], None], int]:
@@ -59,7 +76,10 @@ def product(
         ctx = fg.Context(no_alloc=False)
         w = ctx.new_tensor(dtype, (m, k), name=f"w{c}")
         x = ctx.new_tensor(fg.float32, (n, k), name="x")
-        w.set(wn.astype(np.float16) if dtype == "f16" else wn)
+        if fg.DType(dtype).is_quantized and not fg.cpu.type_traits(dtype).has_from_float:
+            fg.tensor_set(w, random_blocks(dtype, m * k, rng))
+        else:
+            w.set(wn.astype(np.float16) if dtype == "f16" else wn)
         x.set(xn)
         nbytes = w.nbytes
         graphs.append((ctx, fg.Graph.build(fg.ops.mul_mat(w, x, ctx=ctx))))
