@@ -80,7 +80,8 @@ pub(super) unsafe fn iq1_s(x: &[u8], y: &[u8]) -> f32 {
         let mut msum = 0i32;
         for s in 0..8 {
             let h = u16::from_le_bytes([bx[34 + 2 * s], bx[35 + 2 * s]]);
-            let idx = |l: usize| usize::from(bx[2 + 4 * s + l]) | (usize::from(h >> (3 * l) & 7) << 8);
+            let idx =
+                |l: usize| usize::from(bx[2 + 4 * s + l]) | (usize::from(h >> (3 * l) & 7) << 8);
             let grid = points([idx(0), idx(1), idx(2), idx(3)]);
             let ls = 2 * ((h >> 12) & 7) as i16 + 1;
             let p = pair_dots(grid, ld256(by, 4 + 32 * s));

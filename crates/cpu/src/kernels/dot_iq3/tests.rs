@@ -320,7 +320,11 @@ fn iq3_xxs_known_value() {
     let mut a = vec![1u8; Q8_K_BYTES];
     a[..4].copy_from_slice(&1f32.to_le_bytes());
     for isa in Isa::available() {
-        assert_eq!(dot_fn(DType::IQ3_XXS, isa).unwrap()(&w, &a), 384.0, "{isa:?}");
+        assert_eq!(
+            dot_fn(DType::IQ3_XXS, isa).unwrap()(&w, &a),
+            384.0,
+            "{isa:?}"
+        );
     }
     let mut x = vec![0f32; QK_K];
     (codec(DType::IQ3_XXS).unwrap().to_f32)(&w, &mut x);

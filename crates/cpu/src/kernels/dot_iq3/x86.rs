@@ -16,9 +16,7 @@ use std::arch::x86_64::*;
 
 use super::super::simd::{f16_to_f32, prefetch_ahead};
 use super::{iq3_xxs_finish, step};
-use crate::quant::iq3::{
-    sign_byte, IQ3_S_BYTES, IQ3_S_GRID, IQ3_XXS_BYTES, IQ3_XXS_GRID,
-};
+use crate::quant::iq3::{sign_byte, IQ3_S_BYTES, IQ3_S_GRID, IQ3_XXS_BYTES, IQ3_XXS_GRID};
 use crate::quant::kquants::Q8_K_BYTES;
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
