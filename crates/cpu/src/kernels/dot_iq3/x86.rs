@@ -1,0 +1,165 @@
+//! AVX2 + FMA + F16C versions of the iq3_xxs and iq3_s dot products.
+//!
+//! Per sub-block of 32 values, the 8 grid points are read from the expanded grid table
+//! (one `u32` per point, bytes = unsigned coordinates) into a vector, the 32 sign bits are
+//! spread to a byte mask (`0xFF` = negative) and applied (`(g ^ m) − m`), and the products
+//! with the activations are formed as `vpmaddubsw(|y|, vpsignb(±g, y))`: the sign of `y`
+//! moves onto the weight (`|±g| ≤ 62`, so its negation is exact) and `|y|` becomes the
+//! unsigned operand (`vpabsb(−128)` is the byte `0x80`, read as 128). Each adjacent pair sum
+//! is at most `2·128·62 = 15872` in magnitude, inside i16, so nothing saturates. `vpmaddwd`
+//! with the sub-block's odd scale (`≤ 31`) then gives exact i32 pairs, and the lane sums over
+//! the 8 sub-blocks stay below `2²⁶` (the definition's bound, module docs of [`super`]).
+//! The lanes are reduced to the exact `isum` of the definition and the very same f32 step
+//! ([`super::step`]) runs on it, so the results are bit-identical to the portable functions.
+
+use std::arch::x86_64::*;
+
+use super::super::simd::{f16_to_f32, prefetch_ahead};
+use super::{iq3_xxs_finish, step};
+use crate::quant::iq3::{sign_byte, IQ3_S_BYTES, IQ3_S_GRID, IQ3_XXS_BYTES, IQ3_XXS_GRID};
+use crate::quant::kquants::Q8_K_BYTES;
+
+/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
+pub(super) fn supported() -> bool {
+    crate::isa::get().avx2_fma_f16c()
+}
+
+/// The 128 iq3_xxs sign bytes ([`sign_byte`] of every 7-bit index), computed at compile
+/// time.
+static SIGN_BYTES: [u8; 128] = {
+    let mut t = [0u8; 128];
+    let mut i = 0;
+    while i < 128 {
+        t[i] = sign_byte(i as u32);
+        i += 1;
+    }
+    t
+};
+
+/// The 32 bytes of `b` at `at` (checked).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
+    assert!(at + 32 <= N);
+    // SAFETY: the 32 bytes at `at` lie inside `b` (checked above); loadu has no alignment
+    // requirement.
+    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
+}
+
+/// The little-endian u32 at byte `at` of `b`.
+#[inline(always)]
+fn u32_at(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+}
+
+/// The q8_K scale of a super-block.
+#[inline(always)]
+fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
+    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
+}
+
+/// The f16 at byte 0 of a weight super-block, as f32 (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_at0(b: &[u8]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
+}
+
+/// The sum of the 8 i32 lanes (wrapping adds; exact because the sums are bounded).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// Byte `k` of the result is `0xFF` when bit `k % 8` of byte `k / 8` of `signs` is set,
+/// else `0`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sign_mask(signs: u32) -> __m256i {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(signs as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        ),
+    );
+    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits)
+}
+
+/// `ls·Σ (±g)·y` of one sub-block, spread over 8 i32 lanes: `grid` holds the unsigned
+/// coordinates, `neg` the sign mask, `y` the 32 activation quants.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scaled_dot32(grid: __m256i, neg: __m256i, y: __m256i, ls: i16) -> __m256i {
+    let q = _mm256_sub_epi8(_mm256_xor_si256(grid, neg), neg);
+    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(q, y));
+    _mm256_madd_epi16(p, _mm256_set1_epi16(ls))
+}
+
+/// The 8 grid points `table[index(j)]`, `j = 0..8`, as one vector (point `j` in lanes
+/// `j`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn points(table: &[u32], index: impl Fn(usize) -> usize) -> __m256i {
+    let p = |j: usize| table[index(j)] as i32;
+    _mm256_setr_epi32(p(0), p(1), p(2), p(3), p(4), p(5), p(6), p(7))
+}
+
+/// iq3_xxs · q8_K ([`super::dot_iq3_xxs`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn iq3_xxs(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<IQ3_XXS_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx.as_ptr(), IQ3_XXS_BYTES);
+        let mut sum = _mm256_setzero_si256();
+        for s in 0..8 {
+            let w = u32_at(bx, 66 + 4 * s);
+            let signs = (0..4).fold(0u32, |a, l| {
+                a | u32::from(SIGN_BYTES[((w >> (7 * l)) & 0x7F) as usize]) << (8 * l)
+            });
+            let grid = points(&IQ3_XXS_GRID, |j| usize::from(bx[2 + 8 * s + j]));
+            let ls = 2 * (w >> 28) as i16 + 1;
+            let d = scaled_dot32(grid, sign_mask(signs), ld256(by, 4 + 32 * s), ls);
+            sum = _mm256_add_epi32(sum, d);
+        }
+        acc = step(acc, scale_at0(bx), q8_d(by), hsum(sum));
+    }
+    iq3_xxs_finish(acc)
+}
+
+/// iq3_s · q8_K ([`super::dot_iq3_s`]).
+///
+/// # Safety
+/// The CPU must support AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn iq3_s(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<IQ3_S_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        prefetch_ahead(bx.as_ptr(), IQ3_S_BYTES);
+        let mut sum = _mm256_setzero_si256();
+        for s in 0..8 {
+            let qh = usize::from(bx[66 + s]);
+            let grid = points(&IQ3_S_GRID, |j| {
+                usize::from(bx[2 + 8 * s + j]) | ((qh >> j & 1) << 8)
+            });
+            let ls = 2 * i16::from(bx[106 + s / 2] >> (4 * (s % 2)) & 15) + 1;
+            let signs = u32_at(bx, 74 + 4 * s);
+            let d = scaled_dot32(grid, sign_mask(signs), ld256(by, 4 + 32 * s), ls);
+            sum = _mm256_add_epi32(sum, d);
+        }
+        acc = step(acc, scale_at0(bx), q8_d(by), hsum(sum));
+    }
+    acc
+}
