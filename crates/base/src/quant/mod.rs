@@ -62,6 +62,9 @@ pub fn f16_at(block: &[u8], at: usize) -> f32 {
 /// Values per super-block of the K-quants (q2_K..q8_K, iq4_xs).
 pub const QK_K: usize = 256;
 
+/// Encodes f32 values into whole blocks of a type.
+pub type EncodeFn = fn(&[f32], &mut [u8]);
+
 /// Byte-level conversions of one block type. Rows are whole blocks laid out as ggml lays them
 /// out, at any alignment; callers check lengths (`src.len() == dtype.row_size(dst.len())`).
 #[derive(Clone, Copy, Debug)]
@@ -70,7 +73,7 @@ pub struct BlockCodec {
     pub to_f32: fn(&[u8], &mut [f32]),
     /// Encodes f32 values into whole blocks with ggml's reference quantizer's rules; `None`
     /// for the types ferrograph reads but does not write ([`DType::has_quantizer`]).
-    pub from_f32: Option<fn(&[f32], &mut [u8])>,
+    pub from_f32: Option<EncodeFn>,
 }
 
 /// The byte codec of a block type other than q8_0/q4_0 (those have typed block structs here),
