@@ -55,8 +55,7 @@ use super::block_dot::{DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq2::{
-    unpack_iq2_s, unpack_iq2_xs, unpack_iq2_xxs, Unpacked, IQ2_S_BYTES, IQ2_XS_BYTES,
-    IQ2_XXS_BYTES,
+    unpack_iq2_s, unpack_iq2_xs, unpack_iq2_xxs, Unpacked, IQ2_S_BYTES, IQ2_XS_BYTES, IQ2_XXS_BYTES,
 };
 use crate::quant::kquants::Q8_K_BYTES;
 use crate::quant::QK_K;

@@ -32,7 +32,10 @@ impl Rng {
 /// The sections of `tests/data/iq2_blocks.bin` (see `scripts/make_iq2_fixtures.py`):
 /// (ggml type id, super-block count, bytes per super-block, payload).
 fn fixture() -> Vec<(u32, usize, usize, Vec<u8>)> {
-    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/iq2_blocks.bin");
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/iq2_blocks.bin"
+    );
     let data = std::fs::read(path).expect("fixture file");
     assert_eq!(&data[..4], b"IQ2F");
     let u32_at = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap());
@@ -250,11 +253,11 @@ fn unpacked_matches_decoded() {
             let u = unpack(&b);
             let y = decode(dtype, &b);
             let d = f16_at(&b, 0);
-            for v in 0..QK_K {
+            for (v, (&yv, &w)) in y.iter().zip(&u.values).enumerate() {
                 let s = u.scales[v / 16];
                 assert!(s < 16);
-                assert!(GRID_LEVELS.contains(&u.values[v].unsigned_abs()));
-                assert_eq!(y[v], d * (0.5 + f32::from(s)) * 0.25 * f32::from(u.values[v]));
+                assert!(GRID_LEVELS.contains(&w.unsigned_abs()));
+                assert_eq!(yv, d * (0.5 + f32::from(s)) * 0.25 * f32::from(w));
             }
             // Every run has an even number of minus signs for the 7-bit-index types.
             if dtype != DType::IQ2_S {

@@ -110,10 +110,7 @@ fn dot_fn_covers_exactly_these_types() {
             assert_eq!(dot_fn(dt, isa).is_some(), mine, "{dt} {isa:?}");
         }
         if mine {
-            assert_eq!(
-                super::super::block_dot::vec_dot_type(dt),
-                Some(DType::Q8_K)
-            );
+            assert_eq!(super::super::block_dot::vec_dot_type(dt), Some(DType::Q8_K));
             assert!(super::super::block_dot::dot_fn_with(dt, Isa::Portable).is_some());
         }
     }
