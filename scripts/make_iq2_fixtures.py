@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Writes tests/data/iq2_blocks.bin, the reference data of the iq2_xxs / iq2_xs / iq2_s codec
+tests (crates/base/src/quant/iq2/tests.rs).
+
+Needs numpy and the `gguf` package (gguf-py). Run from the repository root:
+
+    python scripts/make_iq2_fixtures.py
+
+Per type: random super-blocks (every byte random, then the f16 scale `d` at bytes 0..2
+overwritten with a finite value: normal, subnormal, zero, negative zero or large), plus one
+super-block of all-ones bytes and one of all-zero bytes (both with d = 1.0), and their values
+as decoded by `gguf.quants.dequantize`.
+
+File layout (little-endian): magic b"IQ2F", u32 section count, then per section: u32 ggml
+type id, u32 super-block count n, u32 bytes per super-block, n super-blocks of bytes, then
+n*256 f32 values.
+"""
+
+import struct
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+QK_K = 256
+SEED = 20250302
+BLOCKS = 40
+
+TYPES = [(T.IQ2_XXS, 66), (T.IQ2_XS, 74), (T.IQ2_S, 82)]
+
+
+def finite_f16_bits(rng: np.random.Generator) -> int:
+    """A finite f16 bit pattern: mostly moderate normals, sometimes subnormal, +-0 or large."""
+    kind = rng.integers(0, 10)
+    sign = int(rng.integers(0, 2)) << 15
+    if kind == 0:
+        return sign | int(rng.integers(1, 0x400))  # subnormal
+    if kind == 1:
+        return sign  # +0 / -0
+    if kind == 2:
+        return sign | (int(rng.integers(24, 31)) << 10) | int(rng.integers(0, 0x400))  # large
+    return sign | (int(rng.integers(5, 18)) << 10) | int(rng.integers(0, 0x400))
+
+
+def main() -> None:
+    rng = np.random.default_rng(SEED)
+    sections = []
+    for qtype, size in TYPES:
+        raw = rng.integers(0, 256, size=(BLOCKS, size), dtype=np.uint8)
+        for b in range(BLOCKS):
+            bits = finite_f16_bits(rng)
+            raw[b, 0] = bits & 0xFF
+            raw[b, 1] = bits >> 8
+        # The largest sign and both extreme scale nibbles, the first grid point: all bits
+        # set / all clear, d = 1.0; and every kind of d at least once.
+        raw[0, :] = 0xFF
+        raw[1, :] = 0x00
+        for b in (0, 1):
+            raw[b, 0], raw[b, 1] = 0x00, 0x3C
+        for b, bits in zip(range(2, 8), (0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF)):
+            raw[b, 0], raw[b, 1] = bits & 0xFF, bits >> 8
+        values = dequantize(raw, qtype).astype(np.float32).reshape(-1)
+        assert values.shape == (BLOCKS * QK_K,)
+        assert np.all(np.isfinite(values))
+        sec = struct.pack("<III", int(qtype), BLOCKS, size)
+        sec += raw.tobytes() + values.astype("<f4").tobytes()
+        sections.append(sec)
+    out = bytearray(b"IQ2F") + struct.pack("<I", len(sections))
+    for sec in sections:
+        out += sec
+    path = Path(__file__).resolve().parent.parent / "tests" / "data" / "iq2_blocks.bin"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(out))
+    print(f"wrote {path} ({len(out)} bytes)")
+
+
+if __name__ == "__main__":
+    main()
