@@ -909,7 +909,7 @@ pub fn l2_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
 
 // ----- matrix products -----
 
-const MATMUL_WEIGHT_TYPES: [DType; 15] = [
+const MATMUL_WEIGHT_TYPES: [DType; 28] = [
     DType::F32,
     DType::F16,
     DType::BF16,
@@ -925,6 +925,19 @@ const MATMUL_WEIGHT_TYPES: [DType; 15] = [
     DType::Q6_K,
     DType::IQ4_NL,
     DType::IQ4_XS,
+    DType::IQ2_XXS,
+    DType::IQ2_XS,
+    DType::IQ2_S,
+    DType::IQ3_XXS,
+    DType::IQ3_S,
+    DType::IQ1_S,
+    DType::IQ1_M,
+    DType::TQ1_0,
+    DType::TQ2_0,
+    DType::MXFP4,
+    DType::NVFP4,
+    DType::Q1_0,
+    DType::Q2_0,
 ];
 
 /// Matrix product with ggml's meaning: `a` is `[K, M, ..]`, `b` is `[K, N, ..]`, the f32 result

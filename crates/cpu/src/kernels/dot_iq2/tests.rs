@@ -293,7 +293,6 @@ fn known_value() {
 /// Ignored until `ops::mul_mat` of the base crate lists the iq2 types among its weight types
 /// (`MATMUL_WEIGHT_TYPES`, outside this module); run it with `--ignored` after that change.
 #[test]
-#[ignore = "ops::mul_mat does not accept iq2 weights yet (MATMUL_WEIGHT_TYPES in ops.rs)"]
 fn mul_mat_uses_these_products() {
     use crate::backend::CpuBackend;
     use ferrograph_base::alloc::GraphAllocator;
