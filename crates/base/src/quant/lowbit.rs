@@ -149,7 +149,7 @@ pub fn ue4m3_half(b: u8) -> f32 {
 /// as a rounding bit (half up), carrying into the exponent, and `0x7E` once the exponent
 /// field would reach 15.
 pub fn f32_to_ue4m3(x: f32) -> u8 {
-    if !(x > 0.0) {
+    if x.is_nan() || x <= 0.0 {
         return 0;
     }
     let x = x.min(448.0);
@@ -178,7 +178,7 @@ pub fn f32_to_ue4m3(x: f32) -> u8 {
 /// The MXFP4 exponent byte of a block whose largest magnitude is `amax` (see the module
 /// docs: the f32-rounded `log2`, floored, offset by 125, wrapped modulo 256).
 pub fn mxfp4_exponent(amax: f32) -> u8 {
-    if !(amax > 0.0) {
+    if amax.is_nan() || amax <= 0.0 {
         return 0;
     }
     // f64 log2 is within an f64 rounding of the exact value, so rounding it to f32 gives the
@@ -357,7 +357,7 @@ fn ternary(x: &[f32]) -> (f32, [u8; QK_K]) {
 #[inline]
 fn pack_trits(t: [u8; 5]) -> u8 {
     let v = t.iter().fold(0u16, |acc, &d| acc * 3 + u16::from(d));
-    ((v * 256 + 242) / 243) as u8
+    (v * 256).div_ceil(243) as u8
 }
 
 fn encode_tq1_0(src: &[f32], dst: &mut [u8]) {

@@ -87,11 +87,10 @@ fn fixture() -> Vec<Section> {
         at += 20;
         let (nb, nv) = (n * size, n * qk * 4);
         let (bytes, values) = if kind == 0 {
-            let r = (
+            (
                 data[at..at + nb].to_vec(),
                 f32s(&data[at + nb..at + nb + nv]),
-            );
-            r
+            )
         } else {
             (
                 data[at + nv..at + nv + nb].to_vec(),
