@@ -1,7 +1,205 @@
-//! PLACEHOLDER (replaced before this lands).
+//! Dot products of the ternary, FP4 and 1-bit types (layouts in [`crate::quant::lowbit`])
+//! with their activation partners (see [`super::block_dot`]): TQ1_0 and TQ2_0 with q8_K,
+//! MXFP4, NVFP4 and Q1_0 with q8_0.
+//!
+//! # Definition
+//!
+//! The portable functions here *define* every product; the AVX2 versions
+//! (`dot_lowbit/x86.rs`) return identical bits for every input whose result is not NaN (a
+//! NaN result is NaN in both, with an unspecified payload).
+//!
+//! A product walks the weight blocks in row order, block `b` meeting the activations it
+//! covers: one q8_K super-block (TQ1_0, TQ2_0), one q8_0 block (MXFP4), two (NVFP4: 64
+//! values) or four (Q1_0: 128 values). The count of blocks is the smaller of the weight
+//! row's whole blocks and the activation row's whole groups of partner blocks; trailing
+//! partial blocks are ignored. Below, `y_v` is an activation quant (any byte, `−128..=127`),
+//! `w_v` the weight's small integer, `·` one rounded f32 multiplication, `fma` one fused
+//! multiply-add rounded once (`f32::mul_add`), `f32(i)` an exact conversion (every sum below
+//! is smaller than 2²⁴ in magnitude), and `acc` the single accumulator, starting at `+0.0`.
+//!
+//! | type  | integer sums (exact `i32`)                              | f32 steps per block                               |
+//! |-------|---------------------------------------------------------|---------------------------------------------------|
+//! | TQ1_0 | `isum = Σ_v w_v·y_v`, `w = t − 1 ∈ {−1,0,1}` (256 values) | `acc = fma(dx·dy, f32(isum), acc)`                |
+//! | TQ2_0 | `isum = Σ_v w_v·y_v`, `w = f − 1 ∈ {−1,0,1,2}`            | `acc = fma(dx·dy, f32(isum), acc)`                |
+//! | MXFP4 | `isum = Σ_v K_v·y_v`, `K` the doubled FP4 level (32 values) | `acc = fma(dy·s, f32(isum), acc)`               |
+//! | NVFP4 | `isum_s = Σ_{v∈s} K_v·y_v` per sub-block `s < 4` of 16    | for `s = 0..4`: `acc = fma(dy_{⌊s/2⌋}·u_s, f32(isum_s), acc)` |
+//! | Q1_0  | `isum_k = Σ_{v∈k} ±y_v` per q8_0 block `k < 4` of 32      | `t = +0.0`; for `k = 0..4`: `t = fma(dy_k, f32(isum_k), t)`; then `acc = fma(dx, t, acc)` |
+//!
+//! with `dx` the weight block's f16 scale and `dy` the q8_0 f16 scale (both widened exactly),
+//! `dy` the q8_K f32 scale for TQ, `s` the MXFP4 half E8M0 scale
+//! ([`crate::quant::lowbit::e8m0_half`]) and `u_s` the NVFP4 half UE4M3 scales
+//! ([`crate::quant::lowbit::ue4m3_half`]). The result is `acc`. These are ggml's shapes
+//! (`ggml_vec_dot_*_generic`: integer sums per block, the scale product, then the sum, Q1_0
+//! with its inner sum over the four q8_0 blocks), with each multiply-add fused.
+//!
+//! The products never read q8_K's group sums, so inconsistent ones do not matter.
+//!
+//! # No overflow
+//!
+//! For any bytes: TQ `|isum| ≤ 256·2·128 = 65536`; MXFP4 `|isum| ≤ 32·12·128 = 49152`;
+//! NVFP4 `|isum_s| ≤ 16·12·128 = 24576`; Q1_0 `|isum_k| ≤ 32·128 = 4096`. All are far inside
+//! `i32` and exact in f32.
+//!
+//! # Error
+//!
+//! Let `S = Σ_v |x̂_v·ŷ_v|` over the dequantized weight and activation values, and `n` the
+//! number of f32 accumulation steps (blocks, or sub-blocks for NVFP4). The integer sums
+//! are exact; each step rounds the scale product and the sum (`≤ 2⁻²⁴` relative each), so
+//! to first order `|result − Σ_v x̂_v·ŷ_v| ≤ (n + 2)·2⁻²⁴·S` (Q1_0: `(n + 6)·2⁻²⁴·S`, for its
+//! inner sum of four), as long as no scale product underflows into f32's subnormal range.
+//! The unit tests check `(2n + 16)·2⁻²⁴·S` against the f64 dot product of the dequantized
+//! rows.
+
 use super::block_dot::{DotFn, Isa};
 use crate::dtype::DType;
-/// Placeholder.
-pub fn dot_fn(_dtype: DType, _isa: Isa) -> Option<DotFn> {
+use crate::quant::f16_at;
+use crate::quant::kquants::Q8_K_BYTES;
+use crate::quant::lowbit::{
+    e8m0_half, mxfp4_levels, nvfp4_levels, q1_0_signs, tq1_0_quants, tq2_0_quants, ue4m3_half,
+    MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, TQ1_0_BYTES, TQ2_0_BYTES,
+};
+
+#[cfg(test)]
+mod tests;
+#[cfg(target_arch = "x86_64")]
+mod x86;
+
+/// Bytes of one q8_0 block.
+const Q8_0_BYTES: usize = 34;
+
+/// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
+/// (and, for [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
+pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
+    match isa {
+        Isa::Portable => portable(dtype),
+        Isa::Avx2 => avx2(dtype),
+    }
+}
+
+fn portable(dtype: DType) -> Option<DotFn> {
+    Some(match dtype {
+        DType::TQ1_0 => dot_tq1_0,
+        DType::TQ2_0 => dot_tq2_0,
+        DType::MXFP4 => dot_mxfp4,
+        DType::NVFP4 => dot_nvfp4,
+        DType::Q1_0 => dot_q1_0,
+        _ => return None,
+    })
+}
+
+#[cfg(target_arch = "x86_64")]
+fn avx2(dtype: DType) -> Option<DotFn> {
+    if !x86::supported() {
+        return None;
+    }
+    x86::kernel(dtype)
+}
+
+#[cfg(not(target_arch = "x86_64"))]
+fn avx2(_dtype: DType) -> Option<DotFn> {
     None
+}
+
+/// The f32 step of TQ1_0, TQ2_0 and MXFP4 (and of each NVFP4 sub-block):
+/// `fma(a·b, f32(isum), acc)`. Shared by every version so the sequence is one.
+#[inline(always)]
+fn step(acc: f32, a: f32, b: f32, isum: i32) -> f32 {
+    (a * b).mul_add(isum as f32, acc)
+}
+
+/// The f32 steps of one Q1_0 block given its four integer sums and the scales.
+#[inline(always)]
+fn q1_0_step(acc: f32, dx: f32, dy: [f32; 4], isum: [i32; 4]) -> f32 {
+    let mut t = 0f32;
+    for k in 0..4 {
+        t = dy[k].mul_add(isum[k] as f32, t);
+    }
+    dx.mul_add(t, acc)
+}
+
+/// `Σ w_v·y_v` with `y` read as `i8`.
+#[inline(always)]
+fn int_dot(w: &[i8], y: &[u8]) -> i32 {
+    w.iter()
+        .zip(y)
+        .map(|(&a, &b)| i32::from(a) * i32::from(b as i8))
+        .sum()
+}
+
+/// The f32 scale of a q8_K super-block.
+#[inline(always)]
+fn q8_k_scale(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// TQ1_0 · q8_K, portable (the definition).
+pub fn dot_tq1_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<TQ1_0_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let isum = int_dot(&tq1_0_quants(bx), &by[4..260]);
+        acc = step(acc, f16_at(bx, 52), q8_k_scale(by), isum);
+    }
+    acc
+}
+
+/// TQ2_0 · q8_K, portable (the definition).
+pub fn dot_tq2_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<TQ2_0_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let isum = int_dot(&tq2_0_quants(&bx[..64]), &by[4..260]);
+        acc = step(acc, f16_at(bx, 64), q8_k_scale(by), isum);
+    }
+    acc
+}
+
+/// MXFP4 · q8_0, portable (the definition).
+pub fn dot_mxfp4(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<MXFP4_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_0_BYTES>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let isum = int_dot(&mxfp4_levels(&bx[1..]), &by[2..]);
+        acc = step(acc, f16_at(by, 0), e8m0_half(bx[0]), isum);
+    }
+    acc
+}
+
+/// NVFP4 · q8_0 (two q8_0 blocks per NVFP4 block), portable (the definition).
+pub fn dot_nvfp4(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<NVFP4_BYTES>();
+    let (yb, _) = y.as_chunks::<{ 2 * Q8_0_BYTES }>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let levels = nvfp4_levels(&bx[4..]);
+        for s in 0..4 {
+            let q8 = &by[(s / 2) * Q8_0_BYTES..];
+            let ys = &q8[2 + 16 * (s % 2)..2 + 16 * (s % 2) + 16];
+            let isum = int_dot(&levels[16 * s..16 * s + 16], ys);
+            acc = step(acc, f16_at(q8, 0), ue4m3_half(bx[s]), isum);
+        }
+    }
+    acc
+}
+
+/// Q1_0 · q8_0 (four q8_0 blocks per Q1_0 block), portable (the definition).
+pub fn dot_q1_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q1_0_BYTES>();
+    let (yb, _) = y.as_chunks::<{ 4 * Q8_0_BYTES }>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let signs = q1_0_signs(&bx[2..]);
+        let dy = std::array::from_fn(|k| f16_at(by, k * Q8_0_BYTES));
+        let isum = std::array::from_fn(|k| {
+            int_dot(
+                &signs[32 * k..32 * k + 32],
+                &by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES],
+            )
+        });
+        acc = q1_0_step(acc, f16_at(bx, 0), dy, isum);
+    }
+    acc
 }

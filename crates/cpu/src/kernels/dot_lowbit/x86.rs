@@ -1,0 +1,273 @@
+//! AVX2 + FMA + F16C versions of the low-bit dot products (TQ2_0, MXFP4, NVFP4, Q1_0;
+//! TQ1_0 runs the portable code on every CPU).
+//!
+//! Each kernel forms the definition's exact integer sums with `vpmaddubsw` (unsigned bytes
+//! × signed bytes, adjacent pairs summed to i16, saturating) and `vpmaddwd` against ones
+//! (pairs of i16 to i32), reduces them to scalars, and then runs the very same f32 steps
+//! ([`super::step`], [`super::q1_0_step`]) as the portable functions, so the results are
+//! bit-identical.
+//!
+//! Why the i16 stage is exact for any activation byte `y` (`−128..=127`):
+//!
+//! * FP4 levels and Q1_0 signs are signed on both sides, so the sign moves onto the weight
+//!   (`vpsignb(w, y)`: `|w| ≤ 12`, its negation exact) and the magnitude of `y` becomes the
+//!   unsigned operand (`vpabsb(−128)` is the byte `0x80`, read as 128): pairs are at most
+//!   `2·128·12 = 3072`.
+//! * TQ2_0's fields `f ∈ 0..=3` are the unsigned operand against `y`, pairs at most
+//!   `2·3·128 = 768`; the offset is a second `vpmaddubsw` of ones against `y` (pairs at most
+//!   256), subtracted in i16: the true pair sums `|(f − 1)·y|` stay below `2·2·128`.
+//!
+//! The i32 sums are bounded as in the definition (module docs of [`super`]).
+
+use std::arch::x86_64::*;
+
+use super::super::block_dot::DotFn;
+use super::super::simd::f16_to_f32;
+use super::{q1_0_step, step, Q8_0_BYTES};
+use crate::dtype::DType;
+use crate::quant::kquants::Q8_K_BYTES;
+use crate::quant::lowbit::{
+    e8m0_half, ue4m3_half, KVALUES_MXFP4, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, TQ2_0_BYTES,
+};
+
+/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
+pub(super) fn supported() -> bool {
+    crate::isa::get().avx2_fma_f16c()
+}
+
+/// The AVX2 kernel of `dtype`, for the caller that checked [`supported`].
+pub(super) fn kernel(dtype: DType) -> Option<DotFn> {
+    Some(match dtype {
+        DType::TQ1_0 => super::dot_tq1_0,
+        DType::TQ2_0 => entry::tq2_0,
+        DType::MXFP4 => entry::mxfp4,
+        DType::NVFP4 => entry::nvfp4,
+        DType::Q1_0 => entry::q1_0,
+        _ => return None,
+    })
+}
+
+/// Safe entry points, handed out only by [`kernel`] (reached after [`supported`]).
+mod entry {
+    macro_rules! entry {
+        ($name:ident) => {
+            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
+                // SAFETY: only `kernel` hands this function out, and `super::super::avx2`
+                // calls `kernel` only after `supported()` confirmed AVX2, FMA and F16C.
+                unsafe { super::$name(x, y) }
+            }
+        };
+    }
+    entry!(tq2_0);
+    entry!(mxfp4);
+    entry!(nvfp4);
+    entry!(q1_0);
+}
+
+/// The little-endian f16 at byte `at` of `b`, widened exactly.
+#[inline]
+#[target_feature(enable = "f16c")]
+fn f16_le(b: &[u8], at: usize) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Eight i32 lanes of exact pair sums of `w_v·y_v` for 32 signed weights `w` (`|w| ≤ 127`)
+/// and 32 activation bytes `y`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn signed_dot(w: __m256i, y: __m256i) -> __m256i {
+    let p = _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(w, y));
+    _mm256_madd_epi16(p, _mm256_set1_epi16(1))
+}
+
+/// The sum of the eight i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum(v: __m256i) -> i32 {
+    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
+    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
+    _mm_cvtsi128_si32(s)
+}
+
+/// The four sums of the lanes of `a`, `b`, `c`, `d` (in that order).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> [i32; 4] {
+    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    let mut out = [0i32; 4];
+    // SAFETY: `out` holds 16 bytes; unaligned store.
+    unsafe { _mm_storeu_si128(out.as_mut_ptr().cast(), s) };
+    out
+}
+
+/// 32 bytes of `b` from byte `at` (bounds checked).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load32(b: &[u8], at: usize) -> __m256i {
+    let s = &b[at..at + 32];
+    // SAFETY: `s` holds 32 bytes; unaligned load.
+    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
+}
+
+/// 16 bytes of `b` from byte `at` (bounds checked).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn load16(b: &[u8], at: usize) -> __m128i {
+    let s = &b[at..at + 16];
+    // SAFETY: `s` holds 16 bytes; unaligned load.
+    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
+}
+
+/// The FP4 level table in both 128-bit lanes, for `vpshufb`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn fp4_table() -> __m256i {
+    let t = KVALUES_MXFP4.map(|k| k as u8);
+    _mm256_broadcastsi128_si256(load16(&t, 0))
+}
+
+/// TQ2_0 · q8_K.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tq2_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<TQ2_0_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let three = _mm256_set1_epi8(3);
+    let ones8 = _mm256_set1_epi8(1);
+    let ones16 = _mm256_set1_epi16(1);
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let mut sum = _mm256_setzero_si256();
+        for h in 0..2 {
+            let q = load32(bx, 32 * h);
+            for l in 0..4 {
+                let f = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * l)), three);
+                let yv = load32(by, 4 + 128 * h + 32 * l as usize);
+                let p =
+                    _mm256_sub_epi16(_mm256_maddubs_epi16(f, yv), _mm256_maddubs_epi16(ones8, yv));
+                sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones16));
+            }
+        }
+        let dy = f32::from_le_bytes([by[0], by[1], by[2], by[3]]);
+        acc = step(acc, f16_le(bx, 64), dy, hsum(sum));
+    }
+    acc
+}
+
+/// The 32 levels of an MXFP4 block's 16 code bytes, in value order.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn mxfp4_levels(table: __m256i, qs: __m128i) -> __m256i {
+    let m = _mm_set1_epi8(15);
+    let lo = _mm_and_si128(qs, m);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(qs), m);
+    _mm256_shuffle_epi8(table, _mm256_set_m128i(hi, lo))
+}
+
+/// MXFP4 · q8_0.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn mxfp4(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<MXFP4_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_0_BYTES>();
+    let table = fp4_table();
+    let mut acc = 0f32;
+    let block = |bx: &[u8; MXFP4_BYTES], by: &[u8; Q8_0_BYTES]| {
+        signed_dot(mxfp4_levels(table, load16(bx, 1)), load32(by, 2))
+    };
+    let (x4, _) = xb.as_chunks::<4>();
+    let (y4, _) = yb.as_chunks::<4>();
+    for (bx, by) in x4.iter().zip(y4) {
+        let isum = hsum4(
+            block(&bx[0], &by[0]),
+            block(&bx[1], &by[1]),
+            block(&bx[2], &by[2]),
+            block(&bx[3], &by[3]),
+        );
+        for k in 0..4 {
+            acc = step(acc, f16_le(&by[k], 0), e8m0_half(bx[k][0]), isum[k]);
+        }
+    }
+    let done = 4 * x4.len().min(y4.len());
+    for (bx, by) in xb.iter().zip(yb).skip(done) {
+        acc = step(acc, f16_le(by, 0), e8m0_half(bx[0]), hsum(block(bx, by)));
+    }
+    acc
+}
+
+/// NVFP4 · q8_0.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<NVFP4_BYTES>();
+    let (yb, _) = y.as_chunks::<{ 2 * Q8_0_BYTES }>();
+    let table = fp4_table();
+    let m = _mm256_set1_epi8(15);
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let q = load32(bx, 4);
+        let lo = _mm256_and_si256(q, m);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m);
+        // Per 128-bit lane: [lo 0..8 | hi 0..8] and [lo 8..16 | hi 8..16], i.e. sub-blocks
+        // 0 and 2 (low lane of each) and 1 and 3 (high lane).
+        let a = _mm256_unpacklo_epi64(lo, hi);
+        let b = _mm256_unpackhi_epi64(lo, hi);
+        let first = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256::<0x20>(a, b));
+        let second = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256::<0x31>(a, b));
+        let p = signed_dot(first, load32(by, 2));
+        let r = signed_dot(second, load32(by, Q8_0_BYTES + 2));
+        // Lanes 0..4 of p are sub-block 0, 4..8 sub-block 1; likewise r for 2 and 3.
+        let h = _mm256_hadd_epi32(p, r);
+        let h = _mm256_hadd_epi32(h, h);
+        let mut s = [0i32; 8];
+        // SAFETY: `s` holds 32 bytes; unaligned store.
+        unsafe { _mm256_storeu_si256(s.as_mut_ptr().cast(), h) };
+        let isum = [s[0], s[4], s[1], s[5]];
+        for (k, &i) in isum.iter().enumerate() {
+            let dy = f16_le(by, (k / 2) * Q8_0_BYTES);
+            acc = step(acc, dy, ue4m3_half(bx[k]), i);
+        }
+    }
+    acc
+}
+
+/// Q1_0 · q8_0.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q1_0_BYTES>();
+    let (yb, _) = y.as_chunks::<{ 4 * Q8_0_BYTES }>();
+    // Byte i of a 32-value group reads bit i % 8 of the group's byte i / 8.
+    let spread = _mm256_setr_epi8(
+        0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
+        3, 3,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let ones = _mm256_set1_epi8(1);
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let group = |k: usize| {
+            let word =
+                u32::from_le_bytes([bx[2 + 4 * k], bx[3 + 4 * k], bx[4 + 4 * k], bx[5 + 4 * k]]);
+            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
+            // −1 where the bit is clear, 0 where set; or 1 → −1 clear, +1 set.
+            let clear = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), _mm256_setzero_si256());
+            let w = _mm256_or_si256(clear, ones);
+            signed_dot(w, load32(by, k * Q8_0_BYTES + 2))
+        };
+        let isum = hsum4(group(0), group(1), group(2), group(3));
+        let dy = std::array::from_fn(|k| f16_le(by, k * Q8_0_BYTES));
+        acc = q1_0_step(acc, f16_le(bx, 0), dy, isum);
+    }
+    acc
+}
