@@ -871,7 +871,10 @@ fn bad_tensor_infos() {
     assert!(msg.contains("unknown ggml type id 999"), "{msg}");
     let (f, dims_at) = one_tensor(&[256], 36, 0, 64);
     let msg = refused(&f, "tensor \"w\".type", dims_at + 8);
-    assert!(msg.contains("iq4_nl_4_4") && msg.contains("removed"), "{msg}");
+    assert!(
+        msg.contains("iq4_nl_4_4") && msg.contains("removed"),
+        "{msg}"
+    );
     let (f, dims_at) = one_tensor(&[4], 0, 16, 64);
     let msg = refused(&f, "tensor \"w\".offset", dims_at + 12);
     assert!(

@@ -2164,7 +2164,10 @@ fn no_quantizer_refuses_cpy_and_reads_rows(dtype: DType, rng: &mut Rng) {
     let q = c.new_tensor(dtype, &[k, 3]).unwrap();
     let into = ops::cpy(&c, &a, &q).unwrap();
     let err = compute_with(&into, false).unwrap_err();
-    assert!(matches!(err, Error::UnsupportedOp(_)), "CPY f32 -> {dtype}: {err}");
+    assert!(
+        matches!(err, Error::UnsupportedOp(_)),
+        "CPY f32 -> {dtype}: {err}"
+    );
     let bytes = random_blocks(dtype, 3 * k, rng);
     q.write_bytes(0, &bytes).unwrap();
     let mut deq = vec![0f32; 3 * k];
@@ -2173,7 +2176,12 @@ fn no_quantizer_refuses_cpy_and_reads_rows(dtype: DType, rng: &mut Rng) {
     let out = ops::cpy(&c, &q, &back).unwrap();
     compute(&out);
     let want: Vec<f64> = deq.iter().map(|&x| x as f64).collect();
-    check(&format!("CPY {dtype} -> f32"), &back.to_f32_vec().unwrap(), &want, 0.0);
+    check(
+        &format!("CPY {dtype} -> f32"),
+        &back.to_f32_vec().unwrap(),
+        &want,
+        0.0,
+    );
     let ids = c.new_tensor(DType::I32, &[2]).unwrap();
     fill_i32(&ids, &[2, 0]);
     let rows = ops::get_rows(&c, &q, &ids).unwrap();
@@ -2182,7 +2190,12 @@ fn no_quantizer_refuses_cpy_and_reads_rows(dtype: DType, rng: &mut Rng) {
     for r in [2usize, 0] {
         want.extend(deq[r * k..(r + 1) * k].iter().map(|&x| x as f64));
     }
-    check(&format!("GET_ROWS {dtype}"), &rows.to_f32_vec().unwrap(), &want, 0.0);
+    check(
+        &format!("GET_ROWS {dtype}"),
+        &rows.to_f32_vec().unwrap(),
+        &want,
+        0.0,
+    );
 }
 
 /// FLASH_ATTN_EXT with keys and values of every KV-cache type (bf16 and the 32-value block

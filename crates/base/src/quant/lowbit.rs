@@ -1,5 +1,5 @@
-//! ggml's ternary, 4-bit float and 1-bit block types: TQ1_0, TQ2_0, MXFP4, NVFP4 and Q1_0
-//! (byte codecs, reached through [`super::codec`]).
+//! ggml's ternary, 4-bit float and 1-/2-bit block types: TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0 and
+//! Q2_0 (byte codecs, reached through [`super::codec`]).
 //!
 //! # Layouts (little-endian, no padding)
 //!
@@ -27,11 +27,15 @@
 //!   the bytes `0x00` and `0x7F` (only those) decode to zero.
 //! * **Q1_0** (128 values, [`Q1_0_BYTES`] = 18): f16 `d`, then 16 bytes of sign bits: bit
 //!   `j % 8` of byte `2 + j / 8` set means value `j` is `+d`, clear `−d`.
+//! * **Q2_0** (64 values, [`Q2_0_BYTES`] = 18): f16 `d`, then 16 bytes of 2-bit fields: value
+//!   `j` is `(((qs[j / 4] >> 2·(j % 4)) & 3) − 1)·d` (the field 3 decodes to `+2·d`; the
+//!   quantizer, ternary like TQ2_0's, never writes it).
 //!
 //! # Quantization (ggml's `quantize_row_<type>_ref` rules)
 //!
-//! * TQ1_0 / TQ2_0: `d = max|x|` (stored as f16, nearest even), `id = 1/d` (0 if `d = 0`),
-//!   trit `t = round(x·id) + 1` with halves away from zero, computed with the f32 `d`.
+//! * TQ1_0 / TQ2_0 / Q2_0: `d = max|x|` (stored as f16, nearest even), `id = 1/d` (0 if
+//!   `d = 0`), trit `t = round(x·id) + 1` with halves away from zero, computed with the f32 `d`
+//!   (Q2_0 per block of 64, as ggml's library quantizes it: checked against its bytes).
 //! * MXFP4: with `a = max|x|`, `e = floor(log2 a) − 2 + 127` (0 if `a = 0`); then each value
 //!   takes the code `c` minimising `|K[c]·s(e) − x|` in f32, the first such code on ties
 //!   (so zero is code 0, never the negative zero 8). `log2 a` is rounded to f32 (as ggml's
@@ -53,7 +57,7 @@
 //!
 //! For finite `x` (decoded `x̂`):
 //!
-//! * TQ1_0/TQ2_0: `|x − x̂| ≤ d/2 + |d − d̃|` with `d = max|x|` and `d̃` its f16 value.
+//! * TQ1_0/TQ2_0/Q2_0: `|x − x̂| ≤ d/2 + |d − d̃|` with `d = max|x|` and `d̃` its f16 value.
 //! * MXFP4: `|x − x̂| ≤ 2s + max(0, |x| − 12s)` with `s = s(e)`: the levels' gaps are at
 //!   most `4s`, and the largest level `12s` is at least `3/4·max|x|` (so the clamp beyond it
 //!   costs less than `4s`).
@@ -89,6 +93,10 @@ pub const QK_NVFP4: usize = 64;
 pub const QK_NVFP4_SUB: usize = 16;
 /// Values per Q1_0 block.
 pub const QK_Q1_0: usize = 128;
+/// Bytes of one Q2_0 block ([`QK_Q2_0`] values).
+pub const Q2_0_BYTES: usize = 18;
+/// Values per Q2_0 block.
+pub const QK_Q2_0: usize = 64;
 
 /// The E2M1 (FP4) values doubled, indexed by the 4-bit code: codes 8..15 are the negatives
 /// of 0..7 (code 8 is a negative zero, decoding to 0).
@@ -103,6 +111,7 @@ pub fn codec(dtype: DType) -> Option<BlockCodec> {
         DType::MXFP4 => (decode_mxfp4, encode_mxfp4),
         DType::NVFP4 => (decode_nvfp4, encode_nvfp4),
         DType::Q1_0 => (decode_q1_0, encode_q1_0),
+        DType::Q2_0 => (decode_q2_0, encode_q2_0),
         _ => return None,
     };
     Some(BlockCodec {
@@ -272,6 +281,11 @@ pub fn q1_0_signs(qs: &[u8]) -> [i8; QK_Q1_0] {
     })
 }
 
+/// The 64 quants `f − 1` (`−1..=2`) of a Q2_0 block's 16 code bytes.
+pub fn q2_0_quants(qs: &[u8]) -> [i8; QK_Q2_0] {
+    std::array::from_fn(|j| ((qs[j / 4] >> (2 * (j % 4))) & 3) as i8 - 1)
+}
+
 // ---------------------------------------------------------------------------------------------
 // Decoders.
 // ---------------------------------------------------------------------------------------------
@@ -336,6 +350,18 @@ fn decode_q1_0(src: &[u8], dst: &mut [f32]) {
             } else {
                 -d
             };
+        }
+    }
+}
+
+fn decode_q2_0(src: &[u8], dst: &mut [f32]) {
+    for (b, y) in src
+        .chunks_exact(Q2_0_BYTES)
+        .zip(dst.chunks_exact_mut(QK_Q2_0))
+    {
+        let d = f16_at(b, 0);
+        for (out, &q) in y.iter_mut().zip(&q2_0_quants(&b[2..])) {
+            *out = f32::from(q) * d;
         }
     }
 }
@@ -454,7 +480,20 @@ fn encode_q1_0(src: &[f32], dst: &mut [u8]) {
         }
     }
 }
-/// Placeholder.
-pub const Q2_0_BYTES: usize = 18;
-/// Placeholder.
-pub const QK_Q2_0: usize = 64;
+
+fn encode_q2_0(src: &[f32], dst: &mut [u8]) {
+    for (x, b) in src
+        .chunks_exact(QK_Q2_0)
+        .zip(dst.chunks_exact_mut(Q2_0_BYTES))
+    {
+        let d = x.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        b[0..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+        for (byte, xs) in b[2..].iter_mut().zip(x.chunks_exact(4)) {
+            // |x·id| ≤ 1 up to rounding for finite input; the clamp only matters for NaN/inf.
+            *byte = xs.iter().enumerate().fold(0u8, |acc, (i, &v)| {
+                acc | (((round_to_i8(v * id).clamp(-1, 1) + 1) as u8) << (2 * i))
+            });
+        }
+    }
+}

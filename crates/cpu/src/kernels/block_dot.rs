@@ -45,12 +45,7 @@ impl Isa {
 /// module.
 pub fn vec_dot_type(dtype: DType) -> Option<DType> {
     match dtype {
-        DType::Q5_0
-        | DType::IQ4_NL
-        | DType::MXFP4
-        | DType::NVFP4
-        | DType::Q1_0
-        | DType::Q2_0 => {
+        DType::Q5_0 | DType::IQ4_NL | DType::MXFP4 | DType::NVFP4 | DType::Q1_0 | DType::Q2_0 => {
             Some(DType::Q8_0)
         }
         DType::Q4_1 | DType::Q5_1 => Some(DType::Q8_1),

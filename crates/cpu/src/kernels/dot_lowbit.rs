@@ -1,6 +1,6 @@
-//! Dot products of the ternary, FP4 and 1-bit types (layouts in [`crate::quant::lowbit`])
+//! Dot products of the ternary, FP4 and 1-/2-bit types (layouts in [`crate::quant::lowbit`])
 //! with their activation partners (see [`super::block_dot`]): TQ1_0 and TQ2_0 with q8_K,
-//! MXFP4, NVFP4 and Q1_0 with q8_0.
+//! MXFP4, NVFP4, Q1_0 and Q2_0 with q8_0.
 //!
 //! # Definition
 //!
@@ -9,8 +9,8 @@
 //! NaN result is NaN in both, with an unspecified payload).
 //!
 //! A product walks the weight blocks in row order, block `b` meeting the activations it
-//! covers: one q8_K super-block (TQ1_0, TQ2_0), one q8_0 block (MXFP4), two (NVFP4: 64
-//! values) or four (Q1_0: 128 values). The count of blocks is the smaller of the weight
+//! covers: one q8_K super-block (TQ1_0, TQ2_0), one q8_0 block (MXFP4), two (NVFP4, Q2_0:
+//! 64 values) or four (Q1_0: 128 values). The count of blocks is the smaller of the weight
 //! row's whole blocks and the activation row's whole groups of partner blocks; trailing
 //! partial blocks are ignored. Below, `y_v` is an activation quant (any byte, `−128..=127`),
 //! `w_v` the weight's small integer, `·` one rounded f32 multiplication, `fma` one fused
@@ -24,6 +24,7 @@
 //! | MXFP4 | `isum = Σ_v K_v·y_v`, `K` the doubled FP4 level (32 values) | `acc = fma(dy·s, f32(isum), acc)`               |
 //! | NVFP4 | `isum_s = Σ_{v∈s} K_v·y_v` per sub-block `s < 4` of 16    | for `s = 0..4`: `acc = fma(dy_{⌊s/2⌋}·u_s, f32(isum_s), acc)` |
 //! | Q1_0  | `isum_k = Σ_{v∈k} ±y_v` per q8_0 block `k < 4` of 32      | `t = +0.0`; for `k = 0..4`: `t = fma(dy_k, f32(isum_k), t)`; then `acc = fma(dx, t, acc)` |
+//! | Q2_0  | `isum_k = Σ_{v∈k} w_v·y_v`, `w = f − 1 ∈ {−1,0,1,2}`, per q8_0 block `k < 2` | as Q1_0 over its two q8_0 blocks |
 //!
 //! with `dx` the weight block's f16 scale and `dy` the q8_0 f16 scale (both widened exactly),
 //! `dy` the q8_K f32 scale for TQ, `s` the MXFP4 half E8M0 scale
@@ -37,7 +38,8 @@
 //! # No overflow
 //!
 //! For any bytes: TQ `|isum| ≤ 256·2·128 = 65536`; MXFP4 `|isum| ≤ 32·12·128 = 49152`;
-//! NVFP4 `|isum_s| ≤ 16·12·128 = 24576`; Q1_0 `|isum_k| ≤ 32·128 = 4096`. All are far inside
+//! NVFP4 `|isum_s| ≤ 16·12·128 = 24576`; Q1_0 `|isum_k| ≤ 32·128 = 4096`; Q2_0
+//! `|isum_k| ≤ 32·2·128 = 8192`. All are far inside
 //! `i32` and exact in f32.
 //!
 //! # Error
@@ -46,7 +48,7 @@
 //! number of f32 accumulation steps (blocks, or sub-blocks for NVFP4). The integer sums
 //! are exact; each step rounds the scale product and the sum (`≤ 2⁻²⁴` relative each), so
 //! to first order `|result − Σ_v x̂_v·ŷ_v| ≤ (n + 2)·2⁻²⁴·S` (Q1_0: `(n + 6)·2⁻²⁴·S`, for its
-//! inner sum of four), as long as no scale product underflows into f32's subnormal range.
+//! inner sum of four; Q2_0 `(n + 4)·2⁻²⁴·S`), as long as no scale product underflows into f32's subnormal range.
 //! The unit tests check `(2n + 16)·2⁻²⁴·S` against the f64 dot product of the dequantized
 //! rows.
 
@@ -55,8 +57,8 @@ use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::Q8_K_BYTES;
 use crate::quant::lowbit::{
-    e8m0_half, mxfp4_levels, nvfp4_levels, q1_0_signs, tq1_0_quants, tq2_0_quants, ue4m3_half,
-    MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, TQ1_0_BYTES, TQ2_0_BYTES,
+    e8m0_half, mxfp4_levels, nvfp4_levels, q1_0_signs, q2_0_quants, tq1_0_quants, tq2_0_quants,
+    ue4m3_half, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES, TQ1_0_BYTES, TQ2_0_BYTES,
 };
 
 #[cfg(test)]
@@ -83,6 +85,7 @@ fn portable(dtype: DType) -> Option<DotFn> {
         DType::MXFP4 => dot_mxfp4,
         DType::NVFP4 => dot_nvfp4,
         DType::Q1_0 => dot_q1_0,
+        DType::Q2_0 => dot_q2_0,
         _ => return None,
     })
 }
@@ -107,11 +110,12 @@ fn step(acc: f32, a: f32, b: f32, isum: i32) -> f32 {
     (a * b).mul_add(isum as f32, acc)
 }
 
-/// The f32 steps of one Q1_0 block given its four integer sums and the scales.
+/// The f32 steps of one Q1_0 (`N = 4`) or Q2_0 (`N = 2`) block given the integer sums of its
+/// `N` q8_0 blocks and the scales.
 #[inline(always)]
-fn q1_0_step(acc: f32, dx: f32, dy: [f32; 4], isum: [i32; 4]) -> f32 {
+fn q1_0_step<const N: usize>(acc: f32, dx: f32, dy: [f32; N], isum: [i32; N]) -> f32 {
     let mut t = 0f32;
-    for k in 0..4 {
+    for k in 0..N {
         t = dy[k].mul_add(isum[k] as f32, t);
     }
     dx.mul_add(t, acc)
@@ -199,7 +203,26 @@ pub fn dot_q1_0(x: &[u8], y: &[u8]) -> f32 {
                 &by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES],
             )
         });
-        acc = q1_0_step(acc, f16_at(bx, 0), dy, isum);
+        acc = q1_0_step::<4>(acc, f16_at(bx, 0), dy, isum);
+    }
+    acc
+}
+
+/// Q2_0 · q8_0 (two q8_0 blocks per Q2_0 block), portable (the definition; every CPU runs it).
+pub fn dot_q2_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q2_0_BYTES>();
+    let (yb, _) = y.as_chunks::<{ 2 * Q8_0_BYTES }>();
+    let mut acc = 0f32;
+    for (bx, by) in xb.iter().zip(yb) {
+        let quants = q2_0_quants(&bx[2..]);
+        let dy = std::array::from_fn(|k| f16_at(by, k * Q8_0_BYTES));
+        let isum = std::array::from_fn(|k| {
+            int_dot(
+                &quants[32 * k..32 * k + 32],
+                &by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES],
+            )
+        });
+        acc = q1_0_step::<2>(acc, f16_at(bx, 0), dy, isum);
     }
     acc
 }

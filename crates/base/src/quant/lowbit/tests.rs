@@ -1,12 +1,13 @@
 use super::*;
 
 /// (type, values per block, bytes per block)
-const TYPES: [(DType, usize, usize); 5] = [
+const TYPES: [(DType, usize, usize); 6] = [
     (DType::TQ1_0, QK_K, TQ1_0_BYTES),
     (DType::TQ2_0, QK_K, TQ2_0_BYTES),
     (DType::MXFP4, QK_MXFP4, MXFP4_BYTES),
     (DType::NVFP4, QK_NVFP4, NVFP4_BYTES),
     (DType::Q1_0, QK_Q1_0, Q1_0_BYTES),
+    (DType::Q2_0, QK_Q2_0, Q2_0_BYTES),
 ];
 
 fn codec_of(dtype: DType) -> BlockCodec {
@@ -259,10 +260,14 @@ fn random_rows(rng: &mut Rng, n: usize, block: usize) -> Vec<f32> {
 #[test]
 fn ternary_roundtrip_within_bound() {
     let mut rng = Rng(0x1234_5678_9ABC_DEF1);
-    for dtype in [DType::TQ1_0, DType::TQ2_0] {
-        let x = random_rows(&mut rng, 16 * QK_K, QK_K);
+    for (dtype, block) in [
+        (DType::TQ1_0, QK_K),
+        (DType::TQ2_0, QK_K),
+        (DType::Q2_0, QK_Q2_0),
+    ] {
+        let x = random_rows(&mut rng, 16 * QK_K, block);
         let y = decode(dtype, &encode(dtype, &x));
-        for (xb, yb) in x.chunks_exact(QK_K).zip(y.chunks_exact(QK_K)) {
+        for (xb, yb) in x.chunks_exact(block).zip(y.chunks_exact(block)) {
             let d = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
             let dt = f16::from_f32(d).to_f32();
             let bound = f64::from(d) / 2.0 + f64::from((d - dt).abs()) + 1e-6 * f64::from(d);

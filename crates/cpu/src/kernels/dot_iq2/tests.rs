@@ -289,9 +289,6 @@ fn known_value() {
 /// End to end: MUL_MAT of iq2 weights with one or two f32 activation columns on the CPU
 /// backend (which quantizes the activations to q8_K and calls these products) gives, for
 /// every output, the bits of this module's product with the q8_K-quantized column.
-///
-/// Ignored until `ops::mul_mat` of the base crate lists the iq2 types among its weight types
-/// (`MATMUL_WEIGHT_TYPES`, outside this module); run it with `--ignored` after that change.
 #[test]
 fn mul_mat_uses_these_products() {
     use crate::backend::CpuBackend;

@@ -1,17 +1,18 @@
 use super::*;
 use crate::quant::codec;
 use crate::quant::kquants::Q8_K_BYTES;
-use crate::quant::lowbit::{QK_MXFP4, QK_NVFP4, QK_Q1_0};
+use crate::quant::lowbit::{QK_MXFP4, QK_NVFP4, QK_Q1_0, QK_Q2_0};
 use crate::quant::QK_K;
 
 /// The weight types of this module: values and bytes per block, the byte offset of an f16
 /// scale (if any), and how many q8_0 blocks (or q8_K super-blocks) one block meets.
-const TYPES: [(DType, usize, usize, Option<usize>); 5] = [
+const TYPES: [(DType, usize, usize, Option<usize>); 6] = [
     (DType::TQ1_0, QK_K, TQ1_0_BYTES, Some(52)),
     (DType::TQ2_0, QK_K, TQ2_0_BYTES, Some(64)),
     (DType::MXFP4, QK_MXFP4, MXFP4_BYTES, None),
     (DType::NVFP4, QK_NVFP4, NVFP4_BYTES, None),
     (DType::Q1_0, QK_Q1_0, Q1_0_BYTES, Some(0)),
+    (DType::Q2_0, QK_Q2_0, Q2_0_BYTES, Some(0)),
 ];
 
 /// Block counts of the tests: short and longer, multiples of 4 and not (the AVX2 MXFP4

@@ -1,5 +1,5 @@
 //! AVX2 + FMA + F16C versions of the low-bit dot products (TQ2_0, MXFP4, NVFP4, Q1_0;
-//! TQ1_0 runs the portable code on every CPU).
+//! TQ1_0 and Q2_0 run the portable code on every CPU).
 //!
 //! Each kernel forms the definition's exact integer sums with `vpmaddubsw` (unsigned bytes
 //! × signed bytes, adjacent pairs summed to i16, saturating) and `vpmaddwd` against ones
@@ -43,6 +43,7 @@ pub(super) fn kernel(dtype: DType) -> Option<DotFn> {
         DType::MXFP4 => entry::mxfp4,
         DType::NVFP4 => entry::nvfp4,
         DType::Q1_0 => entry::q1_0,
+        DType::Q2_0 => super::dot_q2_0,
         _ => return None,
     })
 }
@@ -267,7 +268,7 @@ pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
         };
         let isum = hsum4(group(0), group(1), group(2), group(3));
         let dy = std::array::from_fn(|k| f16_le(by, k * Q8_0_BYTES));
-        acc = q1_0_step(acc, f16_le(bx, 0), dy, isum);
+        acc = q1_0_step::<4>(acc, f16_le(bx, 0), dy, isum);
     }
     acc
 }
