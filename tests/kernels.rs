@@ -2165,7 +2165,7 @@ fn no_quantizer_refuses_cpy_and_reads_rows(dtype: DType, rng: &mut Rng) {
     let into = ops::cpy(&c, &a, &q).unwrap();
     let err = compute_with(&into, false).unwrap_err();
     assert!(
-        matches!(err, Error::UnsupportedOp(_)),
+        matches!(err, Error::OpUnsupported { .. }),
         "CPY f32 -> {dtype}: {err}"
     );
     let bytes = random_blocks(dtype, 3 * k, rng);

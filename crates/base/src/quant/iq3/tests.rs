@@ -1,8 +1,11 @@
 use super::*;
 
-/// The sections of `tests/data/iq3_iq1_blocks.bin` (see `scripts/make_iq3_iq1_fixtures.py`):
-/// (ggml type id, super-block count, bytes per super-block, block bytes, decoded values).
-pub(crate) fn fixture() -> Vec<(u32, usize, usize, Vec<u8>, Vec<f32>)> {
+/// One section of the fixture: (ggml type id, super-block count, bytes per super-block, block
+/// bytes, decoded values).
+pub(crate) type Section = (u32, usize, usize, Vec<u8>, Vec<f32>);
+
+/// The sections of `tests/data/iq3_iq1_blocks.bin` (see `scripts/make_iq3_iq1_fixtures.py`).
+pub(crate) fn fixture() -> Vec<Section> {
     let path = concat!(
         env!("CARGO_MANIFEST_DIR"),
         "/../../tests/data/iq3_iq1_blocks.bin"
