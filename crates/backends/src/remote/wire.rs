@@ -568,7 +568,7 @@ mod tests {
         let desc: GraphDesc = decode_meta(&bytes).unwrap();
         // The first tensor's dtype is its first byte after the list's length (one byte).
         assert_eq!(bytes[1], DType::F32.ggml_type_id() as u8);
-        for id in [16u8, 99, 127] {
+        for id in [31u8, 99, 127] {
             let mut b = bytes.clone();
             b[1] = id;
             let err = decode_and_build(&b, &buffer).unwrap_err();
