@@ -50,17 +50,6 @@ const fn sign_mask(bits: u8) -> u64 {
     out
 }
 
-/// The ±1 bytes of every sign byte (iq2_s stores sign bytes directly).
-static SIGN_MASKS: [u64; 256] = {
-    let mut t = [0u64; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = sign_mask(i as u8);
-        i += 1;
-    }
-    t
-};
-
 /// The ±1 bytes of every 7-bit sign index (iq2_xxs, iq2_xs): the mask of its sign byte with
 /// the parity bit.
 static INDEX_SIGN_MASKS: [u64; 128] = {
@@ -214,12 +203,10 @@ pub(super) unsafe fn iq2_xxs(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_XXS_BYTES);
-        let mut s0 = _mm256_setzero_si256();
-        let mut s1 = _mm256_setzero_si256();
-        for k in (0..8).step_by(2) {
-            s0 = _mm256_add_epi32(s0, xxs_sub(bx, by, k));
-            s1 = _mm256_add_epi32(s1, xxs_sub(bx, by, k + 1));
-        }
+        // Written out so that every sub-block's constants fold; two accumulators.
+        let f = |k: usize| xxs_sub(bx, by, k);
+        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
         acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     finish(acc)
@@ -252,12 +239,10 @@ pub(super) unsafe fn iq2_xs(x: &[u8], y: &[u8]) -> f32 {
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_XS_BYTES);
         let scales = odd_scale_bytes(u64_at(bx, 66));
-        let mut s0 = _mm256_setzero_si256();
-        let mut s1 = _mm256_setzero_si256();
-        for k in (0..8).step_by(2) {
-            s0 = _mm256_add_epi32(s0, xs_sub(bx, by, scales, k));
-            s1 = _mm256_add_epi32(s1, xs_sub(bx, by, scales, k + 1));
-        }
+        // Written out so that every sub-block's constants fold; two accumulators.
+        let f = |k: usize| xs_sub(bx, by, scales, k);
+        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
         acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     finish(acc)
@@ -292,12 +277,10 @@ pub(super) unsafe fn iq2_s(x: &[u8], y: &[u8]) -> f32 {
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_S_BYTES);
         let scales = odd_scale_bytes(u64_at(bx, 74));
-        let mut s0 = _mm256_setzero_si256();
-        let mut s1 = _mm256_setzero_si256();
-        for k in (0..8).step_by(2) {
-            s0 = _mm256_add_epi32(s0, s_sub(bx, by, scales, k));
-            s1 = _mm256_add_epi32(s1, s_sub(bx, by, scales, k + 1));
-        }
+        // Written out so that every sub-block's constants fold; two accumulators.
+        let f = |k: usize| s_sub(bx, by, scales, k);
+        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
         acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     finish(acc)
