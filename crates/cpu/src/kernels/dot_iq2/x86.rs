@@ -2,14 +2,15 @@
 //!
 //! Per 32-value sub-block, the four lattice points (8 magnitude bytes each, `0..=43`) are
 //! read from the tables into one vector (four 64-bit loads, two unpacks and one 128-bit
-//! insert), the four sign bytes expanded to `±1` bytes by tables computed at compile time and
-//! assembled the same way, and the exact integer sums of the portable definition formed with
+//! insert), the four sign bytes expanded to `±1` bytes (iq2_xxs, iq2_xs: tables of the 7-bit sign
+//! indices computed at compile time, assembled the same way; iq2_s: its stored sign bytes
+//! spread by `vpshufb` and compared with the bit masks), and the exact integer sums of the portable definition formed with
 //! `vpmaddubsw` (unsigned bytes × signed bytes, adjacent pairs summed to i16) and `vpmaddwd`
 //! (i16 × odd scale, adjacent pairs summed to i32). The fields of a super-block are read with
 //! whole-word loads (one 64-bit load per iq2_xxs sub-block, one per four iq2_xs indices), the
 //! odd scales of iq2_xs and iq2_s are formed once per super-block as 16 bytes and each
-//! sub-block's pair picked out with one `vpshufb`, and two sub-blocks are processed per loop
-//! step into two accumulators. The i32 lanes are summed to `isum` and the very same f32 steps
+//! sub-block's pair picked out with one `vpshufb`, and the eight sub-blocks are written out
+//! (so their constants fold), alternating between two accumulators. The i32 lanes are summed to `isum` and the very same f32 steps
 //! as the portable code ([`super::step`], [`super::finish`]) run on it, so the results are
 //! bit-identical.
 //!
