@@ -1,12 +1,18 @@
 //! AVX2 + FMA + F16C versions of the 2-bit i-quant dot products.
 //!
 //! Per 32-value sub-block, the four lattice points (8 magnitude bytes each, `0..=43`) are
-//! gathered from the tables into one vector, the four sign bytes expanded to `±1` bytes by a
-//! table computed at compile time, and the exact integer sums of the portable definition
-//! formed with `vpmaddubsw` (unsigned bytes × signed bytes, adjacent pairs summed to i16) and
-//! `vpmaddwd` (i16 × odd scale, adjacent pairs summed to i32). The i32 lanes are summed to
-//! `isum` and the very same f32 steps as the portable code ([`super::step`],
-//! [`super::finish`]) run on it, so the results are bit-identical.
+//! read from the tables into one vector (four 64-bit loads, two unpacks and one 128-bit
+//! insert), the four sign bytes expanded to `±1` bytes (iq2_xxs, iq2_xs: tables of the 7-bit sign
+//! indices computed at compile time, assembled the same way; iq2_s: its stored sign bytes
+//! spread by `vpshufb` and compared with the bit masks), and the exact integer sums of the portable definition formed with
+//! `vpmaddubsw` (unsigned bytes × signed bytes, adjacent pairs summed to i16) and `vpmaddwd`
+//! (i16 × odd scale, adjacent pairs summed to i32). The fields of a super-block are read with
+//! whole-word loads (one 64-bit load per iq2_xxs sub-block, one per four iq2_xs indices), the
+//! odd scales of iq2_xs and iq2_s are formed once per super-block as 16 bytes and each
+//! sub-block's pair picked out with one `vpshufb`, and the eight sub-blocks are written out
+//! (so their constants fold), alternating between two accumulators. The i32 lanes are summed to `isum` and the very same f32 steps
+//! as the portable code ([`super::step`], [`super::finish`]) run on it, so the results are
+//! bit-identical.
 //!
 //! # Why the byte and i16 stages are exact
 //!
@@ -22,9 +28,8 @@
 
 use std::arch::x86_64::*;
 
-use super::super::simd::prefetch_ahead;
+use super::super::simd::{f16_to_f32, prefetch_ahead};
 use super::{finish, step};
-use crate::quant::f16_at;
 use crate::quant::iq2::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
 use crate::quant::iq2::{sign_byte, IQ2_S_BYTES, IQ2_XS_BYTES, IQ2_XXS_BYTES};
 use crate::quant::kquants::Q8_K_BYTES;
@@ -45,17 +50,6 @@ const fn sign_mask(bits: u8) -> u64 {
     }
     out
 }
-
-/// The ±1 bytes of every sign byte (iq2_s stores sign bytes directly).
-static SIGN_MASKS: [u64; 256] = {
-    let mut t = [0u64; 256];
-    let mut i = 0;
-    while i < 256 {
-        t[i] = sign_mask(i as u8);
-        i += 1;
-    }
-    t
-};
 
 /// The ±1 bytes of every 7-bit sign index (iq2_xxs, iq2_xs): the mask of its sign byte with
 /// the parity bit.
@@ -79,22 +73,35 @@ fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
 }
 
-/// The little-endian u16 at byte `at` of `b`.
+/// The little-endian u64 at byte `at` of `b` (checked; one unaligned load).
 #[inline(always)]
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
+fn u64_at<const N: usize>(b: &[u8; N], at: usize) -> u64 {
+    assert!(at + 8 <= N);
+    // SAFETY: the 8 bytes at `at` lie inside `b` (checked above); read_unaligned has no
+    // alignment requirement.
+    u64::from_le(unsafe { b.as_ptr().add(at).cast::<u64>().read_unaligned() })
 }
 
-/// The little-endian u32 at byte `at` of `b`.
+/// The little-endian u32 at byte `at` of `b` (checked; one unaligned load).
 #[inline(always)]
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+fn u32_at<const N: usize>(b: &[u8; N], at: usize) -> u32 {
+    assert!(at + 4 <= N);
+    // SAFETY: the 4 bytes at `at` lie inside `b` (checked above); read_unaligned has no
+    // alignment requirement.
+    u32::from_le(unsafe { b.as_ptr().add(at).cast::<u32>().read_unaligned() })
 }
 
 /// The q8_K scale of a super-block.
 #[inline(always)]
 fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
+    f32::from_bits(u32_at(by, 0))
+}
+
+/// The f16 at byte 0 of a weight super-block, as f32 (exact).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn scale_at0<const N: usize>(b: &[u8; N]) -> f32 {
+    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
 }
 
 /// Four u64 as the four 64-bit lanes of a vector, the first in the lowest.
@@ -113,13 +120,33 @@ fn signed_pairs(mags: __m256i, signs: __m256i, y: __m256i) -> __m256i {
     _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(mags, sy))
 }
 
-/// The odd scales of two 16-value groups, as i16: `2·lo + 1` in the low 128-bit lane (the
-/// first 16 values of a sub-block), `2·hi + 1` in the high lane.
+/// The odd scales `2·s + 1` of the 16 nibbles of `packed` (low nibble first), as 16 bytes in
+/// both 128-bit lanes: byte `g` (of each lane) is the odd scale of 16-value group `g`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn odd_scales(lo: u8, hi: u8) -> __m256i {
-    let odd = |s: u8| 2 * i16::from(s) + 1;
-    _mm256_setr_m128i(_mm_set1_epi16(odd(lo)), _mm_set1_epi16(odd(hi)))
+fn odd_scale_bytes(packed: u64) -> __m256i {
+    let v = _mm_cvtsi64_si128(packed as i64);
+    let nib = _mm_set1_epi8(15);
+    let lo = _mm_and_si128(v, nib);
+    let hi = _mm_and_si128(_mm_srli_epi16::<4>(v), nib);
+    let s = _mm_unpacklo_epi8(lo, hi);
+    let odd = _mm_or_si128(_mm_add_epi8(s, s), _mm_set1_epi8(1));
+    _mm256_broadcastsi128_si256(odd)
+}
+
+/// The i16 multipliers of sub-block `k` from [`odd_scale_bytes`]: the odd scale of group `2k`
+/// in every i16 of the low 128-bit lane (the sub-block's first 16 values), that of group
+/// `2k + 1` in the high lane.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sub_scales(bytes: __m256i, k: usize) -> __m256i {
+    let (a, b) = ((2 * k) as i8, (2 * k + 1) as i8);
+    let z = -128i8;
+    let pick = _mm256_setr_epi8(
+        a, z, a, z, a, z, a, z, a, z, a, z, a, z, a, z, //
+        b, z, b, z, b, z, b, z, b, z, b, z, b, z, b, z,
+    );
+    _mm256_shuffle_epi8(bytes, pick)
 }
 
 /// The sum of the 8 i32 lanes (exact: the lanes are partial sums of a bounded `isum`).
@@ -130,6 +157,40 @@ fn hsum(v: __m256i) -> i32 {
     let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
     let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
     _mm_cvtsi128_si32(s)
+}
+
+/// Byte `j` of each 64-bit lane is `0xFF` when bit `j` of the lane's byte of `signs` (lane
+/// `l` takes byte `l`) is set, else `+1`: the ±1 signs of four runs given their sign bytes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn spread_signs(signs: u32) -> __m256i {
+    let spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(signs as i32),
+        _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        ),
+    );
+    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
+    _mm256_or_si256(neg, _mm256_set1_epi8(1))
+}
+
+/// `ls·Σ w·y` of iq2_xxs sub-block `k`, spread over 8 i32 lanes.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn xxs_sub(bx: &[u8; IQ2_XXS_BYTES], by: &[u8; Q8_K_BYTES], k: usize) -> __m256i {
+    // Four index bytes, then the word of signs and scale.
+    let q = u64_at(bx, 2 + 8 * k);
+    let w = (q >> 32) as u32;
+    let g = |l: usize| IQ2XXS_GRID[usize::from((q >> (8 * l)) as u8)];
+    let s = |l: usize| INDEX_SIGN_MASKS[((w >> (7 * l)) & 127) as usize];
+    let mags = lanes(g(0), g(1), g(2), g(3));
+    let signs = lanes(s(0), s(1), s(2), s(3));
+    let p = signed_pairs(mags, signs, ld256(by, 4 + 32 * k));
+    // `w >> 27` is `2·(w >> 28)` plus bit 27; setting bit 0 gives the odd scale.
+    let ls = ((w >> 27) | 1) as i16;
+    _mm256_madd_epi16(p, _mm256_set1_epi16(ls))
 }
 
 /// iq2_xxs · q8_K ([`super::dot_iq2_xxs`]).
@@ -143,21 +204,28 @@ pub(super) unsafe fn iq2_xxs(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_XXS_BYTES);
-        let mut sumi = _mm256_setzero_si256();
-        for k in 0..8 {
-            let at = 2 + 8 * k;
-            let g = |l: usize| IQ2XXS_GRID[usize::from(bx[at + l])];
-            let w = u32_at(bx, at + 4);
-            let s = |l: usize| INDEX_SIGN_MASKS[((w >> (7 * l)) & 127) as usize];
-            let mags = lanes(g(0), g(1), g(2), g(3));
-            let signs = lanes(s(0), s(1), s(2), s(3));
-            let p = signed_pairs(mags, signs, ld256(by, 4 + 32 * k));
-            let ls = (2 * (w >> 28) + 1) as i16;
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, _mm256_set1_epi16(ls)));
-        }
-        acc = step(acc, f16_at(bx, 0), q8_d(by), hsum(sumi));
+        // Written out so that every sub-block's constants fold; two accumulators.
+        let f = |k: usize| xxs_sub(bx, by, k);
+        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
+        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     finish(acc)
+}
+
+/// `Σ_g ls_g·Σ w·y` of iq2_xs sub-block `k`, spread over 8 i32 lanes (`scales` from
+/// [`odd_scale_bytes`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn xs_sub(bx: &[u8; IQ2_XS_BYTES], by: &[u8; Q8_K_BYTES], scales: __m256i, k: usize) -> __m256i {
+    // The four u16 of the sub-block's runs: 9-bit lattice index, 7-bit sign index.
+    let q = u64_at(bx, 2 + 8 * k);
+    let g = |l: usize| IQ2XS_GRID[((q >> (16 * l)) & 511) as usize];
+    let s = |l: usize| INDEX_SIGN_MASKS[((q >> (16 * l + 9)) & 127) as usize];
+    let mags = lanes(g(0), g(1), g(2), g(3));
+    let signs = lanes(s(0), s(1), s(2), s(3));
+    let p = signed_pairs(mags, signs, ld256(by, 4 + 32 * k));
+    _mm256_madd_epi16(p, sub_scales(scales, k))
 }
 
 /// iq2_xs · q8_K ([`super::dot_iq2_xs`]).
@@ -171,21 +239,31 @@ pub(super) unsafe fn iq2_xs(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_XS_BYTES);
-        let mut sumi = _mm256_setzero_si256();
-        for k in 0..8 {
-            let q = |l: usize| u16_at(bx, 2 + 8 * k + 2 * l);
-            let g = |l: usize| IQ2XS_GRID[usize::from(q(l) & 511)];
-            let s = |l: usize| INDEX_SIGN_MASKS[usize::from(q(l) >> 9)];
-            let mags = lanes(g(0), g(1), g(2), g(3));
-            let signs = lanes(s(0), s(1), s(2), s(3));
-            let p = signed_pairs(mags, signs, ld256(by, 4 + 32 * k));
-            let sc = bx[66 + k];
-            let ls = odd_scales(sc & 15, sc >> 4);
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, ls));
-        }
-        acc = step(acc, f16_at(bx, 0), q8_d(by), hsum(sumi));
+        let scales = odd_scale_bytes(u64_at(bx, 66));
+        // Written out so that every sub-block's constants fold; two accumulators.
+        let f = |k: usize| xs_sub(bx, by, scales, k);
+        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
+        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     finish(acc)
+}
+
+/// `Σ_g ls_g·Σ w·y` of iq2_s sub-block `k`, spread over 8 i32 lanes (`scales` from
+/// [`odd_scale_bytes`]).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn s_sub(bx: &[u8; IQ2_S_BYTES], by: &[u8; Q8_K_BYTES], scales: __m256i, k: usize) -> __m256i {
+    let idx = u32_at(bx, 2 + 4 * k);
+    let qh = u32::from(bx[66 + k]);
+    let g = |l: usize| {
+        let index = ((idx >> (8 * l)) & 255) | (((qh >> (2 * l)) & 3) << 8);
+        IQ2S_GRID[index as usize]
+    };
+    let mags = lanes(g(0), g(1), g(2), g(3));
+    let signs = spread_signs(u32_at(bx, 34 + 4 * k));
+    let p = signed_pairs(mags, signs, ld256(by, 4 + 32 * k));
+    _mm256_madd_epi16(p, sub_scales(scales, k))
 }
 
 /// iq2_s · q8_K ([`super::dot_iq2_s`]).
@@ -199,22 +277,12 @@ pub(super) unsafe fn iq2_s(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_S_BYTES);
-        let mut sumi = _mm256_setzero_si256();
-        for k in 0..8 {
-            let qh = usize::from(bx[66 + k]);
-            let g = |l: usize| {
-                let index = usize::from(bx[2 + 4 * k + l]) | (((qh >> (2 * l)) & 3) << 8);
-                IQ2S_GRID[index]
-            };
-            let s = |l: usize| SIGN_MASKS[usize::from(bx[34 + 4 * k + l])];
-            let mags = lanes(g(0), g(1), g(2), g(3));
-            let signs = lanes(s(0), s(1), s(2), s(3));
-            let p = signed_pairs(mags, signs, ld256(by, 4 + 32 * k));
-            let sc = bx[74 + k];
-            let ls = odd_scales(sc & 15, sc >> 4);
-            sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(p, ls));
-        }
-        acc = step(acc, f16_at(bx, 0), q8_d(by), hsum(sumi));
+        let scales = odd_scale_bytes(u64_at(bx, 74));
+        // Written out so that every sub-block's constants fold; two accumulators.
+        let f = |k: usize| s_sub(bx, by, scales, k);
+        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
+        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     finish(acc)
 }

@@ -46,16 +46,19 @@ fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
 }
 
-/// The little-endian u32 at byte `at` of `b`.
+/// The little-endian u32 at byte `at` of `b` (checked; one unaligned load).
 #[inline(always)]
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
+fn u32_at<const N: usize>(b: &[u8; N], at: usize) -> u32 {
+    assert!(at + 4 <= N);
+    // SAFETY: the 4 bytes at `at` lie inside `b` (checked above); read_unaligned has no
+    // alignment requirement.
+    u32::from_le(unsafe { b.as_ptr().add(at).cast::<u32>().read_unaligned() })
 }
 
 /// The q8_K scale of a super-block.
 #[inline(always)]
 fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
+    f32::from_bits(u32_at(by, 0))
 }
 
 /// The f16 at byte 0 of a weight super-block, as f32 (exact).
@@ -121,18 +124,24 @@ pub(super) unsafe fn iq3_xxs(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ3_XXS_BYTES);
-        let mut sum = _mm256_setzero_si256();
-        for s in 0..8 {
+        let sub = |s: usize| {
             let w = u32_at(bx, 66 + 4 * s);
-            let signs = (0..4).fold(0u32, |a, l| {
-                a | u32::from(SIGN_BYTES[((w >> (7 * l)) & 0x7F) as usize]) << (8 * l)
-            });
+            let sb = |l: usize| u32::from(SIGN_BYTES[((w >> (7 * l)) & 0x7F) as usize]);
+            let signs = sb(0) | sb(1) << 8 | sb(2) << 16 | sb(3) << 24;
             let grid = points(&IQ3_XXS_GRID, |j| usize::from(bx[2 + 8 * s + j]));
-            let ls = 2 * (w >> 28) as i16 + 1;
-            let d = scaled_dot32(grid, sign_mask(signs), ld256(by, 4 + 32 * s), ls);
-            sum = _mm256_add_epi32(sum, d);
-        }
-        acc = step(acc, scale_at0(bx), q8_d(by), hsum(sum));
+            let ls = ((w >> 27) | 1) as i16;
+            scaled_dot32(grid, sign_mask(signs), ld256(by, 4 + 32 * s), ls)
+        };
+        // Written out (constants fold), two accumulators.
+        let s0 = _mm256_add_epi32(
+            _mm256_add_epi32(sub(0), sub(2)),
+            _mm256_add_epi32(sub(4), sub(6)),
+        );
+        let s1 = _mm256_add_epi32(
+            _mm256_add_epi32(sub(1), sub(3)),
+            _mm256_add_epi32(sub(5), sub(7)),
+        );
+        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
     }
     iq3_xxs_finish(acc)
 }
