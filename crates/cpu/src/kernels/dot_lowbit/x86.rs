@@ -26,9 +26,11 @@ use super::super::simd::f16_to_f32;
 use super::{q1_0_step, step, Q8_0_BYTES};
 use crate::dtype::DType;
 use crate::quant::kquants::Q8_K_BYTES;
+#[cfg(doc)]
+use crate::quant::lowbit::ue4m3_half;
 use crate::quant::lowbit::{
-    e8m0_half, ue4m3_half, KVALUES_MXFP4, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES,
-    TQ1_0_BYTES, TQ2_0_BYTES,
+    e8m0_half, KVALUES_MXFP4, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES, TQ1_0_BYTES,
+    TQ2_0_BYTES,
 };
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
@@ -207,6 +209,10 @@ pub(super) unsafe fn mxfp4(x: &[u8], y: &[u8]) -> f32 {
 
 /// NVFP4 · q8_0.
 ///
+/// Blocks are taken two at a time: their eight sub-block sums in one vector (f32, exact),
+/// their eight scale products `dy_{s/2}·u_s` in another (each rounded once, as in
+/// [`step`]), then the eight fused steps in order on lane 0 of an f32 vector.
+///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -215,8 +221,8 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<{ 2 * Q8_0_BYTES }>();
     let table = fp4_table();
     let m = _mm256_set1_epi8(15);
-    let mut acc = 0f32;
-    for (bx, by) in xb.iter().zip(yb) {
+    // The two i32 vectors whose hadd gives a block's sub-block sums (see `isum`).
+    let block = |bx: &[u8; NVFP4_BYTES], by: &[u8; 2 * Q8_0_BYTES]| {
         let q = load32(bx, 4);
         let lo = _mm256_and_si256(q, m);
         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m);
@@ -229,18 +235,84 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
         let p = signed_dot(first, load32(by, 2));
         let r = signed_dot(second, load32(by, Q8_0_BYTES + 2));
         // Lanes 0..4 of p are sub-block 0, 4..8 sub-block 1; likewise r for 2 and 3.
-        let h = _mm256_hadd_epi32(p, r);
-        let h = _mm256_hadd_epi32(h, h);
-        let mut s = [0i32; 8];
-        // SAFETY: `s` holds 32 bytes; unaligned store.
-        unsafe { _mm256_storeu_si256(s.as_mut_ptr().cast(), h) };
-        let isum = [s[0], s[4], s[1], s[5]];
-        for (k, &i) in isum.iter().enumerate() {
-            let dy = f16_le(by, (k / 2) * Q8_0_BYTES);
-            acc = step(acc, dy, ue4m3_half(bx[k]), i);
-        }
+        // Low half [p0+p1, p2+p3, r0+r1, r2+r3], high half likewise from lanes 4..8.
+        _mm256_hadd_epi32(p, r)
+    };
+    // The q8_0 scale bits of a block pair: [dy0, dy1] of the first, then of the second.
+    let dy_bits = |by: &[u8; 2 * Q8_0_BYTES]| {
+        u32::from(u16::from_le_bytes([by[0], by[1]]))
+            | u32::from(u16::from_le_bytes([by[Q8_0_BYTES], by[Q8_0_BYTES + 1]])) << 16
+    };
+    let scale_bytes = |bx: &[u8; NVFP4_BYTES]| u32::from_le_bytes([bx[0], bx[1], bx[2], bx[3]]);
+    let mut acc = _mm_setzero_ps();
+    let steps4 = |acc: __m128, m: __m128, f: __m128| {
+        let acc = _mm_fmadd_ss(m, f, acc);
+        let acc = _mm_fmadd_ss(_mm_permute_ps::<1>(m), _mm_permute_ps::<1>(f), acc);
+        let acc = _mm_fmadd_ss(_mm_permute_ps::<2>(m), _mm_permute_ps::<2>(f), acc);
+        _mm_fmadd_ss(_mm_permute_ps::<3>(m), _mm_permute_ps::<3>(f), acc)
+    };
+    let (x2, _) = xb.as_chunks::<2>();
+    let (y2, _) = yb.as_chunks::<2>();
+    for (bx, by) in x2.iter().zip(y2) {
+        // Low half [A0, A2, B0, B2], high half [A1, A3, B1, B3] (sub-block sums of A, B).
+        let h = _mm256_hadd_epi32(block(&bx[0], &by[0]), block(&bx[1], &by[1]));
+        let (l, u) = (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let f = _mm256_cvtepi32_ps(_mm256_setr_m128i(
+            _mm_unpacklo_epi32(l, u),
+            _mm_unpackhi_epi32(l, u),
+        ));
+        let hy = u64::from(dy_bits(&by[0])) | u64::from(dy_bits(&by[1])) << 32;
+        let hy = _mm_cvtsi64_si128(hy as i64);
+        let dy = _mm256_cvtph_ps(_mm_unpacklo_epi16(hy, hy));
+        let sb = u64::from(scale_bytes(&bx[0])) | u64::from(scale_bytes(&bx[1])) << 32;
+        let prod = _mm256_mul_ps(dy, ue4m3_half8(sb));
+        acc = steps4(acc, _mm256_castps256_ps128(prod), _mm256_castps256_ps128(f));
+        acc = steps4(
+            acc,
+            _mm256_extractf128_ps::<1>(prod),
+            _mm256_extractf128_ps::<1>(f),
+        );
     }
-    acc
+    let done = 2 * x2.len().min(y2.len());
+    for (bx, by) in xb.iter().zip(yb).skip(done) {
+        let h = _mm256_hadd_epi32(block(bx, by), _mm256_setzero_si256());
+        let (l, u) = (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let f = _mm_cvtepi32_ps(_mm_unpacklo_epi32(l, u));
+        let hy = _mm_cvtsi32_si128(dy_bits(by) as i32);
+        let dy = _mm_cvtph_ps(_mm_unpacklo_epi16(hy, hy));
+        let prod = _mm256_mul_ps(
+            _mm256_castps128_ps256(dy),
+            ue4m3_half8(u64::from(scale_bytes(bx))),
+        );
+        acc = steps4(acc, _mm256_castps256_ps128(prod), f);
+    }
+    _mm_cvtss_f32(acc)
+}
+
+/// Half the UE4M3 values of the eight bytes of `b` (little-endian), as [`ue4m3_half`]: bit 7
+/// dropped; exponent bits `x ≥ 1` with mantissa `m` give the f32 bits of
+/// `(8 + m)·2^(x − 11)`, i.e. `(x + 119)·2²³ + m·2²⁰`; `x = 0` gives `m·2⁻¹⁰` (exact);
+/// the byte `0x7F` (only that one: `0xFF` is 240) gives `+0`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn ue4m3_half8(b: u64) -> __m256 {
+    let raw = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b as i64));
+    let v = _mm256_and_si256(raw, _mm256_set1_epi32(0x7F));
+    let normal = _mm256_castsi256_ps(_mm256_add_epi32(
+        _mm256_slli_epi32::<20>(v),
+        _mm256_set1_epi32(119 << 23),
+    ));
+    let sub = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(v),
+        _mm256_set1_ps(f32::from_bits(0x3A80_0000)),
+    );
+    let is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(v, _mm256_set1_epi32(0x78)),
+        _mm256_setzero_si256(),
+    ));
+    let r = _mm256_blendv_ps(normal, sub, is_sub);
+    let zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(raw, _mm256_set1_epi32(0x7F)));
+    _mm256_andnot_ps(zero, r)
 }
 
 /// Q1_0 · q8_0.
