@@ -317,35 +317,63 @@ fn ue4m3_half8(b: u64) -> __m256 {
 
 /// Q1_0 · q8_0.
 ///
+/// Per q8_0 block `k`, the 32 sign bits are spread to bytes (`vpshufb`, then one bit tested
+/// per byte), `w = ±1`, and [`signed_dot`]'s pairs (at most 256) are reduced in i16 by two
+/// rounds of `vphaddw` (sums of at most 8 pairs, below 2¹¹, no wrap) and `vpmaddwd`, giving
+/// the four exact `isum_k` in one vector; the f32 steps of [`q1_0_step`] then run on vector
+/// lanes (`t` from `+0.0`, one fma per `k`, then `fma(dx, t, acc)`).
+///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<Q1_0_BYTES>();
     let (yb, _) = y.as_chunks::<{ 4 * Q8_0_BYTES }>();
-    // Byte i of a 32-value group reads bit i % 8 of the group's byte i / 8.
+    // Byte i of group k reads bit i % 8 of the block's bit byte 4k + i / 8.
     let spread = _mm256_setr_epi8(
         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
         3, 3,
     );
+    let spreads: [__m256i; 4] =
+        std::array::from_fn(|k| _mm256_add_epi8(spread, _mm256_set1_epi8(4 * k as i8)));
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let ones = _mm256_set1_epi8(1);
-    let mut acc = 0f32;
+    let ones16 = _mm256_set1_epi16(1);
+    let mut acc = _mm_setzero_ps();
     for (bx, by) in xb.iter().zip(yb) {
+        let bits = _mm256_broadcastsi128_si256(load16(bx, 2));
         let group = |k: usize| {
-            let word =
-                u32::from_le_bytes([bx[2 + 4 * k], bx[3 + 4 * k], bx[4 + 4 * k], bx[5 + 4 * k]]);
-            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
+            let bytes = _mm256_shuffle_epi8(bits, spreads[k]);
             // −1 where the bit is clear, 0 where set; or 1 → −1 clear, +1 set.
             let clear = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), _mm256_setzero_si256());
             let w = _mm256_or_si256(clear, ones);
-            signed_dot(w, load32(by, k * Q8_0_BYTES + 2))
+            let yv = load32(by, k * Q8_0_BYTES + 2);
+            _mm256_maddubs_epi16(_mm256_abs_epi8(yv), _mm256_sign_epi8(w, yv))
         };
-        let isum = hsum4(group(0), group(1), group(2), group(3));
-        let dy = std::array::from_fn(|k| f16_le(by, k * Q8_0_BYTES));
-        acc = q1_0_step::<4>(acc, f16_le(bx, 0), dy, isum);
+        // Per 128-bit half: two partial sums of each group, in group order.
+        let h = _mm256_hadd_epi16(
+            _mm256_hadd_epi16(group(0), group(1)),
+            _mm256_hadd_epi16(group(2), group(3)),
+        );
+        let h = _mm256_madd_epi16(h, ones16);
+        let isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let f = _mm_cvtepi32_ps(isum);
+        let dyb = |k: usize| {
+            u64::from(u16::from_le_bytes([
+                by[k * Q8_0_BYTES],
+                by[k * Q8_0_BYTES + 1],
+            ])) << (16 * k)
+        };
+        let dy = _mm_cvtph_ps(_mm_cvtsi64_si128(
+            (dyb(0) | dyb(1) | dyb(2) | dyb(3)) as i64,
+        ));
+        let t = _mm_fmadd_ss(dy, f, _mm_setzero_ps());
+        let t = _mm_fmadd_ss(_mm_permute_ps::<1>(dy), _mm_permute_ps::<1>(f), t);
+        let t = _mm_fmadd_ss(_mm_permute_ps::<2>(dy), _mm_permute_ps::<2>(f), t);
+        let t = _mm_fmadd_ss(_mm_permute_ps::<3>(dy), _mm_permute_ps::<3>(f), t);
+        acc = _mm_fmadd_ss(_mm_set_ss(f16_le(bx, 0)), t, acc);
     }
-    acc
+    _mm_cvtss_f32(acc)
 }
 
 /// `b·p mod 256` for every byte `b` of `v`, with `p` the multiplier of its 16-bit lane
