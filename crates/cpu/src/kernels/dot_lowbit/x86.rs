@@ -1,11 +1,12 @@
-//! AVX2 + FMA + F16C versions of the low-bit dot products (TQ2_0, MXFP4, NVFP4, Q1_0;
-//! TQ1_0 and Q2_0 run the portable code on every CPU).
+//! AVX2 + FMA + F16C versions of the low-bit dot products (TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0,
+//! Q2_0).
 //!
 //! Each kernel forms the definition's exact integer sums with `vpmaddubsw` (unsigned bytes
 //! × signed bytes, adjacent pairs summed to i16, saturating) and `vpmaddwd` against ones
-//! (pairs of i16 to i32), reduces them to scalars, and then runs the very same f32 steps
-//! ([`super::step`], [`super::q1_0_step`]) as the portable functions, so the results are
-//! bit-identical.
+//! (pairs of i16 to i32), reduces them, and then runs the very same f32 steps as the portable
+//! functions ([`super::step`], [`super::q1_0_step`], or for NVFP4 and Q1_0 the same roundings
+//! on vector lanes: one rounded product per scale pair, one fused multiply-add per step, in
+//! the defined order), so the results are bit-identical.
 //!
 //! Why the i16 stage is exact for any activation byte `y` (`−128..=127`):
 //!
