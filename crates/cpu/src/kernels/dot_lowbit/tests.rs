@@ -286,3 +286,26 @@ fn known_values() {
         assert_eq!(dot_fn(DType::TQ2_0, isa).unwrap()(&w, &a), 256.0);
     }
 }
+
+#[test]
+fn nvfp4_every_scale_byte_matches_portable() {
+    let mut rng = Rng(0x5CA1E);
+    let nb = 3;
+    for byte in 0..=255u8 {
+        let mut w = random_weights(&mut rng, DType::NVFP4, nb, false);
+        for (i, b) in w.chunks_exact_mut(NVFP4_BYTES).enumerate() {
+            b[i % 4] = byte;
+            b[(i + 2) % 4] = byte;
+        }
+        let a = activations(&mut rng, DType::NVFP4, nb * QK_NVFP4, true, false);
+        let want = dot_nvfp4(&w, &a);
+        for isa in Isa::available() {
+            let got = dot_fn(DType::NVFP4, isa).unwrap()(&w, &a);
+            assert_eq!(
+                got.to_bits(),
+                want.to_bits(),
+                "{byte:#x} {isa:?}: {got} vs {want}"
+            );
+        }
+    }
+}

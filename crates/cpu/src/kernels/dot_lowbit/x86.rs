@@ -1,11 +1,12 @@
-//! AVX2 + FMA + F16C versions of the low-bit dot products (TQ2_0, MXFP4, NVFP4, Q1_0;
-//! TQ1_0 and Q2_0 run the portable code on every CPU).
+//! AVX2 + FMA + F16C versions of the low-bit dot products (TQ1_0, TQ2_0, MXFP4, NVFP4, Q1_0,
+//! Q2_0).
 //!
 //! Each kernel forms the definition's exact integer sums with `vpmaddubsw` (unsigned bytes
 //! × signed bytes, adjacent pairs summed to i16, saturating) and `vpmaddwd` against ones
-//! (pairs of i16 to i32), reduces them to scalars, and then runs the very same f32 steps
-//! ([`super::step`], [`super::q1_0_step`]) as the portable functions, so the results are
-//! bit-identical.
+//! (pairs of i16 to i32), reduces them, and then runs the very same f32 steps as the portable
+//! functions ([`super::step`], [`super::q1_0_step`], or for NVFP4 and Q1_0 the same roundings
+//! on vector lanes: one rounded product per scale pair, one fused multiply-add per step, in
+//! the defined order), so the results are bit-identical.
 //!
 //! Why the i16 stage is exact for any activation byte `y` (`−128..=127`):
 //!
@@ -26,8 +27,11 @@ use super::super::simd::f16_to_f32;
 use super::{q1_0_step, step, Q8_0_BYTES};
 use crate::dtype::DType;
 use crate::quant::kquants::Q8_K_BYTES;
+#[cfg(doc)]
+use crate::quant::lowbit::ue4m3_half;
 use crate::quant::lowbit::{
-    e8m0_half, ue4m3_half, KVALUES_MXFP4, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, TQ2_0_BYTES,
+    e8m0_half, KVALUES_MXFP4, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES, TQ1_0_BYTES,
+    TQ2_0_BYTES,
 };
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
@@ -38,12 +42,12 @@ pub(super) fn supported() -> bool {
 /// The AVX2 kernel of `dtype`, for the caller that checked [`supported`].
 pub(super) fn kernel(dtype: DType) -> Option<DotFn> {
     Some(match dtype {
-        DType::TQ1_0 => super::dot_tq1_0,
+        DType::TQ1_0 => entry::tq1_0,
         DType::TQ2_0 => entry::tq2_0,
         DType::MXFP4 => entry::mxfp4,
         DType::NVFP4 => entry::nvfp4,
         DType::Q1_0 => entry::q1_0,
-        DType::Q2_0 => super::dot_q2_0,
+        DType::Q2_0 => entry::q2_0,
         _ => return None,
     })
 }
@@ -59,7 +63,9 @@ mod entry {
             }
         };
     }
+    entry!(tq1_0);
     entry!(tq2_0);
+    entry!(q2_0);
     entry!(mxfp4);
     entry!(nvfp4);
     entry!(q1_0);
@@ -204,6 +210,10 @@ pub(super) unsafe fn mxfp4(x: &[u8], y: &[u8]) -> f32 {
 
 /// NVFP4 · q8_0.
 ///
+/// Blocks are taken two at a time: their eight sub-block sums in one vector (f32, exact),
+/// their eight scale products `dy_{s/2}·u_s` in another (each rounded once, as in
+/// [`step`]), then the eight fused steps in order on lane 0 of an f32 vector.
+///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -212,8 +222,8 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<{ 2 * Q8_0_BYTES }>();
     let table = fp4_table();
     let m = _mm256_set1_epi8(15);
-    let mut acc = 0f32;
-    for (bx, by) in xb.iter().zip(yb) {
+    // The two i32 vectors whose hadd gives a block's sub-block sums (see `isum`).
+    let block = |bx: &[u8; NVFP4_BYTES], by: &[u8; 2 * Q8_0_BYTES]| {
         let q = load32(bx, 4);
         let lo = _mm256_and_si256(q, m);
         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m);
@@ -226,21 +236,93 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
         let p = signed_dot(first, load32(by, 2));
         let r = signed_dot(second, load32(by, Q8_0_BYTES + 2));
         // Lanes 0..4 of p are sub-block 0, 4..8 sub-block 1; likewise r for 2 and 3.
-        let h = _mm256_hadd_epi32(p, r);
-        let h = _mm256_hadd_epi32(h, h);
-        let mut s = [0i32; 8];
-        // SAFETY: `s` holds 32 bytes; unaligned store.
-        unsafe { _mm256_storeu_si256(s.as_mut_ptr().cast(), h) };
-        let isum = [s[0], s[4], s[1], s[5]];
-        for (k, &i) in isum.iter().enumerate() {
-            let dy = f16_le(by, (k / 2) * Q8_0_BYTES);
-            acc = step(acc, dy, ue4m3_half(bx[k]), i);
-        }
+        // Low half [p0+p1, p2+p3, r0+r1, r2+r3], high half likewise from lanes 4..8.
+        _mm256_hadd_epi32(p, r)
+    };
+    // The q8_0 scale bits of a block pair: [dy0, dy1] of the first, then of the second.
+    let dy_bits = |by: &[u8; 2 * Q8_0_BYTES]| {
+        u32::from(u16::from_le_bytes([by[0], by[1]]))
+            | u32::from(u16::from_le_bytes([by[Q8_0_BYTES], by[Q8_0_BYTES + 1]])) << 16
+    };
+    let scale_bytes = |bx: &[u8; NVFP4_BYTES]| u32::from_le_bytes([bx[0], bx[1], bx[2], bx[3]]);
+    let mut acc = _mm_setzero_ps();
+    let steps4 = |acc: __m128, m: __m128, f: __m128| {
+        let acc = _mm_fmadd_ss(m, f, acc);
+        let acc = _mm_fmadd_ss(_mm_permute_ps::<1>(m), _mm_permute_ps::<1>(f), acc);
+        let acc = _mm_fmadd_ss(_mm_permute_ps::<2>(m), _mm_permute_ps::<2>(f), acc);
+        _mm_fmadd_ss(_mm_permute_ps::<3>(m), _mm_permute_ps::<3>(f), acc)
+    };
+    let (x2, _) = xb.as_chunks::<2>();
+    let (y2, _) = yb.as_chunks::<2>();
+    for (bx, by) in x2.iter().zip(y2) {
+        // Low half [A0, A2, B0, B2], high half [A1, A3, B1, B3] (sub-block sums of A, B).
+        let h = _mm256_hadd_epi32(block(&bx[0], &by[0]), block(&bx[1], &by[1]));
+        let (l, u) = (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let f = _mm256_cvtepi32_ps(_mm256_setr_m128i(
+            _mm_unpacklo_epi32(l, u),
+            _mm_unpackhi_epi32(l, u),
+        ));
+        let hy = u64::from(dy_bits(&by[0])) | u64::from(dy_bits(&by[1])) << 32;
+        let hy = _mm_cvtsi64_si128(hy as i64);
+        let dy = _mm256_cvtph_ps(_mm_unpacklo_epi16(hy, hy));
+        let sb = u64::from(scale_bytes(&bx[0])) | u64::from(scale_bytes(&bx[1])) << 32;
+        let prod = _mm256_mul_ps(dy, ue4m3_half8(sb));
+        acc = steps4(acc, _mm256_castps256_ps128(prod), _mm256_castps256_ps128(f));
+        acc = steps4(
+            acc,
+            _mm256_extractf128_ps::<1>(prod),
+            _mm256_extractf128_ps::<1>(f),
+        );
     }
-    acc
+    let done = 2 * x2.len().min(y2.len());
+    for (bx, by) in xb.iter().zip(yb).skip(done) {
+        let h = _mm256_hadd_epi32(block(bx, by), _mm256_setzero_si256());
+        let (l, u) = (_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let f = _mm_cvtepi32_ps(_mm_unpacklo_epi32(l, u));
+        let hy = _mm_cvtsi32_si128(dy_bits(by) as i32);
+        let dy = _mm_cvtph_ps(_mm_unpacklo_epi16(hy, hy));
+        let prod = _mm256_mul_ps(
+            _mm256_castps128_ps256(dy),
+            ue4m3_half8(u64::from(scale_bytes(bx))),
+        );
+        acc = steps4(acc, _mm256_castps256_ps128(prod), f);
+    }
+    _mm_cvtss_f32(acc)
+}
+
+/// Half the UE4M3 values of the eight bytes of `b` (little-endian), as [`ue4m3_half`]: bit 7
+/// dropped; exponent bits `x ≥ 1` with mantissa `m` give the f32 bits of
+/// `(8 + m)·2^(x − 11)`, i.e. `(x + 119)·2²³ + m·2²⁰`; `x = 0` gives `m·2⁻¹⁰` (exact);
+/// the byte `0x7F` (only that one: `0xFF` is 240) gives `+0`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn ue4m3_half8(b: u64) -> __m256 {
+    let raw = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(b as i64));
+    let v = _mm256_and_si256(raw, _mm256_set1_epi32(0x7F));
+    let normal = _mm256_castsi256_ps(_mm256_add_epi32(
+        _mm256_slli_epi32::<20>(v),
+        _mm256_set1_epi32(119 << 23),
+    ));
+    let sub = _mm256_mul_ps(
+        _mm256_cvtepi32_ps(v),
+        _mm256_set1_ps(f32::from_bits(0x3A80_0000)),
+    );
+    let is_sub = _mm256_castsi256_ps(_mm256_cmpeq_epi32(
+        _mm256_and_si256(v, _mm256_set1_epi32(0x78)),
+        _mm256_setzero_si256(),
+    ));
+    let r = _mm256_blendv_ps(normal, sub, is_sub);
+    let zero = _mm256_castsi256_ps(_mm256_cmpeq_epi32(raw, _mm256_set1_epi32(0x7F)));
+    _mm256_andnot_ps(zero, r)
 }
 
 /// Q1_0 · q8_0.
+///
+/// Per q8_0 block `k`, the 32 sign bits are spread to bytes (`vpshufb`, then one bit tested
+/// per byte), `w = ±1`, and [`signed_dot`]'s pairs (at most 256) are reduced in i16 by two
+/// rounds of `vphaddw` (sums of at most 8 pairs, below 2¹¹, no wrap) and `vpmaddwd`, giving
+/// the four exact `isum_k` in one vector; the f32 steps of [`q1_0_step`] then run on vector
+/// lanes (`t` from `+0.0`, one fma per `k`, then `fma(dx, t, acc)`).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -248,27 +330,215 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
 pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<Q1_0_BYTES>();
     let (yb, _) = y.as_chunks::<{ 4 * Q8_0_BYTES }>();
-    // Byte i of a 32-value group reads bit i % 8 of the group's byte i / 8.
+    // Byte i of group k reads bit i % 8 of the block's bit byte 4k + i / 8.
     let spread = _mm256_setr_epi8(
         0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3,
         3, 3,
     );
+    let spreads: [__m256i; 4] =
+        std::array::from_fn(|k| _mm256_add_epi8(spread, _mm256_set1_epi8(4 * k as i8)));
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let ones = _mm256_set1_epi8(1);
-    let mut acc = 0f32;
+    let ones16 = _mm256_set1_epi16(1);
+    let mut acc = _mm_setzero_ps();
     for (bx, by) in xb.iter().zip(yb) {
+        let bits = _mm256_broadcastsi128_si256(load16(bx, 2));
         let group = |k: usize| {
-            let word =
-                u32::from_le_bytes([bx[2 + 4 * k], bx[3 + 4 * k], bx[4 + 4 * k], bx[5 + 4 * k]]);
-            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(word as i32), spread);
+            let bytes = _mm256_shuffle_epi8(bits, spreads[k]);
             // −1 where the bit is clear, 0 where set; or 1 → −1 clear, +1 set.
             let clear = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), _mm256_setzero_si256());
             let w = _mm256_or_si256(clear, ones);
-            signed_dot(w, load32(by, k * Q8_0_BYTES + 2))
+            let yv = load32(by, k * Q8_0_BYTES + 2);
+            _mm256_maddubs_epi16(_mm256_abs_epi8(yv), _mm256_sign_epi8(w, yv))
         };
-        let isum = hsum4(group(0), group(1), group(2), group(3));
-        let dy = std::array::from_fn(|k| f16_le(by, k * Q8_0_BYTES));
-        acc = q1_0_step::<4>(acc, f16_le(bx, 0), dy, isum);
+        // Per 128-bit half: two partial sums of each group, in group order.
+        let h = _mm256_hadd_epi16(
+            _mm256_hadd_epi16(group(0), group(1)),
+            _mm256_hadd_epi16(group(2), group(3)),
+        );
+        let h = _mm256_madd_epi16(h, ones16);
+        let isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+        let f = _mm_cvtepi32_ps(isum);
+        let dyb = |k: usize| {
+            u64::from(u16::from_le_bytes([
+                by[k * Q8_0_BYTES],
+                by[k * Q8_0_BYTES + 1],
+            ])) << (16 * k)
+        };
+        let dy = _mm_cvtph_ps(_mm_cvtsi64_si128(
+            (dyb(0) | dyb(1) | dyb(2) | dyb(3)) as i64,
+        ));
+        let t = _mm_fmadd_ss(dy, f, _mm_setzero_ps());
+        let t = _mm_fmadd_ss(_mm_permute_ps::<1>(dy), _mm_permute_ps::<1>(f), t);
+        let t = _mm_fmadd_ss(_mm_permute_ps::<2>(dy), _mm_permute_ps::<2>(f), t);
+        let t = _mm_fmadd_ss(_mm_permute_ps::<3>(dy), _mm_permute_ps::<3>(f), t);
+        acc = _mm_fmadd_ss(_mm_set_ss(f16_le(bx, 0)), t, acc);
+    }
+    _mm_cvtss_f32(acc)
+}
+
+/// `b·p mod 256` for every byte `b` of `v`, with `p` the multiplier of its 16-bit lane
+/// (`vpmullw` keeps the low bytes' products exactly; the high bytes', multiplied with their
+/// low bytes cleared, come out in the high bytes with zeros below).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn bytes_mul(v: __m256i, p: __m256i) -> __m256i {
+    let high = _mm256_set1_epi16(0xFF00u16 as i16);
+    let lo = _mm256_andnot_si256(high, _mm256_mullo_epi16(v, p));
+    let hi = _mm256_mullo_epi16(_mm256_and_si256(v, high), p);
+    _mm256_or_si256(lo, hi)
+}
+
+/// `3·v mod 256` bytewise.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn times3(v: __m256i) -> __m256i {
+    _mm256_add_epi8(v, _mm256_add_epi8(v, v))
+}
+
+/// The ternary weights `w = t − 1 ∈ −1..=1` of 32 bytes `q`, `t = (3·q) >> 8`, given as
+/// `qx = q ⊕ 0x80` (read as `i8`, `q − 128`): `t = [q ≥ 86] + [q ≥ 171]`, so
+/// `w = −[qx < −42] + [qx > 42]` (as `vpcmpgtb` masks, `−1` where true).
+///
+/// The offset form is kept because it is invariant under the trit recurrence: `q' = 3q mod
+/// 256` gives `q' − 128 ≡ 3(q − 128) (mod 256)`, so `qx' = 3·qx mod 256` ([`times3`]).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn ternary(qx: __m256i) -> __m256i {
+    let low = _mm256_cmpgt_epi8(_mm256_set1_epi8(-42), qx);
+    let high = _mm256_cmpgt_epi8(qx, _mm256_set1_epi8(42));
+    _mm256_sub_epi8(low, high)
+}
+
+/// TQ1_0 · q8_K.
+///
+/// Trit `k` of byte `b` is `t = (3·q) >> 8` with `q = b·3^k mod 256` ([`ternary`], with the
+/// bytewise products [`times3`] and [`bytes_mul`]). Every group of 32 consecutive values is
+/// one vector: `qs[0..32]` by `3^k` for values `32k..32k + 32`; `qs[32..48]` in both halves,
+/// by `3^k` and `3^(k+1)`, for values `160 + 16k..`, `k ∈ {0, 2}`; and `qs[32..48]` by 81
+/// beside the four `qh` bytes repeated, copy `k` by `3^k`, for values `224..256`. Products
+/// as in [`signed_dot`] (`|w| ≤ 1`, pairs at most 256), eight summed in i16 (at most 2048),
+/// then widened by `vpmaddwd` to exact i32 lanes.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn tq1_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<TQ1_0_BYTES>();
+    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let bias = _mm256_set1_epi8(-128);
+    let ones16 = _mm256_set1_epi16(1);
+    let pow_pair = |a: i16, b: i16| _mm256_setr_m128i(_mm_set1_epi16(a), _mm_set1_epi16(b));
+    let (p01, p23) = (pow_pair(1, 3), pow_pair(9, 27));
+    let pow_tail = _mm256_setr_epi16(81, 81, 81, 81, 81, 81, 81, 81, 1, 1, 3, 3, 9, 9, 27, 27);
+    let block = |bx: &[u8; TQ1_0_BYTES], by: &[u8; Q8_K_BYTES]| {
+        let mut sum = _mm256_setzero_si256();
+        let mut add = |qx: __m256i, at: usize| {
+            let yv = load32(by, 4 + at);
+            let w = _mm256_sign_epi8(ternary(qx), yv);
+            sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_abs_epi8(yv), w));
+        };
+        let mut a = _mm256_xor_si256(load32(bx, 0), bias);
+        add(a, 0);
+        for k in 1..5 {
+            a = times3(a);
+            add(a, 32 * k);
+        }
+        let q = load16(bx, 32);
+        let b = _mm256_setr_m128i(q, q);
+        add(_mm256_xor_si256(bytes_mul(b, p01), bias), 160);
+        add(_mm256_xor_si256(bytes_mul(b, p23), bias), 192);
+        let qh = u32::from_le_bytes([bx[48], bx[49], bx[50], bx[51]]);
+        let c = _mm256_setr_m128i(q, _mm_set1_epi32(qh as i32));
+        add(_mm256_xor_si256(bytes_mul(c, pow_tail), bias), 224);
+        _mm256_madd_epi16(sum, ones16)
+    };
+    let mut acc = 0f32;
+    let (x2, _) = xb.as_chunks::<2>();
+    let (y2, _) = yb.as_chunks::<2>();
+    for (bx, by) in x2.iter().zip(y2) {
+        let s = hsum2(block(&bx[0], &by[0]), block(&bx[1], &by[1]));
+        acc = step(acc, f16_le(&bx[0], 52), q8_k_d(&by[0]), s[0]);
+        acc = step(acc, f16_le(&bx[1], 52), q8_k_d(&by[1]), s[1]);
+    }
+    let done = 2 * x2.len().min(y2.len());
+    for (bx, by) in xb.iter().zip(yb).skip(done) {
+        acc = step(acc, f16_le(bx, 52), q8_k_d(by), hsum(block(bx, by)));
+    }
+    acc
+}
+
+/// The two sums of the lanes of `a` and `b`.
+#[inline]
+#[target_feature(enable = "avx2")]
+fn hsum2(a: __m256i, b: __m256i) -> [i32; 2] {
+    let h = _mm256_hadd_epi32(a, b);
+    let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+    let s = _mm_hadd_epi32(s, s);
+    [_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s)]
+}
+
+/// The f32 scale of a q8_K super-block.
+#[inline(always)]
+fn q8_k_d(by: &[u8; Q8_K_BYTES]) -> f32 {
+    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
+}
+
+/// Q2_0 · q8_0.
+///
+/// The 16 code bytes, in both 128-bit halves, are split into nibbles and interleaved so that
+/// byte `j / 2` holds the nibble of value `j` (two fields); `vpshufb` spreads them to one byte
+/// per value (the bytes `j / 2`, in the high half `16 + j / 2`), the field is masked in place
+/// (`0x03` for even `j`, `0x0C` for odd), and a 16-entry `vpshufb` table maps both forms
+/// (`f` or `4f`) to `w = f − 1 ∈ −1..=2`. Products as [`signed_dot`]: pairs at most
+/// `2·2·128 = 512`.
+///
+/// # Safety
+/// The CPU must have AVX2, FMA and F16C.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn q2_0(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<Q2_0_BYTES>();
+    let (yb, _) = y.as_chunks::<{ 2 * Q8_0_BYTES }>();
+    let nib = _mm256_set1_epi8(15);
+    let field = _mm256_set1_epi16(0x0C03);
+    let lut = _mm256_setr_epi8(
+        -1, 0, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, -1, 0, 1, 2, 0, 0, 0, 0, 1, 0, 0, 0, 2, 0,
+        0, 0,
+    );
+    let spread = _mm256_setr_epi8(
+        0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13,
+        14, 14, 15, 15,
+    );
+    let block = |bx: &[u8; Q2_0_BYTES], by: &[u8; 2 * Q8_0_BYTES]| {
+        let q = _mm256_broadcastsi128_si256(load16(bx, 2));
+        let lo = _mm256_and_si256(q, nib);
+        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
+        let w = |n: __m256i| {
+            let f = _mm256_and_si256(_mm256_shuffle_epi8(n, spread), field);
+            _mm256_shuffle_epi8(lut, f)
+        };
+        let a = signed_dot(w(_mm256_unpacklo_epi8(lo, hi)), load32(by, 2));
+        let b = signed_dot(w(_mm256_unpackhi_epi8(lo, hi)), load32(by, Q8_0_BYTES + 2));
+        (a, b)
+    };
+    let fstep = |acc: f32, bx: &[u8; Q2_0_BYTES], by: &[u8; 2 * Q8_0_BYTES], i: [i32; 2]| {
+        let dy = [f16_le(by, 0), f16_le(by, Q8_0_BYTES)];
+        q1_0_step::<2>(acc, f16_le(bx, 0), dy, i)
+    };
+    let mut acc = 0f32;
+    let (x2, _) = xb.as_chunks::<2>();
+    let (y2, _) = yb.as_chunks::<2>();
+    for (bx, by) in x2.iter().zip(y2) {
+        let (a0, b0) = block(&bx[0], &by[0]);
+        let (a1, b1) = block(&bx[1], &by[1]);
+        let s = hsum4(a0, b0, a1, b1);
+        acc = fstep(acc, &bx[0], &by[0], [s[0], s[1]]);
+        acc = fstep(acc, &bx[1], &by[1], [s[2], s[3]]);
+    }
+    let done = 2 * x2.len().min(y2.len());
+    for (bx, by) in xb.iter().zip(yb).skip(done) {
+        let (a, b) = block(bx, by);
+        acc = fstep(acc, bx, by, [hsum(a), hsum(b)]);
     }
     acc
 }
