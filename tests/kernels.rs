@@ -2099,6 +2099,49 @@ fn mul_mat_gguf_block_types() {
     }
 }
 
+/// MUL_MAT_ID (mixture-of-experts products) with every block type as the experts' weights:
+/// experts that get one or two tokens take the block dot products, others the dequantized
+/// tiles; against the f64 product of the dequantized weights, at 1, 2 and 3 threads.
+#[test]
+fn mul_mat_id_gguf_block_types() {
+    let mut rng = Rng::new(44);
+    for dtype in GGUF_WEIGHT_TYPES {
+        let c = ctx();
+        let k = 2 * dtype.block_size().max(32);
+        let (m, n_expert, n_used, n_tokens) = (9usize, 4usize, 2usize, 5usize);
+        let experts = c.new_tensor(dtype, &[k, m, n_expert]).unwrap();
+        let ev = fill_block(&experts, &mut rng);
+        let b = c.new_tensor(DType::F32, &[k, 1, n_tokens]).unwrap();
+        let bv = fill(&b, &mut rng, -1.0, 1.0);
+        let ids = c.new_tensor(DType::I32, &[n_used, n_tokens]).unwrap();
+        // expert 0 twice, expert 1 once, experts 2 and 3 the rest
+        let idv: Vec<i32> = vec![0, 2, 1, 3, 0, 2, 3, 2, 3, 2];
+        fill_i32(&ids, &idv);
+        let out = ops::mul_mat_id(&c, &experts, &b, &ids).unwrap();
+        compute(&out);
+        let mut want = vec![0f64; out.nelements()];
+        for t in 0..n_tokens {
+            for e in 0..n_used {
+                let x = idv[e + n_used * t] as usize;
+                for i in 0..m {
+                    want[idx(out.ne(), i, e, t, 0)] = (0..k)
+                        .map(|kk| {
+                            ev[idx(experts.ne(), kk, i, x, 0)] as f64
+                                * bv[idx(b.ne(), kk, 0, t, 0)] as f64
+                        })
+                        .sum();
+                }
+            }
+        }
+        check(
+            &format!("mul_mat_id {dtype}"),
+            &out.to_f32_vec().unwrap(),
+            &want,
+            2e-4,
+        );
+    }
+}
+
 /// CPY f32 → block type quantizes with the type's reference quantizer (the bytes of
 /// `DType::row_from_f32`), CPY back dequantizes exactly, and GET_ROWS of block rows
 /// dequantizes the chosen rows — for every block type, activation-only q8_1/q8_K included.
