@@ -65,6 +65,56 @@ fn pair_dots(w: __m256i, y: __m256i) -> __m256i {
     _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(w, y))
 }
 
+/// The 16 bytes of `b` at `at` (checked).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn ld128<const N: usize>(b: &[u8; N], at: usize) -> __m128i {
+    assert!(at + 16 <= N);
+    // SAFETY: the 16 bytes at `at` lie inside `b` (checked above); loadu has no alignment
+    // requirement.
+    unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) }
+}
+
+/// The 32 grid indices of an iq1_s super-block as i32 lanes, runs `8p..8p + 8` in
+/// vector `p`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn iq1_s_indices(bx: &[u8; IQ1_S_BYTES]) -> [__m256i; 4] {
+    let qs = ld256(bx, 2);
+    // qh[s] << 8 in i32 lane s.
+    let qh = _mm256_slli_epi32::<8>(_mm256_cvtepu16_epi32(ld128(bx, 34)));
+    let lo = _mm256_castsi256_si128(qs);
+    let hi = _mm256_extracti128_si256::<1>(qs);
+    let shifts = _mm256_setr_epi32(0, 3, 6, 9, 0, 3, 6, 9);
+    let m = _mm256_set1_epi32(0x700);
+    let one = |low: __m128i, sel: __m256i| {
+        let h = _mm256_srlv_epi32(_mm256_permutevar8x32_epi32(qh, sel), shifts);
+        _mm256_or_si256(_mm256_cvtepu8_epi32(low), _mm256_and_si256(h, m))
+    };
+    [
+        one(lo, _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)),
+        one(
+            _mm_srli_si128::<8>(lo),
+            _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3),
+        ),
+        one(hi, _mm256_setr_epi32(4, 4, 4, 4, 5, 5, 5, 5)),
+        one(
+            _mm_srli_si128::<8>(hi),
+            _mm256_setr_epi32(6, 6, 6, 6, 7, 7, 7, 7),
+        ),
+    ]
+}
+
+/// The grid points of the 4 indices in the i32 lanes of `i` (point `j` in bytes `8j..8j + 8`).
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn points4(i: __m128i) -> __m256i {
+    let a = _mm_cvtsi128_si64(i) as u64;
+    let b = _mm_extract_epi64::<1>(i) as u64;
+    let p = |v: u64| IQ1_GRID[(v & 2047) as usize] as i64;
+    _mm256_setr_epi64x(p(a), p(a >> 32), p(b), p(b >> 32))
+}
+
 /// iq1_s · q8_K ([`super::dot_iq1_s`]).
 ///
 /// # Safety
@@ -76,23 +126,39 @@ pub(super) unsafe fn iq1_s(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ1_S_BYTES);
-        let mut sum = _mm256_setzero_si256();
-        let mut msum = 0i32;
-        for s in 0..8 {
-            let h = u16::from_le_bytes([bx[34 + 2 * s], bx[35 + 2 * s]]);
-            let idx =
-                |l: usize| usize::from(bx[2 + 4 * s + l]) | (usize::from(h >> (3 * l) & 7) << 8);
-            let grid = points([idx(0), idx(1), idx(2), idx(3)]);
-            let ls = 2 * ((h >> 12) & 7) as i16 + 1;
-            let p = pair_dots(grid, ld256(by, 4 + 32 * s));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, _mm256_set1_epi16(ls)));
-            let bs = |k: usize| i32::from(i16::from_le_bytes([by[260 + 2 * k], by[261 + 2 * k]]));
-            let pair = bs(2 * s) + bs(2 * s + 1);
-            let l = i32::from(ls);
-            msum += if h & 0x8000 != 0 { -l * pair } else { l * pair };
+        let qh = ld128(bx, 34);
+        // The odd scales 2a + 1 of the 8 sub-blocks (i16 lanes), and with their shift signs.
+        let ls = _mm_or_si128(
+            _mm_and_si128(_mm_srli_epi16::<11>(qh), _mm_set1_epi16(0xE)),
+            _mm_set1_epi16(1),
+        );
+        let neg = _mm_srai_epi16::<15>(qh);
+        let lss = _mm_sub_epi16(_mm_xor_si128(ls, neg), neg);
+        // msum lanes: ls_s·σ_s·(bsum_2s + bsum_2s+1).
+        let lss2 = _mm256_setr_m128i(_mm_unpacklo_epi16(lss, lss), _mm_unpackhi_epi16(lss, lss));
+        let msum = _mm256_madd_epi16(ld256(by, 260), lss2);
+        let lsb = _mm256_broadcastsi128_si256(ls);
+        let idx = iq1_s_indices(bx);
+        // Two accumulators (even and odd sub-blocks) of `ls_s·Σ g·y` per i32 lane.
+        let mut s0 = _mm256_setzero_si256();
+        let mut s1 = _mm256_setzero_si256();
+        for p in 0..4 {
+            let g0 = points4(_mm256_castsi256_si128(idx[p]));
+            let g1 = points4(_mm256_extracti128_si256::<1>(idx[p]));
+            // ls of sub-blocks 2p and 2p + 1 in every i16 lane.
+            let b0 = 4 * p as u8;
+            let b1 = b0 + 2;
+            let l0 = _mm256_shuffle_epi8(lsb, _mm256_set1_epi16(i16::from_le_bytes([b0, b0 + 1])));
+            let l1 = _mm256_shuffle_epi8(lsb, _mm256_set1_epi16(i16::from_le_bytes([b1, b1 + 1])));
+            let d0 = pair_dots(g0, ld256(by, 4 + 64 * p));
+            let d1 = pair_dots(g1, ld256(by, 36 + 64 * p));
+            s0 = _mm256_add_epi32(s0, _mm256_madd_epi16(d0, l0));
+            s1 = _mm256_add_epi32(s1, _mm256_madd_epi16(d1, l1));
         }
+        // 8·isum + msum, lane-wise then reduced (exact: the sums are bounded).
+        let total = _mm256_add_epi32(_mm256_slli_epi32::<3>(_mm256_add_epi32(s0, s1)), msum);
         let dx = f16_to_f32(u16::from_le_bytes([bx[0], bx[1]]));
-        acc = step(acc, dx, q8_d(by), hsum(sum), msum);
+        acc = step(acc, dx, q8_d(by), 0, hsum(total));
     }
     acc
 }
