@@ -142,9 +142,9 @@ pub(super) unsafe fn iq1_s(x: &[u8], y: &[u8]) -> f32 {
         // Two accumulators (even and odd sub-blocks) of `ls_s·Σ g·y` per i32 lane.
         let mut s0 = _mm256_setzero_si256();
         let mut s1 = _mm256_setzero_si256();
-        for p in 0..4 {
-            let g0 = points4(_mm256_castsi256_si128(idx[p]));
-            let g1 = points4(_mm256_extracti128_si256::<1>(idx[p]));
+        for (p, &ip) in idx.iter().enumerate() {
+            let g0 = points4(_mm256_castsi256_si128(ip));
+            let g1 = points4(_mm256_extracti128_si256::<1>(ip));
             // ls of sub-blocks 2p and 2p + 1 in every i16 lane.
             let b0 = 4 * p as u8;
             let b1 = b0 + 2;

@@ -309,3 +309,57 @@ fn nvfp4_every_scale_byte_matches_portable() {
         }
     }
 }
+
+#[test]
+#[ignore]
+fn zz_timing() {
+    use crate::kernels::block_dot::dot_fn_with;
+    use crate::kernels::dot_iq3::tests as t3;
+    let which = std::env::var("TT").unwrap_or("iq1_s,iq1_m,q1_0,nvfp4".into());
+    let (rows, n) = (14336usize, 4096usize);
+    for name in which.split(',') {
+        let mut rng = Rng(0x1234_5678_9abc_def1);
+        let mut r3 = t3::Rng(0x1234_5678_9abc_def1);
+        let (dtype, w, a) = match name {
+            "iq1_s" | "iq1_m" => {
+                let (dt, sz, sc) = if name == "iq1_s" {
+                    (DType::IQ1_S, 50, t3::Scale::At0)
+                } else {
+                    (DType::IQ1_M, 56, t3::Scale::Iq1m)
+                };
+                let mut w = t3::random_weights(&mut r3, sz, sc, rows * n / 256);
+                for b in w.chunks_exact_mut(sz) {
+                    let bits = 0x2000 | (r3.next() as u16 & 0x3ff);
+                    t3::set_scale(b, sc, bits);
+                }
+                (dt, w, t3::activations(&mut r3, t3::Act::Quantized, n / 256))
+            }
+            "q1_0" => (
+                DType::Q1_0,
+                random_weights(&mut rng, DType::Q1_0, rows * n / 128, false),
+                activations(&mut rng, DType::Q1_0, n, false, false),
+            ),
+            _ => (
+                DType::NVFP4,
+                random_weights(&mut rng, DType::NVFP4, rows * n / 64, false),
+                activations(&mut rng, DType::NVFP4, n, false, false),
+            ),
+        };
+        let f = dot_fn_with(dtype, Isa::best()).unwrap();
+        let row = w.len() / rows;
+        let mut best = f64::MAX;
+        let mut sink = 0f32;
+        for _ in 0..5 {
+            let t = std::time::Instant::now();
+            for r in 0..rows {
+                sink += f(&w[r * row..(r + 1) * row], &a);
+            }
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        println!(
+            "{name}: {:.2} GB/s ({:.2} ms) {sink}",
+            w.len() as f64 / best / 1e9,
+            best * 1e3
+        );
+    }
+}
