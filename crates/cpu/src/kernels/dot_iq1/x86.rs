@@ -50,14 +50,6 @@ fn hsum(v: __m256i) -> i32 {
     _mm_cvtsi128_si32(s)
 }
 
-/// The 4 grid points of indices `i0..i3` as one vector (point `j` in bytes `8j..8j + 8`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn points(i: [usize; 4]) -> __m256i {
-    let p = |j: usize| IQ1_GRID[i[j] & 2047] as i64;
-    _mm256_setr_epi64x(p(0), p(1), p(2), p(3))
-}
-
 /// `Σ` over adjacent pairs of `w·y` (16 i16 lanes, exact: `|w| ≤ 1`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -172,35 +164,117 @@ pub(super) unsafe fn iq1_m(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<IQ1_M_BYTES>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let mut acc = 0f32;
+    let shifts = _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4);
+    let m = _mm256_set1_epi32(0x700);
+    let bit = _mm256_set1_epi32(0x800);
+    let ones = _mm256_set1_epi8(1);
+    let eight = _mm256_set1_epi8(8);
+    // mullo factors moving bits 3k..3k + 3 of a scale word to bits 13..16 (k = h % 4).
+    let up = _mm256_setr_epi16(
+        8192, 1024, 128, 16, 8192, 1024, 128, 16, 8192, 1024, 128, 16, 8192, 1024, 128, 16,
+    );
+    // Scale word h / 4 into i16 lane h.
+    let spread = _mm256_setr_epi8(
+        0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 4, 5, 4, 5, 4, 5, 4, 5, 6, 7, 6, 7, 6, 7,
+        6, 7,
+    );
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ1_M_BYTES);
-        let mut isum = _mm256_setzero_si256();
-        let mut msum = _mm256_setzero_si256();
-        for c in 0..8 {
-            // Runs 4c..4c + 4; their nibbles are the low and high halves of qh[2c], qh[2c + 1].
-            let nib = |r: usize| bx[32 + 2 * c + r / 2] >> (4 * (r % 2));
-            let idx = |r: usize| usize::from(bx[4 * c + r]) | (usize::from(nib(r) & 7) << 8);
-            let grid = points([idx(0), idx(1), idx(2), idx(3)]);
-            let shift = |r: usize| -> i64 {
-                if nib(r) & 8 != 0 {
-                    -1
-                } else {
-                    0x0101_0101_0101_0101
+        // The odd scales 2a + 1 of the 16 half sub-blocks, as bytes: half sub-blocks 0..8
+        // in the low 128 bits (twice), 8..16 in the high 128 bits (twice).
+        let w = _mm256_set1_epi64x(i64::from_le_bytes(bx[48..56].try_into().unwrap()));
+        let w = _mm256_shuffle_epi8(w, spread);
+        let a = _mm256_srli_epi16::<13>(_mm256_mullo_epi16(w, up));
+        let ls16 = _mm256_or_si256(_mm256_slli_epi16::<1>(a), _mm256_set1_epi16(1));
+        let lsb = _mm256_packus_epi16(ls16, ls16);
+        let lo = _mm256_permute2x128_si256::<0x00>(lsb, lsb);
+        let hi = _mm256_permute2x128_si256::<0x11>(lsb, lsb);
+        // Nibble of run r, shifted up by 8, in i32 lane r (runs 0..8, 8..16 per vector).
+        let qh = ld128(bx, 32);
+        let qh0 = _mm256_slli_epi32::<8>(_mm256_cvtepu8_epi32(qh));
+        let qh1 = _mm256_slli_epi32::<8>(_mm256_cvtepu8_epi32(_mm_srli_si128::<8>(qh)));
+        let qs = ld256(bx, 0);
+        let qsl = _mm256_castsi256_si128(qs);
+        let qsh = _mm256_extracti128_si256::<1>(qs);
+        let mut sum = _mm256_setzero_si256();
+        macro_rules! quarter {
+            ($qhv:expr, $sel:expr, $low:expr, $p:expr, $lsv:expr) => {{
+                let nib = _mm256_srlv_epi32(_mm256_permutevar8x32_epi32($qhv, $sel), shifts);
+                let idx = _mm256_or_si256(_mm256_cvtepu8_epi32($low), _mm256_and_si256(nib, m));
+                let neg = _mm256_cmpeq_epi32(_mm256_and_si256(nib, bit), bit);
+                for half in 0..2 {
+                    let c = 2 * $p + half;
+                    let (i, n) = if half == 0 {
+                        (_mm256_castsi256_si128(idx), _mm256_castsi256_si128(neg))
+                    } else {
+                        (
+                            _mm256_extracti128_si256::<1>(idx),
+                            _mm256_extracti128_si256::<1>(neg),
+                        )
+                    };
+                    // Runs 4c..4c + 4: 8·g + σ per value (in −9..=9).
+                    let sigma = _mm256_or_si256(_mm256_cvtepi32_epi64(n), ones);
+                    let wv = _mm256_add_epi8(_mm256_sign_epi8(eight, points4(i)), sigma);
+                    // Half sub-blocks 2c (low 128 bits) and 2c + 1 (high 128 bits).
+                    let b = (2 * (c % 4)) as u8;
+                    let sel = _mm256_setr_epi8(
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                        b as i8 + 1,
+                        -1,
+                    );
+                    let l = _mm256_shuffle_epi8($lsv, sel);
+                    let d = pair_dots(wv, ld256(by, 4 + 32 * c));
+                    sum = _mm256_add_epi32(sum, _mm256_madd_epi16(d, l));
                 }
-            };
-            let signs = _mm256_setr_epi64x(shift(0), shift(1), shift(2), shift(3));
-            // Half sub-blocks 2c (low 128 bits) and 2c + 1 (high 128 bits).
-            let ls = |h: usize| {
-                let w = u16::from_le_bytes([bx[48 + 2 * (h / 4)], bx[49 + 2 * (h / 4)]]);
-                2 * ((w >> (3 * (h % 4))) & 7) as i16 + 1
-            };
-            let lsv = _mm256_setr_m128i(_mm_set1_epi16(ls(2 * c)), _mm_set1_epi16(ls(2 * c + 1)));
-            let yv = ld256(by, 4 + 32 * c);
-            isum = _mm256_add_epi32(isum, _mm256_madd_epi16(pair_dots(grid, yv), lsv));
-            msum = _mm256_add_epi32(msum, _mm256_madd_epi16(pair_dots(signs, yv), lsv));
+            }};
         }
+        quarter!(qh0, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), qsl, 0, lo);
+        quarter!(
+            qh0,
+            _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7),
+            _mm_srli_si128::<8>(qsl),
+            1,
+            lo
+        );
+        quarter!(qh1, _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3), qsh, 2, hi);
+        quarter!(
+            qh1,
+            _mm256_setr_epi32(4, 4, 5, 5, 6, 6, 7, 7),
+            _mm_srli_si128::<8>(qsh),
+            3,
+            hi
+        );
         let dx = f16_to_f32(iq1_m_scale(bx).to_bits());
-        acc = step(acc, dx, q8_d(by), hsum(isum), hsum(msum));
+        acc = step(acc, dx, q8_d(by), 0, hsum(sum));
     }
     acc
 }
