@@ -1,16 +1,23 @@
 //! AVX2 + FMA + F16C versions of the iq1_s and iq1_m dot products.
 //!
-//! Per 32 values, the 4 grid points are read from the expanded grid table (one `u64` per
-//! point, bytes = coordinates `−1..=1` as i8) into a vector and the products with the
-//! activations formed as `vpmaddubsw(|y|, vpsignb(g, y))` (the sign of `y` moves onto the
-//! coordinate, `|y|` is the unsigned operand; `vpabsb(−128)` is `0x80`, read as 128). Each
-//! adjacent pair sum is at most `2·128 = 256` in magnitude, so nothing saturates, and
-//! `vpmaddwd` with the odd scales (`≤ 15`) gives exact i32 pairs. iq1_m's shift sums
-//! `Σ σ_r·y_v` are formed the same way with a vector of `±1` bytes in place of the grid.
-//! iq1_s's shift term uses the stored q8_K group sums, in scalar code as the definition
-//! does. The lane sums stay far inside i32 (module docs of [`super`]); they are reduced to
-//! the definition's exact `isum` and `msum` and the very same f32 step ([`super::step`])
-//! runs on them, so the results are bit-identical to the portable functions.
+//! The 32 grid indices of a super-block are assembled in i32 vector lanes (low bits from
+//! `qs`, top bits shifted out of `qh` with `vpsrlvd`), taken out two per `u64` and the 4
+//! grid points of 32 values read from the expanded grid table (one `u64` per point, bytes =
+//! coordinates `−1..=1` as i8) into a vector. Products with the activations are
+//! `vpmaddubsw(|y|, vpsignb(w, y))` (the sign of `y` moves onto the weight byte, `|y|` is
+//! the unsigned operand; `vpabsb(−128)` is `0x80`, read as 128), then `vpmaddwd` with the
+//! odd scales (`≤ 15`) gives exact i32 pairs.
+//!
+//! * iq1_s: `w = g` (pairs at most `2·128 = 256`); the shift term
+//!   `ls_s·σ_s·(bsum_2s + bsum_2s+1)` is one `vpmaddwd` of the stored group sums with the
+//!   signed scales, and `8·isum + msum` is formed lane-wise.
+//! * iq1_m: `w = 8·g + σ_r` (in `−9..=9`, pairs at most `2·9·128 = 2304`), so one product
+//!   per 32 values gives `8·isum + msum` directly; shift signs and scales are unpacked in
+//!   vectors.
+//!
+//! The lane sums stay far inside i32 (module docs of [`super`]); the reduced total equals
+//! the definition's exact `8·isum + msum` and the very same f32 step ([`super::step`]) runs
+//! on it, so the results are bit-identical to the portable functions.
 
 use std::arch::x86_64::*;
 
