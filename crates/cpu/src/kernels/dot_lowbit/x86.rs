@@ -212,7 +212,8 @@ pub(super) unsafe fn mxfp4(x: &[u8], y: &[u8]) -> f32 {
 ///
 /// Blocks are taken two at a time: their eight sub-block sums in one vector (f32, exact),
 /// their eight scale products `dy_{s/2}·u_s` in another (each rounded once, as in
-/// [`step`]), then the eight fused steps in order on lane 0 of an f32 vector.
+/// [`step`]), then one fused multiply-add into the eight accumulator lanes (lane
+/// `4·(b mod 2) + s`, as the definition's `a_l`).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -245,13 +246,8 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
             | u32::from(u16::from_le_bytes([by[Q8_0_BYTES], by[Q8_0_BYTES + 1]])) << 16
     };
     let scale_bytes = |bx: &[u8; NVFP4_BYTES]| u32::from_le_bytes([bx[0], bx[1], bx[2], bx[3]]);
-    let mut acc = _mm_setzero_ps();
-    let steps4 = |acc: __m128, m: __m128, f: __m128| {
-        let acc = _mm_fmadd_ss(m, f, acc);
-        let acc = _mm_fmadd_ss(_mm_permute_ps::<1>(m), _mm_permute_ps::<1>(f), acc);
-        let acc = _mm_fmadd_ss(_mm_permute_ps::<2>(m), _mm_permute_ps::<2>(f), acc);
-        _mm_fmadd_ss(_mm_permute_ps::<3>(m), _mm_permute_ps::<3>(f), acc)
-    };
+    // Lane l is the definition's accumulator a_l.
+    let mut acc = _mm256_setzero_ps();
     let (x2, _) = xb.as_chunks::<2>();
     let (y2, _) = yb.as_chunks::<2>();
     for (bx, by) in x2.iter().zip(y2) {
@@ -267,12 +263,7 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
         let dy = _mm256_cvtph_ps(_mm_unpacklo_epi16(hy, hy));
         let sb = u64::from(scale_bytes(&bx[0])) | u64::from(scale_bytes(&bx[1])) << 32;
         let prod = _mm256_mul_ps(dy, ue4m3_half8(sb));
-        acc = steps4(acc, _mm256_castps256_ps128(prod), _mm256_castps256_ps128(f));
-        acc = steps4(
-            acc,
-            _mm256_extractf128_ps::<1>(prod),
-            _mm256_extractf128_ps::<1>(f),
-        );
+        acc = _mm256_fmadd_ps(prod, f, acc);
     }
     let done = 2 * x2.len().min(y2.len());
     for (bx, by) in xb.iter().zip(yb).skip(done) {
@@ -285,9 +276,21 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
             _mm256_castps128_ps256(dy),
             ue4m3_half8(u64::from(scale_bytes(bx))),
         );
-        acc = steps4(acc, _mm256_castps256_ps128(prod), f);
+        // An even block: accumulators 0..4 only.
+        let low = _mm_fmadd_ps(_mm256_castps256_ps128(prod), f, _mm256_castps256_ps128(acc));
+        acc = _mm256_insertf128_ps::<0>(acc, low);
     }
-    _mm_cvtss_f32(acc)
+    reduce8(acc)
+}
+
+/// The definition's final sum of the eight accumulator lanes
+/// (`((a₀ + a₄) + (a₂ + a₆)) + ((a₁ + a₅) + (a₃ + a₇))`, see [`super::reduce8`]).
+#[inline]
+#[target_feature(enable = "avx2")]
+fn reduce8(a: __m256) -> f32 {
+    let s4 = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps::<1>(a));
+    let s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)))
 }
 
 /// Half the UE4M3 values of the eight bytes of `b` (little-endian), as [`ue4m3_half`]: bit 7
@@ -321,8 +324,9 @@ fn ue4m3_half8(b: u64) -> __m256 {
 /// Per q8_0 block `k`, the 32 sign bits are spread to bytes (`vpshufb`, then one bit tested
 /// per byte), `w = ±1`, and [`signed_dot`]'s pairs (at most 256) are reduced in i16 by two
 /// rounds of `vphaddw` (sums of at most 8 pairs, below 2¹¹, no wrap) and `vpmaddwd`, giving
-/// the four exact `isum_k` in one vector; the f32 steps of [`q1_0_step`] then run on vector
-/// lanes (`t` from `+0.0`, one fma per `k`, then `fma(dx, t, acc)`).
+/// the four exact `isum_k` in one vector. Blocks are taken two at a time: the eight scale
+/// products `dx·dy_k` (each rounded once) and one fused multiply-add into the eight
+/// accumulator lanes (lane `4·(b mod 2) + k`, as the definition's `a_l`).
 ///
 /// # Safety
 /// The CPU must have AVX2, FMA and F16C.
@@ -340,8 +344,8 @@ pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
     let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
     let ones = _mm256_set1_epi8(1);
     let ones16 = _mm256_set1_epi16(1);
-    let mut acc = _mm_setzero_ps();
-    for (bx, by) in xb.iter().zip(yb) {
+    // The four exact isum_k of a block, as f32 lanes.
+    let block = |bx: &[u8; Q1_0_BYTES], by: &[u8; 4 * Q8_0_BYTES]| {
         let bits = _mm256_broadcastsi128_si256(load16(bx, 2));
         let group = |k: usize| {
             let bytes = _mm256_shuffle_epi8(bits, spreads[k]);
@@ -357,24 +361,41 @@ pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
             _mm256_hadd_epi16(group(2), group(3)),
         );
         let h = _mm256_madd_epi16(h, ones16);
-        let isum = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-        let f = _mm_cvtepi32_ps(isum);
-        let dyb = |k: usize| {
-            u64::from(u16::from_le_bytes([
+        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h))
+    };
+    // The four q8_0 scale bits of a block, as one u64.
+    let dyb = |by: &[u8; 4 * Q8_0_BYTES]| {
+        (0..4).fold(0u64, |a, k| {
+            a | u64::from(u16::from_le_bytes([
                 by[k * Q8_0_BYTES],
                 by[k * Q8_0_BYTES + 1],
             ])) << (16 * k)
-        };
-        let dy = _mm_cvtph_ps(_mm_cvtsi64_si128(
-            (dyb(0) | dyb(1) | dyb(2) | dyb(3)) as i64,
+        })
+    };
+    let dxb = |bx: &[u8; Q1_0_BYTES]| _mm_set1_epi16(i16::from_le_bytes([bx[0], bx[1]]));
+    // Lane l is the definition's accumulator a_l.
+    let mut acc = _mm256_setzero_ps();
+    let (x2, _) = xb.as_chunks::<2>();
+    let (y2, _) = yb.as_chunks::<2>();
+    for (bx, by) in x2.iter().zip(y2) {
+        let f = _mm256_cvtepi32_ps(_mm256_setr_m128i(
+            block(&bx[0], &by[0]),
+            block(&bx[1], &by[1]),
         ));
-        let t = _mm_fmadd_ss(dy, f, _mm_setzero_ps());
-        let t = _mm_fmadd_ss(_mm_permute_ps::<1>(dy), _mm_permute_ps::<1>(f), t);
-        let t = _mm_fmadd_ss(_mm_permute_ps::<2>(dy), _mm_permute_ps::<2>(f), t);
-        let t = _mm_fmadd_ss(_mm_permute_ps::<3>(dy), _mm_permute_ps::<3>(f), t);
-        acc = _mm_fmadd_ss(_mm_set_ss(f16_le(bx, 0)), t, acc);
+        let dy = _mm256_cvtph_ps(_mm_set_epi64x(dyb(&by[1]) as i64, dyb(&by[0]) as i64));
+        let dx = _mm256_cvtph_ps(_mm_unpacklo_epi64(dxb(&bx[0]), dxb(&bx[1])));
+        acc = _mm256_fmadd_ps(_mm256_mul_ps(dx, dy), f, acc);
     }
-    _mm_cvtss_f32(acc)
+    let done = 2 * x2.len().min(y2.len());
+    for (bx, by) in xb.iter().zip(yb).skip(done) {
+        // An even block: accumulators 0..4 only.
+        let f = _mm_cvtepi32_ps(block(bx, by));
+        let dy = _mm_cvtph_ps(_mm_cvtsi64_si128(dyb(by) as i64));
+        let dx = _mm_cvtph_ps(dxb(bx));
+        let low = _mm_fmadd_ps(_mm_mul_ps(dx, dy), f, _mm256_castps256_ps128(acc));
+        acc = _mm256_insertf128_ps::<0>(acc, low);
+    }
+    reduce8(acc)
 }
 
 /// `b·p mod 256` for every byte `b` of `v`, with `p` the multiplier of its 16-bit lane
