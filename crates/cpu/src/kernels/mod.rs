@@ -202,3 +202,7 @@ pub(crate) mod testing {
         first
     }
 }
+
+/// Test support shared by the block dot-product tests.
+#[cfg(test)]
+pub(crate) mod dot_test_support;
