@@ -14,6 +14,8 @@ use crate::quant::codec;
 use crate::quant::kquants::Q8_K_BYTES;
 use crate::quant::QK_K;
 
+pub(crate) use end_to_end::check_mul_mat;
+
 /// A family's `dot_fn`: the product of `dtype` rows in family `isa`.
 pub(crate) type DotLookup = fn(DType, Isa) -> Option<DotFn>;
 
@@ -392,54 +394,6 @@ pub(crate) fn check_f64_bound(cases: &[Case], dot: DotLookup) {
     }
 }
 
-/// End to end: MUL_MAT of `dtype` weights (`size` bytes per super-block, scales as `scale`)
-/// with one or two f32 activation columns on the CPU backend (which quantizes the
-/// activations to q8_K and calls the block products) gives, for every output, the bits of
-/// `dot`'s fastest product of the weight row with the q8_K-quantized column.
-pub(crate) fn check_mul_mat(
-    rng: &mut Rng,
-    dot: DotLookup,
-    dtype: DType,
-    size: usize,
-    scale: Scale,
-) {
-    use crate::backend::CpuBackend;
-    use ferrograph_base::alloc::GraphAllocator;
-    use ferrograph_base::backend::Backend;
-    use ferrograph_base::buffer::CpuBufferType;
-    use ferrograph_base::context::Context;
-    use ferrograph_base::graph::Graph;
-    use ferrograph_base::ops;
-    let (k, m, n) = (512usize, 5usize, 2usize);
-    let w_bytes = random_weights(rng, size, scale, m * k / QK_K);
-    let x: Vec<f32> = (0..k * n).map(|_| rng.unit()).collect();
-    let ctx = Context::new(true);
-    let w = ctx.new_tensor(dtype, &[k, m]).unwrap();
-    let xt = ctx.new_tensor(DType::F32, &[k, n]).unwrap();
-    let y = ops::mul_mat(&ctx, &w, &xt).unwrap();
-    let graph = Graph::build(std::slice::from_ref(&y));
-    GraphAllocator::new(CpuBufferType::shared())
-        .alloc_graph(&graph)
-        .unwrap();
-    w.write_bytes(0, &w_bytes).unwrap();
-    xt.set_f32(&x).unwrap();
-    CpuBackend::new(2).unwrap().graph_compute(&graph).unwrap();
-    let out = y.to_f32_vec().unwrap();
-    let dot = dot(dtype, Isa::best()).unwrap();
-    for j in 0..n {
-        let q8 = quantize_q8_k(&x[j * k..(j + 1) * k]);
-        for i in 0..m {
-            let row = &w_bytes[i * (k / QK_K) * size..(i + 1) * (k / QK_K) * size];
-            let want = dot(row, &q8);
-            assert_eq!(
-                out[j * m + i].to_bits(),
-                want.to_bits(),
-                "{dtype} ({i}, {j})"
-            );
-        }
-    }
-}
-
 /// The generators make what their kinds promise (and consume the RNG reproducibly).
 #[test]
 fn generators_make_their_kinds() {
@@ -484,6 +438,64 @@ fn generators_make_their_kinds() {
     for b in w.chunks_exact(84) {
         for at in [80, 82] {
             assert!(half::f16::from_le_bytes([b[at], b[at + 1]]).is_finite());
+        }
+    }
+}
+
+/// The end-to-end check, which runs the CPU backend (a higher layer than the kernels: as
+/// test code it sits in the trailing `#[cfg(test)]` module that `tests/layers.rs` skips).
+#[cfg(test)]
+pub(crate) mod end_to_end {
+    use super::{quantize_q8_k, random_weights, DotLookup, Rng, Scale};
+    use crate::dtype::DType;
+    use crate::kernels::block_dot::Isa;
+    use crate::quant::QK_K;
+
+    /// End to end: MUL_MAT of `dtype` weights (`size` bytes per super-block, scales as `scale`)
+    /// with one or two f32 activation columns on the CPU backend (which quantizes the
+    /// activations to q8_K and calls the block products) gives, for every output, the bits of
+    /// `dot`'s fastest product of the weight row with the q8_K-quantized column.
+    pub(crate) fn check_mul_mat(
+        rng: &mut Rng,
+        dot: DotLookup,
+        dtype: DType,
+        size: usize,
+        scale: Scale,
+    ) {
+        use crate::backend::CpuBackend;
+        use ferrograph_base::alloc::GraphAllocator;
+        use ferrograph_base::backend::Backend;
+        use ferrograph_base::buffer::CpuBufferType;
+        use ferrograph_base::context::Context;
+        use ferrograph_base::graph::Graph;
+        use ferrograph_base::ops;
+        let (k, m, n) = (512usize, 5usize, 2usize);
+        let w_bytes = random_weights(rng, size, scale, m * k / QK_K);
+        let x: Vec<f32> = (0..k * n).map(|_| rng.unit()).collect();
+        let ctx = Context::new(true);
+        let w = ctx.new_tensor(dtype, &[k, m]).unwrap();
+        let xt = ctx.new_tensor(DType::F32, &[k, n]).unwrap();
+        let y = ops::mul_mat(&ctx, &w, &xt).unwrap();
+        let graph = Graph::build(std::slice::from_ref(&y));
+        GraphAllocator::new(CpuBufferType::shared())
+            .alloc_graph(&graph)
+            .unwrap();
+        w.write_bytes(0, &w_bytes).unwrap();
+        xt.set_f32(&x).unwrap();
+        CpuBackend::new(2).unwrap().graph_compute(&graph).unwrap();
+        let out = y.to_f32_vec().unwrap();
+        let dot = dot(dtype, Isa::best()).unwrap();
+        for j in 0..n {
+            let q8 = quantize_q8_k(&x[j * k..(j + 1) * k]);
+            for i in 0..m {
+                let row = &w_bytes[i * (k / QK_K) * size..(i + 1) * (k / QK_K) * size];
+                let want = dot(row, &q8);
+                assert_eq!(
+                    out[j * m + i].to_bits(),
+                    want.to_bits(),
+                    "{dtype} ({i}, {j})"
+                );
+            }
         }
     }
 }
