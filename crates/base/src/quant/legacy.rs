@@ -385,6 +385,7 @@ pub fn quantize_row_iq4_nl(x: &[f32], out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::quant::test_support::{f32s, sections};
 
     /// Every type of the module: dtype, block bytes, ggml type id.
     const TYPES: [(DType, usize, u8); 5] = [
@@ -761,40 +762,35 @@ mod tests {
 
     fn fixture_cases() -> Vec<Case> {
         let data: &[u8] = include_bytes!("../../../../tests/data/legacy_blocks.bin");
-        assert_eq!(&data[..4], b"FGLB");
-        let word = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap());
-        assert_eq!(word(4), 1, "fixture version");
-        let floats = |at: usize, n: usize| -> Vec<f32> {
-            data[at..at + 4 * n]
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect()
-        };
-        let mut cases = Vec::new();
-        let mut at = 12;
-        for _ in 0..word(8) {
-            let (type_id, kind, n) = (data[at], data[at + 1], word(at + 4) as usize);
-            at += 8;
-            let size = TYPES.iter().find(|t| t.2 == type_id).expect("type id").1;
-            let x = (kind != 1).then(|| {
-                let x = floats(at, n * QK);
-                at += 4 * n * QK;
-                x
-            });
-            let bytes = data[at..at + n * size].to_vec();
-            at += n * size;
-            let y = floats(at, n * QK);
-            at += 4 * n * QK;
-            cases.push(Case {
-                type_id,
-                kind,
-                x,
+        assert_eq!(
+            u32::from_le_bytes(data[4..8].try_into().unwrap()),
+            1,
+            "fixture version"
+        );
+        // Header: type id (byte 0), kind (byte 1), block count (word 1); then the input
+        // values (encode cases only), the block bytes and the decoded values.
+        let size_of = |type_id: u8| TYPES.iter().find(|t| t.2 == type_id).expect("type id").1;
+        sections(data, b"FGLB", 8, 2, |h| {
+            let (type_id, kind, n) = (h[0] as u8, (h[0] >> 8) as u8, h[1] as usize);
+            let mut lens = vec![n * size_of(type_id), 4 * n * QK];
+            if kind != 1 {
+                lens.insert(0, 4 * n * QK);
+            }
+            lens
+        })
+        .into_iter()
+        .map(|mut s| {
+            let y = f32s(&s.parts.pop().unwrap());
+            let bytes = s.parts.pop().unwrap();
+            Case {
+                type_id: s.header[0] as u8,
+                kind: (s.header[0] >> 8) as u8,
+                x: s.parts.pop().map(|x| f32s(&x)),
                 bytes,
                 y,
-            });
-        }
-        assert_eq!(at, data.len());
-        cases
+            }
+        })
+        .collect()
     }
 
     #[test]

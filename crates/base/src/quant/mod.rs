@@ -844,3 +844,7 @@ mod tests {
         }
     }
 }
+
+/// Test support shared by the codec tests (RNG, fixture reader).
+#[cfg(test)]
+pub(crate) mod test_support;

@@ -83,3 +83,79 @@ pub fn dot_fn_with(dtype: DType, isa: Isa) -> Option<DotFn> {
 pub fn dot_fn(dtype: DType) -> Option<DotFn> {
     dot_fn_with(dtype, Isa::best())
 }
+
+/// A kernel family's table of its products in one [`Isa`]: the product of `dtype` rows, if
+/// the family has one.
+pub(crate) type Lookup = fn(DType) -> Option<DotFn>;
+
+/// The body of every family module's `dot_fn`: `portable(dtype)` for [`Isa::Portable`],
+/// `avx2(dtype)` for [`Isa::Avx2`]. The family's `avx2` lookup (defined with
+/// [`avx2_lookup!`]) does its own CPU-feature check and is `None` on other architectures.
+#[inline]
+pub(crate) fn family_dot_fn(
+    dtype: DType,
+    isa: Isa,
+    portable: Lookup,
+    avx2: Lookup,
+) -> Option<DotFn> {
+    match isa {
+        Isa::Portable => portable(dtype),
+        Isa::Avx2 => avx2(dtype),
+    }
+}
+
+/// Defines a family module's `fn avx2(dtype: DType) -> Option<DotFn>`, the [`Lookup`] of its
+/// AVX2 products for [`family_dot_fn`]: on x86_64 it maps each listed dtype to the named
+/// kernel of the module's `x86` submodule once [`super::block_x86::supported`] confirms AVX2,
+/// FMA and F16C (`None` for other dtypes, or when the CPU lacks them); on other
+/// architectures it is always `None`.
+///
+/// * `avx2_lookup!(unsafe x86 { Q2_K => q2_k, ... })`: the kernels are
+///   `unsafe fn(&[u8], &[u8]) -> f32` whose only requirement is AVX2, FMA and F16C (a
+///   `#[target_feature(enable = "avx2,fma,f16c")]` function). The macro also defines a private
+///   module `avx2_entry` of safe wrappers with the kernels' names, which `avx2` hands out
+///   after its check.
+/// * `avx2_lookup!(x86 { Q4_1 => dot_q4_1_q8_1, ... })`: the kernels are already safe
+///   `fn(&[u8], &[u8]) -> f32` and are handed out as they are.
+macro_rules! avx2_lookup {
+    (unsafe x86 { $($dtype:ident => $kernel:ident),+ $(,)? }) => {
+        $crate::kernels::block_dot::avx2_lookup!(@lookup $($dtype => avx2_entry::$kernel),+);
+
+        /// Safe entry points to the AVX2 kernels, handed out only by `avx2` after its check
+        /// of the CPU's features.
+        #[cfg(target_arch = "x86_64")]
+        mod avx2_entry {
+            $(
+                pub(super) fn $kernel(x: &[u8], y: &[u8]) -> f32 {
+                    // SAFETY: only `avx2` hands this function out, and only once
+                    // `block_x86::supported()` has confirmed AVX2, FMA and F16C, all that the
+                    // kernel requires.
+                    unsafe { super::x86::$kernel(x, y) }
+                }
+            )+
+        }
+    };
+    (x86 { $($dtype:ident => $kernel:ident),+ $(,)? }) => {
+        $crate::kernels::block_dot::avx2_lookup!(@lookup $($dtype => x86::$kernel),+);
+    };
+    (@lookup $($dtype:ident => $($path:ident)::+),+) => {
+        /// The family's AVX2 products (see `block_dot::avx2_lookup!`).
+        #[cfg(target_arch = "x86_64")]
+        fn avx2(dtype: $crate::dtype::DType) -> Option<$crate::kernels::block_dot::DotFn> {
+            if !$crate::kernels::block_x86::supported() {
+                return None;
+            }
+            Some(match dtype {
+                $($crate::dtype::DType::$dtype => $($path)::+,)+
+                _ => return None,
+            })
+        }
+
+        /// The family's AVX2 products: none on this architecture.
+        #[cfg(not(target_arch = "x86_64"))]
+        fn avx2(_dtype: $crate::dtype::DType) -> Option<$crate::kernels::block_dot::DotFn> {
+            None
+        }
+    };
+}
+pub(crate) use avx2_lookup;

@@ -51,7 +51,7 @@
 //! partial sum, whose magnitudes are at most `S` (to first order); `·0.125` is exact. The unit
 //! tests check exactly this bound.
 
-use super::block_dot::{DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq2::{
@@ -68,10 +68,7 @@ mod x86;
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (and, for [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    match isa {
-        Isa::Portable => portable(dtype),
-        Isa::Avx2 => avx2(dtype),
-    }
+    block_dot::family_dot_fn(dtype, isa, portable, avx2)
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
@@ -83,41 +80,11 @@ fn portable(dtype: DType) -> Option<DotFn> {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2(dtype: DType) -> Option<DotFn> {
-    if !x86::supported() {
-        return None;
-    }
-    Some(match dtype {
-        DType::IQ2_XXS => avx2_entry::iq2_xxs,
-        DType::IQ2_XS => avx2_entry::iq2_xs,
-        DType::IQ2_S => avx2_entry::iq2_s,
-        _ => return None,
-    })
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn avx2(_dtype: DType) -> Option<DotFn> {
-    None
-}
-
-/// Safe entry points to the AVX2 kernels, handed out only by [`avx2`] after its check of the
-/// CPU's features.
-#[cfg(target_arch = "x86_64")]
-mod avx2_entry {
-    macro_rules! entry {
-        ($name:ident) => {
-            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
-                // SAFETY: only `avx2` hands this function out, and only once
-                // `x86::supported()` has confirmed AVX2, FMA and F16C.
-                unsafe { super::x86::$name(x, y) }
-            }
-        };
-    }
-    entry!(iq2_xxs);
-    entry!(iq2_xs);
-    entry!(iq2_s);
-}
+avx2_lookup!(unsafe x86 {
+    IQ2_XXS => iq2_xxs,
+    IQ2_XS => iq2_xs,
+    IQ2_S => iq2_s,
+});
 
 /// One super-block's update of the accumulator, `fma(dx·dy, f32(isum), acc)`: the single
 /// place of the f32 sequence, shared by every version.

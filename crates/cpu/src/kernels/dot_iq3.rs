@@ -36,7 +36,7 @@
 //! `x_v` the exact weight value (`dx·ls·q/4` or `dx·ls·q`). The unit tests check
 //! `(4·nb + 16)·2⁻²⁴·S` (plus `10⁻³⁰` for subnormal products).
 
-use super::block_dot::{DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq3::{iq3_s_quants, iq3_xxs_quants, IQ3_S_BYTES, IQ3_XXS_BYTES};
@@ -51,10 +51,7 @@ mod x86;
 /// The product of `dtype` rows in family `isa`, if `dtype` is iq3_xxs or iq3_s (and, for
 /// [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    match isa {
-        Isa::Portable => portable(dtype),
-        Isa::Avx2 => avx2(dtype),
-    }
+    block_dot::family_dot_fn(dtype, isa, portable, avx2)
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
@@ -65,39 +62,10 @@ fn portable(dtype: DType) -> Option<DotFn> {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2(dtype: DType) -> Option<DotFn> {
-    if !x86::supported() {
-        return None;
-    }
-    Some(match dtype {
-        DType::IQ3_XXS => avx2_entry::iq3_xxs,
-        DType::IQ3_S => avx2_entry::iq3_s,
-        _ => return None,
-    })
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn avx2(_dtype: DType) -> Option<DotFn> {
-    None
-}
-
-/// Safe entry points to the AVX2 kernels, handed out only by [`avx2`] after its feature
-/// check.
-#[cfg(target_arch = "x86_64")]
-mod avx2_entry {
-    macro_rules! entry {
-        ($name:ident) => {
-            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
-                // SAFETY: this function is only handed out by `avx2`, after
-                // `x86::supported()` confirmed AVX2, FMA and F16C.
-                unsafe { super::x86::$name(x, y) }
-            }
-        };
-    }
-    entry!(iq3_xxs);
-    entry!(iq3_s);
-}
+avx2_lookup!(unsafe x86 {
+    IQ3_XXS => iq3_xxs,
+    IQ3_S => iq3_s,
+});
 
 /// One super-block's update of the accumulator: `fma(dx·dy, f32(isum), acc)`. Shared by
 /// every version so the f32 sequence is one.

@@ -44,7 +44,7 @@
 //! about `(2·nb + 4)·2⁻²³·S` where `nb` is the super-block count and `S = Σ_v (|d·sc_v·q_v| +
 //! |dmin·m_v|)·|dy·y_v|` (the unit tests check `(4·nb + 16)·2⁻²⁴·S`).
 
-use super::block_dot::{DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::{
@@ -62,10 +62,7 @@ mod x86;
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (and, for [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    match isa {
-        Isa::Portable => portable(dtype),
-        Isa::Avx2 => avx2(dtype),
-    }
+    block_dot::family_dot_fn(dtype, isa, portable, avx2)
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
@@ -80,47 +77,14 @@ fn portable(dtype: DType) -> Option<DotFn> {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2(dtype: DType) -> Option<DotFn> {
-    if !x86::supported() {
-        return None;
-    }
-    Some(match dtype {
-        DType::Q2_K => avx2_entry::q2_k,
-        DType::Q3_K => avx2_entry::q3_k,
-        DType::Q4_K => avx2_entry::q4_k,
-        DType::Q5_K => avx2_entry::q5_k,
-        DType::Q6_K => avx2_entry::q6_k,
-        DType::IQ4_XS => avx2_entry::iq4_xs,
-        _ => return None,
-    })
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn avx2(_dtype: DType) -> Option<DotFn> {
-    None
-}
-
-/// Safe entry points to the AVX2 kernels. They are reachable only through [`avx2`], which
-/// hands them out after checking the CPU's features.
-#[cfg(target_arch = "x86_64")]
-mod avx2_entry {
-    macro_rules! entry {
-        ($name:ident) => {
-            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
-                // SAFETY: this function is only handed out by `avx2`, after
-                // `x86::supported()` confirmed AVX2, FMA and F16C.
-                unsafe { super::x86::$name(x, y) }
-            }
-        };
-    }
-    entry!(q2_k);
-    entry!(q3_k);
-    entry!(q4_k);
-    entry!(q5_k);
-    entry!(q6_k);
-    entry!(iq4_xs);
-}
+avx2_lookup!(unsafe x86 {
+    Q2_K => q2_k,
+    Q3_K => q3_k,
+    Q4_K => q4_k,
+    Q5_K => q5_k,
+    Q6_K => q6_k,
+    IQ4_XS => iq4_xs,
+});
 
 /// One super-block's update of the accumulator for the types without minimums:
 /// `fma(dx·dy, f32(isum), acc)`. Shared by every version so the f32 sequence is one.

@@ -37,7 +37,7 @@
 //! `(k + 3)·2⁻²⁴ · Σ_i (|dx·dy·isum_i| + |mx·sy|)` to first order, with `k` the number of
 //! roundings a lane sees: `⌈nb/8⌉` (q5_0, iq4_nl) or `2⌈nb/8⌉` (q4_1, q5_1).
 
-use super::block_dot::{DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::legacy::{
     f16_at, unpack_nibbles, IQ4_NL_BYTES, KVALUES_IQ4NL, Q4_1_BYTES, Q5_0_BYTES, Q5_1_BYTES,
@@ -55,36 +55,25 @@ pub const LANES: usize = 8;
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (`None` as well for [`Isa::Avx2`] on a CPU without AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    match isa {
-        Isa::Portable => match dtype {
-            DType::Q4_1 => Some(dot_q4_1_q8_1_portable),
-            DType::Q5_0 => Some(dot_q5_0_q8_0_portable),
-            DType::Q5_1 => Some(dot_q5_1_q8_1_portable),
-            DType::IQ4_NL => Some(dot_iq4_nl_q8_0_portable),
-            _ => None,
-        },
-        Isa::Avx2 => avx2_fn(dtype),
-    }
+    block_dot::family_dot_fn(dtype, isa, portable, avx2)
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2_fn(dtype: DType) -> Option<DotFn> {
-    if !x86::available() {
-        return None;
-    }
-    match dtype {
-        DType::Q4_1 => Some(x86::dot_q4_1_q8_1),
-        DType::Q5_0 => Some(x86::dot_q5_0_q8_0),
-        DType::Q5_1 => Some(x86::dot_q5_1_q8_1),
-        DType::IQ4_NL => Some(x86::dot_iq4_nl_q8_0),
-        _ => None,
-    }
+fn portable(dtype: DType) -> Option<DotFn> {
+    Some(match dtype {
+        DType::Q4_1 => dot_q4_1_q8_1_portable,
+        DType::Q5_0 => dot_q5_0_q8_0_portable,
+        DType::Q5_1 => dot_q5_1_q8_1_portable,
+        DType::IQ4_NL => dot_iq4_nl_q8_0_portable,
+        _ => return None,
+    })
 }
 
-#[cfg(not(target_arch = "x86_64"))]
-fn avx2_fn(_dtype: DType) -> Option<DotFn> {
-    None
-}
+avx2_lookup!(x86 {
+    Q4_1 => dot_q4_1_q8_1,
+    Q5_0 => dot_q5_0_q8_0,
+    Q5_1 => dot_q5_1_q8_1,
+    IQ4_NL => dot_iq4_nl_q8_0,
+});
 
 /// The weight types of this module, as const-generic tags.
 mod kind {

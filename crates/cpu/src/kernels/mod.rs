@@ -8,6 +8,8 @@
 pub mod attention;
 pub mod binary;
 pub mod block_dot;
+#[cfg(target_arch = "x86_64")]
+pub(crate) mod block_x86;
 pub mod copy;
 pub mod custom;
 pub mod dot_iq1;
@@ -200,3 +202,7 @@ pub(crate) mod testing {
         first
     }
 }
+
+/// Test support shared by the block dot-product tests.
+#[cfg(test)]
+pub(crate) mod dot_test_support;

@@ -1,5 +1,6 @@
 use super::*;
 use crate::quant::iq3::tests::check_fixture;
+use crate::quant::test_support::Rng;
 
 #[test]
 fn decode_matches_gguf_bit_for_bit() {
@@ -57,15 +58,7 @@ fn iq1_m_scale_from_nibbles() {
 
 #[test]
 fn random_bytes_never_panic() {
-    let mut x = 0xFEED_FACE_u64;
-    let bytes: Vec<u8> = (0..50 * 56 * 4)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
+    let bytes = Rng(0xFEED_FACE).bytes(50 * 56 * 4);
     for dt in [DType::IQ1_S, DType::IQ1_M] {
         let n = bytes.len() / dt.type_size();
         let mut out = vec![0f32; n * QK_K];

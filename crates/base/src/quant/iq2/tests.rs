@@ -1,4 +1,5 @@
 use super::*;
+use crate::quant::test_support::{f32s, type_sections, Rng, TypeSection};
 
 /// This module's types with their bytes per super-block and lattice tables.
 const TYPES: [(DType, usize, &[u64]); 3] = [
@@ -14,43 +15,9 @@ fn decode(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     out
 }
 
-/// A small xorshift generator (reproducible, no extra crates).
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-}
-
-/// The sections of `tests/data/iq2_blocks.bin` (see `scripts/make_iq2_fixtures.py`):
-/// (ggml type id, super-block count, bytes per super-block, payload).
-fn fixture() -> Vec<(u32, usize, usize, Vec<u8>)> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/data/iq2_blocks.bin"
-    );
-    let data = std::fs::read(path).expect("fixture file");
-    assert_eq!(&data[..4], b"IQ2F");
-    let u32_at = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap());
-    let count = u32_at(4) as usize;
-    let mut at = 8;
-    let mut out = Vec::new();
-    for _ in 0..count {
-        let (id, n, size) = (u32_at(at), u32_at(at + 4) as usize, u32_at(at + 8) as usize);
-        at += 12;
-        let len = n * size + n * QK_K * 4;
-        out.push((id, n, size, data[at..at + len].to_vec()));
-        at += len;
-    }
-    assert_eq!(at, data.len(), "trailing bytes in the fixture");
-    out
+/// The sections of `tests/data/iq2_blocks.bin` (see `scripts/make_iq2_fixtures.py`).
+fn fixture() -> Vec<TypeSection> {
+    type_sections("iq2_blocks.bin", b"IQ2F")
 }
 
 #[test]
@@ -80,10 +47,7 @@ fn decode_matches_gguf_bit_for_bit() {
         let dtype = DType::from_ggml_type_id(id).unwrap();
         assert_eq!(dtype.type_size(), size);
         let (bytes, values) = payload.split_at(n * size);
-        let want: Vec<f32> = values
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let want = f32s(values);
         for offset in [0usize, 1, 3] {
             let mut buf = vec![0u8; offset + bytes.len()];
             buf[offset..].copy_from_slice(bytes);

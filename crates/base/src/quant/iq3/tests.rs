@@ -1,4 +1,5 @@
 use super::*;
+use crate::quant::test_support::{f32s, type_sections, Rng};
 
 /// One section of the fixture: (ggml type id, super-block count, bytes per super-block, block
 /// bytes, decoded values).
@@ -6,30 +7,13 @@ pub(crate) type Section = (u32, usize, usize, Vec<u8>, Vec<f32>);
 
 /// The sections of `tests/data/iq3_iq1_blocks.bin` (see `scripts/make_iq3_iq1_fixtures.py`).
 pub(crate) fn fixture() -> Vec<Section> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/data/iq3_iq1_blocks.bin"
-    );
-    let data = std::fs::read(path).expect("fixture file");
-    assert_eq!(&data[..4], b"IQF1");
-    let u32_at = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap());
-    let count = u32_at(4) as usize;
-    let mut at = 8;
-    let mut out = Vec::new();
-    for _ in 0..count {
-        let (id, n, size) = (u32_at(at), u32_at(at + 4) as usize, u32_at(at + 8) as usize);
-        at += 12;
-        let bytes = data[at..at + n * size].to_vec();
-        at += n * size;
-        let values = data[at..at + n * QK_K * 4]
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
-        at += n * QK_K * 4;
-        out.push((id, n, size, bytes, values));
-    }
-    assert_eq!(at, data.len(), "trailing bytes in the fixture");
-    out
+    type_sections("iq3_iq1_blocks.bin", b"IQF1")
+        .into_iter()
+        .map(|(id, n, size, mut bytes)| {
+            let values = f32s(&bytes.split_off(n * size));
+            (id, n, size, bytes, values)
+        })
+        .collect()
 }
 
 /// Decodes every section of `types` from the fixture (also unaligned, and through
@@ -128,15 +112,7 @@ fn sign_bytes_have_even_parity() {
 
 #[test]
 fn random_bytes_never_panic() {
-    let mut x = 0x0123_4567_89AB_CDEFu64;
-    let bytes: Vec<u8> = (0..98 * 110 * 4)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect();
+    let bytes = Rng(0x0123_4567_89AB_CDEF).bytes(98 * 110 * 4);
     for dt in [DType::IQ3_XXS, DType::IQ3_S] {
         let n = bytes.len() / dt.type_size();
         let mut out = vec![0f32; n * QK_K];

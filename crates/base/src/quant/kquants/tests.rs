@@ -1,4 +1,5 @@
 use super::*;
+use crate::quant::test_support::{f32s, read_data, type_sections, Rng, TypeSection};
 
 /// The types with a codec here, with their bytes per super-block.
 const TYPES: [(DType, usize); 7] = [
@@ -28,54 +29,9 @@ fn decode(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     out
 }
 
-/// A small xorshift generator so the tests need no extra crates and are reproducible.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
-/// The sections of `tests/data/kquant_blocks.bin` (see `scripts/make_kquant_fixtures.py`):
-/// (ggml type id, super-block count, bytes per super-block, payload).
-fn fixture() -> Vec<(u32, usize, usize, Vec<u8>)> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/data/kquant_blocks.bin"
-    );
-    let data = std::fs::read(path).expect("fixture file");
-    assert_eq!(&data[..4], b"KQF1");
-    let u32_at = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap());
-    let count = u32_at(4) as usize;
-    let mut at = 8;
-    let mut out = Vec::new();
-    for _ in 0..count {
-        let (id, n, size) = (u32_at(at), u32_at(at + 4) as usize, u32_at(at + 8) as usize);
-        at += 12;
-        let len = n * size + n * QK_K * 4;
-        out.push((id, n, size, data[at..at + len].to_vec()));
-        at += len;
-    }
-    assert_eq!(at, data.len(), "trailing bytes in the fixture");
-    out
-}
-
-fn f32s(bytes: &[u8]) -> Vec<f32> {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-        .collect()
+/// The sections of `tests/data/kquant_blocks.bin` (see `scripts/make_kquant_fixtures.py`).
+fn fixture() -> Vec<TypeSection> {
+    type_sections("kquant_blocks.bin", b"KQF1")
 }
 
 #[test]
@@ -155,11 +111,7 @@ fn q8_k_matches_reference_bytes() {
 /// spiky rows, an empty super-block with one outlier.
 #[test]
 fn encoders_match_ggml_reference_bytes() {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/data/kquant_ggml_quantized.bin"
-    );
-    let data = std::fs::read(path).expect("fixture file");
+    let data = read_data("kquant_ggml_quantized.bin");
     let n = u32::from_le_bytes(data[..4].try_into().unwrap()) as usize;
     let x = f32s(&data[4..4 + 4 * n]);
     let mut at = 4 + 4 * n;

@@ -1,4 +1,5 @@
 use super::*;
+use crate::quant::test_support::{f32s, read_data, sections, Rng};
 
 /// (type, values per block, bytes per block)
 const TYPES: [(DType, usize, usize); 6] = [
@@ -33,25 +34,6 @@ fn decode(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     out
 }
 
-/// A small xorshift generator so the tests need no extra crates and are reproducible.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-}
-
 /// A section of `tests/data/lowbit_blocks.bin` (see `scripts/make_lowbit_fixtures.py`).
 struct Section {
     kind: u32,
@@ -64,53 +46,41 @@ struct Section {
 }
 
 fn fixture() -> Vec<Section> {
-    let path = concat!(
-        env!("CARGO_MANIFEST_DIR"),
-        "/../../tests/data/lowbit_blocks.bin"
-    );
-    let data = std::fs::read(path).expect("fixture file");
-    assert_eq!(&data[..4], b"LBF1");
-    let u32_at = |at: usize| u32::from_le_bytes(data[at..at + 4].try_into().unwrap());
-    let f32s = |b: &[u8]| -> Vec<f32> {
-        b.chunks_exact(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect()
-    };
-    let count = u32_at(4) as usize;
-    let mut at = 8;
-    let mut out = Vec::new();
-    for _ in 0..count {
-        let kind = u32_at(at);
-        let id = u32_at(at + 4);
-        let n = u32_at(at + 8) as usize;
-        let size = u32_at(at + 12) as usize;
-        let qk = u32_at(at + 16) as usize;
-        at += 20;
-        let (nb, nv) = (n * size, n * qk * 4);
-        let (bytes, values) = if kind == 0 {
-            (
-                data[at..at + nb].to_vec(),
-                f32s(&data[at + nb..at + nb + nv]),
-            )
+    let data = read_data("lowbit_blocks.bin");
+    // Header: kind, type id, block count, bytes per block, values per block; then the block
+    // bytes and the f32 values (kind 0), or the values first (kinds 1 and 2).
+    sections(&data, b"LBF1", 4, 5, |h| {
+        let (nb, nv) = (
+            h[2] as usize * h[3] as usize,
+            h[2] as usize * h[4] as usize * 4,
+        );
+        if h[0] == 0 {
+            vec![nb, nv]
         } else {
-            (
-                data[at + nv..at + nv + nb].to_vec(),
-                f32s(&data[at..at + nv]),
-            )
+            vec![nv, nb]
+        }
+    })
+    .into_iter()
+    .map(|s| {
+        let [kind, id, n, size, qk] = s.header[..] else {
+            unreachable!()
         };
-        at += nb + nv;
-        out.push(Section {
+        let (bytes, values) = if kind == 0 {
+            (&s.parts[0], &s.parts[1])
+        } else {
+            (&s.parts[1], &s.parts[0])
+        };
+        Section {
             kind,
             id,
-            n,
-            size,
-            qk,
-            bytes,
-            values,
-        });
-    }
-    assert_eq!(at, data.len(), "trailing bytes in the fixture");
-    out
+            n: n as usize,
+            size: size as usize,
+            qk: qk as usize,
+            bytes: bytes.clone(),
+            values: f32s(values),
+        }
+    })
+    .collect()
 }
 
 fn dtype_of(id: u32) -> DType {

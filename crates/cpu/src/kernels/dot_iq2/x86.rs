@@ -28,16 +28,12 @@
 
 use std::arch::x86_64::*;
 
-use super::super::simd::{f16_to_f32, prefetch_ahead};
+use super::super::block_x86::{bit_mask, hsum, lanes, ld256, q8_d, scale_at0, u32_at, u64_at};
+use super::super::simd::prefetch_ahead;
 use super::{finish, step};
 use crate::quant::iq2::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
 use crate::quant::iq2::{sign_byte, IQ2_S_BYTES, IQ2_XS_BYTES, IQ2_XXS_BYTES};
 use crate::quant::kquants::Q8_K_BYTES;
-
-/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
-pub(super) fn supported() -> bool {
-    crate::isa::get().avx2_fma_f16c()
-}
 
 /// Byte `j` of the result is `−1` (`0xFF`) if bit `j` of `bits` is set, else `+1`.
 const fn sign_mask(bits: u8) -> u64 {
@@ -62,54 +58,6 @@ static INDEX_SIGN_MASKS: [u64; 128] = {
     }
     t
 };
-
-/// The 32 bytes of `b` at `at` (checked; `at` is a constant or loop-bounded at every call).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
-    assert!(at + 32 <= N);
-    // SAFETY: the 32 bytes at `at` lie inside `b` (checked above); loadu has no alignment
-    // requirement.
-    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
-}
-
-/// The little-endian u64 at byte `at` of `b` (checked; one unaligned load).
-#[inline(always)]
-fn u64_at<const N: usize>(b: &[u8; N], at: usize) -> u64 {
-    assert!(at + 8 <= N);
-    // SAFETY: the 8 bytes at `at` lie inside `b` (checked above); read_unaligned has no
-    // alignment requirement.
-    u64::from_le(unsafe { b.as_ptr().add(at).cast::<u64>().read_unaligned() })
-}
-
-/// The little-endian u32 at byte `at` of `b` (checked; one unaligned load).
-#[inline(always)]
-fn u32_at<const N: usize>(b: &[u8; N], at: usize) -> u32 {
-    assert!(at + 4 <= N);
-    // SAFETY: the 4 bytes at `at` lie inside `b` (checked above); read_unaligned has no
-    // alignment requirement.
-    u32::from_le(unsafe { b.as_ptr().add(at).cast::<u32>().read_unaligned() })
-}
-
-/// The q8_K scale of a super-block.
-#[inline(always)]
-fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_bits(u32_at(by, 0))
-}
-
-/// The f16 at byte 0 of a weight super-block, as f32 (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn scale_at0<const N: usize>(b: &[u8; N]) -> f32 {
-    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
-
-/// Four u64 as the four 64-bit lanes of a vector, the first in the lowest.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn lanes(a: u64, b: u64, c: u64, d: u64) -> __m256i {
-    _mm256_setr_epi64x(a as i64, b as i64, c as i64, d as i64)
-}
 
 /// `Σ w·y` as 16 i16 pair sums over 32 values, given the 32 magnitudes, their ±1 signs and
 /// the activations (see the module docs for exactness).
@@ -149,31 +97,12 @@ fn sub_scales(bytes: __m256i, k: usize) -> __m256i {
     _mm256_shuffle_epi8(bytes, pick)
 }
 
-/// The sum of the 8 i32 lanes (exact: the lanes are partial sums of a bounded `isum`).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_unpackhi_epi64(s, s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01>(s));
-    _mm_cvtsi128_si32(s)
-}
-
 /// Byte `j` of each 64-bit lane is `0xFF` when bit `j` of the lane's byte of `signs` (lane
 /// `l` takes byte `l`) is set, else `+1`: the ±1 signs of four runs given their sign bytes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn spread_signs(signs: u32) -> __m256i {
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(signs as i32),
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-            3, 3, 3,
-        ),
-    );
-    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    let neg = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits);
-    _mm256_or_si256(neg, _mm256_set1_epi8(1))
+    _mm256_or_si256(bit_mask(signs), _mm256_set1_epi8(1))
 }
 
 /// `ls·Σ w·y` of iq2_xxs sub-block `k`, spread over 8 i32 lanes.

@@ -14,15 +14,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::simd::{f16_to_f32, prefetch_ahead};
+use super::super::block_x86::{bit_mask, hsum, ld256, q8_d, scale_at0, u32_at};
+use super::super::simd::prefetch_ahead;
 use super::{iq3_xxs_finish, step};
 use crate::quant::iq3::{sign_byte, IQ3_S_BYTES, IQ3_S_GRID, IQ3_XXS_BYTES, IQ3_XXS_GRID};
 use crate::quant::kquants::Q8_K_BYTES;
-
-/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
-pub(super) fn supported() -> bool {
-    crate::isa::get().avx2_fma_f16c()
-}
 
 /// The 128 iq3_xxs sign bytes ([`sign_byte`] of every 7-bit index), computed at compile
 /// time.
@@ -35,64 +31,6 @@ static SIGN_BYTES: [u8; 128] = {
     }
     t
 };
-
-/// The 32 bytes of `b` at `at` (checked).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
-    assert!(at + 32 <= N);
-    // SAFETY: the 32 bytes at `at` lie inside `b` (checked above); loadu has no alignment
-    // requirement.
-    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
-}
-
-/// The little-endian u32 at byte `at` of `b` (checked; one unaligned load).
-#[inline(always)]
-fn u32_at<const N: usize>(b: &[u8; N], at: usize) -> u32 {
-    assert!(at + 4 <= N);
-    // SAFETY: the 4 bytes at `at` lie inside `b` (checked above); read_unaligned has no
-    // alignment requirement.
-    u32::from_le(unsafe { b.as_ptr().add(at).cast::<u32>().read_unaligned() })
-}
-
-/// The q8_K scale of a super-block.
-#[inline(always)]
-fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_bits(u32_at(by, 0))
-}
-
-/// The f16 at byte 0 of a weight super-block, as f32 (exact).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn scale_at0(b: &[u8]) -> f32 {
-    f16_to_f32(u16::from_le_bytes([b[0], b[1]]))
-}
-
-/// The sum of the 8 i32 lanes (wrapping adds; exact because the sums are bounded).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
-}
-
-/// Byte `k` of the result is `0xFF` when bit `k % 8` of byte `k / 8` of `signs` is set,
-/// else `0`.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn sign_mask(signs: u32) -> __m256i {
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(signs as i32),
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
-            3, 3, 3,
-        ),
-    );
-    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits)
-}
 
 /// `ls·Σ (±g)·y` of one sub-block, spread over 8 i32 lanes: `grid` holds the unsigned
 /// coordinates, `neg` the sign mask, `y` the 32 activation quants.
@@ -130,7 +68,7 @@ pub(super) unsafe fn iq3_xxs(x: &[u8], y: &[u8]) -> f32 {
             let signs = sb(0) | sb(1) << 8 | sb(2) << 16 | sb(3) << 24;
             let grid = points(&IQ3_XXS_GRID, |j| usize::from(bx[2 + 8 * s + j]));
             let ls = ((w >> 27) | 1) as i16;
-            scaled_dot32(grid, sign_mask(signs), ld256(by, 4 + 32 * s), ls)
+            scaled_dot32(grid, bit_mask(signs), ld256(by, 4 + 32 * s), ls)
         };
         // Written out (constants fold), two accumulators.
         let s0 = _mm256_add_epi32(
@@ -165,7 +103,7 @@ pub(super) unsafe fn iq3_s(x: &[u8], y: &[u8]) -> f32 {
             });
             let ls = 2 * i16::from(bx[106 + s / 2] >> (4 * (s % 2)) & 15) + 1;
             let signs = u32_at(bx, 74 + 4 * s);
-            let d = scaled_dot32(grid, sign_mask(signs), ld256(by, 4 + 32 * s), ls);
+            let d = scaled_dot32(grid, bit_mask(signs), ld256(by, 4 + 32 * s), ls);
             sum = _mm256_add_epi32(sum, d);
         }
         acc = step(acc, scale_at0(bx), q8_d(by), hsum(sum));

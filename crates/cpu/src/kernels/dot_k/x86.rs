@@ -46,37 +46,13 @@
 
 use std::arch::x86_64::*;
 
+use super::super::block_x86::{hsum, ld128, ld256, q8_d, u32_at};
 use super::super::simd::f16_to_f32;
 use super::{step, step_min};
 use crate::quant::kquants::{
     IQ4_XS_BYTES, KVALUES_IQ4NL, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
     Q8_K_BYTES,
 };
-
-/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
-pub(super) fn supported() -> bool {
-    crate::isa::get().avx2_fma_f16c()
-}
-
-/// The 32 bytes of `b` at `at` (checked; `at` is a constant at every call, so the check
-/// folds away).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
-    assert!(at + 32 <= N);
-    // SAFETY: the 32 bytes at `at` lie inside `b` (checked above); loadu has no alignment
-    // requirement.
-    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
-}
-
-/// The 16 bytes of `b` at `at` (checked as [`ld256`]).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn ld128<const N: usize>(b: &[u8; N], at: usize) -> __m128i {
-    assert!(at + 16 <= N);
-    // SAFETY: the 16 bytes at `at` lie inside `b` (checked above).
-    unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) }
-}
 
 /// Prefetches the weights a super-block's worth of lines ahead of `bx`
 /// ([`crate::kernels::simd::prefetch_ahead`]).
@@ -85,34 +61,12 @@ fn prefetch_ahead<const N: usize>(bx: &[u8; N]) {
     super::super::simd::prefetch_ahead(bx.as_ptr(), N);
 }
 
-/// The little-endian u32 at byte `at` of `b`.
-#[inline(always)]
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-/// The q8_K scale of a super-block.
-#[inline(always)]
-fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
-}
-
 /// Two adjacent f16 values (the low and high halves of `bits`) as f32, exactly.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn f16_pair(bits: u32) -> (f32, f32) {
     let v = _mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32));
     (_mm_cvtss_f32(v), _mm_cvtss_f32(_mm_movehdup_ps(v)))
-}
-
-/// The sum of the 8 i32 lanes (wrapping adds; exact because the kernels' sums are bounded).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
 }
 
 /// The lane sums of `a` and of `b`, reduced together.
@@ -243,7 +197,7 @@ pub(super) unsafe fn q3_k(x: &[u8], y: &[u8]) -> f32 {
 /// `(the 8 scale bytes in both 128-bit lanes, minimums as i16 each repeated twice)`.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
-fn k4_scales(bx: &[u8]) -> (__m256i, __m256i) {
+fn k4_scales<const N: usize>(bx: &[u8; N]) -> (__m256i, __m256i) {
     let (a, b, c) = (u32_at(bx, 4), u32_at(bx, 8), u32_at(bx, 12));
     let sc_lo = a & 0x3f3f_3f3f;
     let m_lo = b & 0x3f3f_3f3f;
