@@ -1,6 +1,7 @@
 //! Small AVX2 + FMA + F16C helpers shared by the x86 block dot-product kernels
-//! (`dot_k/x86.rs`, `dot_iq2/x86.rs`, `dot_iq3/x86.rs`): the feature check, bounds-checked
-//! unaligned loads of fixed-size blocks, the q8_K scale, and lane reductions.
+//! (`dot_k/x86.rs`, `dot_iq2/x86.rs`, `dot_iq3/x86.rs`, `dot_iq1/x86.rs`, `dot_lowbit/x86.rs`;
+//! `dot_legacy/x86.rs` takes [`bit_mask`]): the feature check, bounds-checked unaligned loads
+//! of fixed-size blocks, the q8_K scale, and lane reductions.
 //!
 //! Every helper is `#[inline]` (or `#[inline(always)]`) and, where it uses intrinsics,
 //! compiled with the kernels' own `#[target_feature(enable = "avx2,fma,f16c")]`, so it

@@ -44,7 +44,7 @@
 //! `S = Σ_v |dx·ls_v·(g_v + σ_v/8)|·|dy·y_v|`. The unit tests check `(4·nb + 16)·2⁻²⁴·S`
 //! (plus `10⁻³⁰` for subnormal products).
 
-use super::block_dot::{DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq1::{iq1_m_parts, iq1_m_scale, iq1_s_parts, IQ1_M_BYTES, IQ1_S_BYTES};
@@ -59,10 +59,7 @@ mod x86;
 /// The product of `dtype` rows in family `isa`, if `dtype` is iq1_s or iq1_m (and, for
 /// [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    match isa {
-        Isa::Portable => portable(dtype),
-        Isa::Avx2 => avx2(dtype),
-    }
+    block_dot::family_dot_fn(dtype, isa, portable, avx2)
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
@@ -73,39 +70,10 @@ fn portable(dtype: DType) -> Option<DotFn> {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2(dtype: DType) -> Option<DotFn> {
-    if !x86::supported() {
-        return None;
-    }
-    Some(match dtype {
-        DType::IQ1_S => avx2_entry::iq1_s,
-        DType::IQ1_M => avx2_entry::iq1_m,
-        _ => return None,
-    })
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn avx2(_dtype: DType) -> Option<DotFn> {
-    None
-}
-
-/// Safe entry points to the AVX2 kernels, handed out only by [`avx2`] after its feature
-/// check.
-#[cfg(target_arch = "x86_64")]
-mod avx2_entry {
-    macro_rules! entry {
-        ($name:ident) => {
-            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
-                // SAFETY: this function is only handed out by `avx2`, after
-                // `x86::supported()` confirmed AVX2, FMA and F16C.
-                unsafe { super::x86::$name(x, y) }
-            }
-        };
-    }
-    entry!(iq1_s);
-    entry!(iq1_m);
-}
+avx2_lookup!(unsafe x86 {
+    IQ1_S => iq1_s,
+    IQ1_M => iq1_m,
+});
 
 /// One super-block's update of the accumulator: `t = f32(8·isum + msum)·0.125` (exact),
 /// then `fma(dx·dy, t, acc)`. Shared by every version so the f32 sequence is one.

@@ -44,7 +44,7 @@ use crate::quant::kquants::Q8_K_BYTES;
 use crate::quant::QK_K;
 
 #[cfg(test)]
-pub(crate) mod tests;
+mod tests;
 #[cfg(target_arch = "x86_64")]
 mod x86;
 

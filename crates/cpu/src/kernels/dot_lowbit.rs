@@ -58,7 +58,7 @@
 //! The unit tests check `(2n + 16)·2⁻²⁴·S` against the f64 dot product of the dequantized
 //! rows.
 
-use super::block_dot::{DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::Q8_K_BYTES;
@@ -78,10 +78,7 @@ const Q8_0_BYTES: usize = 34;
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (and, for [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    match isa {
-        Isa::Portable => portable(dtype),
-        Isa::Avx2 => avx2(dtype),
-    }
+    block_dot::family_dot_fn(dtype, isa, portable, avx2)
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
@@ -96,18 +93,14 @@ fn portable(dtype: DType) -> Option<DotFn> {
     })
 }
 
-#[cfg(target_arch = "x86_64")]
-fn avx2(dtype: DType) -> Option<DotFn> {
-    if !x86::supported() {
-        return None;
-    }
-    x86::kernel(dtype)
-}
-
-#[cfg(not(target_arch = "x86_64"))]
-fn avx2(_dtype: DType) -> Option<DotFn> {
-    None
-}
+avx2_lookup!(unsafe x86 {
+    TQ1_0 => tq1_0,
+    TQ2_0 => tq2_0,
+    MXFP4 => mxfp4,
+    NVFP4 => nvfp4,
+    Q1_0 => q1_0,
+    Q2_0 => q2_0,
+});
 
 /// The f32 step of TQ1_0, TQ2_0 and MXFP4 (and of each NVFP4 sub-block):
 /// `fma(a·b, f32(isum), acc)`. Shared by every version so the sequence is one.

@@ -1,6 +1,6 @@
 //! Test support shared by the block dot-product tests (`dot_k`, `dot_iq2`, `dot_iq3`,
-//! `dot_iq1`): a reproducible RNG, random weight rows with finite f16 scale fields, q8_K and
-//! q8_0 activation rows of several kinds, and the checks every family runs (coverage of
+//! `dot_iq1`, and in part `dot_lowbit`): a reproducible RNG, random weight rows with finite
+//! f16 scale fields, q8_K and q8_0 activation rows of several kinds, and the checks every family runs (coverage of
 //! `dot_fn`, bit equality of every [`Isa`] with the portable definition, hostile bytes and
 //! row lengths, the f64 error bound, and MUL_MAT end to end).
 //!

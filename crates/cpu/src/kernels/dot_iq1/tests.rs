@@ -1,5 +1,5 @@
 use super::*;
-use crate::kernels::dot_iq3::tests::{
+use crate::kernels::dot_test_support::{
     check_coverage, check_f64_bound, check_hostile_and_lengths, check_isas_match, Case, Scale,
 };
 use crate::quant::codec;

@@ -21,57 +21,17 @@
 
 use std::arch::x86_64::*;
 
+use super::super::block_x86::{hsum, ld128, ld256, q8_d, scale_at0, u64_at};
 use super::super::simd::{f16_to_f32, prefetch_ahead};
 use super::step;
 use crate::quant::iq1::{iq1_m_scale, IQ1_GRID, IQ1_M_BYTES, IQ1_S_BYTES};
 use crate::quant::kquants::Q8_K_BYTES;
-
-/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
-pub(super) fn supported() -> bool {
-    crate::isa::get().avx2_fma_f16c()
-}
-
-/// The 32 bytes of `b` at `at` (checked).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
-    assert!(at + 32 <= N);
-    // SAFETY: the 32 bytes at `at` lie inside `b` (checked above); loadu has no alignment
-    // requirement.
-    unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
-}
-
-/// The q8_K scale of a super-block.
-#[inline(always)]
-fn q8_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
-}
-
-/// The sum of the 8 i32 lanes (wrapping adds; exact because the sums are bounded).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn hsum(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
-}
 
 /// `Σ` over adjacent pairs of `w·y` (16 i16 lanes, exact: `|w| ≤ 1`).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
 fn pair_dots(w: __m256i, y: __m256i) -> __m256i {
     _mm256_maddubs_epi16(_mm256_abs_epi8(y), _mm256_sign_epi8(w, y))
-}
-
-/// The 16 bytes of `b` at `at` (checked).
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn ld128<const N: usize>(b: &[u8; N], at: usize) -> __m128i {
-    assert!(at + 16 <= N);
-    // SAFETY: the 16 bytes at `at` lie inside `b` (checked above); loadu has no alignment
-    // requirement.
-    unsafe { _mm_loadu_si128(b.as_ptr().add(at).cast()) }
 }
 
 /// The 32 grid indices of an iq1_s super-block as i32 lanes, runs `8p..8p + 8` in
@@ -156,7 +116,7 @@ pub(super) unsafe fn iq1_s(x: &[u8], y: &[u8]) -> f32 {
         }
         // 8·isum + msum, lane-wise then reduced (exact: the sums are bounded).
         let total = _mm256_add_epi32(_mm256_slli_epi32::<3>(_mm256_add_epi32(s0, s1)), msum);
-        let dx = f16_to_f32(u16::from_le_bytes([bx[0], bx[1]]));
+        let dx = scale_at0(bx);
         acc = step(acc, dx, q8_d(by), 0, hsum(total));
     }
     acc
@@ -189,7 +149,7 @@ pub(super) unsafe fn iq1_m(x: &[u8], y: &[u8]) -> f32 {
         prefetch_ahead(bx.as_ptr(), IQ1_M_BYTES);
         // The odd scales 2a + 1 of the 16 half sub-blocks, as bytes: half sub-blocks 0..8
         // in the low 128 bits (twice), 8..16 in the high 128 bits (twice).
-        let w = _mm256_set1_epi64x(i64::from_le_bytes(bx[48..56].try_into().unwrap()));
+        let w = _mm256_set1_epi64x(u64_at(bx, 48) as i64);
         let w = _mm256_shuffle_epi8(w, spread);
         let a = _mm256_srli_epi16::<13>(_mm256_mullo_epi16(w, up));
         let ls16 = _mm256_or_si256(_mm256_slli_epi16::<1>(a), _mm256_set1_epi16(1));

@@ -1,8 +1,7 @@
 //! Tests of the iq3 products (the harness is [`crate::kernels::dot_test_support`]).
 
 use super::*;
-// The iq1 tests still import the harness from here.
-pub(crate) use crate::kernels::dot_test_support::{
+use crate::kernels::dot_test_support::{
     check_coverage, check_f64_bound, check_hostile_and_lengths, check_isas_match, Case, Scale,
 };
 use crate::quant::codec;

@@ -28,6 +28,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::block_x86::bit_mask;
 use super::super::simd::{f16_to_f32, prefetch_ahead};
 use super::{block_count, kind, partner_bytes, reduce8, weight_bytes, LANES};
 use crate::quant::legacy::KVALUES_IQ4NL;
@@ -51,23 +52,6 @@ unsafe fn nibbles(p: *const u8) -> __m256i {
     // a shift and an insert).
     let shifted = _mm256_srlv_epi64(both, _mm256_setr_epi64x(0, 0, 4, 4));
     _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F))
-}
-
-/// Byte `j` is 0xFF where bit `j` of `qh` is set, else 0.
-#[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
-fn bit_mask(qh: u32) -> __m256i {
-    // Byte j takes byte j/8 of qh (each 128-bit half holds all four bytes) and tests its
-    // bit j % 8.
-    let spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32(qh as i32),
-        _mm256_setr_epi8(
-            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
-            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-        ),
-    );
-    let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-    _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits)
 }
 
 /// The sum of `w_j · y_j` for unsigned weights `w` (`0..=31`) and activations `y` as 8 `i32`

@@ -1,4 +1,11 @@
+//! Tests of the low-bit products (shared pieces from [`crate::kernels::dot_test_support`];
+//! the wild scale bytes, the MXFP4 exponent clamp and the every-UE4M3-byte test are this
+//! module's own).
+
 use super::*;
+use crate::kernels::dot_test_support::{
+    assert_within, check_every_isa, f64_dot, q8_0_row, q8_k_row, Act, Rng,
+};
 use crate::quant::codec;
 use crate::quant::kquants::Q8_K_BYTES;
 use crate::quant::lowbit::{QK_MXFP4, QK_NVFP4, QK_Q1_0, QK_Q2_0};
@@ -19,32 +26,6 @@ const TYPES: [(DType, usize, usize, Option<usize>); 6] = [
 /// kernel takes four blocks at a time).
 const COUNTS: [usize; 6] = [1, 2, 3, 4, 9, 33];
 
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.next() as u8).collect()
-    }
-    /// Uniform in [-1, 1).
-    fn unit(&mut self) -> f32 {
-        (self.next() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    /// A finite normal f16 of moderate size with a random sign.
-    fn f16_bits(&mut self) -> u16 {
-        let sign = (self.below(2) as u16) << 15;
-        sign | ((8 + self.below(12) as u16) << 10) | self.below(0x400) as u16
-    }
-}
-
 fn partner(dtype: DType) -> DType {
     if matches!(dtype, DType::TQ1_0 | DType::TQ2_0) {
         DType::Q8_K
@@ -64,7 +45,7 @@ fn random_weights(rng: &mut Rng, dtype: DType, nb: usize, wild: bool) -> Vec<u8>
             let bits = if wild {
                 rng.next() as u16
             } else {
-                rng.f16_bits()
+                rng.f16_normal_bits()
             };
             b[at..at + 2].copy_from_slice(&bits.to_le_bytes());
         }
@@ -75,42 +56,37 @@ fn random_weights(rng: &mut Rng, dtype: DType, nb: usize, wild: bool) -> Vec<u8>
     w
 }
 
-/// Activations for `n` values: quantized from random f32, or raw random bytes (−128
-/// included) with moderate scales (any bits if `wild`).
-fn activations(rng: &mut Rng, dtype: DType, n: usize, raw: bool, wild: bool) -> Vec<u8> {
+/// Activations for `n` values of the given kind ([`q8_k_row`] or [`q8_0_row`]); if `wild`,
+/// every scale field is then overwritten with random bits (NaN and infinities included).
+fn activations(rng: &mut Rng, dtype: DType, n: usize, kind: Act, wild: bool) -> Vec<u8> {
     let p = partner(dtype);
-    let size = p.type_size();
     let blocks = n / p.block_size();
-    if !raw {
-        let x: Vec<f32> = (0..n).map(|_| rng.unit() * 3.0).collect();
-        let mut out = vec![0u8; blocks * size];
-        (codec(p)
-            .map(|c| c.from_f32.unwrap())
-            .unwrap_or(crate::kernels::quant_dot::quantize_row_q8_0))(&x, &mut out);
-        return out;
-    }
-    let mut out = rng.bytes(blocks * size);
-    for b in out.chunks_exact_mut(size) {
-        if p == DType::Q8_K {
-            let d = if wild {
-                f32::from_bits(rng.next() as u32)
-            } else {
-                rng.unit() * 0.1
-            };
-            b[..4].copy_from_slice(&d.to_le_bytes());
-        } else {
-            let bits = if wild {
-                rng.next() as u16
-            } else {
-                rng.f16_bits()
-            };
-            b[..2].copy_from_slice(&bits.to_le_bytes());
+    let mut out = if p == DType::Q8_K {
+        q8_k_row(rng, kind, blocks)
+    } else {
+        q8_0_row(rng, kind, blocks)
+    };
+    if wild {
+        let scale_bytes = if p == DType::Q8_K { 4 } else { 2 };
+        for b in out.chunks_exact_mut(p.type_size()) {
+            let bits = rng.next().to_le_bytes();
+            b[..scale_bytes].copy_from_slice(&bits[..scale_bytes]);
         }
     }
     out
 }
 
-fn dequantize(dtype: DType, bytes: &[u8]) -> Vec<f64> {
+/// The raw or the quantized kind of activations.
+fn kind(raw: bool) -> Act {
+    if raw {
+        Act::RawConsistent
+    } else {
+        Act::Quantized
+    }
+}
+
+/// The values of a row of `dtype` (weights, q8_0 or q8_K), decoded.
+fn dequantize(dtype: DType, bytes: &[u8]) -> Vec<f32> {
     let n = bytes.len() / dtype.type_size() * dtype.block_size();
     let mut out = vec![0f32; n];
     if dtype == DType::Q8_0 {
@@ -118,7 +94,7 @@ fn dequantize(dtype: DType, bytes: &[u8]) -> Vec<f64> {
     } else {
         (codec(dtype).unwrap().to_f32)(bytes, &mut out);
     }
-    out.into_iter().map(f64::from).collect()
+    out
 }
 
 #[test]
@@ -144,27 +120,13 @@ fn every_isa_matches_portable_bits() {
                 for wild in [false, true] {
                     for _ in 0..3 {
                         let w = random_weights(&mut rng, dtype, nb, wild);
-                        let a = activations(&mut rng, dtype, nb * qk, raw, wild && raw);
+                        let a = activations(&mut rng, dtype, nb * qk, kind(raw), wild && raw);
                         let want = portable(&w, &a);
                         if !wild {
                             assert!(want.is_finite(), "{dtype}: {want}");
                         }
-                        for isa in Isa::available() {
-                            let got = dot_fn(dtype, isa).unwrap()(&w, &a);
-                            assert!(
-                                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                                "{dtype} {isa:?} {nb} blocks raw {raw} wild {wild}: {got} vs {want}"
-                            );
-                            // Unaligned copies give the same bits.
-                            let mut wb = vec![0u8; 1 + w.len()];
-                            wb[1..].copy_from_slice(&w);
-                            let mut ab = vec![0u8; 3 + a.len()];
-                            ab[3..].copy_from_slice(&a);
-                            let got = dot_fn(dtype, isa).unwrap()(&wb[1..], &ab[3..]);
-                            assert!(
-                                got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan())
-                            );
-                        }
+                        let what = format!("{nb} blocks raw {raw} wild {wild}");
+                        check_every_isa(dot_fn, dtype, &w, &a, want, &what);
                     }
                 }
             }
@@ -184,22 +146,11 @@ fn extreme_bytes_match_portable() {
                     b[at..at + 2].copy_from_slice(&0x3C00u16.to_le_bytes());
                 }
             }
-            let mut a = activations(&mut rng, dtype, nb * qk, true, false);
-            for yfill in [0x80u8, 0x7F] {
-                let p = partner(dtype);
-                let off = if p == DType::Q8_K { 4 } else { 2 };
-                let span = if p == DType::Q8_K { 256 } else { 32 };
-                for b in a.chunks_exact_mut(p.type_size()) {
-                    b[off..off + span].fill(yfill);
-                }
+            for yfill in [Act::AllMin, Act::AllMax] {
+                let a = activations(&mut rng, dtype, nb * qk, yfill, false);
                 let want = dot_fn(dtype, Isa::Portable).unwrap()(&w, &a);
-                for isa in Isa::available() {
-                    let got = dot_fn(dtype, isa).unwrap()(&w, &a);
-                    assert!(
-                        got.to_bits() == want.to_bits() || (got.is_nan() && want.is_nan()),
-                        "{dtype} {isa:?} fill {fill:#x} y {yfill:#x}: {got} vs {want}"
-                    );
-                }
+                let what = format!("fill {fill:#x} y {yfill:?}");
+                check_every_isa(dot_fn, dtype, &w, &a, want, &what);
             }
         }
     }
@@ -213,18 +164,18 @@ fn portable_close_to_f64_dot_of_decoded_rows() {
         for nb in COUNTS {
             for raw in [false, true] {
                 let w = random_weights(&mut rng, dtype, nb, false);
-                let a = activations(&mut rng, dtype, nb * qk, raw, false);
+                let a = activations(&mut rng, dtype, nb * qk, kind(raw), false);
                 let xw = dequantize(dtype, &w);
                 let ya = dequantize(partner(dtype), &a);
-                let exact: f64 = xw.iter().zip(&ya).map(|(p, q)| p * q).sum();
-                let s: f64 = xw.iter().zip(&ya).map(|(p, q)| (p * q).abs()).sum();
+                let s: f64 = xw
+                    .iter()
+                    .zip(&ya)
+                    .map(|(&p, &q)| (f64::from(p) * f64::from(q)).abs())
+                    .sum();
                 let steps = if dtype == DType::NVFP4 { 4 * nb } else { nb } as f64;
                 let bound = (2.0 * steps + 16.0) * 2f64.powi(-24) * s;
-                let got = f64::from(dot(&w, &a));
-                assert!(
-                    (got - exact).abs() <= bound,
-                    "{dtype} {nb} blocks raw {raw}: {got} vs {exact} (bound {bound}, S {s})"
-                );
+                let what = format!("{dtype} {nb} blocks raw {raw} (S {s})");
+                assert_within(f64::from(dot(&w, &a)), f64_dot(&xw, &ya), bound, &what);
             }
         }
     }
@@ -235,7 +186,7 @@ fn short_rows_use_whole_blocks_only() {
     let mut rng = Rng(5);
     for (dtype, qk, size, _) in TYPES {
         let w = random_weights(&mut rng, dtype, 3, false);
-        let a = activations(&mut rng, dtype, 3 * qk, true, false);
+        let a = activations(&mut rng, dtype, 3 * qk, Act::RawConsistent, false);
         let ps = partner(dtype).type_size() * (qk / partner(dtype).block_size());
         for isa in Isa::available() {
             let dot = dot_fn(dtype, isa).unwrap();
@@ -297,15 +248,16 @@ fn nvfp4_every_scale_byte_matches_portable() {
             b[i % 4] = byte;
             b[(i + 2) % 4] = byte;
         }
-        let a = activations(&mut rng, DType::NVFP4, nb * QK_NVFP4, true, false);
+        let a = activations(
+            &mut rng,
+            DType::NVFP4,
+            nb * QK_NVFP4,
+            Act::RawConsistent,
+            false,
+        );
         let want = dot_nvfp4(&w, &a);
-        for isa in Isa::available() {
-            let got = dot_fn(DType::NVFP4, isa).unwrap()(&w, &a);
-            assert_eq!(
-                got.to_bits(),
-                want.to_bits(),
-                "{byte:#x} {isa:?}: {got} vs {want}"
-            );
-        }
+        // No UE4M3 byte is NaN, so `want` is a number and the check is one of bits.
+        assert!(!want.is_nan(), "{byte:#x}: {want}");
+        check_every_isa(dot_fn, DType::NVFP4, &w, &a, want, &format!("{byte:#x}"));
     }
 }

@@ -22,10 +22,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::block_dot::DotFn;
+use super::super::block_x86::{hsum, ld128, ld256, q8_d};
 use super::super::simd::f16_to_f32;
 use super::{q1_0_step, step, Q8_0_BYTES};
-use crate::dtype::DType;
 use crate::quant::kquants::Q8_K_BYTES;
 #[cfg(doc)]
 use crate::quant::lowbit::ue4m3_half;
@@ -33,43 +32,6 @@ use crate::quant::lowbit::{
     e8m0_half, KVALUES_MXFP4, MXFP4_BYTES, NVFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES, TQ1_0_BYTES,
     TQ2_0_BYTES,
 };
-
-/// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
-pub(super) fn supported() -> bool {
-    crate::isa::get().avx2_fma_f16c()
-}
-
-/// The AVX2 kernel of `dtype`, for the caller that checked [`supported`].
-pub(super) fn kernel(dtype: DType) -> Option<DotFn> {
-    Some(match dtype {
-        DType::TQ1_0 => entry::tq1_0,
-        DType::TQ2_0 => entry::tq2_0,
-        DType::MXFP4 => entry::mxfp4,
-        DType::NVFP4 => entry::nvfp4,
-        DType::Q1_0 => entry::q1_0,
-        DType::Q2_0 => entry::q2_0,
-        _ => return None,
-    })
-}
-
-/// Safe entry points, handed out only by [`kernel`] (reached after [`supported`]).
-mod entry {
-    macro_rules! entry {
-        ($name:ident) => {
-            pub(super) fn $name(x: &[u8], y: &[u8]) -> f32 {
-                // SAFETY: only `kernel` hands this function out, and `super::super::avx2`
-                // calls `kernel` only after `supported()` confirmed AVX2, FMA and F16C.
-                unsafe { super::$name(x, y) }
-            }
-        };
-    }
-    entry!(tq1_0);
-    entry!(tq2_0);
-    entry!(q2_0);
-    entry!(mxfp4);
-    entry!(nvfp4);
-    entry!(q1_0);
-}
 
 /// The little-endian f16 at byte `at` of `b`, widened exactly.
 #[inline]
@@ -87,16 +49,6 @@ fn signed_dot(w: __m256i, y: __m256i) -> __m256i {
     _mm256_madd_epi16(p, _mm256_set1_epi16(1))
 }
 
-/// The sum of the eight i32 lanes.
-#[inline]
-#[target_feature(enable = "avx2")]
-fn hsum(v: __m256i) -> i32 {
-    let s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b01_00_11_10>(s));
-    let s = _mm_add_epi32(s, _mm_shuffle_epi32::<0b10_11_00_01>(s));
-    _mm_cvtsi128_si32(s)
-}
-
 /// The four sums of the lanes of `a`, `b`, `c`, `d` (in that order).
 #[inline]
 #[target_feature(enable = "avx2")]
@@ -109,30 +61,12 @@ fn hsum4(a: __m256i, b: __m256i, c: __m256i, d: __m256i) -> [i32; 4] {
     out
 }
 
-/// 32 bytes of `b` from byte `at` (bounds checked).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn load32(b: &[u8], at: usize) -> __m256i {
-    let s = &b[at..at + 32];
-    // SAFETY: `s` holds 32 bytes; unaligned load.
-    unsafe { _mm256_loadu_si256(s.as_ptr().cast()) }
-}
-
-/// 16 bytes of `b` from byte `at` (bounds checked).
-#[inline]
-#[target_feature(enable = "avx2")]
-fn load16(b: &[u8], at: usize) -> __m128i {
-    let s = &b[at..at + 16];
-    // SAFETY: `s` holds 16 bytes; unaligned load.
-    unsafe { _mm_loadu_si128(s.as_ptr().cast()) }
-}
-
 /// The FP4 level table in both 128-bit lanes, for `vpshufb`.
 #[inline]
-#[target_feature(enable = "avx2")]
+#[target_feature(enable = "avx2,fma,f16c")]
 fn fp4_table() -> __m256i {
     let t = KVALUES_MXFP4.map(|k| k as u8);
-    _mm256_broadcastsi128_si256(load16(&t, 0))
+    _mm256_broadcastsi128_si256(ld128(&t, 0))
 }
 
 /// TQ2_0 · q8_K.
@@ -150,17 +84,16 @@ pub(super) unsafe fn tq2_0(x: &[u8], y: &[u8]) -> f32 {
     for (bx, by) in xb.iter().zip(yb) {
         let mut sum = _mm256_setzero_si256();
         for h in 0..2 {
-            let q = load32(bx, 32 * h);
+            let q = ld256(bx, 32 * h);
             for l in 0..4 {
                 let f = _mm256_and_si256(_mm256_srl_epi16(q, _mm_cvtsi32_si128(2 * l)), three);
-                let yv = load32(by, 4 + 128 * h + 32 * l as usize);
+                let yv = ld256(by, 4 + 128 * h + 32 * l as usize);
                 let p =
                     _mm256_sub_epi16(_mm256_maddubs_epi16(f, yv), _mm256_maddubs_epi16(ones8, yv));
                 sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, ones16));
             }
         }
-        let dy = f32::from_le_bytes([by[0], by[1], by[2], by[3]]);
-        acc = step(acc, f16_le(bx, 64), dy, hsum(sum));
+        acc = step(acc, f16_le(bx, 64), q8_d(by), hsum(sum));
     }
     acc
 }
@@ -186,7 +119,7 @@ pub(super) unsafe fn mxfp4(x: &[u8], y: &[u8]) -> f32 {
     let table = fp4_table();
     let mut acc = 0f32;
     let block = |bx: &[u8; MXFP4_BYTES], by: &[u8; Q8_0_BYTES]| {
-        signed_dot(mxfp4_levels(table, load16(bx, 1)), load32(by, 2))
+        signed_dot(mxfp4_levels(table, ld128(bx, 1)), ld256(by, 2))
     };
     let (x4, _) = xb.as_chunks::<4>();
     let (y4, _) = yb.as_chunks::<4>();
@@ -225,7 +158,7 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
     let m = _mm256_set1_epi8(15);
     // The two i32 vectors whose hadd gives a block's sub-block sums (see `isum`).
     let block = |bx: &[u8; NVFP4_BYTES], by: &[u8; 2 * Q8_0_BYTES]| {
-        let q = load32(bx, 4);
+        let q = ld256(bx, 4);
         let lo = _mm256_and_si256(q, m);
         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), m);
         // Per 128-bit lane: [lo 0..8 | hi 0..8] and [lo 8..16 | hi 8..16], i.e. sub-blocks
@@ -234,8 +167,8 @@ pub(super) unsafe fn nvfp4(x: &[u8], y: &[u8]) -> f32 {
         let b = _mm256_unpackhi_epi64(lo, hi);
         let first = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256::<0x20>(a, b));
         let second = _mm256_shuffle_epi8(table, _mm256_permute2x128_si256::<0x31>(a, b));
-        let p = signed_dot(first, load32(by, 2));
-        let r = signed_dot(second, load32(by, Q8_0_BYTES + 2));
+        let p = signed_dot(first, ld256(by, 2));
+        let r = signed_dot(second, ld256(by, Q8_0_BYTES + 2));
         // Lanes 0..4 of p are sub-block 0, 4..8 sub-block 1; likewise r for 2 and 3.
         // Low half [p0+p1, p2+p3, r0+r1, r2+r3], high half likewise from lanes 4..8.
         _mm256_hadd_epi32(p, r)
@@ -346,13 +279,13 @@ pub(super) unsafe fn q1_0(x: &[u8], y: &[u8]) -> f32 {
     let ones16 = _mm256_set1_epi16(1);
     // The four exact isum_k of a block, as f32 lanes.
     let block = |bx: &[u8; Q1_0_BYTES], by: &[u8; 4 * Q8_0_BYTES]| {
-        let bits = _mm256_broadcastsi128_si256(load16(bx, 2));
+        let bits = _mm256_broadcastsi128_si256(ld128(bx, 2));
         let group = |k: usize| {
             let bytes = _mm256_shuffle_epi8(bits, spreads[k]);
             // −1 where the bit is clear, 0 where set; or 1 → −1 clear, +1 set.
             let clear = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), _mm256_setzero_si256());
             let w = _mm256_or_si256(clear, ones);
-            let yv = load32(by, k * Q8_0_BYTES + 2);
+            let yv = ld256(by, k * Q8_0_BYTES + 2);
             _mm256_maddubs_epi16(_mm256_abs_epi8(yv), _mm256_sign_epi8(w, yv))
         };
         // Per 128-bit half: two partial sums of each group, in group order.
@@ -455,17 +388,17 @@ pub(super) unsafe fn tq1_0(x: &[u8], y: &[u8]) -> f32 {
     let block = |bx: &[u8; TQ1_0_BYTES], by: &[u8; Q8_K_BYTES]| {
         let mut sum = _mm256_setzero_si256();
         let mut add = |qx: __m256i, at: usize| {
-            let yv = load32(by, 4 + at);
+            let yv = ld256(by, 4 + at);
             let w = _mm256_sign_epi8(ternary(qx), yv);
             sum = _mm256_add_epi16(sum, _mm256_maddubs_epi16(_mm256_abs_epi8(yv), w));
         };
-        let mut a = _mm256_xor_si256(load32(bx, 0), bias);
+        let mut a = _mm256_xor_si256(ld256(bx, 0), bias);
         add(a, 0);
         for k in 1..5 {
             a = times3(a);
             add(a, 32 * k);
         }
-        let q = load16(bx, 32);
+        let q = ld128(bx, 32);
         let b = _mm256_setr_m128i(q, q);
         add(_mm256_xor_si256(bytes_mul(b, p01), bias), 160);
         add(_mm256_xor_si256(bytes_mul(b, p23), bias), 192);
@@ -479,12 +412,12 @@ pub(super) unsafe fn tq1_0(x: &[u8], y: &[u8]) -> f32 {
     let (y2, _) = yb.as_chunks::<2>();
     for (bx, by) in x2.iter().zip(y2) {
         let s = hsum2(block(&bx[0], &by[0]), block(&bx[1], &by[1]));
-        acc = step(acc, f16_le(&bx[0], 52), q8_k_d(&by[0]), s[0]);
-        acc = step(acc, f16_le(&bx[1], 52), q8_k_d(&by[1]), s[1]);
+        acc = step(acc, f16_le(&bx[0], 52), q8_d(&by[0]), s[0]);
+        acc = step(acc, f16_le(&bx[1], 52), q8_d(&by[1]), s[1]);
     }
     let done = 2 * x2.len().min(y2.len());
     for (bx, by) in xb.iter().zip(yb).skip(done) {
-        acc = step(acc, f16_le(bx, 52), q8_k_d(by), hsum(block(bx, by)));
+        acc = step(acc, f16_le(bx, 52), q8_d(by), hsum(block(bx, by)));
     }
     acc
 }
@@ -497,12 +430,6 @@ fn hsum2(a: __m256i, b: __m256i) -> [i32; 2] {
     let s = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
     let s = _mm_hadd_epi32(s, s);
     [_mm_cvtsi128_si32(s), _mm_extract_epi32::<1>(s)]
-}
-
-/// The f32 scale of a q8_K super-block.
-#[inline(always)]
-fn q8_k_d(by: &[u8; Q8_K_BYTES]) -> f32 {
-    f32::from_le_bytes([by[0], by[1], by[2], by[3]])
 }
 
 /// Q2_0 · q8_0.
@@ -531,15 +458,15 @@ pub(super) unsafe fn q2_0(x: &[u8], y: &[u8]) -> f32 {
         14, 14, 15, 15,
     );
     let block = |bx: &[u8; Q2_0_BYTES], by: &[u8; 2 * Q8_0_BYTES]| {
-        let q = _mm256_broadcastsi128_si256(load16(bx, 2));
+        let q = _mm256_broadcastsi128_si256(ld128(bx, 2));
         let lo = _mm256_and_si256(q, nib);
         let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(q), nib);
         let w = |n: __m256i| {
             let f = _mm256_and_si256(_mm256_shuffle_epi8(n, spread), field);
             _mm256_shuffle_epi8(lut, f)
         };
-        let a = signed_dot(w(_mm256_unpacklo_epi8(lo, hi)), load32(by, 2));
-        let b = signed_dot(w(_mm256_unpackhi_epi8(lo, hi)), load32(by, Q8_0_BYTES + 2));
+        let a = signed_dot(w(_mm256_unpacklo_epi8(lo, hi)), ld256(by, 2));
+        let b = signed_dot(w(_mm256_unpackhi_epi8(lo, hi)), ld256(by, Q8_0_BYTES + 2));
         (a, b)
     };
     let fstep = |acc: f32, bx: &[u8; Q2_0_BYTES], by: &[u8; 2 * Q8_0_BYTES], i: [i32; 2]| {
