@@ -49,8 +49,20 @@ fn rss_bytes() -> u64 {
         .map_or(0, |kib| kib * 1024)
 }
 
+/// The library's threads in this process (the server's runtime and sessions, pools, clients:
+/// every one is named `ferrograph-…`). Not the whole process: the test harness starts a
+/// thread per test whenever another ends, and one started during a case (then waiting for
+/// `SERIAL`) lasts past it, so a count of every thread could stay above its start for good.
 fn threads() -> usize {
-    std::fs::read_dir("/proc/self/task").map_or(0, |d| d.count())
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.filter_map(Result::ok)
+        .filter(|task| {
+            std::fs::read_to_string(task.path().join("comm"))
+                .is_ok_and(|name| name.starts_with("ferrograph"))
+        })
+        .count()
 }
 
 /// A healthy client: handshake and one round trip, within [`DEADLINE`].
