@@ -120,8 +120,8 @@ case "${1:-}" in
     setup
     cargo fmt --all -- --check
     cargo clippy -q --workspace --all-targets -- -D warnings
-    ruff check python tests benches examples
-    ruff format --check python tests benches examples
+    ruff check python tests benches examples scripts
+    ruff format --check python tests benches examples scripts
     mypy python/ferrograph
     # The stubs against the built module (what must differ is listed, with reasons).
     python -m mypy.stubtest ferrograph._core --allowlist python/stubtest-allowlist.txt

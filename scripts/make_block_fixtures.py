@@ -1,6 +1,6 @@
 """Writes ``tests/data/legacy_blocks.bin``: reference bytes and values for the 32-value block
-types q4_1, q5_0, q5_1, q8_1 and iq4_nl, which ``crates/base/src/quant/legacy.rs`` compares against bit for
-bit. Run once from the repository root and commit the output::
+types q4_1, q5_0, q5_1, q8_1 and iq4_nl, which ``crates/base/src/quant/legacy.rs`` compares
+against bit for bit. Run once from the repository root and commit the output::
 
     /path/to/venv/bin/python scripts/make_block_fixtures.py
 

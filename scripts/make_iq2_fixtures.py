@@ -58,7 +58,9 @@ def main() -> None:
         raw[1, :] = 0x00
         for b in (0, 1):
             raw[b, 0], raw[b, 1] = 0x00, 0x3C
-        for b, bits in zip(range(2, 8), (0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF)):
+        for b, bits in zip(
+            range(2, 8), (0x0000, 0x8000, 0x0001, 0x83FF, 0x7BFF, 0xFBFF), strict=True
+        ):
             raw[b, 0], raw[b, 1] = bits & 0xFF, bits >> 8
         values = dequantize(raw, qtype).astype(np.float32).reshape(-1)
         assert values.shape == (BLOCKS * QK_K,)

@@ -57,7 +57,9 @@ def main() -> None:
     ]
     for name, cls, type_name in TABLES:
         points = decode(cls)
-        out.append(f"/// The {len(points)} lattice points of {type_name} (8 packed magnitudes each).")
+        out.append(
+            f"/// The {len(points)} lattice points of {type_name} (8 packed magnitudes each)."
+        )
         out.append("#[rustfmt::skip]")
         out.append(f"pub static {name}: [u64; {len(points)}] = [")
         for i in range(0, len(points), 4):
@@ -67,7 +69,12 @@ def main() -> None:
         out.append("")
     path = (
         Path(__file__).resolve().parent.parent
-        / "crates" / "base" / "src" / "quant" / "iq2" / "grids.rs"
+        / "crates"
+        / "base"
+        / "src"
+        / "quant"
+        / "iq2"
+        / "grids.rs"
     )
     path.write_text("\n".join(out))
     print(f"wrote {path}")

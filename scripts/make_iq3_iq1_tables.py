@@ -18,7 +18,6 @@ byte vectors the decoders and dot products use.
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType as T
 from gguf.quants import IQ1_S, IQ3_S, IQ3_XXS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -74,20 +73,40 @@ def main() -> None:
     assert xxs.shape == (256, 4) and s.shape == (512, 4)
     src = HEADER.format(version=version, what="iq3_xxs and iq3_s")
     src += "/// The 8 levels of the iq3_xxs grid (a 3-bit index selects one).\n"
-    src += "pub(crate) const IQ3_XXS_LEVELS: [u8; 8] = [" + ", ".join(str(v) for v in IQ3_XXS.grid_map) + "];\n"
+    src += (
+        "pub(crate) const IQ3_XXS_LEVELS: [u8; 8] = ["
+        + ", ".join(str(v) for v in IQ3_XXS.grid_map)
+        + "];\n"
+    )
     src += "/// The 8 levels of the iq3_s grid.\n"
-    src += "pub(crate) const IQ3_S_LEVELS: [u8; 8] = [" + ", ".join(str(v) for v in IQ3_S.grid_map) + "];\n\n"
-    src += rust_array("IQ3_XXS_CODES", "The 256 iq3_xxs grid points: 4 level indices of 3 bits each.", packed(xxs, 3))
+    src += (
+        "pub(crate) const IQ3_S_LEVELS: [u8; 8] = ["
+        + ", ".join(str(v) for v in IQ3_S.grid_map)
+        + "];\n\n"
+    )
+    src += rust_array(
+        "IQ3_XXS_CODES",
+        "The 256 iq3_xxs grid points: 4 level indices of 3 bits each.",
+        packed(xxs, 3),
+    )
     src += "\n"
-    src += rust_array("IQ3_S_CODES", "The 512 iq3_s grid points: 4 level indices of 3 bits each.", packed(s, 3))
+    src += rust_array(
+        "IQ3_S_CODES", "The 512 iq3_s grid points: 4 level indices of 3 bits each.", packed(s, 3)
+    )
     (ROOT / "crates/base/src/quant/iq3/grids.rs").write_text(src)
 
     one = level_indices(IQ1_S)
     assert one.shape == (2048, 8)
     src = HEADER.format(version=version, what="iq1_s and iq1_m (one shared grid)")
     src += "/// The 3 levels of the iq1 grid (a 2-bit index selects one; index 3 is unused).\n"
-    src += "pub(crate) const IQ1_LEVELS: [i8; 3] = [" + ", ".join(str(v) for v in IQ1_S.grid_map) + "];\n\n"
-    src += rust_array("IQ1_CODES", "The 2048 iq1 grid points: 8 level indices of 2 bits each.", packed(one, 2))
+    src += (
+        "pub(crate) const IQ1_LEVELS: [i8; 3] = ["
+        + ", ".join(str(v) for v in IQ1_S.grid_map)
+        + "];\n\n"
+    )
+    src += rust_array(
+        "IQ1_CODES", "The 2048 iq1 grid points: 8 level indices of 2 bits each.", packed(one, 2)
+    )
     (ROOT / "crates/base/src/quant/iq1/grids.rs").write_text(src)
     print("wrote iq3/grids.rs and iq1/grids.rs")
 

@@ -129,15 +129,17 @@ def quantized_section(rng, qtype, qk, size, n) -> bytes:
 
 
 def ue4m3_section(rng) -> bytes:
-    x = np.concatenate([
-        rng.uniform(0, 500, 400),
-        np.exp2(rng.uniform(-14, 10, 600)),
-        np.exp2(rng.integers(-12, 10, 100).astype(np.float64)),
-        # the midpoints between adjacent codes, and a step either side
-        np.array([(1 + (m + 0.5) / 8) * 2.0**e for e in range(-6, 9) for m in range(8)]),
-        np.array([(m + 0.5) * 2.0**-9 for m in range(8)]),
-        [0.0, -1.0, 448.0, 449.0, 1e30, 2.0**-130],
-    ]).astype(np.float32)
+    x = np.concatenate(
+        [
+            rng.uniform(0, 500, 400),
+            np.exp2(rng.uniform(-14, 10, 600)),
+            np.exp2(rng.integers(-12, 10, 100).astype(np.float64)),
+            # the midpoints between adjacent codes, and a step either side
+            np.array([(1 + (m + 0.5) / 8) * 2.0**e for e in range(-6, 9) for m in range(8)]),
+            np.array([(m + 0.5) * 2.0**-9 for m in range(8)]),
+            [0.0, -1.0, 448.0, 449.0, 1e30, 2.0**-130],
+        ]
+    ).astype(np.float32)
     x = np.concatenate([x, np.nextafter(x, np.float32(np.inf)), np.nextafter(x, np.float32(0))])
     b = NVFP4.fp32_to_ue4m3(x).astype(np.uint8)
     head = struct.pack("<IIIII", 2, int(T.NVFP4), x.size, 1, 1)
