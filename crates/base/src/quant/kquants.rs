@@ -142,13 +142,13 @@ const GROUP_MAX_EPS: f32 = 1e-15;
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     type Pair = (fn(&[u8], &mut [f32]), fn(&[f32], &mut [u8]));
     let (to_f32, from_f32): Pair = match dtype {
-        DType::Q2_K => (decode_q2_k, encode_q2_k),
-        DType::Q3_K => (decode_q3_k, encode_q3_k),
-        DType::Q4_K => (decode_q4_k, encode_q4_k),
-        DType::Q5_K => (decode_q5_k, encode_q5_k),
-        DType::Q6_K => (decode_q6_k, encode_q6_k),
+        DType::Q2_K => (wide_q2_k, encode_q2_k),
+        DType::Q3_K => (wide_q3_k, encode_q3_k),
+        DType::Q4_K => (wide_q4_k, encode_q4_k),
+        DType::Q5_K => (wide_q5_k, encode_q5_k),
+        DType::Q6_K => (wide_q6_k, encode_q6_k),
         DType::Q8_K => (decode_q8_k, encode_q8_k),
-        DType::IQ4_XS => (decode_iq4_xs, encode_iq4_xs),
+        DType::IQ4_XS => (wide_iq4_xs, encode_iq4_xs),
         _ => return None,
     };
     Some(BlockCodec {
@@ -304,6 +304,16 @@ pub fn iq4_xs_quants(qs: &[u8]) -> [i8; QK_K] {
 // Decoders.
 // ---------------------------------------------------------------------------------------------
 
+super::wide_decoders! {
+    wide_q2_k => decode_q2_k,
+    wide_q3_k => decode_q3_k,
+    wide_q4_k => decode_q4_k,
+    wide_q5_k => decode_q5_k,
+    wide_q6_k => decode_q6_k,
+    wide_iq4_xs => decode_iq4_xs,
+}
+
+#[inline(always)]
 fn decode_q2_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q2_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let q = unpack_2bit(&b[16..80]);
@@ -322,6 +332,7 @@ fn decode_q2_k(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_q3_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q3_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let q = q3_k_quants(&b[0..32], &b[32..96]);
@@ -341,6 +352,7 @@ fn decode_q3_k(src: &[u8], dst: &mut [f32]) {
 }
 
 /// q4_K and q5_K share everything but where the quants come from.
+#[inline(always)]
 fn decode_k4(b: &[u8], q: &[u8; QK_K], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let (sc, m) = k4_scales_mins(&b[4..16]);
@@ -353,18 +365,21 @@ fn decode_k4(b: &[u8], q: &[u8; QK_K], y: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_q4_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q4_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         decode_k4(b, &unpack_4bit(&b[16..144]), y);
     }
 }
 
+#[inline(always)]
 fn decode_q5_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q5_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         decode_k4(b, &q5_k_quants(&b[16..48], &b[48..176]), y);
     }
 }
 
+#[inline(always)]
 fn decode_q6_k(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q6_K_BYTES).zip(dst.chunks_exact_mut(QK_K)) {
         let q = q6_k_quants(&b[0..128], &b[128..192]);
@@ -387,6 +402,7 @@ fn decode_q8_k(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_iq4_xs(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(IQ4_XS_BYTES)

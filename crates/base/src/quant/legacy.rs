@@ -103,6 +103,13 @@ pub const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
+super::wide_decoders! {
+    wide_q4_1 => dequantize_row_q4_1,
+    wide_q5_0 => dequantize_row_q5_0,
+    wide_q5_1 => dequantize_row_q5_1,
+    wide_iq4_nl => dequantize_row_iq4_nl,
+}
+
 /// The codec of `dtype` if it is one of this module's types.
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     let pair = |to_f32: fn(&[u8], &mut [f32]), from_f32: fn(&[f32], &mut [u8])| {
@@ -112,11 +119,11 @@ pub fn codec(dtype: DType) -> Option<BlockCodec> {
         })
     };
     match dtype {
-        DType::Q4_1 => pair(dequantize_row_q4_1, quantize_row_q4_1),
-        DType::Q5_0 => pair(dequantize_row_q5_0, quantize_row_q5_0),
-        DType::Q5_1 => pair(dequantize_row_q5_1, quantize_row_q5_1),
+        DType::Q4_1 => pair(wide_q4_1, quantize_row_q4_1),
+        DType::Q5_0 => pair(wide_q5_0, quantize_row_q5_0),
+        DType::Q5_1 => pair(wide_q5_1, quantize_row_q5_1),
         DType::Q8_1 => pair(dequantize_row_q8_1, quantize_row_q8_1),
-        DType::IQ4_NL => pair(dequantize_row_iq4_nl, quantize_row_iq4_nl),
+        DType::IQ4_NL => pair(wide_iq4_nl, quantize_row_iq4_nl),
         _ => None,
     }
 }
@@ -160,6 +167,7 @@ fn pack_nibbles(q: &[u8; QK], qs: &mut [u8]) -> u32 {
 }
 
 /// Decodes whole q4_1 blocks (`src.len() / 20` of them, at most `dst.len() / 32`).
+#[inline(always)]
 pub fn dequantize_row_q4_1(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q4_1_BYTES).zip(dst.chunks_exact_mut(QK)) {
         let (d, m) = (f16_at(b, 0), f16_at(b, 2));
@@ -170,6 +178,7 @@ pub fn dequantize_row_q4_1(src: &[u8], dst: &mut [f32]) {
 }
 
 /// Decodes whole q5_0 blocks.
+#[inline(always)]
 pub fn dequantize_row_q5_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q5_0_BYTES).zip(dst.chunks_exact_mut(QK)) {
         let d = f16_at(b, 0);
@@ -181,6 +190,7 @@ pub fn dequantize_row_q5_0(src: &[u8], dst: &mut [f32]) {
 }
 
 /// Decodes whole q5_1 blocks.
+#[inline(always)]
 pub fn dequantize_row_q5_1(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(Q5_1_BYTES).zip(dst.chunks_exact_mut(QK)) {
         let (d, m) = (f16_at(b, 0), f16_at(b, 2));
@@ -202,6 +212,7 @@ pub fn dequantize_row_q8_1(src: &[u8], dst: &mut [f32]) {
 }
 
 /// Decodes whole iq4_nl blocks.
+#[inline(always)]
 pub fn dequantize_row_iq4_nl(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src.chunks_exact(IQ4_NL_BYTES).zip(dst.chunks_exact_mut(QK)) {
         let d = f16_at(b, 0);
