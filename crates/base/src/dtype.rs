@@ -289,18 +289,15 @@ impl DType {
 
     /// Whether f32 values can be converted to the type ([`Self::row_from_f32`]): every type but
     /// the i-quants below 4 bits, which ggml only quantizes with a grid search and an importance
-    /// matrix.
+    /// matrix (their codecs have no encoder; the codec is the one place that says so).
     pub fn has_quantizer(self) -> bool {
-        !matches!(
-            self,
-            DType::IQ2_XXS
-                | DType::IQ2_XS
-                | DType::IQ2_S
-                | DType::IQ3_XXS
-                | DType::IQ3_S
-                | DType::IQ1_S
-                | DType::IQ1_M
-        )
+        quant::codec(self).is_none_or(|codec| codec.from_f32.is_some())
+    }
+
+    /// Whether the type can be the weights (first operand) of MUL_MAT, MUL_MAT_ID and OUT_PROD:
+    /// every float and block type but the activation-only q8_1 and q8_K.
+    pub fn is_weight_type(self) -> bool {
+        self.is_float() || (self.is_quantized() && !matches!(self, DType::Q8_1 | DType::Q8_K))
     }
 
     /// Whether the type is a plain integer type.

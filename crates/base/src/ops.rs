@@ -226,6 +226,18 @@ fn require_dtype(op: &str, t: &Tensor, allowed: &[DType]) -> Result<()> {
     }
 }
 
+/// [`require_dtype`] for the weights of a matrix product: any [`DType::is_weight_type`].
+fn require_weights(op: &str, t: &Tensor) -> Result<()> {
+    if t.dtype().is_weight_type() {
+        return Ok(());
+    }
+    let weights: Vec<DType> = DType::ALL
+        .into_iter()
+        .filter(|d| d.is_weight_type())
+        .collect();
+    require_dtype(op, t, &weights)
+}
+
 /// Whether `b` can be tiled to `a`'s shape (every dimension of `a` a multiple of `b`'s).
 pub fn can_repeat(b: &Tensor, a: &Tensor) -> bool {
     let (nb, na) = (b.ne(), a.ne());
@@ -909,41 +921,10 @@ pub fn l2_norm(ctx: &Context, a: &Tensor, eps: f32) -> Result<Tensor> {
 
 // ----- matrix products -----
 
-const MATMUL_WEIGHT_TYPES: [DType; 28] = [
-    DType::F32,
-    DType::F16,
-    DType::BF16,
-    DType::Q8_0,
-    DType::Q4_0,
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_NL,
-    DType::IQ4_XS,
-    DType::IQ2_XXS,
-    DType::IQ2_XS,
-    DType::IQ2_S,
-    DType::IQ3_XXS,
-    DType::IQ3_S,
-    DType::IQ1_S,
-    DType::IQ1_M,
-    DType::TQ1_0,
-    DType::TQ2_0,
-    DType::MXFP4,
-    DType::NVFP4,
-    DType::Q1_0,
-    DType::Q2_0,
-];
-
 /// Matrix product with ggml's meaning: `a` is `[K, M, ..]`, `b` is `[K, N, ..]`, the f32 result
 /// is `[M, N, ..]`, i.e. `b · aᵀ` in numpy terms. `a`'s batch dimensions broadcast over `b`'s.
 pub fn mul_mat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    require_dtype("MUL_MAT weights", a, &MATMUL_WEIGHT_TYPES)?;
+    require_weights("MUL_MAT weights", a)?;
     require_dtype("MUL_MAT activations", b, &[DType::F32])?;
     let (na, nb) = (a.ne(), b.ne());
     if na[0] != nb[0] || na[2] == 0 || na[3] == 0 || nb[2] % na[2] != 0 || nb[3] % na[3] != 0 {
@@ -984,7 +965,7 @@ pub fn mul_mat(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 
 /// Outer products of the columns of `a` and `b`, summed: result `[a.ne0, b.ne0, b.ne2, b.ne3]`.
 pub fn out_prod(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    require_dtype("OUT_PROD", a, &MATMUL_WEIGHT_TYPES)?;
+    require_weights("OUT_PROD", a)?;
     require_dtype("OUT_PROD", b, &[DType::F32])?;
     let (na, nb) = (a.ne(), b.ne());
     if na[1] != nb[1] || na[2] == 0 || na[3] == 0 || nb[2] % na[2] != 0 || nb[3] % na[3] != 0 {
@@ -1008,7 +989,7 @@ pub fn out_prod(ctx: &Context, a: &Tensor, b: &Tensor) -> Result<Tensor> {
 /// Mixture-of-experts product: `experts` `[K, M, n_expert]`, `b` `[K, n_b, n_tokens]`, `ids`
 /// i32 `[n_used, n_tokens]`; result `[M, n_used, n_tokens]`.
 pub fn mul_mat_id(ctx: &Context, experts: &Tensor, b: &Tensor, ids: &Tensor) -> Result<Tensor> {
-    require_dtype("MUL_MAT_ID weights", experts, &MATMUL_WEIGHT_TYPES)?;
+    require_weights("MUL_MAT_ID weights", experts)?;
     require_dtype("MUL_MAT_ID activations", b, &[DType::F32])?;
     require_dtype("MUL_MAT_ID ids", ids, &[DType::I32])?;
     let (ne, nb, ni) = (experts.ne(), b.ne(), ids.ne());

@@ -32,10 +32,6 @@ fn is_float(dtype: DType) -> bool {
     dtype.is_float()
 }
 
-fn is_matmul_weight(dtype: DType) -> bool {
-    super::kernels::gemm::is_weight_type(dtype)
-}
-
 /// Whether the CPU kernels implement this node's op with its operand and result dtypes.
 pub fn supports_op(node: &Tensor) -> bool {
     let srcs = node.srcs();
@@ -71,10 +67,10 @@ pub fn supports_op(node: &Tensor) -> bool {
             f32_only(0) && dst == DType::F32
         }
         Op::MulMat | Op::OutProd => {
-            src(0).is_some_and(is_matmul_weight) && f32_only(1) && dst == DType::F32
+            src(0).is_some_and(DType::is_weight_type) && f32_only(1) && dst == DType::F32
         }
         Op::MulMatId => {
-            src(0).is_some_and(is_matmul_weight)
+            src(0).is_some_and(DType::is_weight_type)
                 && f32_only(1)
                 && src(2) == Some(DType::I32)
                 && dst == DType::F32

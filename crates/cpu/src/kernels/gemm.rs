@@ -289,14 +289,8 @@ pub fn applies(a: &RawTensor, dst: &RawTensor, n_cols: usize) -> bool {
         && dst.nb[0] == 4
         && (dst.ptr.0 as usize).is_multiple_of(4)
         && dst.nb[1..].iter().all(|s| s % 4 == 0)
-        && is_weight_type(a.dtype)
+        && a.dtype.is_weight_type()
         && KC.is_multiple_of(a.dtype.block_size())
-}
-
-/// Whether `dtype` can be the weights of a product (every float and block type but the
-/// activation-only q8_1 and q8_K).
-pub fn is_weight_type(dtype: DType) -> bool {
-    dtype.is_float() || (dtype.is_quantized() && !matches!(dtype, DType::Q8_1 | DType::Q8_K))
 }
 
 /// One product of a batched GEMM.
