@@ -130,11 +130,16 @@ pub fn iq1_m_parts(b: &[u8; IQ1_M_BYTES]) -> ([i8; QK_K], [u8; 16], [bool; 32]) 
     (q, scales, neg)
 }
 
+super::wide_decoders! {
+    wide_iq1_s => decode_iq1_s,
+    wide_iq1_m => decode_iq1_m,
+}
+
 /// The codec of `dtype` if it is one of this module's types (decoding only).
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     let to_f32: fn(&[u8], &mut [f32]) = match dtype {
-        DType::IQ1_S => decode_iq1_s,
-        DType::IQ1_M => decode_iq1_m,
+        DType::IQ1_S => wide_iq1_s,
+        DType::IQ1_M => wide_iq1_m,
         _ => return None,
     };
     Some(BlockCodec {
@@ -149,6 +154,7 @@ fn shifted(g: i8, neg: bool) -> f32 {
     f32::from(g) + if neg { -IQ1_DELTA } else { IQ1_DELTA }
 }
 
+#[inline(always)]
 fn decode_iq1_s(src: &[u8], dst: &mut [f32]) {
     let (blocks, _) = src.as_chunks::<IQ1_S_BYTES>();
     for (b, y) in blocks.iter().zip(dst.chunks_exact_mut(QK_K)) {
@@ -163,6 +169,7 @@ fn decode_iq1_s(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_iq1_m(src: &[u8], dst: &mut [f32]) {
     let (blocks, _) = src.as_chunks::<IQ1_M_BYTES>();
     for (b, y) in blocks.iter().zip(dst.chunks_exact_mut(QK_K)) {

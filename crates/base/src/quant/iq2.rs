@@ -64,12 +64,18 @@ pub const IQ2_S_BYTES: usize = 82;
 /// The three magnitudes a lattice point's bytes take, ascending.
 pub const GRID_LEVELS: [u8; 3] = [8, 25, 43];
 
+super::wide_decoders! {
+    wide_iq2_xxs => decode_iq2_xxs,
+    wide_iq2_xs => decode_iq2_xs,
+    wide_iq2_s => decode_iq2_s,
+}
+
 /// The codec of `dtype` if it is one of this module's types (decoding only).
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     let to_f32: fn(&[u8], &mut [f32]) = match dtype {
-        DType::IQ2_XXS => decode_iq2_xxs,
-        DType::IQ2_XS => decode_iq2_xs,
-        DType::IQ2_S => decode_iq2_s,
+        DType::IQ2_XXS => wide_iq2_xxs,
+        DType::IQ2_XS => wide_iq2_xs,
+        DType::IQ2_S => wide_iq2_s,
         _ => return None,
     };
     Some(BlockCodec {
@@ -188,14 +194,17 @@ fn decode_with<const BYTES: usize>(src: &[u8], dst: &mut [f32], unpack: fn(&[u8]
     }
 }
 
+#[inline(always)]
 fn decode_iq2_xxs(src: &[u8], dst: &mut [f32]) {
     decode_with::<IQ2_XXS_BYTES>(src, dst, unpack_iq2_xxs);
 }
 
+#[inline(always)]
 fn decode_iq2_xs(src: &[u8], dst: &mut [f32]) {
     decode_with::<IQ2_XS_BYTES>(src, dst, unpack_iq2_xs);
 }
 
+#[inline(always)]
 fn decode_iq2_s(src: &[u8], dst: &mut [f32]) {
     decode_with::<IQ2_S_BYTES>(src, dst, unpack_iq2_s);
 }

@@ -144,11 +144,16 @@ pub fn iq3_s_quants(b: &[u8; IQ3_S_BYTES]) -> ([i8; QK_K], [u8; 8]) {
     (q, scales)
 }
 
+super::wide_decoders! {
+    wide_iq3_xxs => decode_iq3_xxs,
+    wide_iq3_s => decode_iq3_s,
+}
+
 /// The codec of `dtype` if it is one of this module's types (decoding only).
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     let to_f32: fn(&[u8], &mut [f32]) = match dtype {
-        DType::IQ3_XXS => decode_iq3_xxs,
-        DType::IQ3_S => decode_iq3_s,
+        DType::IQ3_XXS => wide_iq3_xxs,
+        DType::IQ3_S => wide_iq3_s,
         _ => return None,
     };
     Some(BlockCodec {
@@ -157,6 +162,7 @@ pub fn codec(dtype: DType) -> Option<BlockCodec> {
     })
 }
 
+#[inline(always)]
 fn decode_iq3_xxs(src: &[u8], dst: &mut [f32]) {
     let (blocks, _) = src.as_chunks::<IQ3_XXS_BYTES>();
     for (b, y) in blocks.iter().zip(dst.chunks_exact_mut(QK_K)) {
@@ -176,6 +182,7 @@ fn decode_iq3_xxs(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_iq3_s(src: &[u8], dst: &mut [f32]) {
     let (blocks, _) = src.as_chunks::<IQ3_S_BYTES>();
     for (b, y) in blocks.iter().zip(dst.chunks_exact_mut(QK_K)) {

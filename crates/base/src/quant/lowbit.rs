@@ -102,16 +102,25 @@ pub const QK_Q2_0: usize = 64;
 /// of 0..7 (code 8 is a negative zero, decoding to 0).
 pub const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
+super::wide_decoders! {
+    wide_tq1_0 => decode_tq1_0,
+    wide_tq2_0 => decode_tq2_0,
+    wide_mxfp4 => decode_mxfp4,
+    wide_nvfp4 => decode_nvfp4,
+    wide_q1_0 => decode_q1_0,
+    wide_q2_0 => decode_q2_0,
+}
+
 /// The byte codec of `dtype`, if it is one of this module's types.
 pub fn codec(dtype: DType) -> Option<BlockCodec> {
     type Pair = (fn(&[u8], &mut [f32]), fn(&[f32], &mut [u8]));
     let (to_f32, from_f32): Pair = match dtype {
-        DType::TQ1_0 => (decode_tq1_0, encode_tq1_0),
-        DType::TQ2_0 => (decode_tq2_0, encode_tq2_0),
-        DType::MXFP4 => (decode_mxfp4, encode_mxfp4),
-        DType::NVFP4 => (decode_nvfp4, encode_nvfp4),
-        DType::Q1_0 => (decode_q1_0, encode_q1_0),
-        DType::Q2_0 => (decode_q2_0, encode_q2_0),
+        DType::TQ1_0 => (wide_tq1_0, encode_tq1_0),
+        DType::TQ2_0 => (wide_tq2_0, encode_tq2_0),
+        DType::MXFP4 => (wide_mxfp4, encode_mxfp4),
+        DType::NVFP4 => (wide_nvfp4, encode_nvfp4),
+        DType::Q1_0 => (wide_q1_0, encode_q1_0),
+        DType::Q2_0 => (wide_q2_0, encode_q2_0),
         _ => return None,
     };
     Some(BlockCodec {
@@ -290,6 +299,7 @@ pub fn q2_0_quants(qs: &[u8]) -> [i8; QK_Q2_0] {
 // Decoders.
 // ---------------------------------------------------------------------------------------------
 
+#[inline(always)]
 fn decode_tq1_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(TQ1_0_BYTES)
@@ -302,6 +312,7 @@ fn decode_tq1_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_tq2_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(TQ2_0_BYTES)
@@ -314,6 +325,7 @@ fn decode_tq2_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_mxfp4(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(MXFP4_BYTES)
@@ -326,6 +338,7 @@ fn decode_mxfp4(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_nvfp4(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(NVFP4_BYTES)
@@ -338,6 +351,7 @@ fn decode_nvfp4(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_q1_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(Q1_0_BYTES)
@@ -354,6 +368,7 @@ fn decode_q1_0(src: &[u8], dst: &mut [f32]) {
     }
 }
 
+#[inline(always)]
 fn decode_q2_0(src: &[u8], dst: &mut [f32]) {
     for (b, y) in src
         .chunks_exact(Q2_0_BYTES)
