@@ -41,6 +41,15 @@ impl Isa {
     }
 }
 
+/// The common f32 step of the block products: `fma(a·b, f32(isum), acc)` — the scale product
+/// rounded once, the exact integer sum converted, one fused multiply-add. Every family whose
+/// definition takes this step (K-quants, iq2, iq3, the ternary and FP4 types) calls this one
+/// function in its portable and SIMD versions, so the sequence cannot drift between them.
+#[inline(always)]
+pub(crate) fn step(acc: f32, a: f32, b: f32, isum: i32) -> f32 {
+    (a * b).mul_add(isum as f32, acc)
+}
+
 /// The activation type ggml pairs with weights of `dtype` in products, for the types of this
 /// module.
 pub fn vec_dot_type(dtype: DType) -> Option<DType> {

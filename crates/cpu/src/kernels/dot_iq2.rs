@@ -51,7 +51,7 @@
 //! partial sum, whose magnitudes are at most `S` (to first order); `·0.125` is exact. The unit
 //! tests check exactly this bound.
 
-use super::block_dot::{self, avx2_lookup, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq2::{
@@ -85,13 +85,6 @@ avx2_lookup!(unsafe x86 {
     IQ2_XS => iq2_xs,
     IQ2_S => iq2_s,
 });
-
-/// One super-block's update of the accumulator, `fma(dx·dy, f32(isum), acc)`: the single
-/// place of the f32 sequence, shared by every version.
-#[inline(always)]
-fn step(acc: f32, dx: f32, dy: f32, isum: i32) -> f32 {
-    (dx * dy).mul_add(isum as f32, acc)
-}
 
 /// The result from the accumulator: the factor 1/8 of the odd scales, `0.125·acc`.
 #[inline(always)]

@@ -36,7 +36,7 @@
 //! `x_v` the exact weight value (`dx·ls·q/4` or `dx·ls·q`). The unit tests check
 //! `(4·nb + 16)·2⁻²⁴·S` (plus `10⁻³⁰` for subnormal products).
 
-use super::block_dot::{self, avx2_lookup, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq3::{iq3_s_quants, iq3_xxs_quants, IQ3_S_BYTES, IQ3_XXS_BYTES};
@@ -66,13 +66,6 @@ avx2_lookup!(unsafe x86 {
     IQ3_XXS => iq3_xxs,
     IQ3_S => iq3_s,
 });
-
-/// One super-block's update of the accumulator: `fma(dx·dy, f32(isum), acc)`. Shared by
-/// every version so the f32 sequence is one.
-#[inline(always)]
-fn step(acc: f32, dx: f32, dy: f32, isum: i32) -> f32 {
-    (dx * dy).mul_add(isum as f32, acc)
-}
 
 /// The final scaling of the iq3_xxs accumulator (its odd scales count quarters).
 #[inline(always)]

@@ -44,7 +44,7 @@
 //! about `(2·nb + 4)·2⁻²³·S` where `nb` is the super-block count and `S = Σ_v (|d·sc_v·q_v| +
 //! |dmin·m_v|)·|dy·y_v|` (the unit tests check `(4·nb + 16)·2⁻²⁴·S`).
 
-use super::block_dot::{self, avx2_lookup, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::{
@@ -85,13 +85,6 @@ avx2_lookup!(unsafe x86 {
     Q6_K => q6_k,
     IQ4_XS => iq4_xs,
 });
-
-/// One super-block's update of the accumulator for the types without minimums:
-/// `fma(dx·dy, f32(isum), acc)`. Shared by every version so the f32 sequence is one.
-#[inline(always)]
-fn step(acc: f32, dx: f32, dy: f32, isum: i32) -> f32 {
-    (dx * dy).mul_add(isum as f32, acc)
-}
 
 /// One super-block's update for the types with minimums: the scale term, then the
 /// minimum term `fma(−(dmin·dy), f32(msum), ·)`.

@@ -58,7 +58,7 @@
 //! The unit tests check `(2n + 16)·2⁻²⁴·S` against the f64 dot product of the dequantized
 //! rows.
 
-use super::block_dot::{self, avx2_lookup, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::Q8_K_BYTES;
@@ -101,13 +101,6 @@ avx2_lookup!(unsafe x86 {
     Q1_0 => q1_0,
     Q2_0 => q2_0,
 });
-
-/// The f32 step of TQ1_0, TQ2_0 and MXFP4 (and of each NVFP4 sub-block):
-/// `fma(a·b, f32(isum), acc)`. Shared by every version so the sequence is one.
-#[inline(always)]
-fn step(acc: f32, a: f32, b: f32, isum: i32) -> f32 {
-    (a * b).mul_add(isum as f32, acc)
-}
 
 /// The f32 steps of one Q2_0 block (`N = 2`) given the integer sums of its `N` q8_0 blocks
 /// and the scales.
