@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import ferrograph as fg
+from block_bytes import put_f16_scale
 
 gguf_quants = pytest.importorskip("gguf.quants", reason="pip install gguf (the reference)")
 from gguf import GGMLQuantizationType  # noqa: E402
@@ -69,11 +70,7 @@ def random_blocks(name: str, n_blocks: int, seed: int) -> np.ndarray:
     elif name in ("q3_K", "q6_K", "tq1_0", "tq2_0"):
         raw[:, -2:] = scales[:, :2]
     elif name == "iq1_m":
-        # the f16 scale is spread over the top nibbles of the four trailing scale words
-        bits = scales[:, :2].copy().view(np.uint16).reshape(-1)
-        for i in range(4):
-            nibble = ((bits >> (4 * i)) & 0xF).astype(np.uint8)
-            raw[:, -7 + 2 * i] = (raw[:, -7 + 2 * i] & 0x0F) | (nibble << 4)
+        put_f16_scale(raw, name, scales[:, :2].copy().view(np.uint16).reshape(-1))
     else:
         # d (and dmin/m) lead; where only d is a scale, the next two bytes are data anyway
         raw[:, :4] = scales

@@ -12,6 +12,7 @@ import pytest
 
 import ferrograph as fg
 import llm_reference
+from block_bytes import put_f16_scale
 from ferrograph.models import llm as llm_mod
 from ferrograph.models.llm_tokenizer import StreamDecoder
 from ferrograph.models.sampling import Sampler, SamplingParams
@@ -49,18 +50,9 @@ def random_blocks(dtype: str, rows: int, cols: int, scale: float, seed: int) -> 
     n_blocks = rows * cols // dt.block_size
     raw = np.random.default_rng(seed).integers(0, 256, (n_blocks, dt.type_size), dtype=np.uint8)
 
-    def set_scale(value: float) -> None:
-        bits = int(np.float16(value).view(np.uint16))
-        if dtype == "iq1_m":  # nibble i of the f16 is the top nibble of scale word i
-            for i in range(4):
-                at = dt.type_size - 7 + 2 * i
-                raw[:, at] = (raw[:, at] & 0x0F) | (((bits >> (4 * i)) & 0xF) << 4)
-        else:
-            raw[:, 0], raw[:, 1] = bits & 0xFF, bits >> 8
-
-    set_scale(1.0)
+    put_f16_scale(raw, dtype, np.float16(1.0).view(np.uint16))
     spread = float(fg.dequantize(raw.reshape(-1), dtype, rows * cols).std())
-    set_scale(scale / spread)
+    put_f16_scale(raw, dtype, np.float16(scale / spread).view(np.uint16))
     return raw.reshape(-1)
 
 
