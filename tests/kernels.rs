@@ -2030,7 +2030,8 @@ fn fill_block(t: &Tensor, rng: &mut Rng) -> Vec<f32> {
 }
 
 /// MUL_MAT with every block type as weights: few columns (integer block dots against the
-/// partner activation type), many columns (dequantized tiles and the f32 GEMM), partial row
+/// partner activation type), many columns (the integer GEMM against q8_0 activations for
+/// q8_0, q4_0, q5_0, iq4_nl and iq4_xs; dequantized tiles and the f32 GEMM for the rest), partial row
 /// tiles, broadcast batches and a transposed activation view — against the f64 product of the
 /// dequantized weights, identical bits at 1, 2 and 3 threads, no write outside the output. With
 /// one or two columns in the product the portable kernels (the reference switch) and the SIMD kernels give

@@ -1,11 +1,13 @@
-//! MUL_MAT with q8_0 / q4_0 weights as integer block products, as ggml does: the activations
-//! are quantized to q8_0 per block of 32, each (weight row, activation row, block) product is
-//! an exact integer sum, scaled by the two block scales and accumulated in f32.
+//! MUL_MAT with q8_0, q4_0, q5_0, iq4_nl or iq4_xs weights as integer block products, as ggml
+//! does: the activations are quantized to q8_0 per block of 32, each (weight row, activation
+//! row, block) product is an exact integer sum, scaled by the two block scales and accumulated
+//! in f32. Every block of 32 of these weight types is exactly 32 signed bytes times one scale
+//! ([`Source`]), so one packed layout and one set of kernels serve them all.
 //!
 //! Layout. Weights are repacked a panel of [`PANEL`] rows at a time (per task, into a
 //! thread-local buffer) so that one 64-byte line holds 4 consecutive `k` of 16 rows: the
-//! layout `vpdpbusd` wants (16 i32 lanes, each the sum of four u8 × i8 products). q4_0
-//! nibbles are unpacked to signed bytes there, so both weight types share one kernel. The
+//! layout `vpdpbusd` wants (16 i32 lanes, each the sum of four u8 × i8 products). Nibbles
+//! (and q5_0's fifth bits, iq4_nl's table levels) are unpacked to signed bytes there. The
 //! activations are stored as unsigned bytes (`q + 128`); the offset's contribution,
 //! `128 · Σ w` per weight row and block, is precomputed at packing time and is the starting
 //! value of each block's integer sum, so no sign tricks are needed and every i8 weight value
@@ -27,36 +29,204 @@ use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTE
 use super::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::quant::kquants::IQ4_XS_BYTES;
+use crate::quant::legacy::{IQ4_NL_BYTES, KVALUES_IQ4NL, Q5_0_BYTES};
 
-/// Loads block `b` (of `block` bytes) of each present row of `rows` into `r` as 32 signed
-/// bytes — q8_0's quants, or q4_0's nibbles unpacked (the low ones first) minus 8 — and its f16
-/// scale bits into `scales`; missing rows keep their zeros. A macro so that it expands inside
-/// the packers' target-feature functions (AVX2 enabled there).
+/// The weight types the integer GEMM takes: every block of 32 values of each is 32 signed
+/// bytes times one f32 scale, exactly (the file's values, nothing rounded).
+///
+/// | type | 32 bytes | scale |
+/// | --- | --- | --- |
+/// | q8_0 | the quants | `d` |
+/// | q4_0 | nibble − 8 | `d` |
+/// | q5_0 | (nibble \| high bit << 4) − 16 | `d` |
+/// | iq4_nl | `KVALUES_IQ4NL[nibble]` (−127..=113) | `d` |
+/// | iq4_xs | `KVALUES_IQ4NL[nibble]` of one group of 32 | `d · (group scale − 32)` |
+///
+/// The iq4_xs scale is a product of an f16 and an integer below 64 in magnitude, so it is
+/// exact in f32; q5_0 and iq4_nl files (the bulk of llama.cpp's Q4_K_M / IQ4_XS files of
+/// models whose width is not a multiple of 256) thus run prompts on the same integer
+/// kernels as q8_0.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Source {
+    /// q8_0 blocks.
+    Q8_0,
+    /// q4_0 blocks.
+    Q4_0,
+    /// q5_0 blocks.
+    Q5_0,
+    /// iq4_nl blocks.
+    Iq4Nl,
+    /// iq4_xs super-blocks (8 groups of 32).
+    Iq4Xs,
+}
+
+impl Source {
+    /// The source of weights of type `dtype`, if the GEMM takes it.
+    pub(crate) fn of(dtype: DType) -> Option<Source> {
+        Some(match dtype {
+            DType::Q8_0 => Source::Q8_0,
+            DType::Q4_0 => Source::Q4_0,
+            DType::Q5_0 => Source::Q5_0,
+            DType::IQ4_NL => Source::Iq4Nl,
+            DType::IQ4_XS => Source::Iq4Xs,
+            _ => return None,
+        })
+    }
+
+    /// Where 32-value block `b` of a row starts (bytes from the row's start) and which group
+    /// of its stored block it is (iq4_xs: 0..8; else 0).
+    #[inline(always)]
+    fn locate(self, b: usize) -> (usize, usize) {
+        match self {
+            Source::Q8_0 => (b * Q8_0_BYTES, 0),
+            Source::Q4_0 => (b * Q4_0_BYTES, 0),
+            Source::Q5_0 => (b * Q5_0_BYTES, 0),
+            Source::Iq4Nl => (b * IQ4_NL_BYTES, 0),
+            Source::Iq4Xs => (b / 8 * IQ4_XS_BYTES, b % 8),
+        }
+    }
+
+    /// Bytes of a row of `nb` blocks of 32.
+    fn row_bytes(self, nb: usize) -> usize {
+        match self {
+            Source::Iq4Xs => nb / 8 * IQ4_XS_BYTES,
+            _ => self.locate(nb).0,
+        }
+    }
+}
+
+/// The scale of iq4_xs group `g` of the super-block at `at`: `d · (ls − 32)`, exact in f32.
+///
+/// # Safety
+/// `at` points at a whole iq4_xs super-block.
+#[inline(always)]
+unsafe fn iq4_xs_scale(at: *const u8, g: usize, d: f32) -> f32 {
+    // SAFETY: the super-block's bytes 2..8 hold the scales (caller).
+    let (high, low) = unsafe {
+        (
+            at.add(2).cast::<u16>().read_unaligned(),
+            *at.add(4 + g / 2),
+        )
+    };
+    let ls = ((low >> (4 * (g % 2))) & 15) | ((((high >> (2 * g)) & 3) as u8) << 4);
+    d * f32::from(i16::from(ls) - 32)
+}
+
+/// The definition of [`Source`]: block `b` of `row` as 32 signed bytes and its f32 scale.
+fn block_ints(src: Source, row: &[u8], b: usize) -> ([i8; QK], f32) {
+    let (at, g) = src.locate(b);
+    let d = f16_bits_to_f32(u16::from_ne_bytes([row[at], row[at + 1]]));
+    let mut w = [0i8; QK];
+    let nibbles = |qs: &[u8], w: &mut [i8; QK], f: &dyn Fn(u8, usize) -> i8| {
+        for j in 0..QK / 2 {
+            w[j] = f(qs[j] & 15, j);
+            w[j + QK / 2] = f(qs[j] >> 4, j + QK / 2);
+        }
+    };
+    match src {
+        Source::Q8_0 => {
+            for (q, &v) in w.iter_mut().zip(&row[at + 2..at + 2 + QK]) {
+                *q = v as i8;
+            }
+        }
+        Source::Q4_0 => nibbles(&row[at + 2..], &mut w, &|n, _| n as i8 - 8),
+        Source::Q5_0 => {
+            let qh = u32::from_le_bytes(row[at + 2..at + 6].try_into().expect("4 bytes"));
+            let high = |j: usize| (((qh >> j) & 1) as u8) << 4;
+            nibbles(&row[at + 6..], &mut w, &|n, j| (n | high(j)) as i8 - 16);
+        }
+        Source::Iq4Nl => nibbles(&row[at + 2..], &mut w, &|n, _| {
+            KVALUES_IQ4NL[usize::from(n)]
+        }),
+        Source::Iq4Xs => {
+            nibbles(&row[at + 8 + 16 * g..], &mut w, &|n, _| {
+                KVALUES_IQ4NL[usize::from(n)]
+            });
+            // SAFETY: `at` starts a whole super-block of `row`.
+            return (w, unsafe { iq4_xs_scale(row[at..at + IQ4_XS_BYTES].as_ptr(), g, d) });
+        }
+    }
+    (w, d)
+}
+
+/// 16 bytes' nibbles as 32 bytes: the low nibbles, then the high ones.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn unpack_nibbles(x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    let low = _mm_set1_epi8(0x0f);
+    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(x), low), _mm_and_si128(x, low))
+}
+
+/// Loads block `b` of each present row of `rows` (weights of `src`) into `r` as 32 signed
+/// bytes (the values of [`block_ints`]) and its scale into `scales`; missing rows keep their
+/// zeros. A macro so that it expands inside the packers' target-feature functions (AVX2 and
+/// F16C enabled there).
 #[cfg(target_arch = "x86_64")]
 macro_rules! load_row_blocks {
-    ($rows:expr, $b:expr, $block:expr, $q4:expr, $r:expr, $scales:expr) => {{
-        let low = _mm_set1_epi8(0x0f);
-        let eight = _mm256_set1_epi8(8);
+    ($rows:expr, $b:expr, $src:expr, $r:expr, $scales:expr) => {{
+        use $crate::kernels::gemm_q8::Source;
+        let (offset, group) = $src.locate($b);
+        // The 16 iq4_nl levels in each 128-bit lane, for `vpshufb`.
+        // SAFETY: the table is 16 bytes.
+        let levels = _mm256_broadcastsi128_si256(unsafe {
+            _mm_loadu_si128($crate::quant::legacy::KVALUES_IQ4NL.as_ptr().cast())
+        });
+        // q5_0: byte `j` of the high-bit vector tests bit `j % 8` of byte `j / 8` of `qh`.
+        let spread = _mm256_set_epi64x(
+            0x0303_0303_0303_0303,
+            0x0202_0202_0202_0202,
+            0x0101_0101_0101_0101,
+            0,
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         for (i, row) in $rows.iter().enumerate() {
             let Some(row) = row else {
                 continue;
             };
-            // SAFETY: block `b` of the row spans `block` bytes inside it (the packer's caller
-            // guarantees every present row holds the blocks).
+            // SAFETY: block `b` of the row lies inside it (the packer's caller guarantees
+            // every present row holds the blocks), and so does its stored block.
             unsafe {
-                let at = row.as_ptr().add($b * $block);
+                let at = row.as_ptr().add(offset);
                 _mm_prefetch::<_MM_HINT_T0>(
                     at.wrapping_add($crate::kernels::gemm_q8::PACK_PREFETCH)
                         .cast(),
                 );
-                $scales[i] = at.cast::<u16>().read_unaligned();
-                $r[i] = if $q4 {
-                    let x = _mm_loadu_si128(at.add(2).cast());
-                    let lo = _mm_and_si128(x, low);
-                    let hi = _mm_and_si128(_mm_srli_epi16::<4>(x), low);
-                    _mm256_sub_epi8(_mm256_set_m128i(hi, lo), eight)
-                } else {
-                    _mm256_loadu_si256(at.add(2).cast())
+                let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
+                    at.cast::<u16>().read_unaligned(),
+                ))));
+                $scales[i] = d;
+                $r[i] = match $src {
+                    Source::Q8_0 => _mm256_loadu_si256(at.add(2).cast()),
+                    Source::Q4_0 => _mm256_sub_epi8(
+                        $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(at.add(2).cast())),
+                        _mm256_set1_epi8(8),
+                    ),
+                    Source::Q5_0 => {
+                        let qh = _mm256_set1_epi32(at.add(2).cast::<i32>().read_unaligned());
+                        let bits = _mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit);
+                        let high = _mm256_and_si256(
+                            _mm256_cmpeq_epi8(bits, bit),
+                            _mm256_set1_epi8(0x10),
+                        );
+                        _mm256_sub_epi8(
+                            _mm256_or_si256($crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(at.add(6).cast())), high),
+                            _mm256_set1_epi8(16),
+                        )
+                    }
+                    Source::Iq4Nl => _mm256_shuffle_epi8(
+                        levels,
+                        $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(at.add(2).cast())),
+                    ),
+                    Source::Iq4Xs => {
+                        $scales[i] = $crate::kernels::gemm_q8::iq4_xs_scale(at, group, d);
+                        _mm256_shuffle_epi8(
+                            levels,
+                            $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(at.add(8 + 16 * group).cast())),
+                        )
+                    }
                 };
             }
         }
@@ -177,14 +347,12 @@ pub fn prepare_row_for(isa: Isa, x: &[f32], out: &mut [u8]) {
 /// Whether this path handles the product (quantized weights with whole blocks in dense rows,
 /// a dense f32 output).
 pub fn applies(a: &RawTensor, dst: &RawTensor) -> bool {
-    let block_bytes = match a.dtype {
-        DType::Q8_0 => Q8_0_BYTES,
-        DType::Q4_0 => Q4_0_BYTES,
-        _ => return false,
-    };
+    if Source::of(a.dtype).is_none() {
+        return false;
+    }
     a.ne[0] > 0
-        && a.ne[0].is_multiple_of(QK)
-        && a.nb[0] == block_bytes
+        && a.ne[0].is_multiple_of(a.dtype.block_size())
+        && a.nb[0] == a.dtype.type_size()
         && dst.dtype == DType::F32
         && dst.nb[0] == 4
         && (dst.ptr.0 as usize).is_multiple_of(4)
@@ -250,9 +418,9 @@ fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8]) -> Result<()> {
     )
 }
 
-/// Packs weight rows (`rows[r]` is the raw q8_0/q4_0 row of panel row `r`, `None` past the
-/// last row) into `out`: `nb` packed blocks, with the packer of `isa` (every packer writes the
-/// same bytes).
+/// Packs weight rows (`rows[r]` is the raw row of panel row `r`, `None` past the last row)
+/// of type `dtype` into `out`: `nb` packed blocks, with the packer of `isa` (every packer
+/// writes the same bytes).
 fn pack_panel(
     isa: Isa,
     dtype: DType,
@@ -260,6 +428,7 @@ fn pack_panel(
     nb: usize,
     out: &mut Vec<Line>,
 ) {
+    let src = Source::of(dtype).expect("a type the integer GEMM takes");
     // Every packer writes every byte of a panel whose rows are all present; missing rows
     // (past the matrix's end) are left as zeros, so only such a panel is cleared first
     // (clearing every panel was 7% of a one-sentence MiniLM call).
@@ -268,25 +437,23 @@ fn pack_panel(
         out.clear();
         out.resize(lines, Line([0; 64]));
     }
-    let block = block_bytes(dtype == DType::Q4_0);
-    assert!(rows.iter().flatten().all(|r| r.len() >= nb * block));
+    assert!(src != Source::Iq4Xs || nb.is_multiple_of(8));
+    assert!(rows.iter().flatten().all(|r| r.len() >= src.row_bytes(nb)));
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C; sizes as above, and
         // `out` is zeroed when a row is missing.
-        Isa::Avx2 => unsafe { avx2::pack_panel(dtype == DType::Q4_0, rows, nb, out) },
+        Isa::Avx2 => unsafe { avx2::pack_panel(src, rows, nb, out) },
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI and AVX2/F16C;
         // sizes as above, and `out` is zeroed when a row is missing.
-        Isa::Vnni512 => unsafe { x86::pack_panel(dtype == DType::Q4_0, rows, nb, out) },
-        _ => pack_panel_portable(dtype, rows, nb, out),
+        Isa::Vnni512 => unsafe { x86::pack_panel(src, rows, nb, out) },
+        _ => pack_panel_portable(src, rows, nb, out),
     }
 }
 
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
-fn pack_panel_portable(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-    let q4 = dtype == DType::Q4_0;
-    let bb = block_bytes(q4);
+fn pack_panel_portable(src: Source, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
     // SAFETY: a `Line` is 64 plain bytes (`repr(C)`), so the lines are `64 · len` bytes.
     let bytes = unsafe {
         std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
@@ -294,7 +461,7 @@ fn pack_panel_portable(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, o
     for (b, blk) in bytes.chunks_exact_mut(PACKED_BLOCK).take(nb).enumerate() {
         for (r, row) in rows.iter().enumerate() {
             if let Some(row) = row {
-                pack_block(q4, &row[b * bb..(b + 1) * bb], blk, r);
+                pack_block(src, row, b, blk, r);
             }
         }
     }
@@ -303,30 +470,11 @@ fn pack_panel_portable(dtype: DType, rows: &[Option<&[u8]>; PANEL], nb: usize, o
 /// Bytes of one packed block (all [`PANEL`] rows of a panel, [`QK`] values of `k`).
 const PACKED_BLOCK: usize = BLOCK_LINES * std::mem::size_of::<Line>();
 
-/// Bytes of one plain q4_0 (`q4`) or q8_0 block.
-fn block_bytes(q4: bool) -> usize {
-    if q4 {
-        Q4_0_BYTES
-    } else {
-        Q8_0_BYTES
-    }
-}
-
-/// Packs one plain q4_0 (`q4`) or q8_0 block (`plain`: its bytes) as lane `r` (0..[`PANEL`])
-/// of the packed block `blk` ([`PACKED_BLOCK`] bytes): its values in the quant lines, its
-/// scale widened to f32 and its offset correction. The definition every packer follows.
-fn pack_block(q4: bool, plain: &[u8], blk: &mut [u8], r: usize) {
-    let mut w = [0i8; QK];
-    if q4 {
-        for j in 0..QK / 2 {
-            w[j] = (plain[2 + j] & 0x0f) as i8 - 8;
-            w[j + QK / 2] = (plain[2 + j] >> 4) as i8 - 8;
-        }
-    } else {
-        for (q, &v) in w.iter_mut().zip(&plain[2..2 + QK]) {
-            *q = v as i8;
-        }
-    }
+/// Packs block `b` of the plain row `row` (weights of `src`) as lane `r` (0..[`PANEL`]) of
+/// the packed block `blk` ([`PACKED_BLOCK`] bytes): its values in the quant lines, its scale
+/// and its offset correction. The definition every packer follows.
+fn pack_block(src: Source, row: &[u8], b: usize, blk: &mut [u8], r: usize) {
+    let (w, scale) = block_ints(src, row, b);
     let (v, lane) = (r / 16, r % 16);
     for s in 0..STEPS {
         let at = (s * 2 + v) * 64 + lane * 4;
@@ -335,15 +483,15 @@ fn pack_block(q4: bool, plain: &[u8], blk: &mut [u8], r: usize) {
         }
     }
     let sum: i32 = w.iter().map(|&x| i32::from(x)).sum();
-    let scale = f16_bits_to_f32(u16::from_ne_bytes([plain[0], plain[1]]));
     let at = SCALES_AT + v * 64 + lane * 4;
     blk[at..at + 4].copy_from_slice(&scale.to_ne_bytes());
     let at = COMP_AT + v * 64 + lane * 4;
     blk[at..at + 4].copy_from_slice(&(-128 * sum).to_ne_bytes());
 }
 
-/// The inverse of [`pack_block`] for the values: lane `r`'s values of the packed block `blk`
-/// as a plain block's quant bytes (`quants`: the block's bytes after its scale).
+/// The inverse of [`pack_block`] for the values of a q4_0 (`q4`) or q8_0 block: lane `r`'s
+/// values of the packed block `blk` as a plain block's quant bytes (`quants`: the block's
+/// bytes after its scale).
 fn unpack_block_quants(q4: bool, blk: &[u8], r: usize, quants: &mut [u8]) {
     let (v, lane) = (r / 16, r % 16);
     let mut w = [0i8; QK];
@@ -410,7 +558,7 @@ fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANE
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
-    use super::{Line, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
+    use super::{Line, Source, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
     use half::f16;
     use std::arch::x86_64::*;
 
@@ -422,10 +570,14 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU must support AVX-512F/BW/VNNI, AVX2 and F16C; every present row holds `nb`
-    /// blocks of `q4`'s type and `out` holds `nb` packed blocks.
+    /// blocks of 32 of `src`'s type and `out` holds `nb` packed blocks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
-    pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-        let block = super::block_bytes(q4);
+    pub(crate) unsafe fn pack_panel(
+        src: Source,
+        rows: &[Option<&[u8]>; PANEL],
+        nb: usize,
+        out: &mut [Line],
+    ) {
         let ones = _mm512_set1_epi8(1);
         // Qwords of the lane exchange: lines 0-3 take lanes 0 and 2 of both inputs, lines
         // 4-7 lanes 1 and 3 (`a` = rows 0-3 and 8-11, `b` = rows 4-7 and 12-15).
@@ -441,9 +593,9 @@ mod x86 {
                 }
                 // Plain loops and a macro, no closures: a closure would not inherit this
                 // function's target features (its intrinsics would become calls).
-                let mut scales = [0u16; 16];
+                let mut scales = [0f32; 16];
                 let mut r = [_mm256_setzero_si256(); 16];
-                load_row_blocks!(half, b, block, q4, r, scales);
+                load_row_blocks!(half, b, src, r, scales);
                 let mut z = [_mm512_setzero_si512(); 8];
                 for p in 0..8 {
                     z[p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r[p]), r[p + 8]);
@@ -471,9 +623,9 @@ mod x86 {
                     unsafe { _mm512_store_si512(blk.add((s * 2 + v) * 64).cast(), line) };
                     sum = _mm512_dpbusd_epi32(sum, ones, line);
                 }
-                // SAFETY: `scales` holds 16 u16; the stores write one line each of block `b`.
+                // SAFETY: `scales` holds 16 f32; the stores write one line each of block `b`.
                 unsafe {
-                    let d = _mm512_cvtph_ps(_mm256_loadu_si256(scales.as_ptr().cast()));
+                    let d = _mm512_loadu_ps(scales.as_ptr());
                     _mm512_store_ps(blk.add(SCALES_AT + v * 64).cast(), d);
                     let comp =
                         _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32::<7>(sum));
@@ -663,8 +815,8 @@ thread_local! {
 /// which its many multiply-adds per byte easily hide.
 const COL_BLOCK: usize = 1020;
 
-/// MUL_MAT `dst[i, j, i12, i13] = Σ_k a[k, i, i12/r2, i13/r3] · b[k, j, i12, i13]` with q8_0 /
-/// q4_0 weights `a` (see the module documentation), on the kernels of `isa`. `scratch` holds
+/// MUL_MAT `dst[i, j, i12, i13] = Σ_k a[k, i, i12/r2, i13/r3] · b[k, j, i12, i13]` with
+/// weights `a` of a [`Source`] type (see the module documentation), on the kernels of `isa`. `scratch` holds
 /// the prepared activations.
 pub fn mul_mat(
     isa: Isa,
@@ -809,34 +961,73 @@ mod tests {
     use super::*;
     use crate::kernels::testing::values;
 
-    /// The module's arithmetic written out directly from q8_0 blocks (no packing).
-    fn reference(wq: &[u8], dtype: DType, act: &[f32], k: usize) -> f32 {
+    /// The module's arithmetic written out directly from the plain blocks (no packing).
+    fn reference(row: &[u8], src: Source, act: &[f32], k: usize) -> f32 {
         let mut prepared = vec![0u8; act_row_bytes(k)];
         prepare_row(act, &mut prepared);
         let mut acc = 0f32;
         for b in 0..k / QK {
-            let (w, d): (Vec<i32>, u16) = if dtype == DType::Q4_0 {
-                let x = &wq[b * Q4_0_BYTES..];
-                let mut w = vec![0; QK];
-                for j in 0..QK / 2 {
-                    w[j] = i32::from(x[2 + j] & 15) - 8;
-                    w[j + 16] = i32::from(x[2 + j] >> 4) - 8;
-                }
-                (w, u16::from_ne_bytes([x[0], x[1]]))
-            } else {
-                let x = &wq[b * Q8_0_BYTES..];
-                (
-                    x[2..2 + QK].iter().map(|&v| i32::from(v as i8)).collect(),
-                    u16::from_ne_bytes([x[0], x[1]]),
-                )
-            };
+            let (w, dw) = block_ints(src, row, b);
             let isum: i32 = (0..QK)
-                .map(|j| w[j] * (i32::from(prepared[b * QK + j]) - 128))
+                .map(|j| i32::from(w[j]) * (i32::from(prepared[b * QK + j]) - 128))
                 .sum();
             let da = f32::from_ne_bytes(prepared[k + 4 * b..k + 4 * b + 4].try_into().unwrap());
-            acc = (isum as f32).mul_add(f16_bits_to_f32(d) * da, acc);
+            acc = (isum as f32).mul_add(dw * da, acc);
         }
         acc
+    }
+
+    const SOURCES: [(DType, Source); 5] = [
+        (DType::Q8_0, Source::Q8_0),
+        (DType::Q4_0, Source::Q4_0),
+        (DType::Q5_0, Source::Q5_0),
+        (DType::IQ4_NL, Source::Iq4Nl),
+        (DType::IQ4_XS, Source::Iq4Xs),
+    ];
+
+    /// `m` rows of `k` values of `dtype`: random bytes with sane f16 scales (finite, small,
+    /// both signs); q8_0's first row holds the extreme bytes −128 and 127.
+    fn random_rows(dtype: DType, m: usize, k: usize, seed: u32) -> Vec<u8> {
+        let row_bytes = dtype.row_size(k).unwrap();
+        let block = dtype.type_size();
+        let mut raw = vec![0u8; m * row_bytes];
+        let mut s = seed;
+        for byte in raw.iter_mut() {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            *byte = (s >> 24) as u8;
+        }
+        for (r, row) in raw.chunks_exact_mut(row_bytes).enumerate() {
+            for (bi, blk) in row.chunks_exact_mut(block).enumerate() {
+                let sign = if (r + bi) % 3 == 0 { -1.0 } else { 1.0 };
+                let d = half::f16::from_f32(sign * (0.01 + 0.001 * (r * 3 + bi) as f32));
+                blk[..2].copy_from_slice(&d.to_bits().to_ne_bytes());
+                if dtype == DType::Q8_0 && r == 0 {
+                    blk[2] = 0x80;
+                    blk[3] = 0x7f;
+                }
+            }
+        }
+        raw
+    }
+
+    /// Each source's 32 bytes times its scale are the type's decoded values, bit for bit.
+    #[test]
+    fn block_ints_times_the_scale_are_the_decoded_values() {
+        let k = 512;
+        for (dtype, src) in SOURCES {
+            let raw = random_rows(dtype, 3, k, 5);
+            let mut want = vec![0f32; k];
+            for row in raw.chunks_exact(dtype.row_size(k).unwrap()) {
+                dtype.row_to_f32(row, &mut want).unwrap();
+                for b in 0..k / QK {
+                    let (w, d) = block_ints(src, row, b);
+                    for j in 0..QK {
+                        let got = d * f32::from(w[j]);
+                        assert_eq!(got.to_bits(), want[b * QK + j].to_bits(), "{dtype} b {b} j {j}");
+                    }
+                }
+            }
+        }
     }
 
     /// The SIMD quantizer gives the portable bits, including exact halves (rounded away from
@@ -879,46 +1070,24 @@ mod tests {
         }
     }
 
-    /// Every kernel family agrees bit for bit with the written-out arithmetic, for q8_0 rows
-    /// with extreme bytes (−128, 127) and q4_0 rows, every column count and a partial panel.
+    /// Every kernel family agrees bit for bit with the written-out arithmetic, for every
+    /// source type (q8_0 rows with extreme bytes −128 and 127), every column count and a
+    /// partial panel.
     #[test]
     fn every_isa_matches_the_block_arithmetic_bit_for_bit() {
-        let k = 96;
+        let k = 256;
         let nb = k / QK;
         // 29 rows: the second half panel partly present; 11: the second half panel empty.
-        for (dtype, m) in [
-            (DType::Q8_0, 29),
-            (DType::Q4_0, 29),
-            (DType::Q8_0, 11),
-            (DType::Q4_0, 11),
-        ] {
-            let block = if dtype == DType::Q8_0 {
-                Q8_0_BYTES
-            } else {
-                Q4_0_BYTES
-            };
-            let mut raw = vec![0u8; m * nb * block];
-            let mut s = 7u32;
-            for byte in raw.iter_mut() {
-                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-                *byte = (s >> 24) as u8;
-            }
-            // Sane f16 scales (finite, small), extreme quants.
-            for (r, row) in raw.chunks_exact_mut(nb * block).enumerate() {
-                for (bi, blk) in row.chunks_exact_mut(block).enumerate() {
-                    let d = half::f16::from_f32(0.01 + 0.001 * (r * 3 + bi) as f32);
-                    blk[..2].copy_from_slice(&d.to_bits().to_ne_bytes());
-                    if dtype == DType::Q8_0 && r == 0 {
-                        blk[2] = 0x80;
-                        blk[3] = 0x7f;
-                    }
-                }
-            }
+        for ((dtype, src), m) in SOURCES.iter().flat_map(|s| [(*s, 29), (*s, 11)]) {
+            let block = dtype.row_size(k).unwrap() / nb;
+            let raw = random_rows(dtype, m, k, 7);
+            let row_bytes = src.row_bytes(nb);
+            assert_eq!(row_bytes, block * nb);
             let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
-                (r < m).then(|| &raw[r * nb * block..(r + 1) * nb * block])
+                (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes])
             });
             let mut portable = vec![Line([0; 64]); nb * BLOCK_LINES];
-            pack_panel_portable(dtype, &rows, nb, &mut portable);
+            pack_panel_portable(src, &rows, nb, &mut portable);
             let mut panel = Vec::new();
             for isa in Isa::available() {
                 pack_panel(isa, dtype, &rows, nb, &mut panel);
@@ -931,9 +1100,9 @@ mod tests {
             // A panel of 32 present rows is packed over the previous contents (not cleared
             // first): every byte must be written.
             let full: [Option<&[u8]>; PANEL] =
-                std::array::from_fn(|r| Some(&raw[(r % m) * nb * block..(r % m + 1) * nb * block]));
+                std::array::from_fn(|r| Some(&raw[(r % m) * row_bytes..(r % m + 1) * row_bytes]));
             let mut want = vec![Line([0; 64]); nb * BLOCK_LINES];
-            pack_panel_portable(dtype, &full, nb, &mut want);
+            pack_panel_portable(src, &full, nb, &mut want);
             for isa in Isa::available() {
                 let mut stale = vec![Line([0xA5; 64]); nb * BLOCK_LINES];
                 pack_panel(isa, dtype, &full, nb, &mut stale);
@@ -958,7 +1127,7 @@ mod tests {
                     run_tile(isa, &panel, &acts, k, &mut out);
                     for c in 0..cols {
                         for r in 0..m {
-                            let want = reference(rows[r].unwrap(), dtype, &xs[c], k);
+                            let want = reference(rows[r].unwrap(), src, &xs[c], k);
                             assert_eq!(
                                 out[c][r].to_bits(),
                                 want.to_bits(),

@@ -10,7 +10,7 @@
 //! no offset, so the block sums start at 0 rather than at the offset correction: the same
 //! exact integers as the VNNI kernel's, hence the same f32 arithmetic and the same bits.
 
-use super::{Line, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
+use super::{Line, Source, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT, STEPS};
 use std::arch::x86_64::*;
 
 /// Rows of one 256-bit vector of a packed line (four `k` each).
@@ -52,11 +52,15 @@ fn transpose8(r: &mut [__m256i; 8]) {
 /// ones and the scales from F16C.
 ///
 /// # Safety
-/// The CPU must support AVX2, FMA and F16C; every present row holds `nb` blocks of `q4`'s type
-/// and `out` holds `nb` zeroed packed blocks.
+/// The CPU must support AVX2, FMA and F16C; every present row holds `nb` blocks of 32 of
+/// `src`'s type and `out` holds `nb` zeroed packed blocks.
 #[target_feature(enable = "avx2,fma,f16c")]
-pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-    let block = super::block_bytes(q4);
+pub(crate) unsafe fn pack_panel(
+    src: Source,
+    rows: &[Option<&[u8]>; PANEL],
+    nb: usize,
+    out: &mut [Line],
+) {
     let ones8 = _mm256_set1_epi8(1);
     let ones16 = _mm256_set1_epi16(1);
     for b in 0..nb {
@@ -67,9 +71,9 @@ pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out
             if group.iter().all(Option::is_none) {
                 continue;
             }
-            let mut scales = [0u16; ROWS];
+            let mut scales = [0f32; ROWS];
             let mut r = [_mm256_setzero_si256(); ROWS];
-            load_row_blocks!(group, b, block, q4, r, scales);
+            load_row_blocks!(group, b, src, r, scales);
             transpose8(&mut r);
             // Line `v` holds rows 16v..16v + 16: this group is its low or high half.
             let (v, half) = (g / 2, (g % 2) * 32);
@@ -84,9 +88,9 @@ pub unsafe fn pack_panel(q4: bool, rows: &[Option<&[u8]>; PANEL], nb: usize, out
             }
             let comp = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sum));
             // SAFETY: 8 scales and 8 corrections (32 bytes each) inside packed block `b`;
-            // `scales` holds 8 u16.
+            // `scales` holds 8 f32.
             unsafe {
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(scales.as_ptr().cast()));
+                let d = _mm256_loadu_ps(scales.as_ptr());
                 _mm256_storeu_ps(blk.add(SCALES_AT + v * 64 + half).cast(), d);
                 _mm256_storeu_si256(blk.add(COMP_AT + v * 64 + half).cast(), comp);
             }

@@ -12,7 +12,9 @@
 //! of any plain byte range go block by block: a block that a write covers only partly is
 //! rebuilt, patched and packed again, so nothing can go stale.
 
-use super::{block_bytes, pack_block, unpack_block_quants, PACKED_BLOCK, PANEL, Q8_0_BYTES, QK};
+use super::{
+    pack_block, unpack_block_quants, Source, PACKED_BLOCK, PANEL, Q4_0_BYTES, Q8_0_BYTES, QK,
+};
 use crate::dtype::DType;
 
 /// The packed-panel layout of one weight matrix.
@@ -52,7 +54,11 @@ impl PanelLayout {
     }
 
     fn block_bytes(&self) -> usize {
-        block_bytes(self.q4)
+        if self.q4 {
+            Q4_0_BYTES
+        } else {
+            Q8_0_BYTES
+        }
     }
 
     /// Bytes of the matrix stored plainly (what reads and writes address).
@@ -89,7 +95,8 @@ impl PanelLayout {
     /// Packs the plain block `plain` as block `b` of `row`.
     fn store_block(&self, stored: &mut [u8], row: usize, b: usize, plain: &[u8]) {
         let (blk, lane) = self.packed(row, b);
-        pack_block(self.q4, plain, &mut stored[blk], lane);
+        let src = if self.q4 { Source::Q4_0 } else { Source::Q8_0 };
+        pack_block(src, plain, 0, &mut stored[blk], lane);
         stored[self.scale_at(row, b)].copy_from_slice(&plain[..2]);
     }
 
@@ -192,7 +199,7 @@ mod tests {
                     (row < rows).then(|| &plain[row * row_bytes..(row + 1) * row_bytes])
                 });
                 let mut want = vec![Line([0; 64]); nb * BLOCK_LINES];
-                pack_panel_portable(dtype, &rows_of, nb, &mut want);
+                pack_panel_portable(Source::of(dtype).unwrap(), &rows_of, nb, &mut want);
                 let got = &stored[p * layout.panel_bytes()..(p + 1) * layout.panel_bytes()];
                 let want: Vec<u8> = want.iter().flat_map(|l| l.0).collect();
                 assert_eq!(got, &want[..], "{dtype} panel {p}");
