@@ -21,14 +21,17 @@ import statistics
 import subprocess
 import sys
 import time
+
+import numpy as np
 from typing import Any
 
 from _bench_timing import streaming_read_gbs
 
 
-def _prompt(n: int) -> list[int]:
-    # a fixed pseudo-random prompt of ordinary tokens (ids 100..30000)
-    return [100 + (i * 7919) % 29900 for i in range(n)]
+def _prompt(n: int, n_vocab: int, start: int = 100) -> list[int]:
+    # a fixed pseudo-random prompt of ordinary tokens (ids 100..30000, wrapped into a smaller
+    # vocabulary)
+    return [(start + (i * 7919) % 29900) % n_vocab for i in range(n)]
 
 
 def worker_ferrograph(model: str | None, threads: int) -> dict[str, float]:
@@ -37,17 +40,19 @@ def worker_ferrograph(model: str | None, threads: int) -> dict[str, float]:
     t0 = time.perf_counter()
     llm = LLM(model, n_threads=threads, n_ctx=1024, n_batch=512)
     out = {"load": (time.perf_counter() - t0) * 1e3}
+    vocab = llm.config.n_vocab
     for n in (128, 512):
         llm.reset()
         t0 = time.perf_counter()
-        llm._prefill(_prompt(n), all_logits=False)
+        llm._prefill(_prompt(n, vocab), all_logits=False)
         out[f"pp{n}"] = n / (time.perf_counter() - t0)
     llm.reset()
-    llm._prefill([100], all_logits=False)
+    llm._prefill(_prompt(1, vocab), all_logits=False)
+    steps = _prompt(128, vocab, start=200)
     t0 = time.perf_counter()
-    for i in range(128):
-        llm._eval([200 + i], 1 + i, False)
-        llm._cached_tokens.append(200 + i)
+    for i, token in enumerate(steps):
+        llm._eval([token], 1 + i, False)
+        llm._cached_tokens.append(token)
     out["tg128"] = 128 / (time.perf_counter() - t0)
     out.update(_decode_breakdown(llm, 129))
     return out
@@ -80,14 +85,16 @@ def _decode_breakdown(llm: Any, position: int, steps: int = 32) -> dict[str, flo
     llm.scheduler = timed
     total = 0.0
     try:
-        for i in range(steps):
+        for i, token in enumerate(_prompt(steps, llm.config.n_vocab, start=300)):
             t0 = time.perf_counter()
-            llm._eval([300 + i], position + i, False)
+            llm._eval([token], position + i, False)
             total += time.perf_counter() - t0
     finally:
         llm.scheduler = timed.inner
-    step = llm._graph(1, llm._window(position + steps), 1)
-    profile = llm.scheduler.graph_compute(step.graph, profile=True)
+    # one more step, profiled (through the public API: it sets the step's inputs)
+    at = position + steps
+    llm.evaluate([1], [at], [at], np.ones((1, at + 1), dtype=bool), profile=True)
+    profile = llm.last_profile
     tied = "output.weight" not in llm.weights
     weight_bytes = sum(
         t.nbytes for name, t in llm.weights.items() if name != "token_embd.weight" or tied
@@ -115,16 +122,18 @@ def worker_llamacpp(model: str | None, threads: int) -> dict[str, float]:
         verbose=False,
     )
     out = {"load": (time.perf_counter() - t0) * 1e3}
+    vocab = llm.n_vocab()
     for n in (128, 512):
         llm.reset()
         t0 = time.perf_counter()
-        llm.eval(_prompt(n))
+        llm.eval(_prompt(n, vocab))
         out[f"pp{n}"] = n / (time.perf_counter() - t0)
     llm.reset()
-    llm.eval([100])
+    llm.eval(_prompt(1, vocab))
+    steps = _prompt(128, vocab, start=200)
     t0 = time.perf_counter()
-    for i in range(128):
-        llm.eval([200 + i])
+    for token in steps:
+        llm.eval([token])
     out["tg128"] = 128 / (time.perf_counter() - t0)
     return out
 

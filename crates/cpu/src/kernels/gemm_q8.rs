@@ -242,6 +242,7 @@ pub(crate) const PACK_PREFETCH: usize = 256;
 
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod kquant;
 pub mod stored;
 
 /// Weight rows per packed panel (two 16-lane vectors).
@@ -306,10 +307,11 @@ fn has_vnni512() -> bool {
     crate::isa::get().avx512_bw_vnni()
 }
 
-/// Bytes of one prepared activation row of `k` elements: `k` offset quants, then one f32
-/// scale per block.
+/// Bytes of one prepared activation row of `k` elements: `k` offset quants, one f32 scale per
+/// block, then two f32 half-block sums per block (filled for K-quant weights only, see
+/// `kquant`).
 pub fn act_row_bytes(k: usize) -> usize {
-    k + 4 * (k / QK)
+    k + 12 * (k / QK)
 }
 
 /// Bytes of one activation row of `k` elements as the kernels of `isa` read it: the AVX2
@@ -347,7 +349,9 @@ pub fn prepare_row_for(isa: Isa, x: &[f32], out: &mut [u8]) {
 /// Whether this path handles the product (quantized weights with whole blocks in dense rows,
 /// a dense f32 output).
 pub fn applies(a: &RawTensor, dst: &RawTensor) -> bool {
-    if Source::of(a.dtype).is_none() {
+    // K-quants have only the VNNI kernel (and the portable reference).
+    let k_quant = kquant::KType::of(a.dtype).is_some() && Isa::best() == Isa::Vnni512;
+    if Source::of(a.dtype).is_none() && !k_quant {
         return false;
     }
     a.ne[0] > 0
@@ -400,8 +404,9 @@ pub fn prepare_row_portable(x: &[f32], out: &mut [u8]) {
 }
 
 /// Prepares every row of `b` (parallel) into `out` (`nrows × act_row_bytes_for(isa, k)`
-/// bytes) for the kernels of `isa`.
-fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8]) -> Result<()> {
+/// bytes) for the kernels of `isa`, with the half-block sums K-quant weights need
+/// (`half_sums`).
+fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8], half_sums: bool) -> Result<()> {
     let k = b.ne[0];
     let row_bytes = act_row_bytes_for(isa, k);
     super::par_rows_mut(
@@ -413,6 +418,9 @@ fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8]) -> Result<()> {
             // SAFETY: row `r` lies inside `b` (read-only during the product).
             unsafe { b.load_row(i1, i2, i3, buf)? };
             prepare_row_for(isa, buf, row);
+            if half_sums {
+                kquant::fill_half_sums(row, k);
+            }
             Ok(())
         },
     )
@@ -578,11 +586,6 @@ mod x86 {
         nb: usize,
         out: &mut [Line],
     ) {
-        let ones = _mm512_set1_epi8(1);
-        // Qwords of the lane exchange: lines 0-3 take lanes 0 and 2 of both inputs, lines
-        // 4-7 lanes 1 and 3 (`a` = rows 0-3 and 8-11, `b` = rows 4-7 and 12-15).
-        let first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
-        let second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
         for b in 0..nb {
             // SAFETY: packed block `b` exists in `out` (caller).
             let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();
@@ -596,33 +599,9 @@ mod x86 {
                 let mut scales = [0f32; 16];
                 let mut r = [_mm256_setzero_si256(); 16];
                 load_row_blocks!(half, b, src, r, scales);
-                let mut z = [_mm512_setzero_si512(); 8];
-                for p in 0..8 {
-                    z[p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r[p]), r[p + 8]);
-                }
-                // Within each 128-bit lane: t = 2-row interleaves, u[j] (j < 4) = dword j of
-                // rows 0-3, u[4 + j] = of rows 4-7 (and of rows 8-15 in the upper half).
-                let mut t = [_mm512_setzero_si512(); 8];
-                for p in 0..4 {
-                    t[2 * p] = _mm512_unpacklo_epi32(z[2 * p], z[2 * p + 1]);
-                    t[2 * p + 1] = _mm512_unpackhi_epi32(z[2 * p], z[2 * p + 1]);
-                }
-                let mut u = [_mm512_setzero_si512(); 8];
-                for g in 0..2 {
-                    let o = 4 * g;
-                    u[o] = _mm512_unpacklo_epi64(t[o], t[o + 2]);
-                    u[o + 1] = _mm512_unpackhi_epi64(t[o], t[o + 2]);
-                    u[o + 2] = _mm512_unpacklo_epi64(t[o + 1], t[o + 3]);
-                    u[o + 3] = _mm512_unpackhi_epi64(t[o + 1], t[o + 3]);
-                }
-                let mut sum = _mm512_setzero_si512();
-                for s in 0..STEPS {
-                    let (j, idx) = if s < 4 { (s, first) } else { (s - 4, second) };
-                    let line = _mm512_permutex2var_epi64(u[j], idx, u[j + 4]);
-                    // SAFETY: line `2s + v` of packed block `b` (64-byte aligned `Line`s).
-                    unsafe { _mm512_store_si512(blk.add((s * 2 + v) * 64).cast(), line) };
-                    sum = _mm512_dpbusd_epi32(sum, ones, line);
-                }
+                // SAFETY: packed block `b` holds `BLOCK_LINES` lines (caller).
+                let [low, high] = unsafe { store_quant_lines(&r, blk, v) };
+                let sum = _mm512_add_epi32(low, high);
                 // SAFETY: `scales` holds 16 f32; the stores write one line each of block `b`.
                 unsafe {
                     let d = _mm512_loadu_ps(scales.as_ptr());
@@ -633,6 +612,58 @@ mod x86 {
                 }
             }
         }
+    }
+
+    /// Writes the 32 values of 16 rows (`r[i]`: row `16 v + i`'s signed bytes) as the quant
+    /// lines of vector `v` of the packed block at `blk` (line `2 s + v` holds values
+    /// `4 s..4 s + 4` of the 16 rows) and returns each row's sum of values `0..16` and
+    /// `16..32` (lane `i`: row `16 v + i`). Rows `p` and `p + 8` share one register, and an
+    /// 8 × 8 transpose of 4-byte groups inside each 256-bit half plus one lane exchange gives
+    /// whole lines.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI; `blk` points at a 64-byte aligned packed block
+    /// whose first `2 · STEPS` lines may be written.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2")]
+    pub(crate) unsafe fn store_quant_lines(
+        r: &[__m256i; 16],
+        blk: *mut u8,
+        v: usize,
+    ) -> [__m512i; 2] {
+        let ones = _mm512_set1_epi8(1);
+        // Qwords of the lane exchange: lines 0-3 take lanes 0 and 2 of both inputs, lines
+        // 4-7 lanes 1 and 3 (`a` = rows 0-3 and 8-11, `b` = rows 4-7 and 12-15).
+        let first = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+        let second = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+        let mut z = [_mm512_setzero_si512(); 8];
+        for p in 0..8 {
+            z[p] = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(r[p]), r[p + 8]);
+        }
+        // Within each 128-bit lane: t = 2-row interleaves, u[j] (j < 4) = dword j of
+        // rows 0-3, u[4 + j] = of rows 4-7 (and of rows 8-15 in the upper half).
+        let mut t = [_mm512_setzero_si512(); 8];
+        for p in 0..4 {
+            t[2 * p] = _mm512_unpacklo_epi32(z[2 * p], z[2 * p + 1]);
+            t[2 * p + 1] = _mm512_unpackhi_epi32(z[2 * p], z[2 * p + 1]);
+        }
+        let mut u = [_mm512_setzero_si512(); 8];
+        for g in 0..2 {
+            let o = 4 * g;
+            u[o] = _mm512_unpacklo_epi64(t[o], t[o + 2]);
+            u[o + 1] = _mm512_unpackhi_epi64(t[o], t[o + 2]);
+            u[o + 2] = _mm512_unpacklo_epi64(t[o + 1], t[o + 3]);
+            u[o + 3] = _mm512_unpackhi_epi64(t[o + 1], t[o + 3]);
+        }
+        let mut sums = [_mm512_setzero_si512(); 2];
+        for s in 0..STEPS {
+            let (j, idx) = if s < 4 { (s, first) } else { (s - 4, second) };
+            let line = _mm512_permutex2var_epi64(u[j], idx, u[j + 4]);
+            // SAFETY: line `2s + v` of the packed block (64-byte aligned, caller).
+            unsafe { _mm512_store_si512(blk.add((s * 2 + v) * 64).cast(), line) };
+            sums[s / 4] = _mm512_dpbusd_epi32(sums[s / 4], ones, line);
+        }
+        sums
     }
 
     /// [`super::prepare_row`] with AVX-512: the same operations as `quantize_row_q8_0`
@@ -873,10 +904,16 @@ fn mul_mat_from(
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     let nb = k / QK;
+    let k_quant = kquant::KType::of(a.dtype);
+    if k_quant.is_some() && (isa == Isa::Avx2 || stored.is_some()) {
+        return Err(Error::shape(
+            "quantized GEMM: K-quant weights need the VNNI or the portable kernel, plain rows",
+        ));
+    }
     let row_bytes = act_row_bytes_for(isa, k);
     scratch.clear();
     scratch.resize(b.nrows() * row_bytes, 0);
-    prepare_acts(isa, b, scratch)?;
+    prepare_acts(isa, b, scratch, k_quant.is_some())?;
     let acts: &[u8] = scratch;
     let a_row_bytes = a.dtype.row_size(k)?;
     let panels = m.div_ceil(PANEL);
@@ -921,7 +958,10 @@ fn mul_mat_from(
                             }
                         })
                     });
-                    pack_panel(isa, a.dtype, &rows, nb, &mut buf);
+                    match k_quant {
+                        Some(kt) => kquant::pack_panel(isa, kt, &rows, nb, &mut buf),
+                        None => pack_panel(isa, a.dtype, &rows, nb, &mut buf),
+                    }
                     &buf
                 }
             };
@@ -935,7 +975,11 @@ fn mul_mat_from(
                     let r = j + n * (i12 + ne12 * i13);
                     *slot = &acts[r * row_bytes..(r + 1) * row_bytes];
                 }
-                run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
+                if k_quant.is_some() {
+                    kquant::run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
+                } else {
+                    run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
+                }
                 for (c, j) in (j0..j1).enumerate() {
                     let base = dst.row_offset(j, i12, i13) + i0 * 4;
                     // SAFETY: output elements (i0..i0 + valid, j) of batch (i12, i13) lie

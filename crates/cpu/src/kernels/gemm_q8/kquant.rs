@@ -1,0 +1,621 @@
+//! K-quant weights (q2_K, q3_K, q4_K, q5_K, q6_K) on the integer GEMM.
+//!
+//! Every value of a K-quant super-block is `scale(g) · q + min(g)` for a small integer `q`
+//! and a group `g` of 16 values (q2_K, q3_K, q6_K) or 32 (q4_K, q5_K), where
+//! `scale(g) = d · sc(g)` and `min(g) = −dmin · m(g)` are products of an f16 and an integer
+//! below 256 — exact in f32. So a block of 32 values is 32 signed bytes with a scale and a
+//! minimum per half of 16 ([`Decoded`]), and a product row · activation block is
+//!
+//! `Σ_h  scale(h) · da · Σ_{j ∈ h} q_j · qa_j  +  min(h) · (da · Σ_{j ∈ h} qa_j)`
+//!
+//! with the activations quantized to q8_0 (`da`, `qa`) as for the other weight types. The
+//! packed block keeps the parent's quant lines (so its transposing packer and its `vpdpbusd`
+//! inner loop serve unchanged) and adds a scale, an offset correction and a minimum per half;
+//! the prepared activation rows carry each half's `da · Σ qa` after their scales.
+//!
+//! Arithmetic (identical on every path and for every task split). For output element
+//! `(i, j)`: `acc = 0`, then for blocks `b` in ascending order and halves `h = 0, 1`:
+//! `acc = fma(isum(i, j, b, h) as f32, scale(i, b, h) · da(j, b), acc)`, then
+//! `acc = fma(min(i, b, h), ds(j, b, h), acc)`, where `isum` is the exact integer sum over the
+//! half (at most 16 · 128 · 127 in magnitude, exact in f32) and `ds = da · (Σ qa as f32)`,
+//! rounded once. Only the AVX-512 VNNI kernel and the portable one (the reference) exist: on
+//! CPUs without VNNI K-quant products keep decoding f32 tiles.
+
+use super::{Isa, Line, PANEL, QK, STEPS};
+use crate::dtype::DType;
+use crate::kernels::quant_dot::f16_bits_to_f32;
+use crate::quant::kquants::{
+    k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit,
+    unpack_4bit, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+};
+
+/// Values per super-block.
+const QK_K: usize = 256;
+/// Blocks of 32 per super-block.
+const BLOCKS_PER_SUPER: usize = QK_K / QK;
+
+/// Lines per packed block: the parent's 8 steps × 2 vectors of quants, then per (half,
+/// vector) a line of scales, a line of offset corrections and a line of minimums.
+pub(super) const BLOCK_LINES: usize = STEPS * 2 + 12;
+/// Byte offset of the scales (line `2 h + v`) inside a packed block.
+const SCALES_AT: usize = STEPS * 2 * 64;
+/// Byte offset of the offset corrections inside a packed block.
+const COMP_AT: usize = SCALES_AT + 4 * 64;
+/// Byte offset of the minimums inside a packed block.
+const MINS_AT: usize = COMP_AT + 4 * 64;
+/// Bytes of one packed block.
+const PACKED_BLOCK: usize = BLOCK_LINES * 64;
+
+/// The K-quant types.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KType {
+    /// q2_K: 2-bit values with a 4-bit scale and minimum per 16.
+    Q2K,
+    /// q3_K: 3-bit signed values with a 6-bit scale per 16.
+    Q3K,
+    /// q4_K: 4-bit values with a 6-bit scale and minimum per 32.
+    Q4K,
+    /// q5_K: 5-bit values with a 6-bit scale and minimum per 32.
+    Q5K,
+    /// q6_K: 6-bit signed values with an 8-bit scale per 16.
+    Q6K,
+}
+
+impl KType {
+    /// The K-quant type of `dtype`, if it is one.
+    pub(crate) fn of(dtype: DType) -> Option<KType> {
+        Some(match dtype {
+            DType::Q2_K => KType::Q2K,
+            DType::Q3_K => KType::Q3K,
+            DType::Q4_K => KType::Q4K,
+            DType::Q5_K => KType::Q5K,
+            DType::Q6_K => KType::Q6K,
+            _ => return None,
+        })
+    }
+
+    /// Bytes of one super-block.
+    fn bytes(self) -> usize {
+        match self {
+            KType::Q2K => Q2_K_BYTES,
+            KType::Q3K => Q3_K_BYTES,
+            KType::Q4K => Q4_K_BYTES,
+            KType::Q5K => Q5_K_BYTES,
+            KType::Q6K => Q6_K_BYTES,
+        }
+    }
+}
+
+/// One super-block as integers: value `j` is `scale[j / 16] · q[j] + min[j / 16]`.
+#[derive(Clone, Copy)]
+pub(super) struct Decoded {
+    q: [i8; QK_K],
+    scale: [f32; 16],
+    min: [f32; 16],
+}
+
+impl Decoded {
+    const ZERO: Decoded = Decoded {
+        q: [0; QK_K],
+        scale: [0.0; 16],
+        min: [0.0; 16],
+    };
+}
+
+/// The f16 at byte `at` of `b`, widened.
+#[inline(always)]
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16_bits_to_f32(u16::from_le_bytes([b[at], b[at + 1]]))
+}
+
+/// Decodes the super-block `sb` of type `kt` into `out` (the definition of [`Decoded`]).
+#[inline(always)]
+fn decode(kt: KType, sb: &[u8], out: &mut Decoded) {
+    match kt {
+        KType::Q2K => {
+            let q = unpack_2bit(&sb[16..80]);
+            let (d, dmin) = (f16_at(sb, 80), f16_at(sb, 82));
+            for (o, &v) in out.q.iter_mut().zip(&q) {
+                *o = v as i8;
+            }
+            for g in 0..16 {
+                out.scale[g] = d * f32::from(sb[g] & 15);
+                out.min[g] = -(dmin * f32::from(sb[g] >> 4));
+            }
+        }
+        KType::Q3K => {
+            out.q = q3_k_quants(&sb[0..32], &sb[32..96]);
+            let sc = q3_k_scales(&sb[96..108]);
+            let d = f16_at(sb, 108);
+            for g in 0..16 {
+                out.scale[g] = d * f32::from(sc[g]);
+                out.min[g] = 0.0;
+            }
+        }
+        KType::Q4K | KType::Q5K => {
+            let q = if kt == KType::Q4K {
+                unpack_4bit(&sb[16..144])
+            } else {
+                q5_k_quants(&sb[16..48], &sb[48..176])
+            };
+            for (o, &v) in out.q.iter_mut().zip(&q) {
+                *o = v as i8;
+            }
+            let (d, dmin) = (f16_at(sb, 0), f16_at(sb, 2));
+            let (sc, m) = k4_scales_mins(&sb[4..16]);
+            for g in 0..16 {
+                out.scale[g] = d * f32::from(sc[g / 2]);
+                out.min[g] = -(dmin * f32::from(m[g / 2]));
+            }
+        }
+        KType::Q6K => {
+            out.q = q6_k_quants(&sb[0..128], &sb[128..192]);
+            let d = f16_at(sb, 208);
+            for g in 0..16 {
+                out.scale[g] = d * f32::from(sb[192 + g] as i8);
+                out.min[g] = 0.0;
+            }
+        }
+    }
+}
+
+/// Fills the half-block sums of a prepared activation row of `k` elements (the parent's
+/// layout: `k` offset quants, `k / 32` f32 scales, then these `2 k / 32` f32): half `h` of
+/// block `b` gets `da(b) · Σ (quant − 128)` over its 16 values.
+pub(super) fn fill_half_sums(row: &mut [u8], k: usize) {
+    let nb = k / QK;
+    let (quants, rest) = row.split_at_mut(k);
+    let (scales, sums) = rest.split_at_mut(4 * nb);
+    for (b, half) in quants[..k].chunks_exact(QK / 2).enumerate() {
+        let isum: i32 = half.iter().map(|&q| i32::from(q) - 128).sum();
+        let da = f32::from_ne_bytes(scales[4 * (b / 2)..][..4].try_into().expect("4 bytes"));
+        sums[4 * b..4 * b + 4].copy_from_slice(&(da * isum as f32).to_ne_bytes());
+    }
+}
+
+/// Packs the K-quant rows `rows` (`None` past the matrix's last row) of type `kt` into `out`:
+/// `nb` packed blocks of 32 values, with the packer of `isa` (each writes the same bytes).
+pub(super) fn pack_panel(
+    isa: Isa,
+    kt: KType,
+    rows: &[Option<&[u8]>; PANEL],
+    nb: usize,
+    out: &mut Vec<Line>,
+) {
+    assert!(nb.is_multiple_of(BLOCKS_PER_SUPER));
+    assert!(rows
+        .iter()
+        .flatten()
+        .all(|r| r.len() >= nb / BLOCKS_PER_SUPER * kt.bytes()));
+    // The packers write every byte of a panel whose rows are all present; only a panel with
+    // missing rows (past the matrix's end) is cleared first.
+    if out.len() != nb * BLOCK_LINES || rows.iter().any(Option::is_none) {
+        out.clear();
+        out.resize(nb * BLOCK_LINES, Line([0; 64]));
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI and AVX2/F16C;
+        // the sizes were checked above.
+        Isa::Vnni512 => unsafe { x86::pack_panel(kt, rows, nb, out) },
+        _ => pack_panel_portable(kt, rows, nb, out),
+    }
+}
+
+/// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
+fn pack_panel_portable(kt: KType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
+    // SAFETY: a `Line` is 64 plain bytes (`repr(C)`), so the lines are `64 · len` bytes.
+    let bytes = unsafe {
+        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
+    };
+    let mut dec = Decoded::ZERO;
+    for (r, row) in rows.iter().enumerate() {
+        let Some(row) = row else {
+            continue;
+        };
+        let (v, lane) = (r / 16, r % 16);
+        for (s, sb) in row.chunks_exact(kt.bytes()).take(nb / BLOCKS_PER_SUPER).enumerate() {
+            decode(kt, sb, &mut dec);
+            for j in 0..BLOCKS_PER_SUPER {
+                let blk = &mut bytes[(s * BLOCKS_PER_SUPER + j) * PACKED_BLOCK..][..PACKED_BLOCK];
+                let w = &dec.q[QK * j..QK * (j + 1)];
+                for st in 0..STEPS {
+                    let at = (st * 2 + v) * 64 + lane * 4;
+                    for t in 0..4 {
+                        blk[at + t] = w[4 * st + t] as u8;
+                    }
+                }
+                for h in 0..2 {
+                    let sum: i32 = w[16 * h..16 * h + 16].iter().map(|&x| i32::from(x)).sum();
+                    let line = (2 * h + v) * 64 + lane * 4;
+                    let g = 2 * j + h;
+                    blk[SCALES_AT + line..][..4].copy_from_slice(&dec.scale[g].to_ne_bytes());
+                    blk[COMP_AT + line..][..4].copy_from_slice(&(-128 * sum).to_ne_bytes());
+                    blk[MINS_AT + line..][..4].copy_from_slice(&dec.min[g].to_ne_bytes());
+                }
+            }
+        }
+    }
+}
+
+/// The f32 or i32 lane `r` of line `2 h + v` at byte offset `at` of the packed block `blk`.
+fn lane(blk: &[Line], at: usize, h: usize, r: usize) -> [u8; 4] {
+    let (v, lane) = (r / 16, r % 16);
+    let line = at / 64 + 2 * h + v;
+    blk[line].0[lane * 4..lane * 4 + 4]
+        .try_into()
+        .expect("4 bytes")
+}
+
+/// The portable micro-kernel: `out[c][r]` for panel row `r` and activation row `acts[c]`.
+fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; super::COLS]) {
+    let nb = k / QK;
+    for (c, act) in acts.iter().enumerate() {
+        let f32_at = |at: usize| f32::from_ne_bytes(act[at..at + 4].try_into().expect("4"));
+        for (r, o) in out[c].iter_mut().enumerate() {
+            let (v, lane_at) = (r / 16, (r % 16) * 4);
+            let mut acc = 0f32;
+            for b in 0..nb {
+                let blk = &panel[b * BLOCK_LINES..(b + 1) * BLOCK_LINES];
+                let da = f32_at(k + 4 * b);
+                for h in 0..2 {
+                    let mut isum = i32::from_ne_bytes(lane(blk, COMP_AT, h, r));
+                    for s in 4 * h..4 * h + 4 {
+                        let line = &blk[s * 2 + v].0;
+                        for t in 0..4 {
+                            let a = i32::from(act[b * QK + 4 * s + t]);
+                            isum += a * i32::from(line[lane_at + t] as i8);
+                        }
+                    }
+                    let dw = f32::from_ne_bytes(lane(blk, SCALES_AT, h, r));
+                    let mn = f32::from_ne_bytes(lane(blk, MINS_AT, h, r));
+                    let ds = f32_at(k + 4 * nb + 4 * (2 * b + h));
+                    acc = (isum as f32).mul_add(dw * da, acc);
+                    acc = mn.mul_add(ds, acc);
+                }
+            }
+            *o = acc;
+        }
+    }
+}
+
+/// One micro-tile with the kernels of `isa` (`acts.len()` in 1..=COLS; every activation row
+/// prepared with its half sums, see [`fill_half_sums`]).
+pub(super) fn run_tile(
+    isa: Isa,
+    panel: &[Line],
+    acts: &[&[u8]],
+    k: usize,
+    out: &mut [[f32; PANEL]; super::COLS],
+) {
+    assert!(!acts.is_empty() && acts.len() <= super::COLS);
+    assert!(panel.len() >= (k / QK) * BLOCK_LINES);
+    assert!(acts.iter().all(|a| a.len() >= super::act_row_bytes(k)));
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: `Vnni512` is only chosen when the CPU has its features; sizes as above.
+        Isa::Vnni512 => unsafe { x86::tile_vnni512(panel, acts, k, out) },
+        _ => tile_portable(panel, acts, k, out),
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::super::x86::store_quant_lines;
+    use super::super::{Line, COLS, PANEL, QK};
+    use super::{
+        decode, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT, SCALES_AT,
+    };
+    use std::arch::x86_64::*;
+
+    /// [`super::pack_panel`] with AVX-512: each row's super-block is decoded once into
+    /// integers (compiled here with AVX2 enabled), then each block's 16-row halves go through
+    /// the parent's transposing store; scales and minimums are gathered per lane.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI, AVX2 and F16C; every present row holds
+    /// `nb / 8` super-blocks of `kt` and `out` holds `nb` zeroed packed blocks.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    pub(super) unsafe fn pack_panel(
+        kt: KType,
+        rows: &[Option<&[u8]>; PANEL],
+        nb: usize,
+        out: &mut [Line],
+    ) {
+        let mut dec = [Decoded::ZERO; PANEL];
+        let bytes = kt.bytes();
+        for s in 0..nb / BLOCKS_PER_SUPER {
+            for (r, row) in rows.iter().enumerate() {
+                if let Some(row) = row {
+                    decode(kt, &row[s * bytes..(s + 1) * bytes], &mut dec[r]);
+                }
+            }
+            for j in 0..BLOCKS_PER_SUPER {
+                let b = s * BLOCKS_PER_SUPER + j;
+                // SAFETY: packed block `b` exists in `out` (caller).
+                let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();
+                for v in 0..2 {
+                    if rows[16 * v..16 * v + 16].iter().all(Option::is_none) {
+                        continue;
+                    }
+                    let mut r = [_mm256_setzero_si256(); 16];
+                    let mut scale = [[0f32; 16]; 2];
+                    let mut min = [[0f32; 16]; 2];
+                    for i in 0..16 {
+                        if rows[16 * v + i].is_none() {
+                            continue;
+                        }
+                        let d = &dec[16 * v + i];
+                        // SAFETY: bytes `32 j..32 j + 32` of the 256 decoded values.
+                        r[i] = unsafe { _mm256_loadu_si256(d.q.as_ptr().add(QK * j).cast()) };
+                        for h in 0..2 {
+                            scale[h][i] = d.scale[2 * j + h];
+                            min[h][i] = d.min[2 * j + h];
+                        }
+                    }
+                    // SAFETY: packed block `b` (64-byte aligned lines) holds BLOCK_LINES
+                    // lines; the stores write line `2 h + v` of each lane field.
+                    unsafe {
+                        let sums = store_quant_lines(&r, blk, v);
+                        for h in 0..2 {
+                            let line = (2 * h + v) * 64;
+                            let comp = _mm512_sub_epi32(
+                                _mm512_setzero_si512(),
+                                _mm512_slli_epi32::<7>(sums[h]),
+                            );
+                            _mm512_store_si512(blk.add(COMP_AT + line).cast(), comp);
+                            let sc = _mm512_loadu_ps(scale[h].as_ptr());
+                            _mm512_store_ps(blk.add(SCALES_AT + line).cast(), sc);
+                            let mn = _mm512_loadu_ps(min[h].as_ptr());
+                            _mm512_store_ps(blk.add(MINS_AT + line).cast(), mn);
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The VNNI micro-kernel for `C` activation rows: 32 weight rows × `C` columns held in
+    /// 2·`C` integer and 2·`C` f32 accumulators, the integer sums restarted per half block.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI; `panel` holds `k / 32` packed blocks and every
+    /// `acts[c]` a prepared activation row of `k` elements with its half sums.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn tile<const C: usize>(
+        panel: &[Line],
+        acts: &[&[u8]],
+        k: usize,
+        out: &mut [[f32; PANEL]; COLS],
+    ) {
+        let nb = k / QK;
+        debug_assert!(panel.len() >= nb * BLOCK_LINES && acts.len() >= C);
+        let ap: [*const u8; C] = std::array::from_fn(|c| acts[c].as_ptr());
+        let mut accf = [[_mm512_setzero_ps(); 2]; C];
+        for b in 0..nb {
+            // SAFETY: block `b` of the panel (BLOCK_LINES aligned lines) and bytes
+            // `32 b .. 32 b + 32`, the scale `k + 4 b` and the half sums `k + 4 nb + 8 b`
+            // of every activation row exist (caller); the panel lines are 64-byte aligned.
+            unsafe {
+                let blk = panel.as_ptr().add(b * BLOCK_LINES).cast::<u8>();
+                for h in 0..2 {
+                    let at = |base: usize, v: usize| blk.add(base + (2 * h + v) * 64);
+                    let comp0 = _mm512_load_si512(at(COMP_AT, 0).cast());
+                    let comp1 = _mm512_load_si512(at(COMP_AT, 1).cast());
+                    let mut acci = [[comp0, comp1]; C];
+                    for s in 4 * h..4 * h + 4 {
+                        let w0 = _mm512_load_si512(blk.add(s * 128).cast());
+                        let w1 = _mm512_load_si512(blk.add(s * 128 + 64).cast());
+                        for c in 0..C {
+                            let x = ap[c].add(b * QK + 4 * s).cast::<i32>().read_unaligned();
+                            let a = _mm512_set1_epi32(x);
+                            acci[c][0] = _mm512_dpbusd_epi32(acci[c][0], a, w0);
+                            acci[c][1] = _mm512_dpbusd_epi32(acci[c][1], a, w1);
+                        }
+                    }
+                    let dw = [
+                        _mm512_load_ps(at(SCALES_AT, 0).cast()),
+                        _mm512_load_ps(at(SCALES_AT, 1).cast()),
+                    ];
+                    let mn = [
+                        _mm512_load_ps(at(MINS_AT, 0).cast()),
+                        _mm512_load_ps(at(MINS_AT, 1).cast()),
+                    ];
+                    for c in 0..C {
+                        let da = ap[c].add(k + 4 * b).cast::<f32>().read_unaligned();
+                        let ds = ap[c].add(k + 4 * nb + 4 * (2 * b + h));
+                        let da = _mm512_set1_ps(da);
+                        let ds = _mm512_set1_ps(ds.cast::<f32>().read_unaligned());
+                        for v in 0..2 {
+                            accf[c][v] = _mm512_fmadd_ps(
+                                _mm512_cvtepi32_ps(acci[c][v]),
+                                _mm512_mul_ps(dw[v], da),
+                                accf[c][v],
+                            );
+                            accf[c][v] = _mm512_fmadd_ps(mn[v], ds, accf[c][v]);
+                        }
+                    }
+                }
+            }
+        }
+        for c in 0..C {
+            // SAFETY: `out[c]` holds 32 f32 (two unaligned 16-lane stores).
+            unsafe {
+                _mm512_storeu_ps(out[c].as_mut_ptr(), accf[c][0]);
+                _mm512_storeu_ps(out[c].as_mut_ptr().add(16), accf[c][1]);
+            }
+        }
+    }
+
+    /// Dispatches on the column count (1..=COLS).
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn tile_vnni512(
+        panel: &[Line],
+        acts: &[&[u8]],
+        k: usize,
+        out: &mut [[f32; PANEL]; COLS],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match acts.len() {
+                1 => tile::<1>(panel, acts, k, out),
+                2 => tile::<2>(panel, acts, k, out),
+                3 => tile::<3>(panel, acts, k, out),
+                4 => tile::<4>(panel, acts, k, out),
+                5 => tile::<5>(panel, acts, k, out),
+                _ => tile::<6>(panel, acts, k, out),
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kernels::testing::values;
+
+    const TYPES: [(DType, KType); 5] = [
+        (DType::Q2_K, KType::Q2K),
+        (DType::Q3_K, KType::Q3K),
+        (DType::Q4_K, KType::Q4K),
+        (DType::Q5_K, KType::Q5K),
+        (DType::Q6_K, KType::Q6K),
+    ];
+
+    /// `m` rows of `k` values: random bytes with sane f16 `d` (and `dmin`) of both signs.
+    fn random_rows(dtype: DType, m: usize, k: usize, seed: u32) -> Vec<u8> {
+        let row_bytes = dtype.row_size(k).unwrap();
+        let mut raw = vec![0u8; m * row_bytes];
+        let mut s = seed;
+        for byte in raw.iter_mut() {
+            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+            *byte = (s >> 24) as u8;
+        }
+        let at: &[usize] = match dtype {
+            DType::Q2_K => &[80, 82],
+            DType::Q3_K => &[108],
+            DType::Q6_K => &[208],
+            _ => &[0, 2],
+        };
+        for (i, sb) in raw.chunks_exact_mut(dtype.type_size()).enumerate() {
+            for (n, &a) in at.iter().enumerate() {
+                let sign = if (i + n) % 3 == 0 { -1.0 } else { 1.0 };
+                let d = half::f16::from_f32(sign * (0.002 + 0.0003 * ((i * 7 + n) % 11) as f32));
+                sb[a..a + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+            }
+        }
+        raw
+    }
+
+    /// `scale · q + min` of every value equals the type's decoder.
+    #[test]
+    fn decoded_integers_give_the_decoded_values() {
+        for (dtype, kt) in TYPES {
+            let raw = random_rows(dtype, 1, 4 * QK_K, 3);
+            let mut want = vec![0f32; 4 * QK_K];
+            dtype.row_to_f32(&raw, &mut want).unwrap();
+            let mut dec = Decoded::ZERO;
+            for (s, sb) in raw.chunks_exact(kt.bytes()).enumerate() {
+                decode(kt, sb, &mut dec);
+                for j in 0..QK_K {
+                    let g = j / 16;
+                    let got = dec.scale[g].mul_add(f32::from(dec.q[j]), dec.min[g]);
+                    let want = want[s * QK_K + j];
+                    assert!(got == want, "{dtype} super-block {s} value {j}: {got} vs {want}");
+                }
+            }
+        }
+    }
+
+    /// The module's arithmetic written out from the decoded integers (no packing).
+    fn reference(row: &[u8], kt: KType, act: &[f32], k: usize) -> f32 {
+        let mut prepared = vec![0u8; super::super::act_row_bytes(k)];
+        super::super::prepare_row(act, &mut prepared);
+        fill_half_sums(&mut prepared, k);
+        let nb = k / QK;
+        let f = |at: usize| f32::from_ne_bytes(prepared[at..at + 4].try_into().unwrap());
+        let mut acc = 0f32;
+        let mut dec = Decoded::ZERO;
+        for b in 0..nb {
+            if b % BLOCKS_PER_SUPER == 0 {
+                let s = b / BLOCKS_PER_SUPER;
+                decode(kt, &row[s * kt.bytes()..(s + 1) * kt.bytes()], &mut dec);
+            }
+            let j = b % BLOCKS_PER_SUPER;
+            for h in 0..2 {
+                let isum: i32 = (0..16)
+                    .map(|t| {
+                        let at = QK * j + 16 * h + t;
+                        i32::from(dec.q[at]) * (i32::from(prepared[b * QK + 16 * h + t]) - 128)
+                    })
+                    .sum();
+                let g = 2 * j + h;
+                acc = (isum as f32).mul_add(dec.scale[g] * f(k + 4 * b), acc);
+                acc = dec.min[g].mul_add(f(k + 4 * nb + 4 * (2 * b + h)), acc);
+            }
+        }
+        acc
+    }
+
+    /// Every packer writes the portable bytes and every kernel gives the written-out
+    /// arithmetic's bits, for every K-quant type, every column count and partial panels.
+    #[test]
+    fn every_isa_matches_the_arithmetic_bit_for_bit() {
+        let k = 2 * QK_K;
+        let nb = k / QK;
+        let isas: Vec<Isa> = Isa::available()
+            .into_iter()
+            .filter(|&i| i != Isa::Avx2)
+            .collect();
+        for ((dtype, kt), m) in TYPES.iter().flat_map(|t| [(*t, 29), (*t, 11), (*t, 32)]) {
+            let row_bytes = dtype.row_size(k).unwrap();
+            let raw = random_rows(dtype, m, k, 9);
+            let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
+                (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes])
+            });
+            let mut want = vec![Line([0; 64]); nb * BLOCK_LINES];
+            pack_panel_portable(kt, &rows, nb, &mut want);
+            // stale bytes: a full panel must overwrite every one
+            let mut panel = vec![Line([0xA5; 64]); nb * BLOCK_LINES];
+            for &isa in &isas {
+                panel.iter_mut().for_each(|l| *l = Line([0xA5; 64]));
+                pack_panel(isa, kt, &rows, nb, &mut panel);
+                let same = panel.iter().zip(&want).all(|(a, b)| a.0 == b.0);
+                assert!(same, "{dtype} {isa:?} m {m}: packed panel differs");
+            }
+            let xs: Vec<Vec<f32>> = (0..super::super::COLS)
+                .map(|c| values(k, 21 + c as u32))
+                .collect();
+            for cols in 1..=super::super::COLS {
+                let prepared: Vec<Vec<u8>> = xs[..cols]
+                    .iter()
+                    .map(|x| {
+                        let mut p = vec![0u8; super::super::act_row_bytes(k)];
+                        super::super::prepare_row(x, &mut p);
+                        fill_half_sums(&mut p, k);
+                        p
+                    })
+                    .collect();
+                let acts: Vec<&[u8]> = prepared.iter().map(|p| p.as_slice()).collect();
+                for &isa in &isas {
+                    let mut out = [[0f32; PANEL]; super::super::COLS];
+                    run_tile(isa, &want, &acts, k, &mut out);
+                    for c in 0..cols {
+                        for r in 0..m {
+                            let w = reference(rows[r].unwrap(), kt, &xs[c], k);
+                            assert_eq!(
+                                out[c][r].to_bits(),
+                                w.to_bits(),
+                                "{dtype} {isa:?} cols {cols} c {c} r {r}: {} vs {w}",
+                                out[c][r]
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
