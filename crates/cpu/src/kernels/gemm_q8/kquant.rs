@@ -111,20 +111,36 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 /// Decodes the super-block `sb` of type `kt` into `out` (the definition of [`Decoded`]).
 #[inline(always)]
 fn decode(kt: KType, sb: &[u8], out: &mut Decoded) {
+    decode_scales(kt, sb, out);
+    match kt {
+        KType::Q2K => widen(&unpack_2bit(&sb[16..80]), &mut out.q),
+        KType::Q3K => out.q = q3_k_quants(&sb[0..32], &sb[32..96]),
+        KType::Q4K => widen(&unpack_4bit(&sb[16..144]), &mut out.q),
+        KType::Q5K => widen(&q5_k_quants(&sb[16..48], &sb[48..176]), &mut out.q),
+        KType::Q6K => out.q = q6_k_quants(&sb[0..128], &sb[128..192]),
+    }
+}
+
+/// Small unsigned values as signed bytes.
+#[inline(always)]
+fn widen(q: &[u8; QK_K], out: &mut [i8; QK_K]) {
+    for (o, &v) in out.iter_mut().zip(q) {
+        *o = v as i8;
+    }
+}
+
+/// The scales and minimums of [`decode`].
+#[inline(always)]
+fn decode_scales(kt: KType, sb: &[u8], out: &mut Decoded) {
     match kt {
         KType::Q2K => {
-            let q = unpack_2bit(&sb[16..80]);
             let (d, dmin) = (f16_at(sb, 80), f16_at(sb, 82));
-            for (o, &v) in out.q.iter_mut().zip(&q) {
-                *o = v as i8;
-            }
             for g in 0..16 {
                 out.scale[g] = d * f32::from(sb[g] & 15);
                 out.min[g] = -(dmin * f32::from(sb[g] >> 4));
             }
         }
         KType::Q3K => {
-            out.q = q3_k_quants(&sb[0..32], &sb[32..96]);
             let sc = q3_k_scales(&sb[96..108]);
             let d = f16_at(sb, 108);
             for g in 0..16 {
@@ -133,14 +149,6 @@ fn decode(kt: KType, sb: &[u8], out: &mut Decoded) {
             }
         }
         KType::Q4K | KType::Q5K => {
-            let q = if kt == KType::Q4K {
-                unpack_4bit(&sb[16..144])
-            } else {
-                q5_k_quants(&sb[16..48], &sb[48..176])
-            };
-            for (o, &v) in out.q.iter_mut().zip(&q) {
-                *o = v as i8;
-            }
             let (d, dmin) = (f16_at(sb, 0), f16_at(sb, 2));
             let (sc, m) = k4_scales_mins(&sb[4..16]);
             for g in 0..16 {
@@ -149,7 +157,6 @@ fn decode(kt: KType, sb: &[u8], out: &mut Decoded) {
             }
         }
         KType::Q6K => {
-            out.q = q6_k_quants(&sb[0..128], &sb[128..192]);
             let d = f16_at(sb, 208);
             for g in 0..16 {
                 out.scale[g] = d * f32::from(sb[192 + g] as i8);
@@ -304,9 +311,100 @@ mod x86 {
     use super::super::x86::store_quant_lines;
     use super::super::{Line, COLS, PANEL, QK};
     use super::{
-        decode, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT, SCALES_AT,
+        decode_scales, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT,
+        SCALES_AT,
     };
     use std::arch::x86_64::*;
+
+    /// The 256 values of the super-block at `sb` as [`super::decode`] gives them, 32 at a time:
+    /// vector `i` holds values `32 i..32 i + 32`.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2; `sb` points at a whole super-block of `kt`.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    unsafe fn decode_quants(kt: KType, sb: *const u8, q: &mut [i8; 256]) {
+        let m2 = _mm256_set1_epi8(3);
+        let m4 = _mm256_set1_epi8(15);
+        let one = _mm256_set1_epi8(1);
+        let mut v = [_mm256_setzero_si256(); 8];
+        // SAFETY: every load reads 32 bytes inside the super-block (layouts in
+        // `crate::quant::kquants`).
+        unsafe {
+            match kt {
+                KType::Q2K | KType::Q3K => {
+                    let qs = if kt == KType::Q2K { 16 } else { 32 };
+                    let hmask = _mm256_loadu_si256(sb.cast());
+                    for h in 0..2 {
+                        let x = _mm256_loadu_si256(sb.add(qs + 32 * h).cast());
+                        for t in 0..4 {
+                            let i = 4 * h + t;
+                            let shift = _mm_cvtsi32_si128(2 * t as i32);
+                            let low = _mm256_and_si256(_mm256_srl_epi16(x, shift), m2);
+                            v[i] = if kt == KType::Q2K {
+                                low
+                            } else {
+                                // q3_K: low − 4 unless the value's bit of hmask is set
+                                let count = _mm_cvtsi32_si128(i as i32);
+                                let high = _mm256_and_si256(_mm256_srl_epi16(hmask, count), one);
+                                _mm256_sub_epi8(
+                                    _mm256_or_si256(low, _mm256_slli_epi16::<2>(high)),
+                                    _mm256_set1_epi8(4),
+                                )
+                            };
+                        }
+                    }
+                }
+                KType::Q4K | KType::Q5K => {
+                    let (qs, qh) = if kt == KType::Q4K { (16, 0) } else { (48, 16) };
+                    let bits = _mm256_loadu_si256(sb.add(qh).cast());
+                    for c in 0..4 {
+                        let x = _mm256_loadu_si256(sb.add(qs + 32 * c).cast());
+                        v[2 * c] = _mm256_and_si256(x, m4);
+                        v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
+                    }
+                    if kt == KType::Q5K {
+                        for (i, vi) in v.iter_mut().enumerate() {
+                            let count = _mm_cvtsi32_si128(i as i32);
+                            let high = _mm256_and_si256(_mm256_srl_epi16(bits, count), one);
+                            *vi = _mm256_or_si256(*vi, _mm256_slli_epi16::<4>(high));
+                        }
+                    }
+                }
+                KType::Q6K => {
+                    let thirty_two = _mm256_set1_epi8(32);
+                    for h in 0..2 {
+                        let l0 = _mm256_loadu_si256(sb.add(64 * h).cast());
+                        let l1 = _mm256_loadu_si256(sb.add(64 * h + 32).cast());
+                        let hb = _mm256_loadu_si256(sb.add(128 + 32 * h).cast());
+                        // the high two bits of value group t are bits 2t, 2t + 1 of `hb`
+                        let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hb, m2));
+                        let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(
+                            hb,
+                            _mm256_set1_epi8(0x0c),
+                        ));
+                        let h2 = _mm256_and_si256(hb, _mm256_set1_epi8(0x30));
+                        let h3 = _mm256_and_si256(
+                            _mm256_srli_epi16::<2>(hb),
+                            _mm256_set1_epi8(0x30),
+                        );
+                        let lo0 = _mm256_and_si256(l0, m4);
+                        let lo1 = _mm256_and_si256(l1, m4);
+                        let hi0 = _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4);
+                        let hi1 = _mm256_and_si256(_mm256_srli_epi16::<4>(l1), m4);
+                        let o = 4 * h;
+                        v[o] = _mm256_sub_epi8(_mm256_or_si256(lo0, h0), thirty_two);
+                        v[o + 1] = _mm256_sub_epi8(_mm256_or_si256(lo1, h1), thirty_two);
+                        v[o + 2] = _mm256_sub_epi8(_mm256_or_si256(hi0, h2), thirty_two);
+                        v[o + 3] = _mm256_sub_epi8(_mm256_or_si256(hi1, h3), thirty_two);
+                    }
+                }
+            }
+            for (i, vi) in v.iter().enumerate() {
+                _mm256_storeu_si256(q.as_mut_ptr().add(32 * i).cast(), *vi);
+            }
+        }
+    }
 
     /// [`super::pack_panel`] with AVX-512: each row's super-block is decoded once into
     /// integers (compiled here with AVX2 enabled), then each block's 16-row halves go through
@@ -327,7 +425,10 @@ mod x86 {
         for s in 0..nb / BLOCKS_PER_SUPER {
             for (r, row) in rows.iter().enumerate() {
                 if let Some(row) = row {
-                    decode(kt, &row[s * bytes..(s + 1) * bytes], &mut dec[r]);
+                    let sb = &row[s * bytes..(s + 1) * bytes];
+                    decode_scales(kt, sb, &mut dec[r]);
+                    // SAFETY: `sb` is a whole super-block; the CPU has AVX2 (caller).
+                    unsafe { decode_quants(kt, sb.as_ptr(), &mut dec[r].q) };
                 }
             }
             for j in 0..BLOCKS_PER_SUPER {
