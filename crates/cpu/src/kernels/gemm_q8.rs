@@ -404,9 +404,13 @@ pub fn prepare_row_portable(x: &[f32], out: &mut [u8]) {
 }
 
 /// Prepares every row of `b` (parallel) into `out` (`nrows × act_row_bytes_for(isa, k)`
-/// bytes) for the kernels of `isa`, with the half-block sums K-quant weights need
-/// (`half_sums`).
-fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8], half_sums: bool) -> Result<()> {
+/// bytes) for the kernels of `isa`, with the sums weights of a K-quant type need.
+fn prepare_acts(
+    isa: Isa,
+    b: &RawTensor,
+    out: &mut [u8],
+    k_quant: Option<kquant::KType>,
+) -> Result<()> {
     let k = b.ne[0];
     let row_bytes = act_row_bytes_for(isa, k);
     super::par_rows_mut(
@@ -418,8 +422,8 @@ fn prepare_acts(isa: Isa, b: &RawTensor, out: &mut [u8], half_sums: bool) -> Res
             // SAFETY: row `r` lies inside `b` (read-only during the product).
             unsafe { b.load_row(i1, i2, i3, buf)? };
             prepare_row_for(isa, buf, row);
-            if half_sums {
-                kquant::fill_half_sums(row, k);
+            if let Some(kt) = k_quant {
+                kquant::fill_sums(row, k, kt);
             }
             Ok(())
         },
@@ -913,7 +917,7 @@ fn mul_mat_from(
     let row_bytes = act_row_bytes_for(isa, k);
     scratch.clear();
     scratch.resize(b.nrows() * row_bytes, 0);
-    prepare_acts(isa, b, scratch, k_quant.is_some())?;
+    prepare_acts(isa, b, scratch, k_quant)?;
     let acts: &[u8] = scratch;
     let a_row_bytes = a.dtype.row_size(k)?;
     let panels = m.div_ceil(PANEL);
@@ -975,8 +979,8 @@ fn mul_mat_from(
                     let r = j + n * (i12 + ne12 * i13);
                     *slot = &acts[r * row_bytes..(r + 1) * row_bytes];
                 }
-                if k_quant.is_some() {
-                    kquant::run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
+                if let Some(kt) = k_quant {
+                    kquant::run_tile(kt, isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 } else {
                     run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 }

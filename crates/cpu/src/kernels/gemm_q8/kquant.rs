@@ -13,13 +13,22 @@
 //! inner loop serve unchanged) and adds a scale, an offset correction and a minimum per half;
 //! the prepared activation rows carry each half's `da · Σ qa` after their scales.
 //!
-//! Arithmetic (identical on every path and for every task split). For output element
-//! `(i, j)`: `acc = 0`, then for blocks `b` in ascending order and halves `h = 0, 1`:
-//! `acc = fma(isum(i, j, b, h) as f32, scale(i, b, h) · da(j, b), acc)`, then
-//! `acc = fma(min(i, b, h), ds(j, b, h), acc)`, where `isum` is the exact integer sum over the
-//! half (at most 16 · 128 · 127 in magnitude, exact in f32) and `ds = da · (Σ qa as f32)`,
-//! rounded once. Only the AVX-512 VNNI kernel and the portable one (the reference) exist: on
-//! CPUs without VNNI K-quant products keep decoding f32 tiles.
+//! Each term is paid only where the type has it ([`KType::halves`], [`KType::mins`]): q4_K
+//! and q5_K share one scale and one minimum over a block of 32, q3_K and q6_K have no
+//! minimums. Arithmetic (identical on every path and for every task split). For output
+//! element `(i, j)`: `acc = 0`, then for blocks `b` in ascending order, with `isum` exact
+//! integer sums (at most 32 · 128 · 127 in magnitude, exact in f32) and `ds` the activation
+//! sums `da · (Σ qa as f32)` rounded once:
+//! - scales per 32: `acc = fma(isum(b) as f32, scale(b) · da(b), acc)`, then with minimums
+//!   `acc = fma(min(b), ds(b), acc)`;
+//! - scales per 16: for halves `h = 0, 1`,
+//!   `acc = fma(isum(b, h) as f32, scale(b, h) · da(b), acc)`, then with minimums
+//!   `acc = fma(min(b, 0), ds(b, 0), acc)`, `acc = fma(min(b, 1), ds(b, 1), acc)`.
+//!   (Each half is added as soon as its integer sum is complete: holding both halves' sums
+//!   for six columns would need more than the 32 vector registers.)
+//!
+//! Only the AVX-512 VNNI kernel and the portable one (the reference) exist: on CPUs without
+//! VNNI, K-quant products keep decoding f32 tiles.
 
 use super::{Isa, Line, PANEL, QK, STEPS};
 use crate::dtype::DType;
@@ -35,7 +44,8 @@ const QK_K: usize = 256;
 const BLOCKS_PER_SUPER: usize = QK_K / QK;
 
 /// Lines per packed block: the parent's 8 steps × 2 vectors of quants, then per (half,
-/// vector) a line of scales, a line of offset corrections and a line of minimums.
+/// vector) a line of scales, a line of offset corrections and a line of minimums (types with
+/// one scale per 32 use the first half's lines for the whole block).
 pub(super) const BLOCK_LINES: usize = STEPS * 2 + 12;
 /// Byte offset of the scales (line `2 h + v`) inside a packed block.
 const SCALES_AT: usize = STEPS * 2 * 64;
@@ -72,6 +82,16 @@ impl KType {
             DType::Q6_K => KType::Q6K,
             _ => return None,
         })
+    }
+
+    /// Whether the scales come per 16 values (else one per block of 32).
+    pub(super) fn halves(self) -> bool {
+        matches!(self, KType::Q2K | KType::Q3K | KType::Q6K)
+    }
+
+    /// Whether the values have minimums.
+    pub(super) fn mins(self) -> bool {
+        matches!(self, KType::Q2K | KType::Q4K | KType::Q5K)
     }
 
     /// Bytes of one super-block.
@@ -166,17 +186,24 @@ fn decode_scales(kt: KType, sb: &[u8], out: &mut Decoded) {
     }
 }
 
-/// Fills the half-block sums of a prepared activation row of `k` elements (the parent's
-/// layout: `k` offset quants, `k / 32` f32 scales, then these `2 k / 32` f32): half `h` of
-/// block `b` gets `da(b) · Σ (quant − 128)` over its 16 values.
-pub(super) fn fill_half_sums(row: &mut [u8], k: usize) {
+/// Fills the activation sums of a prepared row of `k` elements for weights of `kt` (the
+/// parent's layout: `k` offset quants, `k / 32` f32 scales, then two f32 per block): with
+/// scales per 16, `da(b) · Σ (quant − 128)` over each half of block `b`; with one per 32, the
+/// same over the block, then 0.
+pub(super) fn fill_sums(row: &mut [u8], k: usize, kt: KType) {
     let nb = k / QK;
     let (quants, rest) = row.split_at_mut(k);
     let (scales, sums) = rest.split_at_mut(4 * nb);
-    for (b, half) in quants[..k].chunks_exact(QK / 2).enumerate() {
-        let isum: i32 = half.iter().map(|&q| i32::from(q) - 128).sum();
-        let da = f32::from_ne_bytes(scales[4 * (b / 2)..][..4].try_into().expect("4 bytes"));
-        sums[4 * b..4 * b + 4].copy_from_slice(&(da * isum as f32).to_ne_bytes());
+    let part = if kt.halves() { QK / 2 } else { QK };
+    for (b, block) in quants[..k].chunks_exact(QK).enumerate() {
+        let da = f32::from_ne_bytes(scales[4 * b..][..4].try_into().expect("4 bytes"));
+        let mut out = [0f32; 2];
+        for (o, q) in out.iter_mut().zip(block.chunks_exact(part)) {
+            let isum: i32 = q.iter().map(|&q| i32::from(q) - 128).sum();
+            *o = da * isum as f32;
+        }
+        sums[8 * b..8 * b + 4].copy_from_slice(&out[0].to_ne_bytes());
+        sums[8 * b + 4..8 * b + 8].copy_from_slice(&out[1].to_ne_bytes());
     }
 }
 
@@ -232,13 +259,21 @@ fn pack_panel_portable(kt: KType, rows: &[Option<&[u8]>; PANEL], nb: usize, out:
                         blk[at + t] = w[4 * st + t] as u8;
                     }
                 }
+                // one part per half with scales per 16, else one for the block and zeros
+                let parts = if kt.halves() { 2 } else { 1 };
                 for h in 0..2 {
-                    let sum: i32 = w[16 * h..16 * h + 16].iter().map(|&x| i32::from(x)).sum();
+                    let part = QK / parts;
+                    let (sum, scale, min) = if h < parts {
+                        let w = &w[part * h..part * (h + 1)];
+                        let sum: i32 = w.iter().map(|&x| i32::from(x)).sum();
+                        (-128 * sum, dec.scale[2 * j + h], dec.min[2 * j + h])
+                    } else {
+                        (0, 0.0, 0.0)
+                    };
                     let line = (2 * h + v) * 64 + lane * 4;
-                    let g = 2 * j + h;
-                    blk[SCALES_AT + line..][..4].copy_from_slice(&dec.scale[g].to_ne_bytes());
-                    blk[COMP_AT + line..][..4].copy_from_slice(&(-128 * sum).to_ne_bytes());
-                    blk[MINS_AT + line..][..4].copy_from_slice(&dec.min[g].to_ne_bytes());
+                    blk[SCALES_AT + line..][..4].copy_from_slice(&scale.to_ne_bytes());
+                    blk[COMP_AT + line..][..4].copy_from_slice(&sum.to_ne_bytes());
+                    blk[MINS_AT + line..][..4].copy_from_slice(&min.to_ne_bytes());
                 }
             }
         }
@@ -255,8 +290,15 @@ fn lane(blk: &[Line], at: usize, h: usize, r: usize) -> [u8; 4] {
 }
 
 /// The portable micro-kernel: `out[c][r]` for panel row `r` and activation row `acts[c]`.
-fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANEL]; super::COLS]) {
+fn tile_portable(
+    kt: KType,
+    panel: &[Line],
+    acts: &[&[u8]],
+    k: usize,
+    out: &mut [[f32; PANEL]; super::COLS],
+) {
     let nb = k / QK;
+    let parts = if kt.halves() { 2 } else { 1 };
     for (c, act) in acts.iter().enumerate() {
         let f32_at = |at: usize| f32::from_ne_bytes(act[at..at + 4].try_into().expect("4"));
         for (r, o) in out[c].iter_mut().enumerate() {
@@ -265,20 +307,27 @@ fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANE
             for b in 0..nb {
                 let blk = &panel[b * BLOCK_LINES..(b + 1) * BLOCK_LINES];
                 let da = f32_at(k + 4 * b);
-                for h in 0..2 {
-                    let mut isum = i32::from_ne_bytes(lane(blk, COMP_AT, h, r));
-                    for s in 4 * h..4 * h + 4 {
+                let mut isum = [0i32; 2];
+                for (h, sum) in isum.iter_mut().enumerate().take(parts) {
+                    *sum = i32::from_ne_bytes(lane(blk, COMP_AT, h, r));
+                    let steps = STEPS / parts;
+                    for s in steps * h..steps * (h + 1) {
                         let line = &blk[s * 2 + v].0;
                         for t in 0..4 {
                             let a = i32::from(act[b * QK + 4 * s + t]);
-                            isum += a * i32::from(line[lane_at + t] as i8);
+                            *sum += a * i32::from(line[lane_at + t] as i8);
                         }
                     }
+                }
+                for (h, &sum) in isum.iter().enumerate().take(parts) {
                     let dw = f32::from_ne_bytes(lane(blk, SCALES_AT, h, r));
-                    let mn = f32::from_ne_bytes(lane(blk, MINS_AT, h, r));
-                    let ds = f32_at(k + 4 * nb + 4 * (2 * b + h));
-                    acc = (isum as f32).mul_add(dw * da, acc);
-                    acc = mn.mul_add(ds, acc);
+                    acc = (sum as f32).mul_add(dw * da, acc);
+                }
+                if kt.mins() {
+                    for h in 0..parts {
+                        let mn = f32::from_ne_bytes(lane(blk, MINS_AT, h, r));
+                        acc = mn.mul_add(f32_at(k + 4 * nb + 4 * (2 * b + h)), acc);
+                    }
                 }
             }
             *o = acc;
@@ -286,9 +335,10 @@ fn tile_portable(panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32; PANE
     }
 }
 
-/// One micro-tile with the kernels of `isa` (`acts.len()` in 1..=COLS; every activation row
-/// prepared with its half sums, see [`fill_half_sums`]).
+/// One micro-tile of weights of `kt` with the kernels of `isa` (`acts.len()` in 1..=COLS;
+/// every activation row prepared with its sums, see [`fill_sums`]).
 pub(super) fn run_tile(
+    kt: KType,
     isa: Isa,
     panel: &[Line],
     acts: &[&[u8]],
@@ -301,15 +351,15 @@ pub(super) fn run_tile(
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Vnni512` is only chosen when the CPU has its features; sizes as above.
-        Isa::Vnni512 => unsafe { x86::tile_vnni512(panel, acts, k, out) },
-        _ => tile_portable(panel, acts, k, out),
+        Isa::Vnni512 => unsafe { x86::tile_vnni512(kt, panel, acts, k, out) },
+        _ => tile_portable(kt, panel, acts, k, out),
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::store_quant_lines;
-    use super::super::{Line, COLS, PANEL, QK};
+    use super::super::{Line, COLS, PANEL, QK, STEPS};
     use super::{
         decode_scales, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT,
         SCALES_AT,
@@ -457,8 +507,20 @@ mod x86 {
                     // SAFETY: packed block `b` (64-byte aligned lines) holds BLOCK_LINES
                     // lines; the stores write line `2 h + v` of each lane field.
                     unsafe {
-                        let sums = store_quant_lines(&r, blk, v);
-                        for h in 0..2 {
+                        let mut sums = store_quant_lines(&r, blk, v);
+                        let parts = if kt.halves() {
+                            2
+                        } else {
+                            sums[0] = _mm512_add_epi32(sums[0], sums[1]);
+                            1
+                        };
+                        for h in parts..2 {
+                            let line = (2 * h + v) * 64;
+                            for at in [COMP_AT, SCALES_AT, MINS_AT] {
+                                _mm512_store_si512(blk.add(at + line).cast(), _mm512_setzero_si512());
+                            }
+                        }
+                        for h in 0..parts {
                             let line = (2 * h + v) * 64;
                             let comp = _mm512_sub_epi32(
                                 _mm512_setzero_si512(),
@@ -477,34 +539,40 @@ mod x86 {
     }
 
     /// The VNNI micro-kernel for `C` activation rows: 32 weight rows × `C` columns held in
-    /// 2·`C` integer and 2·`C` f32 accumulators, the integer sums restarted per half block.
+    /// 2·`C` integer and 2·`C` f32 accumulators; the integer sums restart per half block
+    /// with scales per 16 (`HALVES`), minimums are added with `MINS`.
     ///
     /// # Safety
     /// The CPU must support AVX-512F/BW/VNNI; `panel` holds `k / 32` packed blocks and every
-    /// `acts[c]` a prepared activation row of `k` elements with its half sums.
+    /// `acts[c]` a prepared activation row of `k` elements with its sums.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    unsafe fn tile<const C: usize>(
+    unsafe fn tile<const C: usize, const HALVES: bool, const MINS: bool>(
         panel: &[Line],
         acts: &[&[u8]],
         k: usize,
         out: &mut [[f32; PANEL]; COLS],
     ) {
         let nb = k / QK;
+        let parts = if HALVES { 2 } else { 1 };
+        let steps = STEPS / parts;
         debug_assert!(panel.len() >= nb * BLOCK_LINES && acts.len() >= C);
         let ap: [*const u8; C] = std::array::from_fn(|c| acts[c].as_ptr());
         let mut accf = [[_mm512_setzero_ps(); 2]; C];
         for b in 0..nb {
             // SAFETY: block `b` of the panel (BLOCK_LINES aligned lines) and bytes
-            // `32 b .. 32 b + 32`, the scale `k + 4 b` and the half sums `k + 4 nb + 8 b`
-            // of every activation row exist (caller); the panel lines are 64-byte aligned.
+            // `32 b .. 32 b + 32`, the scale `k + 4 b` and the sums `k + 4 nb + 8 b` of every
+            // activation row exist (caller); the panel lines are 64-byte aligned.
             unsafe {
                 let blk = panel.as_ptr().add(b * BLOCK_LINES).cast::<u8>();
-                for h in 0..2 {
-                    let at = |base: usize, v: usize| blk.add(base + (2 * h + v) * 64);
-                    let comp0 = _mm512_load_si512(at(COMP_AT, 0).cast());
-                    let comp1 = _mm512_load_si512(at(COMP_AT, 1).cast());
+                let line = |base: usize, h: usize, v: usize| blk.add(base + (2 * h + v) * 64);
+                let da: [__m512; C] = std::array::from_fn(|c| {
+                    _mm512_set1_ps(ap[c].add(k + 4 * b).cast::<f32>().read_unaligned())
+                });
+                for h in 0..parts {
+                    let comp0 = _mm512_load_si512(line(COMP_AT, h, 0).cast());
+                    let comp1 = _mm512_load_si512(line(COMP_AT, h, 1).cast());
                     let mut acci = [[comp0, comp1]; C];
-                    for s in 4 * h..4 * h + 4 {
+                    for s in steps * h..steps * (h + 1) {
                         let w0 = _mm512_load_si512(blk.add(s * 128).cast());
                         let w1 = _mm512_load_si512(blk.add(s * 128 + 64).cast());
                         for c in 0..C {
@@ -515,25 +583,28 @@ mod x86 {
                         }
                     }
                     let dw = [
-                        _mm512_load_ps(at(SCALES_AT, 0).cast()),
-                        _mm512_load_ps(at(SCALES_AT, 1).cast()),
-                    ];
-                    let mn = [
-                        _mm512_load_ps(at(MINS_AT, 0).cast()),
-                        _mm512_load_ps(at(MINS_AT, 1).cast()),
+                        _mm512_load_ps(line(SCALES_AT, h, 0).cast()),
+                        _mm512_load_ps(line(SCALES_AT, h, 1).cast()),
                     ];
                     for c in 0..C {
-                        let da = ap[c].add(k + 4 * b).cast::<f32>().read_unaligned();
-                        let ds = ap[c].add(k + 4 * nb + 4 * (2 * b + h));
-                        let da = _mm512_set1_ps(da);
-                        let ds = _mm512_set1_ps(ds.cast::<f32>().read_unaligned());
                         for v in 0..2 {
                             accf[c][v] = _mm512_fmadd_ps(
                                 _mm512_cvtepi32_ps(acci[c][v]),
-                                _mm512_mul_ps(dw[v], da),
+                                _mm512_mul_ps(dw[v], da[c]),
                                 accf[c][v],
                             );
-                            accf[c][v] = _mm512_fmadd_ps(mn[v], ds, accf[c][v]);
+                        }
+                    }
+                }
+                if MINS {
+                    let mn = |h: usize, v: usize| _mm512_load_ps(line(MINS_AT, h, v).cast());
+                    for c in 0..C {
+                        let sums = ap[c].add(k + 4 * nb + 8 * b).cast::<f32>();
+                        for v in 0..2 {
+                            for h in 0..parts {
+                                let ds = _mm512_set1_ps(sums.add(h).read_unaligned());
+                                accf[c][v] = _mm512_fmadd_ps(mn(h, v), ds, accf[c][v]);
+                            }
                         }
                     }
                 }
@@ -548,12 +619,36 @@ mod x86 {
         }
     }
 
-    /// Dispatches on the column count (1..=COLS).
+    /// [`tile`] for `C` columns and the terms of `kt`.
+    ///
+    /// # Safety
+    /// As [`tile`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    unsafe fn tile_for<const C: usize>(
+        kt: KType,
+        panel: &[Line],
+        acts: &[&[u8]],
+        k: usize,
+        out: &mut [[f32; PANEL]; COLS],
+    ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match (kt.halves(), kt.mins()) {
+                (true, true) => tile::<C, true, true>(panel, acts, k, out),
+                (true, false) => tile::<C, true, false>(panel, acts, k, out),
+                (false, true) => tile::<C, false, true>(panel, acts, k, out),
+                (false, false) => tile::<C, false, false>(panel, acts, k, out),
+            }
+        }
+    }
+
+    /// Dispatches on the column count (1..=COLS) and the type's terms.
     ///
     /// # Safety
     /// As [`tile`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_vnni512(
+        kt: KType,
         panel: &[Line],
         acts: &[&[u8]],
         k: usize,
@@ -562,12 +657,12 @@ mod x86 {
         // SAFETY: forwarded from the caller.
         unsafe {
             match acts.len() {
-                1 => tile::<1>(panel, acts, k, out),
-                2 => tile::<2>(panel, acts, k, out),
-                3 => tile::<3>(panel, acts, k, out),
-                4 => tile::<4>(panel, acts, k, out),
-                5 => tile::<5>(panel, acts, k, out),
-                _ => tile::<6>(panel, acts, k, out),
+                1 => tile_for::<1>(kt, panel, acts, k, out),
+                2 => tile_for::<2>(kt, panel, acts, k, out),
+                3 => tile_for::<3>(kt, panel, acts, k, out),
+                4 => tile_for::<4>(kt, panel, acts, k, out),
+                5 => tile_for::<5>(kt, panel, acts, k, out),
+                _ => tile_for::<6>(kt, panel, acts, k, out),
             }
         }
     }
@@ -635,7 +730,7 @@ mod tests {
     fn reference(row: &[u8], kt: KType, act: &[f32], k: usize) -> f32 {
         let mut prepared = vec![0u8; super::super::act_row_bytes(k)];
         super::super::prepare_row(act, &mut prepared);
-        fill_half_sums(&mut prepared, k);
+        fill_sums(&mut prepared, k, kt);
         let nb = k / QK;
         let f = |at: usize| f32::from_ne_bytes(prepared[at..at + 4].try_into().unwrap());
         let mut acc = 0f32;
@@ -646,16 +741,26 @@ mod tests {
                 decode(kt, &row[s * kt.bytes()..(s + 1) * kt.bytes()], &mut dec);
             }
             let j = b % BLOCKS_PER_SUPER;
-            for h in 0..2 {
-                let isum: i32 = (0..16)
+            let isum = |lo: usize, n: usize| -> f32 {
+                (lo..lo + n)
                     .map(|t| {
-                        let at = QK * j + 16 * h + t;
-                        i32::from(dec.q[at]) * (i32::from(prepared[b * QK + 16 * h + t]) - 128)
+                        i32::from(dec.q[QK * j + t]) * (i32::from(prepared[b * QK + t]) - 128)
                     })
-                    .sum();
-                let g = 2 * j + h;
-                acc = (isum as f32).mul_add(dec.scale[g] * f(k + 4 * b), acc);
-                acc = dec.min[g].mul_add(f(k + 4 * nb + 4 * (2 * b + h)), acc);
+                    .sum::<i32>() as f32
+            };
+            let da = f(k + 4 * b);
+            if kt.halves() {
+                acc = isum(0, 16).mul_add(dec.scale[2 * j] * da, acc);
+                acc = isum(16, 16).mul_add(dec.scale[2 * j + 1] * da, acc);
+            } else {
+                assert_eq!(dec.scale[2 * j], dec.scale[2 * j + 1]);
+                acc = isum(0, 32).mul_add(dec.scale[2 * j] * da, acc);
+            }
+            if kt.mins() {
+                let parts = if kt.halves() { 2 } else { 1 };
+                for h in 0..parts {
+                    acc = dec.min[2 * j + h].mul_add(f(k + 4 * nb + 4 * (2 * b + h)), acc);
+                }
             }
         }
         acc
@@ -696,14 +801,14 @@ mod tests {
                     .map(|x| {
                         let mut p = vec![0u8; super::super::act_row_bytes(k)];
                         super::super::prepare_row(x, &mut p);
-                        fill_half_sums(&mut p, k);
+                        fill_sums(&mut p, k, kt);
                         p
                     })
                     .collect();
                 let acts: Vec<&[u8]> = prepared.iter().map(|p| p.as_slice()).collect();
                 for &isa in &isas {
                     let mut out = [[0f32; PANEL]; super::super::COLS];
-                    run_tile(isa, &want, &acts, k, &mut out);
+                    run_tile(kt, isa, &want, &acts, k, &mut out);
                     for c in 0..cols {
                         for r in 0..m {
                             let w = reference(rows[r].unwrap(), kt, &xs[c], k);
