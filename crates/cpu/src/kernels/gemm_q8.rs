@@ -103,12 +103,7 @@ impl Source {
 #[inline(always)]
 unsafe fn iq4_xs_scale(at: *const u8, g: usize, d: f32) -> f32 {
     // SAFETY: the super-block's bytes 2..8 hold the scales (caller).
-    let (high, low) = unsafe {
-        (
-            at.add(2).cast::<u16>().read_unaligned(),
-            *at.add(4 + g / 2),
-        )
-    };
+    let (high, low) = unsafe { (at.add(2).cast::<u16>().read_unaligned(), *at.add(4 + g / 2)) };
     let ls = ((low >> (4 * (g % 2))) & 15) | ((((high >> (2 * g)) & 3) as u8) << 4);
     d * f32::from(i16::from(ls) - 32)
 }
@@ -144,7 +139,9 @@ fn block_ints(src: Source, row: &[u8], b: usize) -> ([i8; QK], f32) {
                 KVALUES_IQ4NL[usize::from(n)]
             });
             // SAFETY: `at` starts a whole super-block of `row`.
-            return (w, unsafe { iq4_xs_scale(row[at..at + IQ4_XS_BYTES].as_ptr(), g, d) });
+            return (w, unsafe {
+                iq4_xs_scale(row[at..at + IQ4_XS_BYTES].as_ptr(), g, d)
+            });
         }
     }
     (w, d)
@@ -157,7 +154,10 @@ fn block_ints(src: Source, row: &[u8], b: usize) -> ([i8; QK], f32) {
 pub(crate) fn unpack_nibbles(x: std::arch::x86_64::__m128i) -> std::arch::x86_64::__m256i {
     use std::arch::x86_64::*;
     let low = _mm_set1_epi8(0x0f);
-    _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16::<4>(x), low), _mm_and_si128(x, low))
+    _mm256_set_m128i(
+        _mm_and_si128(_mm_srli_epi16::<4>(x), low),
+        _mm_and_si128(x, low),
+    )
 }
 
 /// Loads block `b` of each present row of `rows` (weights of `src`) into `r` as 32 signed
@@ -207,12 +207,15 @@ macro_rules! load_row_blocks {
                     Source::Q5_0 => {
                         let qh = _mm256_set1_epi32(at.add(2).cast::<i32>().read_unaligned());
                         let bits = _mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit);
-                        let high = _mm256_and_si256(
-                            _mm256_cmpeq_epi8(bits, bit),
-                            _mm256_set1_epi8(0x10),
-                        );
+                        let high =
+                            _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), _mm256_set1_epi8(0x10));
                         _mm256_sub_epi8(
-                            _mm256_or_si256($crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(at.add(6).cast())), high),
+                            _mm256_or_si256(
+                                $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(
+                                    at.add(6).cast(),
+                                )),
+                                high,
+                            ),
                             _mm256_set1_epi8(16),
                         )
                     }
@@ -224,7 +227,9 @@ macro_rules! load_row_blocks {
                         $scales[i] = $crate::kernels::gemm_q8::iq4_xs_scale(at, group, d);
                         _mm256_shuffle_epi8(
                             levels,
-                            $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(at.add(8 + 16 * group).cast())),
+                            $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(
+                                at.add(8 + 16 * group).cast(),
+                            )),
                         )
                     }
                 };
@@ -441,14 +446,7 @@ fn pack_panel(
     out: &mut Vec<Line>,
 ) {
     let src = Source::of(dtype).expect("a type the integer GEMM takes");
-    // Every packer writes every byte of a panel whose rows are all present; missing rows
-    // (past the matrix's end) are left as zeros, so only such a panel is cleared first
-    // (clearing every panel was 7% of a one-sentence MiniLM call).
-    let lines = nb * BLOCK_LINES;
-    if out.len() != lines || rows.iter().any(Option::is_none) {
-        out.clear();
-        out.resize(lines, Line([0; 64]));
-    }
+    reset_panel(out, nb * BLOCK_LINES, rows);
     assert!(src != Source::Iq4Xs || nb.is_multiple_of(8));
     assert!(rows.iter().flatten().all(|r| r.len() >= src.row_bytes(nb)));
     match isa {
@@ -464,12 +462,31 @@ fn pack_panel(
     }
 }
 
+/// Makes `out` a panel of `lines` lines for a packer of `rows`. Every packer writes every
+/// byte of a panel whose rows are all present; missing rows (past the matrix's end) are left
+/// as zeros, so only such a panel is cleared first (clearing every panel was 7% of a
+/// one-sentence MiniLM call).
+fn reset_panel(out: &mut Vec<Line>, lines: usize, rows: &[Option<&[u8]>; PANEL]) {
+    if out.len() != lines || rows.iter().any(Option::is_none) {
+        out.clear();
+        out.resize(lines, Line([0; 64]));
+    }
+}
+
+/// The bytes of packed lines.
+fn line_bytes(lines: &mut [Line]) -> &mut [u8] {
+    // SAFETY: a `Line` is 64 plain bytes (`repr(C)`), so the lines are `64 · len` bytes.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            lines.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(lines),
+        )
+    }
+}
+
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
 fn pack_panel_portable(src: Source, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-    // SAFETY: a `Line` is 64 plain bytes (`repr(C)`), so the lines are `64 · len` bytes.
-    let bytes = unsafe {
-        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
-    };
+    let bytes = line_bytes(out);
     for (b, blk) in bytes.chunks_exact_mut(PACKED_BLOCK).take(nb).enumerate() {
         for (r, row) in rows.iter().enumerate() {
             if let Some(row) = row {
@@ -1071,7 +1088,11 @@ mod tests {
                     let (w, d) = block_ints(src, row, b);
                     for j in 0..QK {
                         let got = d * f32::from(w[j]);
-                        assert_eq!(got.to_bits(), want[b * QK + j].to_bits(), "{dtype} b {b} j {j}");
+                        assert_eq!(
+                            got.to_bits(),
+                            want[b * QK + j].to_bits(),
+                            "{dtype} b {b} j {j}"
+                        );
                     }
                 }
             }
@@ -1131,9 +1152,8 @@ mod tests {
             let raw = random_rows(dtype, m, k, 7);
             let row_bytes = src.row_bytes(nb);
             assert_eq!(row_bytes, block * nb);
-            let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
-                (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes])
-            });
+            let rows: [Option<&[u8]>; PANEL] =
+                std::array::from_fn(|r| (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes]));
             let mut portable = vec![Line([0; 64]); nb * BLOCK_LINES];
             pack_panel_portable(src, &rows, nb, &mut portable);
             let mut panel = Vec::new();

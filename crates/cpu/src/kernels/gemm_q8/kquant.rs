@@ -34,8 +34,8 @@ use super::{Isa, Line, PANEL, QK, STEPS};
 use crate::dtype::DType;
 use crate::kernels::quant_dot::f16_bits_to_f32;
 use crate::quant::kquants::{
-    k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit,
-    unpack_4bit, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
+    k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit, unpack_4bit,
+    Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
 
 /// Values per super-block.
@@ -149,39 +149,39 @@ fn widen(q: &[u8; QK_K], out: &mut [i8; QK_K]) {
     }
 }
 
+/// Sets group `g`'s scale and minimum to `f(g)` for every group of 16.
+#[inline(always)]
+fn set_groups(out: &mut Decoded, f: impl Fn(usize) -> (f32, f32)) {
+    for (g, (scale, min)) in out.scale.iter_mut().zip(&mut out.min).enumerate() {
+        (*scale, *min) = f(g);
+    }
+}
+
 /// The scales and minimums of [`decode`].
 #[inline(always)]
 fn decode_scales(kt: KType, sb: &[u8], out: &mut Decoded) {
     match kt {
         KType::Q2K => {
             let (d, dmin) = (f16_at(sb, 80), f16_at(sb, 82));
-            for g in 0..16 {
-                out.scale[g] = d * f32::from(sb[g] & 15);
-                out.min[g] = -(dmin * f32::from(sb[g] >> 4));
-            }
+            set_groups(out, |g| {
+                (d * f32::from(sb[g] & 15), -(dmin * f32::from(sb[g] >> 4)))
+            });
         }
         KType::Q3K => {
             let sc = q3_k_scales(&sb[96..108]);
             let d = f16_at(sb, 108);
-            for g in 0..16 {
-                out.scale[g] = d * f32::from(sc[g]);
-                out.min[g] = 0.0;
-            }
+            set_groups(out, |g| (d * f32::from(sc[g]), 0.0));
         }
         KType::Q4K | KType::Q5K => {
             let (d, dmin) = (f16_at(sb, 0), f16_at(sb, 2));
             let (sc, m) = k4_scales_mins(&sb[4..16]);
-            for g in 0..16 {
-                out.scale[g] = d * f32::from(sc[g / 2]);
-                out.min[g] = -(dmin * f32::from(m[g / 2]));
-            }
+            set_groups(out, |g| {
+                (d * f32::from(sc[g / 2]), -(dmin * f32::from(m[g / 2])))
+            });
         }
         KType::Q6K => {
             let d = f16_at(sb, 208);
-            for g in 0..16 {
-                out.scale[g] = d * f32::from(sb[192 + g] as i8);
-                out.min[g] = 0.0;
-            }
+            set_groups(out, |g| (d * f32::from(sb[192 + g] as i8), 0.0));
         }
     }
 }
@@ -221,12 +221,7 @@ pub(super) fn pack_panel(
         .iter()
         .flatten()
         .all(|r| r.len() >= nb / BLOCKS_PER_SUPER * kt.bytes()));
-    // The packers write every byte of a panel whose rows are all present; only a panel with
-    // missing rows (past the matrix's end) is cleared first.
-    if out.len() != nb * BLOCK_LINES || rows.iter().any(Option::is_none) {
-        out.clear();
-        out.resize(nb * BLOCK_LINES, Line([0; 64]));
-    }
+    super::reset_panel(out, nb * BLOCK_LINES, rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI and AVX2/F16C;
@@ -238,17 +233,18 @@ pub(super) fn pack_panel(
 
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
 fn pack_panel_portable(kt: KType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
-    // SAFETY: a `Line` is 64 plain bytes (`repr(C)`), so the lines are `64 · len` bytes.
-    let bytes = unsafe {
-        std::slice::from_raw_parts_mut(out.as_mut_ptr().cast::<u8>(), std::mem::size_of_val(out))
-    };
+    let bytes = super::line_bytes(out);
     let mut dec = Decoded::ZERO;
     for (r, row) in rows.iter().enumerate() {
         let Some(row) = row else {
             continue;
         };
         let (v, lane) = (r / 16, r % 16);
-        for (s, sb) in row.chunks_exact(kt.bytes()).take(nb / BLOCKS_PER_SUPER).enumerate() {
+        for (s, sb) in row
+            .chunks_exact(kt.bytes())
+            .take(nb / BLOCKS_PER_SUPER)
+            .enumerate()
+        {
             decode(kt, sb, &mut dec);
             for j in 0..BLOCKS_PER_SUPER {
                 let blk = &mut bytes[(s * BLOCKS_PER_SUPER + j) * PACKED_BLOCK..][..PACKED_BLOCK];
@@ -361,8 +357,7 @@ mod x86 {
     use super::super::x86::store_quant_lines;
     use super::super::{Line, COLS, PANEL, QK, STEPS};
     use super::{
-        decode_scales, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT,
-        SCALES_AT,
+        decode_scales, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT, SCALES_AT,
     };
     use std::arch::x86_64::*;
 
@@ -429,15 +424,11 @@ mod x86 {
                         let hb = _mm256_loadu_si256(sb.add(128 + 32 * h).cast());
                         // the high two bits of value group t are bits 2t, 2t + 1 of `hb`
                         let h0 = _mm256_slli_epi16::<4>(_mm256_and_si256(hb, m2));
-                        let h1 = _mm256_slli_epi16::<2>(_mm256_and_si256(
-                            hb,
-                            _mm256_set1_epi8(0x0c),
-                        ));
+                        let h1 =
+                            _mm256_slli_epi16::<2>(_mm256_and_si256(hb, _mm256_set1_epi8(0x0c)));
                         let h2 = _mm256_and_si256(hb, _mm256_set1_epi8(0x30));
-                        let h3 = _mm256_and_si256(
-                            _mm256_srli_epi16::<2>(hb),
-                            _mm256_set1_epi8(0x30),
-                        );
+                        let h3 =
+                            _mm256_and_si256(_mm256_srli_epi16::<2>(hb), _mm256_set1_epi8(0x30));
                         let lo0 = _mm256_and_si256(l0, m4);
                         let lo1 = _mm256_and_si256(l1, m4);
                         let hi0 = _mm256_and_si256(_mm256_srli_epi16::<4>(l0), m4);
@@ -517,7 +508,10 @@ mod x86 {
                         for h in parts..2 {
                             let line = (2 * h + v) * 64;
                             for at in [COMP_AT, SCALES_AT, MINS_AT] {
-                                _mm512_store_si512(blk.add(at + line).cast(), _mm512_setzero_si512());
+                                _mm512_store_si512(
+                                    blk.add(at + line).cast(),
+                                    _mm512_setzero_si512(),
+                                );
                             }
                         }
                         for h in 0..parts {
@@ -546,6 +540,7 @@ mod x86 {
     /// The CPU must support AVX-512F/BW/VNNI; `panel` holds `k / 32` packed blocks and every
     /// `acts[c]` a prepared activation row of `k` elements with its sums.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    #[allow(clippy::needless_range_loop)] // `v` and `c` index several arrays of registers
     unsafe fn tile<const C: usize, const HALVES: bool, const MINS: bool>(
         panel: &[Line],
         acts: &[&[u8]],
@@ -720,7 +715,10 @@ mod tests {
                     let g = j / 16;
                     let got = dec.scale[g].mul_add(f32::from(dec.q[j]), dec.min[g]);
                     let want = want[s * QK_K + j];
-                    assert!(got == want, "{dtype} super-block {s} value {j}: {got} vs {want}");
+                    assert!(
+                        got == want,
+                        "{dtype} super-block {s} value {j}: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -743,9 +741,7 @@ mod tests {
             let j = b % BLOCKS_PER_SUPER;
             let isum = |lo: usize, n: usize| -> f32 {
                 (lo..lo + n)
-                    .map(|t| {
-                        i32::from(dec.q[QK * j + t]) * (i32::from(prepared[b * QK + t]) - 128)
-                    })
+                    .map(|t| i32::from(dec.q[QK * j + t]) * (i32::from(prepared[b * QK + t]) - 128))
                     .sum::<i32>() as f32
             };
             let da = f(k + 4 * b);
@@ -779,9 +775,8 @@ mod tests {
         for ((dtype, kt), m) in TYPES.iter().flat_map(|t| [(*t, 29), (*t, 11), (*t, 32)]) {
             let row_bytes = dtype.row_size(k).unwrap();
             let raw = random_rows(dtype, m, k, 9);
-            let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
-                (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes])
-            });
+            let rows: [Option<&[u8]>; PANEL] =
+                std::array::from_fn(|r| (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes]));
             let mut want = vec![Line([0; 64]); nb * BLOCK_LINES];
             pack_panel_portable(kt, &rows, nb, &mut want);
             // stale bytes: a full panel must overwrite every one
