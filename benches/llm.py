@@ -21,10 +21,9 @@ import statistics
 import subprocess
 import sys
 import time
-
-import numpy as np
 from typing import Any
 
+import numpy as np
 from _bench_timing import streaming_read_gbs
 
 

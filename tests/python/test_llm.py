@@ -205,10 +205,10 @@ def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     """A model stored in each of ggml's weight block types (rows of 256 values: whole
     super-blocks) computes the forward pass of its decoded weights when prompts run in batches.
     The products decode weight tiles for the f32 GEMM — close to the float64 forward — except
-    for the types the integer GEMM takes (iq4_xs and the K-quants here), which quantize the activations to q8_0
-    as llama.cpp does: on these random models that moves logits by a few percent of their
-    range. Token by token the products quantize the activations as llama.cpp does:
-    test_llm_block_types.py compares those with llama.cpp."""
+    for the types the integer GEMM takes (iq4_xs and the K-quants here), which quantize the
+    activations to q8_0 as llama.cpp does: on these random models that moves logits by a few
+    percent of their range. Token by token the products quantize the activations as llama.cpp
+    does: test_llm_block_types.py compares those with llama.cpp."""
     path = tmp_path / f"{dtype}.gguf"
     w = write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
     model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
