@@ -24,6 +24,7 @@
 use super::view::RowIo;
 use std::cell::RefCell;
 
+use super::interleaved::Layout as Interleaved;
 use super::par_ranges_streaming;
 use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTES, QK};
 use super::view::RawTensor;
@@ -160,6 +161,24 @@ pub(crate) fn unpack_nibbles(x: std::arch::x86_64::__m128i) -> std::arch::x86_64
     )
 }
 
+/// The fifth bits of a q5 block's 32 values (`qh` bit `j` → byte `j`) as `0x10` or 0.
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2")]
+pub(crate) fn fifth_bits(qh: i32) -> std::arch::x86_64::__m256i {
+    use std::arch::x86_64::*;
+    // byte `j` tests bit `j % 8` of byte `j / 8` of `qh`
+    let spread = _mm256_set_epi64x(
+        0x0303_0303_0303_0303,
+        0x0202_0202_0202_0202,
+        0x0101_0101_0101_0101,
+        0,
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let bits = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), bit);
+    _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), _mm256_set1_epi8(0x10))
+}
+
 /// Loads block `b` of each present row of `rows` (weights of `src`) into `r` as 32 signed
 /// bytes (the values of [`block_ints`]) and its scale into `scales`; missing rows keep their
 /// zeros. A macro so that it expands inside the packers' target-feature functions (AVX2 and
@@ -174,14 +193,6 @@ macro_rules! load_row_blocks {
         let levels = _mm256_broadcastsi128_si256(unsafe {
             _mm_loadu_si128($crate::quant::legacy::KVALUES_IQ4NL.as_ptr().cast())
         });
-        // q5_0: byte `j` of the high-bit vector tests bit `j % 8` of byte `j / 8` of `qh`.
-        let spread = _mm256_set_epi64x(
-            0x0303_0303_0303_0303,
-            0x0202_0202_0202_0202,
-            0x0101_0101_0101_0101,
-            0,
-        );
-        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
         for (i, row) in $rows.iter().enumerate() {
             let Some(row) = row else {
                 continue;
@@ -205,10 +216,8 @@ macro_rules! load_row_blocks {
                         _mm256_set1_epi8(8),
                     ),
                     Source::Q5_0 => {
-                        let qh = _mm256_set1_epi32(at.add(2).cast::<i32>().read_unaligned());
-                        let bits = _mm256_and_si256(_mm256_shuffle_epi8(qh, spread), bit);
-                        let high =
-                            _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), _mm256_set1_epi8(0x10));
+                        let qh = at.add(2).cast::<i32>().read_unaligned();
+                        let high = $crate::kernels::gemm_q8::fifth_bits(qh);
                         _mm256_sub_epi8(
                             _mm256_or_si256(
                                 $crate::kernels::gemm_q8::unpack_nibbles(_mm_loadu_si128(
@@ -238,6 +247,21 @@ macro_rules! load_row_blocks {
     }};
 }
 
+/// Packs the panel of `rows` of `dtype` (of [`affine`]'s types when `affine_type`).
+fn pack_any(
+    isa: Isa,
+    dtype: DType,
+    affine_type: Option<affine::AffineType>,
+    rows: &[Option<&[u8]>; PANEL],
+    nb: usize,
+    out: &mut Vec<Line>,
+) {
+    match affine_type {
+        Some(kt) => affine::pack_panel(isa, kt, rows, nb, out),
+        None => pack_panel(isa, dtype, rows, nb, out),
+    }
+}
+
 /// How far ahead in each weight row the packers prefetch. A panel's 16-32 rows are as many
 /// concurrent streams, more than the hardware prefetchers follow: without this, packing a
 /// panel waited on memory about as long as its tiles computed (q8_0, 4-16 columns). 256
@@ -245,9 +269,9 @@ macro_rules! load_row_blocks {
 #[cfg(target_arch = "x86_64")]
 pub(crate) const PACK_PREFETCH: usize = 256;
 
+mod affine;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
-mod kquant;
 pub mod stored;
 
 /// Weight rows per packed panel (two 16-lane vectors).
@@ -314,7 +338,7 @@ fn has_vnni512() -> bool {
 
 /// Bytes of one prepared activation row of `k` elements: `k` offset quants, one f32 scale per
 /// block, then two f32 half-block sums per block (filled for K-quant weights only, see
-/// `kquant`).
+/// `affine`).
 pub fn act_row_bytes(k: usize) -> usize {
     k + 12 * (k / QK)
 }
@@ -355,7 +379,7 @@ pub fn prepare_row_for(isa: Isa, x: &[f32], out: &mut [u8]) {
 /// a dense f32 output).
 pub fn applies(a: &RawTensor, dst: &RawTensor) -> bool {
     // K-quants have only the VNNI kernel (and the portable reference).
-    let k_quant = kquant::KType::of(a.dtype).is_some() && Isa::best() == Isa::Vnni512;
+    let k_quant = affine::AffineType::of(a.dtype).is_some() && Isa::best() == Isa::Vnni512;
     if Source::of(a.dtype).is_none() && !k_quant {
         return false;
     }
@@ -414,7 +438,7 @@ fn prepare_acts(
     isa: Isa,
     b: &RawTensor,
     out: &mut [u8],
-    k_quant: Option<kquant::KType>,
+    k_quant: Option<affine::AffineType>,
 ) -> Result<()> {
     let k = b.ne[0];
     let row_bytes = act_row_bytes_for(isa, k);
@@ -428,7 +452,7 @@ fn prepare_acts(
             unsafe { b.load_row(i1, i2, i3, buf)? };
             prepare_row_for(isa, buf, row);
             if let Some(kt) = k_quant {
-                kquant::fill_sums(row, k, kt);
+                affine::fill_sums(row, k, kt);
             }
             Ok(())
         },
@@ -860,6 +884,8 @@ fn run_tile(isa: Isa, panel: &[Line], acts: &[&[u8]], k: usize, out: &mut [[f32;
 thread_local! {
     // The packed panel of the running task, kept between calls.
     static PANEL_BUF: RefCell<Vec<Line>> = const { RefCell::new(Vec::new()) };
+    // The plain rows of the running task's panel, when the weights are stored interleaved.
+    static PLAIN_ROWS: RefCell<Vec<u8>> = const { RefCell::new(Vec::new()) };
 }
 
 /// Activation rows per task block (a multiple of COLS): large, so each weight panel is packed
@@ -868,17 +894,45 @@ thread_local! {
 const COL_BLOCK: usize = 1020;
 
 /// MUL_MAT `dst[i, j, i12, i13] = Σ_k a[k, i, i12/r2, i13/r3] · b[k, j, i12, i13]` with
-/// weights `a` of a [`Source`] type (see the module documentation), on the kernels of `isa`. `scratch` holds
-/// the prepared activations.
+/// weights `a` of a type [`applies`] takes (see the module documentation), on the kernels of
+/// `isa`. With `interleaved`, `a` is a whole 2-D q4_1 matrix stored in that layout (see
+/// [`super::interleaved`]; same bits as the plain rows). `scratch` holds the prepared
+/// activations.
 pub fn mul_mat(
     isa: Isa,
     dst: &RawTensor,
     a: &RawTensor,
+    interleaved: Option<&Interleaved>,
     b: &RawTensor,
     (r2, r3): (usize, usize),
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    mul_mat_from(isa, dst, a, None, b, (r2, r3), scratch)
+    let weights = match interleaved {
+        Some(layout) => {
+            let fits = layout.rows == a.ne[1]
+                && layout.row_bytes == a.dtype.row_size(a.ne[0])?
+                && a.ne[2] * a.ne[3] == 1;
+            if !fits {
+                return Err(Error::shape(
+                    "quantized GEMM: the interleaved layout does not fit this product",
+                ));
+            }
+            Weights::Interleaved(layout)
+        }
+        None => Weights::Plain,
+    };
+    mul_mat_from(isa, dst, a, weights, b, (r2, r3), scratch)
+}
+
+/// How the weights of a product are stored.
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    /// Plain rows of blocks.
+    Plain,
+    /// Rows interleaved eight at a time (q4_1; the whole 2-D matrix).
+    Interleaved(&'a Interleaved),
+    /// Packed panels ([`stored`]) at this address.
+    Panels(super::view::SendPtr),
 }
 
 /// [`mul_mat`] with weights stored as packed panels ([`stored`]): `a` describes the plain
@@ -903,16 +957,24 @@ pub fn mul_mat_stored(
             "quantized GEMM: stored panels do not fit this product",
         ));
     }
-    mul_mat_from(isa, dst, a, Some(a.ptr), b, (b.ne[2], b.ne[3]), scratch)
+    mul_mat_from(
+        isa,
+        dst,
+        a,
+        Weights::Panels(a.ptr),
+        b,
+        (b.ne[2], b.ne[3]),
+        scratch,
+    )
 }
 
-/// [`mul_mat`] and [`mul_mat_stored`]: panels packed per task from `a`'s rows, or read from
-/// `stored`.
+/// [`mul_mat`] and [`mul_mat_stored`]: panels packed per task from `a`'s rows (plain or
+/// interleaved), or read as stored.
 fn mul_mat_from(
     isa: Isa,
     dst: &RawTensor,
     a: &RawTensor,
-    stored: Option<super::view::SendPtr>,
+    weights: Weights<'_>,
     b: &RawTensor,
     (r2, r3): (usize, usize),
     scratch: &mut Vec<u8>,
@@ -925,16 +987,17 @@ fn mul_mat_from(
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     let nb = k / QK;
-    let k_quant = kquant::KType::of(a.dtype);
-    if k_quant.is_some() && (isa == Isa::Avx2 || stored.is_some()) {
-        return Err(Error::shape(
-            "quantized GEMM: K-quant weights need the VNNI or the portable kernel, plain rows",
-        ));
+    let affine_type = affine::AffineType::of(a.dtype);
+    if affine_type.is_some() && (isa == Isa::Avx2 || matches!(weights, Weights::Panels(_))) {
+        return Err(Error::shape(format!(
+            "quantized GEMM: {} weights need the VNNI or the portable kernel and plain rows",
+            a.dtype
+        )));
     }
     let row_bytes = act_row_bytes_for(isa, k);
     scratch.clear();
     scratch.resize(b.nrows() * row_bytes, 0);
-    prepare_acts(isa, b, scratch, k_quant)?;
+    prepare_acts(isa, b, scratch, affine_type)?;
     let acts: &[u8] = scratch;
     let a_row_bytes = a.dtype.row_size(k)?;
     let panels = m.div_ceil(PANEL);
@@ -948,6 +1011,7 @@ fn mul_mat_from(
     // 32x128 measured 1.7-2.5% faster than with four ranges per thread).
     par_ranges_streaming(tasks, 1, |range| {
         let mut buf = PANEL_BUF.with(RefCell::take);
+        let mut plain = PLAIN_ROWS.with(RefCell::take);
         let mut out = [[0f32; PANEL]; COLS];
         for task in range {
             // Panels vary fastest: a thread's consecutive tasks share an activation block.
@@ -957,15 +1021,29 @@ fn mul_mat_from(
             let (i12, i13) = (batch % ne12, batch / ne12);
             let (i02, i03) = (i12 / r2, i13 / r3);
             let i0 = p * PANEL;
-            let panel: &[Line] = match stored {
+            let panel: &[Line] = match weights {
                 // SAFETY: panel `p` of the stored matrix: `nb` packed blocks of 64-byte
                 // aligned lines (`mul_mat_stored` checked the alignment and the layout),
                 // read-only during the product.
-                Some(base) => unsafe {
+                Weights::Panels(base) => unsafe {
                     let at = base.0.add(p * nb * PACKED_BLOCK);
                     std::slice::from_raw_parts(at.cast::<Line>(), nb * BLOCK_LINES)
                 },
-                None => {
+                Weights::Interleaved(layout) => {
+                    let present = (m - i0).min(PANEL);
+                    plain.resize(PANEL * a_row_bytes, 0);
+                    // SAFETY: the whole matrix as stored (`layout.bytes()` bytes at `a`'s
+                    // address, checked by `mul_mat`), read-only during the product.
+                    let stored =
+                        unsafe { std::slice::from_raw_parts(a.ptr.0.cast_const(), layout.bytes()) };
+                    super::interleaved::plain_rows(layout, stored, i0..i0 + present, &mut plain);
+                    let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
+                        (r < present).then(|| &plain[r * a_row_bytes..(r + 1) * a_row_bytes])
+                    });
+                    pack_any(isa, a.dtype, affine_type, &rows, nb, &mut buf);
+                    &buf
+                }
+                Weights::Plain => {
                     let rows: [Option<&[u8]>; PANEL] = std::array::from_fn(|r| {
                         (i0 + r < m).then(|| {
                             // SAFETY: weight row (i0 + r, i02, i03) lies inside `a`
@@ -979,10 +1057,7 @@ fn mul_mat_from(
                             }
                         })
                     });
-                    match k_quant {
-                        Some(kt) => kquant::pack_panel(isa, kt, &rows, nb, &mut buf),
-                        None => pack_panel(isa, a.dtype, &rows, nb, &mut buf),
-                    }
+                    pack_any(isa, a.dtype, affine_type, &rows, nb, &mut buf);
                     &buf
                 }
             };
@@ -996,8 +1071,8 @@ fn mul_mat_from(
                     let r = j + n * (i12 + ne12 * i13);
                     *slot = &acts[r * row_bytes..(r + 1) * row_bytes];
                 }
-                if let Some(kt) = k_quant {
-                    kquant::run_tile(kt, isa, panel, &act_rows[..j1 - j0], k, &mut out);
+                if let Some(kt) = affine_type {
+                    affine::run_tile(kt, isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 } else {
                     run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 }
@@ -1017,6 +1092,7 @@ fn mul_mat_from(
             }
         }
         PANEL_BUF.with(|cell| cell.replace(buf));
+        PLAIN_ROWS.with(|cell| cell.replace(plain));
         Ok(())
     })
 }

@@ -144,6 +144,38 @@ fn each_block(layout: &Layout, mut f: impl FnMut(usize, [usize; 3])) {
     }
 }
 
+/// Rebuilds the plain rows `rows` (starting at a multiple of [`GROUP`]) of a tensor laid out by
+/// `layout` whose stored bytes are `stored` into `out` (the rows back to back): whole groups
+/// block by block with fixed-size moves, the rows past the groups as stored. What a product
+/// reading plain rows (the integer GEMM's packers) uses, a panel of rows at a time.
+///
+/// # Panics
+/// If `rows` does not start a group or exceeds the tensor, or `stored` / `out` are short.
+pub fn plain_rows(layout: &Layout, stored: &[u8], rows: std::ops::Range<usize>, out: &mut [u8]) {
+    let rb = layout.row_bytes;
+    assert!(rows.start.is_multiple_of(GROUP) && rows.start <= rows.end && rows.end <= layout.rows);
+    assert!(stored.len() >= layout.bytes() && out.len() >= rows.len() * rb);
+    let blocks = rb / Q4_1_BYTES;
+    let mut r0 = rows.start;
+    while r0 + GROUP <= rows.end.min(layout.grouped_rows()) {
+        let group = &stored[r0 * rb..(r0 + GROUP) * rb];
+        let plain = &mut out[(r0 - rows.start) * rb..(r0 - rows.start + GROUP) * rb];
+        for (k, sb) in group.chunks_exact(SUPERBLOCK).take(blocks).enumerate() {
+            for r in 0..GROUP {
+                let block = &mut plain[r * rb + k * Q4_1_BYTES..][..Q4_1_BYTES];
+                block[0..2].copy_from_slice(&sb[2 * r..2 * r + 2]);
+                block[2..4].copy_from_slice(&sb[16 + 2 * r..16 + 2 * r + 2]);
+                let at = 32 + 16 * slot_of(r);
+                block[4..20].copy_from_slice(&sb[at..at + 16]);
+            }
+        }
+        r0 += GROUP;
+    }
+    // The rows past the groups (or a partial group's rows, which `copy_out` maps).
+    let (from, to) = ((r0 - rows.start) * rb, (rows.end - rows.start) * rb);
+    copy_out(layout, stored, r0 * rb, &mut out[from..to]);
+}
+
 /// Writes the plain bytes `data` at plain offset `start` of a tensor laid out by `layout`
 /// whose stored bytes are `stored`.
 ///
@@ -412,6 +444,15 @@ mod tests {
             let mut back = vec![0u8; layout.bytes()];
             copy_out(&layout, &stored, 0, &mut back);
             assert_eq!(back, plain);
+            // Plain rows from every group start to every end.
+            let rb = layout.row_bytes;
+            for start in (0..=rows).step_by(GROUP) {
+                for end in start..=rows {
+                    let mut got = vec![0u8; (end - start) * rb];
+                    plain_rows(&layout, &stored, start..end, &mut got);
+                    assert_eq!(got, plain[start * rb..end * rb], "rows {start}..{end}");
+                }
+            }
             // Arbitrary ranges, in and out.
             for _ in 0..200 {
                 let a = rng.next() as usize % layout.bytes();

@@ -613,7 +613,8 @@ fn mul_mat_tiles(
         && gemm_q8::Isa::best() != gemm_q8::Isa::Portable
         && gemm_q8::applies(&a, &dst)
     {
-        return gemm_q8::mul_mat(gemm_q8::Isa::best(), &dst, &a, &b, (r2, r3), scratch);
+        let isa = gemm_q8::Isa::best();
+        return gemm_q8::mul_mat(isa, &dst, &a, interleaved, &b, (r2, r3), scratch);
     }
     // bf16 weights: bf16 × bf16 products on AMX tiles where the CPU has them (see `gemm_bf16`).
     if !reference

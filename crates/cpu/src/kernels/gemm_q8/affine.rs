@@ -1,10 +1,12 @@
-//! K-quant weights (q2_K, q3_K, q4_K, q5_K, q6_K) on the integer GEMM.
+//! Weights with minimums or with scales per 16 values on the integer GEMM: q4_1, q5_1 and the
+//! K-quants (q2_K, q3_K, q4_K, q5_K, q6_K).
 //!
-//! Every value of a K-quant super-block is `scale(g) · q + min(g)` for a small integer `q`
-//! and a group `g` of 16 values (q2_K, q3_K, q6_K) or 32 (q4_K, q5_K), where
-//! `scale(g) = d · sc(g)` and `min(g) = −dmin · m(g)` are products of an f16 and an integer
-//! below 256 — exact in f32. So a block of 32 values is 32 signed bytes with a scale and a
-//! minimum per half of 16 ([`Decoded`]), and a product row · activation block is
+//! Every value of these types is `scale(g) · q + min(g)` for a small integer `q` and a group
+//! `g` of 16 values (q2_K, q3_K, q6_K) or 32 (q4_1, q5_1, q4_K, q5_K), where the scale and
+//! the minimum are an f16 (q4_1, q5_1: `d`, `m`) or a product of an f16 and an integer below
+//! 256 (the K-quants: `d · sc(g)`, `−dmin · m(g)`) — exact in f32. So a block of 32 values is
+//! 32 signed bytes with a scale and a minimum per half of 16 ([`Decoded`]), and a product
+//! row · activation block is
 //!
 //! `Σ_h  scale(h) · da · Σ_{j ∈ h} q_j · qa_j  +  min(h) · (da · Σ_{j ∈ h} qa_j)`
 //!
@@ -13,9 +15,9 @@
 //! inner loop serve unchanged) and adds a scale, an offset correction and a minimum per half;
 //! the prepared activation rows carry each half's `da · Σ qa` after their scales.
 //!
-//! Each term is paid only where the type has it ([`KType::halves`], [`KType::mins`]): q4_K
-//! and q5_K share one scale and one minimum over a block of 32, q3_K and q6_K have no
-//! minimums. Arithmetic (identical on every path and for every task split). For output
+//! Each term is paid only where the type has it ([`AffineType::halves`],
+//! [`AffineType::mins`]): q4_1, q5_1, q4_K and q5_K share one scale and one minimum over a
+//! block of 32, q3_K and q6_K have no minimums. Arithmetic (identical on every path and for every task split). For output
 //! element `(i, j)`: `acc = 0`, then for blocks `b` in ascending order, with `isum` exact
 //! integer sums (at most 32 · 128 · 127 in magnitude, exact in f32) and `ds` the activation
 //! sums `da · (Σ qa as f32)` rounded once:
@@ -28,7 +30,7 @@
 //!   for six columns would need more than the 32 vector registers.)
 //!
 //! Only the AVX-512 VNNI kernel and the portable one (the reference) exist: on CPUs without
-//! VNNI, K-quant products keep decoding f32 tiles.
+//! VNNI, these products keep decoding f32 tiles.
 
 use super::{Isa, Line, PANEL, QK, STEPS};
 use crate::dtype::DType;
@@ -37,11 +39,10 @@ use crate::quant::kquants::{
     k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit, unpack_4bit,
     Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
+use crate::quant::legacy::{unpack_nibbles, Q4_1_BYTES, Q5_1_BYTES};
 
-/// Values per super-block.
+/// Values per K-quant super-block (the largest stored block of these types).
 const QK_K: usize = 256;
-/// Blocks of 32 per super-block.
-const BLOCKS_PER_SUPER: usize = QK_K / QK;
 
 /// Lines per packed block: the parent's 8 steps × 2 vectors of quants, then per (half,
 /// vector) a line of scales, a line of offset corrections and a line of minimums (types with
@@ -56,9 +57,13 @@ const MINS_AT: usize = COMP_AT + 4 * 64;
 /// Bytes of one packed block.
 const PACKED_BLOCK: usize = BLOCK_LINES * 64;
 
-/// The K-quant types.
+/// The weight types of this module.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum KType {
+pub(crate) enum AffineType {
+    /// q4_1: 4-bit values with an f16 scale and minimum per 32.
+    Q4_1,
+    /// q5_1: 5-bit values with an f16 scale and minimum per 32.
+    Q5_1,
     /// q2_K: 2-bit values with a 4-bit scale and minimum per 16.
     Q2K,
     /// q3_K: 3-bit signed values with a 6-bit scale per 16.
@@ -71,42 +76,55 @@ pub(crate) enum KType {
     Q6K,
 }
 
-impl KType {
-    /// The K-quant type of `dtype`, if it is one.
-    pub(crate) fn of(dtype: DType) -> Option<KType> {
+impl AffineType {
+    /// The type of `dtype`, if it is one of this module's.
+    pub(crate) fn of(dtype: DType) -> Option<AffineType> {
         Some(match dtype {
-            DType::Q2_K => KType::Q2K,
-            DType::Q3_K => KType::Q3K,
-            DType::Q4_K => KType::Q4K,
-            DType::Q5_K => KType::Q5K,
-            DType::Q6_K => KType::Q6K,
+            DType::Q4_1 => AffineType::Q4_1,
+            DType::Q5_1 => AffineType::Q5_1,
+            DType::Q2_K => AffineType::Q2K,
+            DType::Q3_K => AffineType::Q3K,
+            DType::Q4_K => AffineType::Q4K,
+            DType::Q5_K => AffineType::Q5K,
+            DType::Q6_K => AffineType::Q6K,
             _ => return None,
         })
     }
 
     /// Whether the scales come per 16 values (else one per block of 32).
     pub(super) fn halves(self) -> bool {
-        matches!(self, KType::Q2K | KType::Q3K | KType::Q6K)
+        matches!(self, AffineType::Q2K | AffineType::Q3K | AffineType::Q6K)
     }
 
     /// Whether the values have minimums.
     pub(super) fn mins(self) -> bool {
-        matches!(self, KType::Q2K | KType::Q4K | KType::Q5K)
+        !matches!(self, AffineType::Q3K | AffineType::Q6K)
     }
 
-    /// Bytes of one super-block.
+    /// Blocks of 32 per stored block (a super-block of 256, or one block).
+    fn blocks(self) -> usize {
+        match self {
+            AffineType::Q4_1 | AffineType::Q5_1 => 1,
+            _ => QK_K / QK,
+        }
+    }
+
+    /// Bytes of one stored block.
     fn bytes(self) -> usize {
         match self {
-            KType::Q2K => Q2_K_BYTES,
-            KType::Q3K => Q3_K_BYTES,
-            KType::Q4K => Q4_K_BYTES,
-            KType::Q5K => Q5_K_BYTES,
-            KType::Q6K => Q6_K_BYTES,
+            AffineType::Q4_1 => Q4_1_BYTES,
+            AffineType::Q5_1 => Q5_1_BYTES,
+            AffineType::Q2K => Q2_K_BYTES,
+            AffineType::Q3K => Q3_K_BYTES,
+            AffineType::Q4K => Q4_K_BYTES,
+            AffineType::Q5K => Q5_K_BYTES,
+            AffineType::Q6K => Q6_K_BYTES,
         }
     }
 }
 
-/// One super-block as integers: value `j` is `scale[j / 16] · q[j] + min[j / 16]`.
+/// One stored block as integers: value `j` is `scale[j / 16] · q[j] + min[j / 16]` (the
+/// first 32 values for q4_1 / q5_1).
 #[derive(Clone, Copy)]
 pub(super) struct Decoded {
     q: [i8; QK_K],
@@ -130,20 +148,25 @@ fn f16_at(b: &[u8], at: usize) -> f32 {
 
 /// Decodes the super-block `sb` of type `kt` into `out` (the definition of [`Decoded`]).
 #[inline(always)]
-fn decode(kt: KType, sb: &[u8], out: &mut Decoded) {
+fn decode(kt: AffineType, sb: &[u8], out: &mut Decoded) {
     decode_scales(kt, sb, out);
     match kt {
-        KType::Q2K => widen(&unpack_2bit(&sb[16..80]), &mut out.q),
-        KType::Q3K => out.q = q3_k_quants(&sb[0..32], &sb[32..96]),
-        KType::Q4K => widen(&unpack_4bit(&sb[16..144]), &mut out.q),
-        KType::Q5K => widen(&q5_k_quants(&sb[16..48], &sb[48..176]), &mut out.q),
-        KType::Q6K => out.q = q6_k_quants(&sb[0..128], &sb[128..192]),
+        AffineType::Q4_1 => widen(&unpack_nibbles(&sb[4..20], None), &mut out.q),
+        AffineType::Q5_1 => {
+            let qh = u32::from_le_bytes(sb[4..8].try_into().expect("4 bytes"));
+            widen(&unpack_nibbles(&sb[8..24], Some(qh)), &mut out.q);
+        }
+        AffineType::Q2K => widen(&unpack_2bit(&sb[16..80]), &mut out.q),
+        AffineType::Q3K => out.q = q3_k_quants(&sb[0..32], &sb[32..96]),
+        AffineType::Q4K => widen(&unpack_4bit(&sb[16..144]), &mut out.q),
+        AffineType::Q5K => widen(&q5_k_quants(&sb[16..48], &sb[48..176]), &mut out.q),
+        AffineType::Q6K => out.q = q6_k_quants(&sb[0..128], &sb[128..192]),
     }
 }
 
-/// Small unsigned values as signed bytes.
+/// Small unsigned values as signed bytes (the first `q.len()` of `out`).
 #[inline(always)]
-fn widen(q: &[u8; QK_K], out: &mut [i8; QK_K]) {
+fn widen(q: &[u8], out: &mut [i8; QK_K]) {
     for (o, &v) in out.iter_mut().zip(q) {
         *o = v as i8;
     }
@@ -159,27 +182,31 @@ fn set_groups(out: &mut Decoded, f: impl Fn(usize) -> (f32, f32)) {
 
 /// The scales and minimums of [`decode`].
 #[inline(always)]
-fn decode_scales(kt: KType, sb: &[u8], out: &mut Decoded) {
+fn decode_scales(kt: AffineType, sb: &[u8], out: &mut Decoded) {
     match kt {
-        KType::Q2K => {
+        AffineType::Q4_1 | AffineType::Q5_1 => {
+            let (d, m) = (f16_at(sb, 0), f16_at(sb, 2));
+            set_groups(out, |_| (d, m));
+        }
+        AffineType::Q2K => {
             let (d, dmin) = (f16_at(sb, 80), f16_at(sb, 82));
             set_groups(out, |g| {
                 (d * f32::from(sb[g] & 15), -(dmin * f32::from(sb[g] >> 4)))
             });
         }
-        KType::Q3K => {
+        AffineType::Q3K => {
             let sc = q3_k_scales(&sb[96..108]);
             let d = f16_at(sb, 108);
             set_groups(out, |g| (d * f32::from(sc[g]), 0.0));
         }
-        KType::Q4K | KType::Q5K => {
+        AffineType::Q4K | AffineType::Q5K => {
             let (d, dmin) = (f16_at(sb, 0), f16_at(sb, 2));
             let (sc, m) = k4_scales_mins(&sb[4..16]);
             set_groups(out, |g| {
                 (d * f32::from(sc[g / 2]), -(dmin * f32::from(m[g / 2])))
             });
         }
-        KType::Q6K => {
+        AffineType::Q6K => {
             let d = f16_at(sb, 208);
             set_groups(out, |g| (d * f32::from(sb[192 + g] as i8), 0.0));
         }
@@ -190,7 +217,7 @@ fn decode_scales(kt: KType, sb: &[u8], out: &mut Decoded) {
 /// parent's layout: `k` offset quants, `k / 32` f32 scales, then two f32 per block): with
 /// scales per 16, `da(b) · Σ (quant − 128)` over each half of block `b`; with one per 32, the
 /// same over the block, then 0.
-pub(super) fn fill_sums(row: &mut [u8], k: usize, kt: KType) {
+pub(super) fn fill_sums(row: &mut [u8], k: usize, kt: AffineType) {
     let nb = k / QK;
     let (quants, rest) = row.split_at_mut(k);
     let (scales, sums) = rest.split_at_mut(4 * nb);
@@ -211,16 +238,16 @@ pub(super) fn fill_sums(row: &mut [u8], k: usize, kt: KType) {
 /// `nb` packed blocks of 32 values, with the packer of `isa` (each writes the same bytes).
 pub(super) fn pack_panel(
     isa: Isa,
-    kt: KType,
+    kt: AffineType,
     rows: &[Option<&[u8]>; PANEL],
     nb: usize,
     out: &mut Vec<Line>,
 ) {
-    assert!(nb.is_multiple_of(BLOCKS_PER_SUPER));
+    assert!(nb.is_multiple_of(kt.blocks()));
     assert!(rows
         .iter()
         .flatten()
-        .all(|r| r.len() >= nb / BLOCKS_PER_SUPER * kt.bytes()));
+        .all(|r| r.len() >= nb / kt.blocks() * kt.bytes()));
     super::reset_panel(out, nb * BLOCK_LINES, rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
@@ -232,7 +259,7 @@ pub(super) fn pack_panel(
 }
 
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
-fn pack_panel_portable(kt: KType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
+fn pack_panel_portable(kt: AffineType, rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
     let bytes = super::line_bytes(out);
     let mut dec = Decoded::ZERO;
     for (r, row) in rows.iter().enumerate() {
@@ -242,12 +269,12 @@ fn pack_panel_portable(kt: KType, rows: &[Option<&[u8]>; PANEL], nb: usize, out:
         let (v, lane) = (r / 16, r % 16);
         for (s, sb) in row
             .chunks_exact(kt.bytes())
-            .take(nb / BLOCKS_PER_SUPER)
+            .take(nb / kt.blocks())
             .enumerate()
         {
             decode(kt, sb, &mut dec);
-            for j in 0..BLOCKS_PER_SUPER {
-                let blk = &mut bytes[(s * BLOCKS_PER_SUPER + j) * PACKED_BLOCK..][..PACKED_BLOCK];
+            for j in 0..kt.blocks() {
+                let blk = &mut bytes[(s * kt.blocks() + j) * PACKED_BLOCK..][..PACKED_BLOCK];
                 let w = &dec.q[QK * j..QK * (j + 1)];
                 for st in 0..STEPS {
                     let at = (st * 2 + v) * 64 + lane * 4;
@@ -287,7 +314,7 @@ fn lane(blk: &[Line], at: usize, h: usize, r: usize) -> [u8; 4] {
 
 /// The portable micro-kernel: `out[c][r]` for panel row `r` and activation row `acts[c]`.
 fn tile_portable(
-    kt: KType,
+    kt: AffineType,
     panel: &[Line],
     acts: &[&[u8]],
     k: usize,
@@ -334,7 +361,7 @@ fn tile_portable(
 /// One micro-tile of weights of `kt` with the kernels of `isa` (`acts.len()` in 1..=COLS;
 /// every activation row prepared with its sums, see [`fill_sums`]).
 pub(super) fn run_tile(
-    kt: KType,
+    kt: AffineType,
     isa: Isa,
     panel: &[Line],
     acts: &[&[u8]],
@@ -356,9 +383,7 @@ pub(super) fn run_tile(
 mod x86 {
     use super::super::x86::store_quant_lines;
     use super::super::{Line, COLS, PANEL, QK, STEPS};
-    use super::{
-        decode_scales, Decoded, KType, BLOCKS_PER_SUPER, BLOCK_LINES, COMP_AT, MINS_AT, SCALES_AT,
-    };
+    use super::{decode_scales, AffineType, Decoded, BLOCK_LINES, COMP_AT, MINS_AT, SCALES_AT};
     use std::arch::x86_64::*;
 
     /// The 256 values of the super-block at `sb` as [`super::decode`] gives them, 32 at a time:
@@ -368,17 +393,26 @@ mod x86 {
     /// The CPU must support AVX2; `sb` points at a whole super-block of `kt`.
     #[inline]
     #[target_feature(enable = "avx2")]
-    unsafe fn decode_quants(kt: KType, sb: *const u8, q: &mut [i8; 256]) {
+    unsafe fn decode_quants(kt: AffineType, sb: *const u8, q: &mut [i8; 256]) {
         let m2 = _mm256_set1_epi8(3);
         let m4 = _mm256_set1_epi8(15);
         let one = _mm256_set1_epi8(1);
         let mut v = [_mm256_setzero_si256(); 8];
-        // SAFETY: every load reads 32 bytes inside the super-block (layouts in
-        // `crate::quant::kquants`).
+        // SAFETY: every load reads inside the stored block (layouts in `crate::quant::kquants`
+        // and `crate::quant::legacy`).
         unsafe {
             match kt {
-                KType::Q2K | KType::Q3K => {
-                    let qs = if kt == KType::Q2K { 16 } else { 32 };
+                AffineType::Q4_1 | AffineType::Q5_1 => {
+                    // one block of 32: 16 bytes of nibbles after the scales (and q5_1's `qh`)
+                    let qs = if kt == AffineType::Q4_1 { 4 } else { 8 };
+                    v[0] = super::super::unpack_nibbles(_mm_loadu_si128(sb.add(qs).cast()));
+                    if kt == AffineType::Q5_1 {
+                        let qh = sb.add(4).cast::<i32>().read_unaligned();
+                        v[0] = _mm256_or_si256(v[0], super::super::fifth_bits(qh));
+                    }
+                }
+                AffineType::Q2K | AffineType::Q3K => {
+                    let qs = if kt == AffineType::Q2K { 16 } else { 32 };
                     let hmask = _mm256_loadu_si256(sb.cast());
                     for h in 0..2 {
                         let x = _mm256_loadu_si256(sb.add(qs + 32 * h).cast());
@@ -386,7 +420,7 @@ mod x86 {
                             let i = 4 * h + t;
                             let shift = _mm_cvtsi32_si128(2 * t as i32);
                             let low = _mm256_and_si256(_mm256_srl_epi16(x, shift), m2);
-                            v[i] = if kt == KType::Q2K {
+                            v[i] = if kt == AffineType::Q2K {
                                 low
                             } else {
                                 // q3_K: low − 4 unless the value's bit of hmask is set
@@ -400,15 +434,19 @@ mod x86 {
                         }
                     }
                 }
-                KType::Q4K | KType::Q5K => {
-                    let (qs, qh) = if kt == KType::Q4K { (16, 0) } else { (48, 16) };
+                AffineType::Q4K | AffineType::Q5K => {
+                    let (qs, qh) = if kt == AffineType::Q4K {
+                        (16, 0)
+                    } else {
+                        (48, 16)
+                    };
                     let bits = _mm256_loadu_si256(sb.add(qh).cast());
                     for c in 0..4 {
                         let x = _mm256_loadu_si256(sb.add(qs + 32 * c).cast());
                         v[2 * c] = _mm256_and_si256(x, m4);
                         v[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16::<4>(x), m4);
                     }
-                    if kt == KType::Q5K {
+                    if kt == AffineType::Q5K {
                         for (i, vi) in v.iter_mut().enumerate() {
                             let count = _mm_cvtsi32_si128(i as i32);
                             let high = _mm256_and_si256(_mm256_srl_epi16(bits, count), one);
@@ -416,7 +454,7 @@ mod x86 {
                         }
                     }
                 }
-                KType::Q6K => {
+                AffineType::Q6K => {
                     let thirty_two = _mm256_set1_epi8(32);
                     for h in 0..2 {
                         let l0 = _mm256_loadu_si256(sb.add(64 * h).cast());
@@ -441,7 +479,7 @@ mod x86 {
                     }
                 }
             }
-            for (i, vi) in v.iter().enumerate() {
+            for (i, vi) in v.iter().enumerate().take(kt.blocks()) {
                 _mm256_storeu_si256(q.as_mut_ptr().add(32 * i).cast(), *vi);
             }
         }
@@ -456,14 +494,14 @@ mod x86 {
     /// `nb / 8` super-blocks of `kt` and `out` holds `nb` zeroed packed blocks.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
     pub(super) unsafe fn pack_panel(
-        kt: KType,
+        kt: AffineType,
         rows: &[Option<&[u8]>; PANEL],
         nb: usize,
         out: &mut [Line],
     ) {
         let mut dec = [Decoded::ZERO; PANEL];
         let bytes = kt.bytes();
-        for s in 0..nb / BLOCKS_PER_SUPER {
+        for s in 0..nb / kt.blocks() {
             for (r, row) in rows.iter().enumerate() {
                 if let Some(row) = row {
                     let sb = &row[s * bytes..(s + 1) * bytes];
@@ -472,8 +510,8 @@ mod x86 {
                     unsafe { decode_quants(kt, sb.as_ptr(), &mut dec[r].q) };
                 }
             }
-            for j in 0..BLOCKS_PER_SUPER {
-                let b = s * BLOCKS_PER_SUPER + j;
+            for j in 0..kt.blocks() {
+                let b = s * kt.blocks() + j;
                 // SAFETY: packed block `b` exists in `out` (caller).
                 let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();
                 for v in 0..2 {
@@ -620,7 +658,7 @@ mod x86 {
     /// As [`tile`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     unsafe fn tile_for<const C: usize>(
-        kt: KType,
+        kt: AffineType,
         panel: &[Line],
         acts: &[&[u8]],
         k: usize,
@@ -643,7 +681,7 @@ mod x86 {
     /// As [`tile`].
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
     pub(super) unsafe fn tile_vnni512(
-        kt: KType,
+        kt: AffineType,
         panel: &[Line],
         acts: &[&[u8]],
         k: usize,
@@ -668,12 +706,14 @@ mod tests {
     use super::*;
     use crate::kernels::testing::values;
 
-    const TYPES: [(DType, KType); 5] = [
-        (DType::Q2_K, KType::Q2K),
-        (DType::Q3_K, KType::Q3K),
-        (DType::Q4_K, KType::Q4K),
-        (DType::Q5_K, KType::Q5K),
-        (DType::Q6_K, KType::Q6K),
+    const TYPES: [(DType, AffineType); 7] = [
+        (DType::Q4_1, AffineType::Q4_1),
+        (DType::Q5_1, AffineType::Q5_1),
+        (DType::Q2_K, AffineType::Q2K),
+        (DType::Q3_K, AffineType::Q3K),
+        (DType::Q4_K, AffineType::Q4K),
+        (DType::Q5_K, AffineType::Q5K),
+        (DType::Q6_K, AffineType::Q6K),
     ];
 
     /// `m` rows of `k` values: random bytes with sane f16 `d` (and `dmin`) of both signs.
@@ -709,23 +749,21 @@ mod tests {
             let mut want = vec![0f32; 4 * QK_K];
             dtype.row_to_f32(&raw, &mut want).unwrap();
             let mut dec = Decoded::ZERO;
+            let n = kt.blocks() * QK;
             for (s, sb) in raw.chunks_exact(kt.bytes()).enumerate() {
                 decode(kt, sb, &mut dec);
-                for j in 0..QK_K {
+                for j in 0..n {
                     let g = j / 16;
                     let got = dec.scale[g].mul_add(f32::from(dec.q[j]), dec.min[g]);
-                    let want = want[s * QK_K + j];
-                    assert!(
-                        got == want,
-                        "{dtype} super-block {s} value {j}: {got} vs {want}"
-                    );
+                    let want = want[s * n + j];
+                    assert!(got == want, "{dtype} block {s} value {j}: {got} vs {want}");
                 }
             }
         }
     }
 
     /// The module's arithmetic written out from the decoded integers (no packing).
-    fn reference(row: &[u8], kt: KType, act: &[f32], k: usize) -> f32 {
+    fn reference(row: &[u8], kt: AffineType, act: &[f32], k: usize) -> f32 {
         let mut prepared = vec![0u8; super::super::act_row_bytes(k)];
         super::super::prepare_row(act, &mut prepared);
         fill_sums(&mut prepared, k, kt);
@@ -734,11 +772,11 @@ mod tests {
         let mut acc = 0f32;
         let mut dec = Decoded::ZERO;
         for b in 0..nb {
-            if b % BLOCKS_PER_SUPER == 0 {
-                let s = b / BLOCKS_PER_SUPER;
+            if b % kt.blocks() == 0 {
+                let s = b / kt.blocks();
                 decode(kt, &row[s * kt.bytes()..(s + 1) * kt.bytes()], &mut dec);
             }
-            let j = b % BLOCKS_PER_SUPER;
+            let j = b % kt.blocks();
             let isum = |lo: usize, n: usize| -> f32 {
                 (lo..lo + n)
                     .map(|t| i32::from(dec.q[QK * j + t]) * (i32::from(prepared[b * QK + t]) - 128))
