@@ -21,14 +21,21 @@ pub enum Isa {
     Portable,
     /// AVX2 + FMA (+ F16C) intrinsics.
     Avx2,
+    /// AVX-512F/BW with AVX2, FMA and F16C: a family's 512-bit kernels where it has them,
+    /// its AVX2 ones elsewhere (same bits: the portable code defines them all).
+    Avx512,
 }
 
 impl Isa {
     /// Every family this CPU runs, slowest first.
     pub fn available() -> Vec<Isa> {
         let mut out = vec![Isa::Portable];
-        if crate::isa::get().avx2_fma_f16c() {
+        let features = crate::isa::get();
+        if features.avx2_fma_f16c() {
             out.push(Isa::Avx2);
+            if features.avx512_bw() {
+                out.push(Isa::Avx512);
+            }
         }
         out
     }
@@ -98,8 +105,9 @@ pub fn dot_fn(dtype: DType) -> Option<DotFn> {
 pub(crate) type Lookup = fn(DType) -> Option<DotFn>;
 
 /// The body of every family module's `dot_fn`: `portable(dtype)` for [`Isa::Portable`],
-/// `avx2(dtype)` for [`Isa::Avx2`]. The family's `avx2` lookup (defined with
-/// [`avx2_lookup!`]) does its own CPU-feature check and is `None` on other architectures.
+/// `avx2(dtype)` for [`Isa::Avx2`] and [`Isa::Avx512`] (for a family without 512-bit
+/// kernels). The family's `avx2` lookup (defined with [`avx2_lookup!`]) does its own
+/// CPU-feature check and is `None` on other architectures.
 #[inline]
 pub(crate) fn family_dot_fn(
     dtype: DType,
@@ -109,7 +117,24 @@ pub(crate) fn family_dot_fn(
 ) -> Option<DotFn> {
     match isa {
         Isa::Portable => portable(dtype),
-        Isa::Avx2 => avx2(dtype),
+        Isa::Avx2 | Isa::Avx512 => avx2(dtype),
+    }
+}
+
+/// [`family_dot_fn`] for a family with 512-bit kernels: `avx512(dtype)` first for
+/// [`Isa::Avx512`] (a lookup that checks the CPU's features itself), its AVX2 kernel for the
+/// types it lacks.
+#[inline]
+pub(crate) fn family_dot_fn_wide(
+    dtype: DType,
+    isa: Isa,
+    portable: Lookup,
+    avx2: Lookup,
+    avx512: Lookup,
+) -> Option<DotFn> {
+    match isa {
+        Isa::Avx512 => avx512(dtype).or_else(|| avx2(dtype)),
+        _ => family_dot_fn(dtype, isa, portable, avx2),
     }
 }
 

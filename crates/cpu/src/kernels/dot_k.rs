@@ -62,7 +62,37 @@ mod x86;
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (and, for [`Isa::Avx2`], if this CPU has AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    block_dot::family_dot_fn(dtype, isa, portable, avx2)
+    block_dot::family_dot_fn_wide(dtype, isa, portable, avx2, avx512)
+}
+
+/// The family's 512-bit products (AVX-512F/BW with AVX2, FMA and F16C).
+fn avx512(dtype: DType) -> Option<DotFn> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::get().avx512_bw() && super::block_x86::supported() {
+        return match dtype {
+            DType::Q4_K => Some(avx512_entry::q4_k),
+            DType::Q6_K => Some(avx512_entry::q6_k),
+            _ => None,
+        };
+    }
+    let _ = dtype;
+    None
+}
+
+/// Safe entry points to the 512-bit kernels, handed out only by `avx512` after its check.
+#[cfg(target_arch = "x86_64")]
+mod avx512_entry {
+    pub(super) fn q4_k(x: &[u8], y: &[u8]) -> f32 {
+        // SAFETY: only `avx512` hands this out, once AVX-512F/BW, AVX2, FMA and F16C are
+        // confirmed: all the kernel requires.
+        unsafe { super::x86::q4_k_avx512(x, y) }
+    }
+
+    pub(super) fn q6_k(x: &[u8], y: &[u8]) -> f32 {
+        // SAFETY: only `avx512` hands this out, once AVX-512F/BW, AVX2, FMA and F16C are
+        // confirmed: all the kernel requires.
+        unsafe { super::x86::q6_k_avx512(x, y) }
+    }
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
