@@ -55,7 +55,18 @@ pub const LANES: usize = 8;
 /// The product of `dtype` rows in family `isa`, if `dtype` is one of this module's types
 /// (`None` as well for [`Isa::Avx2`] on a CPU without AVX2, FMA and F16C).
 pub fn dot_fn(dtype: DType, isa: Isa) -> Option<DotFn> {
-    block_dot::family_dot_fn(dtype, isa, portable, avx2)
+    block_dot::family_dot_fn_wide(dtype, isa, portable, avx2, avx512)
+}
+
+/// The family's 512-bit products (VNNI), where the CPU runs them.
+fn avx512(dtype: DType) -> Option<DotFn> {
+    #[cfg(target_arch = "x86_64")]
+    return x86::wide(dtype);
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dtype;
+        None
+    }
 }
 
 fn portable(dtype: DType) -> Option<DotFn> {
@@ -648,7 +659,6 @@ mod tests {
                     blk[..2].copy_from_slice(&f16::from_f32(0.01).to_bits().to_le_bytes());
                 }
                 let act = quantize(partner, &random_values(&mut rng, k));
-                let dot = dot_fn(dtype, Isa::Avx2).unwrap();
                 let chunk = (256 * 4096 / k).clamp(1, rows) * row_bytes;
                 let timed = |f: &dyn Fn(&[u8]) -> f32| -> f64 {
                     let mut best = vec![f64::INFINITY; w.len() / chunk];
@@ -662,16 +672,16 @@ mod tests {
                     }
                     best.iter().sum()
                 };
-                let t_dot = timed(&|r| dot(r, &act));
+                let gb = w.len() as f64 / 1e9;
+                let mut line = format!("{dtype:?} {rows}x{k} ({:.1} MB):", w.len() as f64 / 1e6);
+                for isa in Isa::available().into_iter().skip(1) {
+                    let dot = dot_fn(dtype, isa).unwrap();
+                    let t_dot = timed(&|r| dot(r, &act));
+                    line += &format!(" {isa:?} {:.1} GB/s,", gb / t_dot);
+                }
                 // SAFETY: AVX2 was detected above.
                 let t_read = timed(&|r| unsafe { stream_read(r) });
-                let gb = w.len() as f64 / 1e9;
-                println!(
-                    "{dtype:?} {rows}x{k} ({:.1} MB): dot {:.1} GB/s, plain read {:.1} GB/s",
-                    w.len() as f64 / 1e6,
-                    gb / t_dot,
-                    gb / t_read
-                );
+                println!("{line} plain read {:.1} GB/s", gb / t_read);
             }
         }
     }

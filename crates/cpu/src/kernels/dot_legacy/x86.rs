@@ -226,6 +226,139 @@ unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
     reduce8(&lanes)
 }
 
+/// The products of kind `K` with 512-bit vectors and `vpdpbusd` (see [`group512`]): the same
+/// exact integer sums and the same f32 steps as [`dot`], hence the same bits.
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW/VNNI, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot512<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
+    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
+    let nb = block_count::<K>(a, b);
+    let groups = nb / LANES;
+    let mut acc = _mm256_setzero_ps();
+    for g in 0..groups {
+        prefetch_ahead(a.as_ptr().wrapping_add(g * LANES * wb), LANES * wb);
+        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
+        acc = unsafe {
+            group512::<K>(
+                a.as_ptr().add(g * LANES * wb),
+                b.as_ptr().add(g * LANES * pb),
+                acc,
+            )
+        };
+    }
+    let mut lanes = [0.0f32; LANES];
+    // SAFETY: `lanes` holds 8 f32; the store is unaligned.
+    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+    for (i, lane) in lanes.iter_mut().enumerate().take(nb - groups * LANES) {
+        let block = groups * LANES + i;
+        // SAFETY: block `block` < nb lies inside both rows.
+        let (x, y) = unsafe { (a.as_ptr().add(block * wb), b.as_ptr().add(block * pb)) };
+        // SAFETY: whole blocks at `x` and `y`.
+        let isum = hsum_i32(unsafe { block_sums::<K>(x, y) });
+        // SAFETY: each block starts with its f16 scale (and, with a minimum, a second f16).
+        let (dx, dy) = unsafe { (f16_scalar(x), f16_scalar(y)) };
+        *lane = (isum as f32).mul_add(dx * dy, *lane);
+        if super::has_min(K) {
+            // SAFETY: as above, the second f16 of each block.
+            let (mx, sy) = unsafe { (f16_scalar(x.add(2)), f16_scalar(y.add(2))) };
+            *lane = mx.mul_add(sy, *lane);
+        }
+    }
+    reduce8(&lanes)
+}
+
+/// [`group`] with two blocks per 512-bit vector: their nibbles are loaded into the four
+/// 128-bit lanes as `[A, A, B, B]` and one variable shift splits low and high nibbles, the
+/// 64 activation bytes are two loads, and `vpdpbusd` multiplies unsigned weights by the
+/// activations directly — signed weights (q5_0, iq4_nl) as `|y| · (w · sign y)`, exact for
+/// every byte (`|w| ≤ 127`, `|y| ≤ 128`). The vector's halves hold each block's partial sums.
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW/VNNI, AVX2, FMA and F16C; `x` and `y` must point to 8
+/// whole blocks.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
+unsafe fn group512<const K: u8>(x: *const u8, y: *const u8, acc: __m256) -> __m256 {
+    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
+    // The nibble bytes' offset in a weight block, and `qh`'s.
+    let (qs, qh_at) = match K {
+        kind::Q4_1 => (4, 0),
+        kind::Q5_0 => (6, 2),
+        kind::Q5_1 => (8, 4),
+        _ => (2, 0),
+    };
+    let shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
+    let low = _mm512_set1_epi8(0x0F);
+    let table = _mm512_broadcast_i32x4(_mm_setr_epi8(
+        KVALUES_IQ4NL[0],
+        KVALUES_IQ4NL[1],
+        KVALUES_IQ4NL[2],
+        KVALUES_IQ4NL[3],
+        KVALUES_IQ4NL[4],
+        KVALUES_IQ4NL[5],
+        KVALUES_IQ4NL[6],
+        KVALUES_IQ4NL[7],
+        KVALUES_IQ4NL[8],
+        KVALUES_IQ4NL[9],
+        KVALUES_IQ4NL[10],
+        KVALUES_IQ4NL[11],
+        KVALUES_IQ4NL[12],
+        KVALUES_IQ4NL[13],
+        KVALUES_IQ4NL[14],
+        KVALUES_IQ4NL[15],
+    ));
+    let mut p = [_mm256_setzero_si256(); LANES];
+    // SAFETY: 8 whole blocks at `x` and `y` (caller); every offset below lies inside block
+    // `2 j` or `2 j + 1`, and all loads are unaligned.
+    unsafe {
+        for j in 0..LANES / 2 {
+            let (xa, xb) = (x.add(2 * j * wb), x.add((2 * j + 1) * wb));
+            let (ya, yb) = (y.add(2 * j * pb), y.add((2 * j + 1) * pb));
+            let both = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(
+                    xa.add(qs).cast(),
+                ))),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(xb.add(qs).cast())),
+            );
+            let nib = _mm512_and_si512(_mm512_srlv_epi64(both, shifts), low);
+            let yv = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(_mm256_loadu_si256(ya.add(pb - 32).cast())),
+                _mm256_loadu_si256(yb.add(pb - 32).cast()),
+            );
+            // The fifth bits of both blocks as one 64-bit mask (block A's in the low half).
+            let fifth = || {
+                let a = u64::from(u32::from_le(xa.add(qh_at).cast::<u32>().read_unaligned()));
+                let b = u64::from(u32::from_le(xb.add(qh_at).cast::<u32>().read_unaligned()));
+                a | (b << 32)
+            };
+            let sums = match K {
+                kind::Q4_1 => _mm512_dpbusd_epi32(_mm512_setzero_si512(), nib, yv),
+                kind::Q5_1 => {
+                    let w = _mm512_mask_add_epi8(nib, fifth(), nib, _mm512_set1_epi8(0x10));
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, yv)
+                }
+                _ => {
+                    let w = if K == kind::Q5_0 {
+                        // q − 16: the nibble where the fifth bit is set, else nibble − 16.
+                        _mm512_mask_sub_epi8(nib, !fifth(), nib, _mm512_set1_epi8(16))
+                    } else {
+                        _mm512_shuffle_epi8(table, nib)
+                    };
+                    let negative = _mm512_movepi8_mask(yv);
+                    let signed = _mm512_mask_sub_epi8(w, negative, _mm512_setzero_si512(), w);
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(yv), signed)
+                }
+            };
+            p[2 * j] = _mm512_castsi512_si256(sums);
+            p[2 * j + 1] = _mm512_extracti64x4_epi64::<1>(sums);
+        }
+        let isum = _mm256_cvtepi32_ps(sum_blocks(&p));
+        scale_sums::<K>(isum, block_heads(x, wb), block_heads(y, pb), acc)
+    }
+}
+
 /// Step 2 of the definition for 8 consecutive blocks at `x` (weights) and `y` (partner), block
 /// `j` into lane `j`.
 ///
@@ -310,6 +443,37 @@ pub fn dot_q5_1_q8_1(a: &[u8], b: &[u8]) -> f32 {
 }
 
 /// iq4_nl row · q8_0 row with AVX2 (same bits as [`super::dot_iq4_nl_q8_0_portable`]).
+/// The 512-bit products ([`dot512`]) of `dtype`, when the CPU runs them (AVX-512F/BW/VNNI,
+/// AVX2, FMA and F16C).
+pub fn wide(dtype: crate::dtype::DType) -> Option<super::DotFn> {
+    use crate::dtype::DType;
+    if !(available() && crate::isa::get().avx512_bw_vnni()) {
+        return None;
+    }
+    Some(match dtype {
+        DType::Q4_1 => wide_entry::q4_1,
+        DType::Q5_0 => wide_entry::q5_0,
+        DType::Q5_1 => wide_entry::q5_1,
+        DType::IQ4_NL => wide_entry::iq4_nl,
+        _ => return None,
+    })
+}
+
+/// Safe entry points to [`dot512`], handed out only by [`wide`] after its check.
+mod wide_entry {
+    use super::{dot512, kind};
+
+    macro_rules! entries {
+        ($($name:ident => $kind:ident),+) => {$(
+            pub(super) fn $name(a: &[u8], b: &[u8]) -> f32 {
+                // SAFETY: only `wide` hands this out, once the CPU's features are confirmed.
+                unsafe { dot512::<{ kind::$kind }>(a, b) }
+            }
+        )+};
+    }
+    entries!(q4_1 => Q4_1, q5_0 => Q5_0, q5_1 => Q5_1, iq4_nl => IQ4_NL);
+}
+
 pub fn dot_iq4_nl_q8_0(a: &[u8], b: &[u8]) -> f32 {
     if !available() {
         return super::dot_iq4_nl_q8_0_portable(a, b);
