@@ -448,9 +448,22 @@ fn prepare_acts(
         || vec![0f32; k],
         |r, row, buf| {
             let (i1, i2, i3) = b.row_coords(r);
-            // SAFETY: row `r` lies inside `b` (read-only during the product).
-            unsafe { b.load_row(i1, i2, i3, buf)? };
-            prepare_row_for(isa, buf, row);
+            let dense = b.dtype == DType::F32
+                && b.nb[0] == 4
+                && (b.ptr.0 as usize).is_multiple_of(4)
+                && b.nb[1..].iter().all(|s| s % 4 == 0);
+            if dense {
+                // SAFETY: row `r` lies inside `b`, dense 4-byte aligned f32 (checked above),
+                // read-only during the product.
+                let x = unsafe {
+                    std::slice::from_raw_parts(b.at(b.row_offset(i1, i2, i3)).cast::<f32>(), k)
+                };
+                prepare_row_for(isa, x, row);
+            } else {
+                // SAFETY: row `r` lies inside `b` (read-only during the product).
+                unsafe { b.load_row(i1, i2, i3, buf)? };
+                prepare_row_for(isa, buf, row);
+            }
             if let Some(kt) = k_quant {
                 affine::fill_sums(row, k, kt);
             }

@@ -251,11 +251,22 @@ pub(super) fn pack_panel(
     super::reset_panel(out, nb * BLOCK_LINES, rows);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI and AVX2/F16C;
-        // the sizes were checked above.
-        Isa::Vnni512 => unsafe { x86::pack_panel(kt, rows, nb, out) },
+        Isa::Vnni512 => DECODED.with(|cell| {
+            let mut dec = cell.borrow_mut();
+            let dec = dec.get_or_insert_with(|| Box::new([Decoded::ZERO; PANEL]));
+            // SAFETY: `Vnni512` is only chosen when the CPU has AVX-512F/BW/VNNI and
+            // AVX2/F16C; the sizes were checked above.
+            unsafe { x86::pack_panel(kt, rows, nb, out, dec) }
+        }),
         _ => pack_panel_portable(kt, rows, nb, out),
     }
+}
+
+thread_local! {
+    // The SIMD packer's decoded rows, kept between panels (12 KiB: building it per panel
+    // was a visible copy in profiles).
+    static DECODED: std::cell::RefCell<Option<Box<[Decoded; PANEL]>>> =
+        const { std::cell::RefCell::new(None) };
 }
 
 /// [`pack_panel`] in portable Rust (the reference): `out` holds `nb` zeroed packed blocks.
@@ -491,15 +502,16 @@ mod x86 {
     ///
     /// # Safety
     /// The CPU must support AVX-512F/BW/VNNI, AVX2 and F16C; every present row holds
-    /// `nb / 8` super-blocks of `kt` and `out` holds `nb` zeroed packed blocks.
+    /// `nb / 8` super-blocks of `kt` and `out` holds `nb` zeroed packed blocks. `dec` is
+    /// scratch (its contents are overwritten before they are read).
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
     pub(super) unsafe fn pack_panel(
         kt: AffineType,
         rows: &[Option<&[u8]>; PANEL],
         nb: usize,
         out: &mut [Line],
+        dec: &mut [Decoded; PANEL],
     ) {
-        let mut dec = [Decoded::ZERO; PANEL];
         let bytes = kt.bytes();
         for s in 0..nb / kt.blocks() {
             for (r, row) in rows.iter().enumerate() {
