@@ -180,94 +180,78 @@ fn widen_halves(lo_words: __m256i, hi_words: __m256i, hi_shift: bool) -> (__m256
     )
 }
 
-/// The product of kind `K` (see [`super`]'s module docs for the arithmetic).
-///
-/// # Safety
-/// The CPU must support AVX2, FMA and F16C.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn dot<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
-    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
-    let nb = block_count::<K>(a, b);
-    let groups = nb / LANES;
-    let mut acc = _mm256_setzero_ps();
-    for g in 0..groups {
-        prefetch_ahead(a.as_ptr().wrapping_add(g * LANES * wb), LANES * wb);
-        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
-        acc = unsafe {
-            group::<K>(
-                a.as_ptr().add(g * LANES * wb),
-                b.as_ptr().add(g * LANES * pb),
-                acc,
-            )
-        };
-    }
-    let mut lanes = [0.0f32; LANES];
-    // SAFETY: `lanes` holds 8 f32; the store is unaligned.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    // The last rest < 8 blocks one at a time into their lanes, step 2 of the definition in
-    // scalar form (the exact integer sum from the vector kernel, then the same two fused
-    // multiply-adds): a vector step would pay a whole group's scale gathering for a couple
-    // of blocks, which rows of a few hundred values (a small model's) feel.
-    for (i, lane) in lanes.iter_mut().enumerate().take(nb - groups * LANES) {
-        let block = groups * LANES + i;
-        // SAFETY: block `block` < nb lies inside both rows.
-        let (x, y) = unsafe { (a.as_ptr().add(block * wb), b.as_ptr().add(block * pb)) };
-        // SAFETY: whole blocks at `x` and `y`.
-        let isum = hsum_i32(unsafe { block_sums::<K>(x, y) });
-        // SAFETY: each block starts with its f16 scale (and, with a minimum, a second f16).
-        let (dx, dy) = unsafe { (f16_scalar(x), f16_scalar(y)) };
-        *lane = (isum as f32).mul_add(dx * dy, *lane);
-        if super::has_min(K) {
-            // SAFETY: as above, the second f16 of each block.
-            let (mx, sy) = unsafe { (f16_scalar(x.add(2)), f16_scalar(y.add(2))) };
-            *lane = mx.mul_add(sy, *lane);
+/// Defines a product of kind `K` over whole rows (see [`super`]'s module docs for the
+/// arithmetic) whose groups of 8 blocks go through `$group`, compiled with `$features`: a
+/// macro so that the group function inlines into a driver with its own target features.
+macro_rules! row_product {
+    ($(#[$doc:meta])* $name:ident, $group:ident, $features:literal) => {
+        $(#[$doc])*
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
+            let (wb, pb) = (weight_bytes(K), partner_bytes(K));
+            let nb = block_count::<K>(a, b);
+            let groups = nb / LANES;
+            let mut acc = _mm256_setzero_ps();
+            for g in 0..groups {
+                prefetch_ahead(a.as_ptr().wrapping_add(g * LANES * wb), LANES * wb);
+                // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
+                acc = unsafe {
+                    $group::<K>(
+                        a.as_ptr().add(g * LANES * wb),
+                        b.as_ptr().add(g * LANES * pb),
+                        acc,
+                    )
+                };
+            }
+            let mut lanes = [0.0f32; LANES];
+            // SAFETY: `lanes` holds 8 f32; the store is unaligned.
+            unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
+            // The last rest < 8 blocks one at a time into their lanes, step 2 of the
+            // definition in scalar form (the exact integer sum from the vector kernel, then
+            // the same two fused multiply-adds): a vector step would pay a whole group's scale
+            // gathering for a couple of blocks, which rows of a few hundred values (a small
+            // model's) feel.
+            for (i, lane) in lanes.iter_mut().enumerate().take(nb - groups * LANES) {
+                let block = groups * LANES + i;
+                // SAFETY: block `block` < nb lies inside both rows.
+                let (x, y) = unsafe { (a.as_ptr().add(block * wb), b.as_ptr().add(block * pb)) };
+                // SAFETY: whole blocks at `x` and `y`.
+                let isum = hsum_i32(unsafe { block_sums::<K>(x, y) });
+                // SAFETY: each block starts with its f16 scale (and, with a minimum, a second
+                // f16).
+                let (dx, dy) = unsafe { (f16_scalar(x), f16_scalar(y)) };
+                *lane = (isum as f32).mul_add(dx * dy, *lane);
+                if super::has_min(K) {
+                    // SAFETY: as above, the second f16 of each block.
+                    let (mx, sy) = unsafe { (f16_scalar(x.add(2)), f16_scalar(y.add(2))) };
+                    *lane = mx.mul_add(sy, *lane);
+                }
+            }
+            reduce8(&lanes)
         }
-    }
-    reduce8(&lanes)
+    };
 }
 
-/// The products of kind `K` with 512-bit vectors and `vpdpbusd` (see [`group512`]): the same
-/// exact integer sums and the same f32 steps as [`dot`], hence the same bits.
-///
-/// # Safety
-/// The CPU must support AVX-512F/BW/VNNI, AVX2, FMA and F16C.
-#[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
-unsafe fn dot512<const K: u8>(a: &[u8], b: &[u8]) -> f32 {
-    let (wb, pb) = (weight_bytes(K), partner_bytes(K));
-    let nb = block_count::<K>(a, b);
-    let groups = nb / LANES;
-    let mut acc = _mm256_setzero_ps();
-    for g in 0..groups {
-        prefetch_ahead(a.as_ptr().wrapping_add(g * LANES * wb), LANES * wb);
-        // SAFETY: blocks 8g .. 8g + 8 lie inside both rows (g < groups ≤ nb / 8).
-        acc = unsafe {
-            group512::<K>(
-                a.as_ptr().add(g * LANES * wb),
-                b.as_ptr().add(g * LANES * pb),
-                acc,
-            )
-        };
-    }
-    let mut lanes = [0.0f32; LANES];
-    // SAFETY: `lanes` holds 8 f32; the store is unaligned.
-    unsafe { _mm256_storeu_ps(lanes.as_mut_ptr(), acc) };
-    for (i, lane) in lanes.iter_mut().enumerate().take(nb - groups * LANES) {
-        let block = groups * LANES + i;
-        // SAFETY: block `block` < nb lies inside both rows.
-        let (x, y) = unsafe { (a.as_ptr().add(block * wb), b.as_ptr().add(block * pb)) };
-        // SAFETY: whole blocks at `x` and `y`.
-        let isum = hsum_i32(unsafe { block_sums::<K>(x, y) });
-        // SAFETY: each block starts with its f16 scale (and, with a minimum, a second f16).
-        let (dx, dy) = unsafe { (f16_scalar(x), f16_scalar(y)) };
-        *lane = (isum as f32).mul_add(dx * dy, *lane);
-        if super::has_min(K) {
-            // SAFETY: as above, the second f16 of each block.
-            let (mx, sy) = unsafe { (f16_scalar(x.add(2)), f16_scalar(y.add(2))) };
-            *lane = mx.mul_add(sy, *lane);
-        }
-    }
-    reduce8(&lanes)
-}
+row_product!(
+    /// The product of kind `K` with AVX2.
+    ///
+    /// # Safety
+    /// The CPU must support AVX2, FMA and F16C.
+    dot,
+    group,
+    "avx2,fma,f16c"
+);
+
+row_product!(
+    /// The products of kind `K` with 512-bit vectors and `vpdpbusd` (see [`group512`]): the
+    /// same exact integer sums and the same f32 steps as [`dot`], hence the same bits.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW/VNNI, AVX2, FMA and F16C.
+    dot512,
+    group512,
+    "avx512f,avx512bw,avx512vnni,avx2,fma,f16c"
+);
 
 /// [`group`] with two blocks per 512-bit vector: their nibbles are loaded into the four
 /// 128-bit lanes as `[A, A, B, B]` and one variable shift splits low and high nibbles, the
