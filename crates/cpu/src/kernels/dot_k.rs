@@ -71,6 +71,7 @@ fn avx512(dtype: DType) -> Option<DotFn> {
     if crate::isa::get().avx512_bw() && super::block_x86::supported() {
         return match dtype {
             DType::Q4_K => Some(avx512_entry::q4_k),
+            DType::Q5_K => Some(avx512_entry::q5_k),
             DType::Q6_K => Some(avx512_entry::q6_k),
             _ => None,
         };
@@ -86,6 +87,11 @@ mod avx512_entry {
         // SAFETY: only `avx512` hands this out, once AVX-512F/BW, AVX2, FMA and F16C are
         // confirmed: all the kernel requires.
         unsafe { super::x86::q4_k_avx512(x, y) }
+    }
+
+    pub(super) fn q5_k(x: &[u8], y: &[u8]) -> f32 {
+        // SAFETY: as for `q4_k`.
+        unsafe { super::x86::q5_k_avx512(x, y) }
     }
 
     pub(super) fn q6_k(x: &[u8], y: &[u8]) -> f32 {

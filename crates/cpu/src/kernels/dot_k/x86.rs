@@ -355,19 +355,52 @@ pub(super) unsafe fn q6_k(x: &[u8], y: &[u8]) -> f32 {
     acc
 }
 
-/// q4_K · q8_K with 512-bit vectors ([`super::dot_q4_k`]): each 64-byte load of nibbles
-/// (two runs of 64 values) is split into low and high nibbles and regrouped by 128-bit lanes
-/// so that each vector holds 64 consecutive values; group scales are replicated by one
-/// `vpermw` each, the minimum term is the AVX2 kernel's. The same exact integer sums and the
-/// same f32 steps as the AVX2 kernel.
+/// q4_K · q8_K with 512-bit vectors ([`super::dot_q4_k`], [`k4_avx512`]).
 ///
 /// # Safety
 /// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q4_k_avx512(x: &[u8], y: &[u8]) -> f32 {
-    let (xb, _) = x.as_chunks::<Q4_K_BYTES>();
+    // SAFETY: forwarded from the caller.
+    unsafe { k4_avx512::<Q4_K_BYTES, false>(x, y) }
+}
+
+/// q5_K · q8_K with 512-bit vectors ([`super::dot_q5_k`], [`k4_avx512`]).
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(super) unsafe fn q5_k_avx512(x: &[u8], y: &[u8]) -> f32 {
+    // SAFETY: forwarded from the caller.
+    unsafe { k4_avx512::<Q5_K_BYTES, true>(x, y) }
+}
+
+/// q4_K (`N` = 144) or q5_K (`N` = 176, `FIVE`) · q8_K with 512-bit vectors: each 64-byte
+/// load of nibbles (two runs of 64 values) is split into low and high nibbles (q5_K: plus
+/// their fifth bits, tested out of the broadcast `qh` bytes into a mask) and regrouped by
+/// 128-bit lanes so that each vector holds 64 consecutive values; group scales are
+/// replicated by one `vpermw` each, the minimum term is the AVX2 kernels'. The same exact
+/// integer sums and the same f32 steps as the AVX2 kernels.
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32 {
+    let (xb, _) = x.as_chunks::<N>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    let qs_at = if FIVE { 48 } else { 16 };
     let low = _mm512_set1_epi8(0x0F);
+    // q5_K: run `r` (32 values) takes bit `r` of each `qh` byte; the low nibbles of load `c`
+    // are runs 4c and 4c + 2, the high ones 4c + 1 and 4c + 3.
+    let bits = |lo_run: i32| {
+        _mm512_inserti64x4::<1>(
+            _mm512_set1_epi8(1 << lo_run),
+            _mm256_set1_epi8((1i32 << (lo_run + 2)) as i8),
+        )
+    };
+    let fifth = [[bits(0), bits(1)], [bits(4), bits(5)]];
+    let sixteen = _mm512_set1_epi8(0x10);
     // Word lane `i` of the scales for values `64 s..64 s + 64`: group `2 s + i / 16`.
     let groups: [__m512i; 4] = std::array::from_fn(|s| {
         let idx: [i16; 32] = std::array::from_fn(|i| (2 * s + i / 16) as i16);
@@ -381,14 +414,25 @@ pub(super) unsafe fn q4_k_avx512(x: &[u8], y: &[u8]) -> f32 {
         // m_g · (bsum_2g + bsum_2g+1), widened to i32 by the multiply-add.
         let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
         let sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(scales)));
+        // q5_K's `qh` bytes 16..48, in both 256-bit halves
+        let qh = if FIVE {
+            Some(_mm512_broadcast_i64x4(ld256(bx, 16)))
+        } else {
+            None
+        };
         let mut sumi = _mm512_setzero_si512();
         for c in 0..2 {
-            // SAFETY: nibbles 16 + 64 c .. + 64 of the 144-byte super-block; the q8_K quants
+            // SAFETY: nibbles `qs_at + 64 c .. + 64` of the super-block; the q8_K quants
             // 4 + 128 c .. + 128 of the 292-byte one.
             unsafe {
-                let q = _mm512_loadu_si512(bx.as_ptr().add(16 + 64 * c).cast());
-                let lo = _mm512_and_si512(q, low);
-                let hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+                let q = _mm512_loadu_si512(bx.as_ptr().add(qs_at + 64 * c).cast());
+                let mut lo = _mm512_and_si512(q, low);
+                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
+                if let Some(qh) = qh {
+                    let [lo_bits, hi_bits] = fifth[c];
+                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, lo_bits), lo, sixteen);
+                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, hi_bits), hi, sixteen);
+                }
                 // runs 2c and 2c + 1 of 64 values: [low | high nibbles] of each 32-byte chunk
                 let w = [
                     _mm512_shuffle_i64x2::<0x44>(lo, hi),
