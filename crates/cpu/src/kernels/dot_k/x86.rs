@@ -421,7 +421,7 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
             None
         };
         let mut sumi = _mm512_setzero_si512();
-        for c in 0..2 {
+        for (c, [lo_bits, hi_bits]) in fifth.iter().enumerate() {
             // SAFETY: nibbles `qs_at + 64 c .. + 64` of the super-block; the q8_K quants
             // 4 + 128 c .. + 128 of the 292-byte one.
             unsafe {
@@ -429,9 +429,8 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
                 let mut lo = _mm512_and_si512(q, low);
                 let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
                 if let Some(qh) = qh {
-                    let [lo_bits, hi_bits] = fifth[c];
-                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, lo_bits), lo, sixteen);
-                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, hi_bits), hi, sixteen);
+                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, *lo_bits), lo, sixteen);
+                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, *hi_bits), hi, sixteen);
                 }
                 // runs 2c and 2c + 1 of 64 values: [low | high nibbles] of each 32-byte chunk
                 let w = [
