@@ -17,6 +17,10 @@
 //! `FERROGRAPH_NO_AMX` set in the environment (to anything) when the probe runs turns
 //! [`Features::amx_bf16`] off; [`Features::amx_int8`] is reported as the hardware and OS
 //! have it.
+//!
+//! `FERROGRAPH_MAX_ISA` caps what the probe reports, so that one machine can run the code a
+//! lesser CPU would (every kernel choice follows these flags): `avx2` turns off AVX-512 and
+//! AMX, `portable` every x86 / aarch64 extension; other values (and `avx512`) cap nothing.
 
 use std::sync::OnceLock;
 
@@ -81,8 +85,32 @@ pub fn get() -> &'static Features {
 impl Features {
     fn probe() -> Features {
         let mut f = Features::default();
+        f.detect();
+        match std::env::var("FERROGRAPH_MAX_ISA").as_deref() {
+            Ok("portable") => f = Features::default(),
+            Ok("avx2") => f.cap_to_avx2(),
+            _ => {}
+        }
+        f
+    }
+
+    /// Turns off the AVX-512 and AMX extensions.
+    fn cap_to_avx2(&mut self) {
+        self.avx512f = false;
+        self.avx512bw = false;
+        self.avx512vl = false;
+        self.avx512vbmi = false;
+        self.avx512vnni = false;
+        self.avx512bf16 = false;
+        self.amx_int8 = false;
+        self.amx_bf16 = false;
+    }
+
+    /// The running CPU's and OS's extensions, uncapped.
+    fn detect(&mut self) {
+        let f = self;
         #[cfg(any(target_arch = "x86", target_arch = "x86_64"))]
-        x86::probe(&mut f);
+        x86::probe(f);
         #[cfg(target_arch = "aarch64")]
         {
             use std::arch::is_aarch64_feature_detected;
@@ -92,7 +120,6 @@ impl Features {
             f.i8mm = is_aarch64_feature_detected!("i8mm");
             f.sve = is_aarch64_feature_detected!("sve");
         }
-        f
     }
 
     /// AVX2 and FMA: the 8-lane f32 kernels (and the AVX2 builds of auto-vectorised loops).
