@@ -550,7 +550,10 @@ mod tests {
         assert_eq!(f.f16c, any && is_x86_feature_detected!("f16c"));
         assert_eq!(f.fma, any && is_x86_feature_detected!("fma"));
         assert_eq!(f.avx512, wide && is_x86_feature_detected!("avx512f"));
-        assert_eq!(f.avx512_vbmi, wide && is_x86_feature_detected!("avx512vbmi"));
+        assert_eq!(
+            f.avx512_vbmi,
+            wide && is_x86_feature_detected!("avx512vbmi")
+        );
         // Implications that hold on every real CPU.
         let implies = |a: bool, b: bool, what: &str| assert!(!a || b, "{what}");
         implies(f.ssse3, f.sse3, "ssse3 => sse3");
