@@ -30,6 +30,14 @@ pub(crate) fn ld256<const N: usize>(b: &[u8; N], at: usize) -> __m256i {
     unsafe { _mm256_loadu_si256(b.as_ptr().add(at).cast()) }
 }
 
+/// ggml's 16 iq4_nl levels (`KVALUES_IQ4NL`) as one 128-bit table for `vpshufb`.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) fn iq4nl_levels() -> __m128i {
+    let bytes: [u8; 16] = crate::quant::legacy::KVALUES_IQ4NL.map(|v| v as u8);
+    ld128(&bytes, 0)
+}
+
 /// The 16 bytes of `b` at `at` (checked as [`ld256`]).
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]

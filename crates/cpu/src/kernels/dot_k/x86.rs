@@ -46,12 +46,11 @@
 
 use std::arch::x86_64::*;
 
-use super::super::block_x86::{hsum, ld128, ld256, q8_d, u32_at};
+use super::super::block_x86::{hsum, iq4nl_levels, ld128, ld256, q8_d, u32_at};
 use super::super::simd::f16_to_f32;
 use super::{step, step_min};
 use crate::quant::kquants::{
-    IQ4_XS_BYTES, KVALUES_IQ4NL, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
-    Q8_K_BYTES,
+    IQ4_XS_BYTES, Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES, Q8_K_BYTES,
 };
 
 /// Prefetches the weights a super-block's worth of lines ahead of `bx`
@@ -547,24 +546,7 @@ pub(super) unsafe fn iq4_xs(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<IQ4_XS_BYTES>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let low = _mm256_set1_epi8(0x0F);
-    let table = _mm256_broadcastsi128_si256(_mm_setr_epi8(
-        KVALUES_IQ4NL[0],
-        KVALUES_IQ4NL[1],
-        KVALUES_IQ4NL[2],
-        KVALUES_IQ4NL[3],
-        KVALUES_IQ4NL[4],
-        KVALUES_IQ4NL[5],
-        KVALUES_IQ4NL[6],
-        KVALUES_IQ4NL[7],
-        KVALUES_IQ4NL[8],
-        KVALUES_IQ4NL[9],
-        KVALUES_IQ4NL[10],
-        KVALUES_IQ4NL[11],
-        KVALUES_IQ4NL[12],
-        KVALUES_IQ4NL[13],
-        KVALUES_IQ4NL[14],
-        KVALUES_IQ4NL[15],
-    ));
+    let table = _mm256_broadcastsi128_si256(iq4nl_levels());
     let pairs: [__m256i; 4] = std::array::from_fn(|j| {
         let word = |k: usize| ((2 * k) | ((2 * k + 1) << 8)) as i16;
         _mm256_setr_m128i(

@@ -28,10 +28,9 @@
 
 use std::arch::x86_64::*;
 
-use super::super::block_x86::bit_mask;
+use super::super::block_x86::{bit_mask, iq4nl_levels};
 use super::super::simd::{f16_to_f32, prefetch_ahead};
 use super::{block_count, kind, partner_bytes, reduce8, weight_bytes, LANES};
-use crate::quant::legacy::KVALUES_IQ4NL;
 
 /// Whether this CPU runs the kernels of this module (AVX2, FMA and F16C).
 pub fn available() -> bool {
@@ -100,7 +99,7 @@ unsafe fn block_sums<const K: u8>(x: *const u8, y: *const u8) -> __m256i {
             }
             _ => {
                 // The table in both 128-bit halves; nibbles (< 16) index within their half.
-                let t = _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast());
+                let t = iq4nl_levels();
                 let table = _mm256_set_m128i(t, t);
                 dot_signed(_mm256_shuffle_epi8(table, nibbles(x.add(2))), yq)
             }
@@ -275,24 +274,7 @@ unsafe fn group512<const K: u8>(x: *const u8, y: *const u8, acc: __m256) -> __m2
     };
     let shifts = _mm512_setr_epi64(0, 0, 4, 4, 0, 0, 4, 4);
     let low = _mm512_set1_epi8(0x0F);
-    let table = _mm512_broadcast_i32x4(_mm_setr_epi8(
-        KVALUES_IQ4NL[0],
-        KVALUES_IQ4NL[1],
-        KVALUES_IQ4NL[2],
-        KVALUES_IQ4NL[3],
-        KVALUES_IQ4NL[4],
-        KVALUES_IQ4NL[5],
-        KVALUES_IQ4NL[6],
-        KVALUES_IQ4NL[7],
-        KVALUES_IQ4NL[8],
-        KVALUES_IQ4NL[9],
-        KVALUES_IQ4NL[10],
-        KVALUES_IQ4NL[11],
-        KVALUES_IQ4NL[12],
-        KVALUES_IQ4NL[13],
-        KVALUES_IQ4NL[14],
-        KVALUES_IQ4NL[15],
-    ));
+    let table = _mm512_broadcast_i32x4(iq4nl_levels());
     let mut p = [_mm256_setzero_si256(); LANES];
     // SAFETY: 8 whole blocks at `x` and `y` (caller); every offset below lies inside block
     // `2 j` or `2 j + 1`, and all loads are unaligned.
