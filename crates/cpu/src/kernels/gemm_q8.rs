@@ -2,7 +2,10 @@
 //! does: the activations are quantized to q8_0 per block of 32, each (weight row, activation
 //! row, block) product is an exact integer sum, scaled by the two block scales and accumulated
 //! in f32. Every block of 32 of these weight types is exactly 32 signed bytes times one scale
-//! ([`Source`]), so one packed layout and one set of kernels serve them all.
+//! ([`Source`]), so one packed layout and one set of kernels serve them all. Weights with
+//! minimums or with scales per 16 values (q4_1, q5_1, the K-quants) go through the `affine`
+//! submodule, whose packed blocks add per-half scales, corrections and minimums to the same
+//! quant lines.
 //!
 //! Layout. Weights are repacked a panel of [`PANEL`] rows at a time (per task, into a
 //! thread-local buffer) so that one 64-byte line holds 4 consecutive `k` of 16 rows: the
