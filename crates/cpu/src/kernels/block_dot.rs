@@ -9,6 +9,8 @@
 
 use super::{dot_iq1, dot_iq2, dot_iq3, dot_k, dot_legacy, dot_lowbit};
 use crate::dtype::DType;
+use crate::quant::kquants::Q8_K_BYTES;
+use crate::quant::QK_K;
 
 /// A dot product of one weight row (whole blocks of its type) and one activation row of the
 /// partner type with the same number of values.
@@ -55,6 +57,36 @@ impl Isa {
 #[inline(always)]
 pub(crate) fn step(acc: f32, a: f32, b: f32, isum: i32) -> f32 {
     (a * b).mul_add(isum as f32, acc)
+}
+
+/// The f32 scale of a q8_K super-block (its first four bytes). For the portable definitions.
+#[inline(always)]
+pub(crate) fn q8_k_scale(b: &[u8]) -> f32 {
+    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// A q8_K super-block's scale, quants and stored group sums. For the portable definitions.
+#[inline(always)]
+pub(crate) fn q8_k_parts(b: &[u8; Q8_K_BYTES]) -> (f32, [i8; QK_K], [i16; 16]) {
+    let qs = std::array::from_fn(|v| b[4 + v] as i8);
+    let bsums = std::array::from_fn(|k| i16::from_le_bytes([b[260 + 2 * k], b[261 + 2 * k]]));
+    (q8_k_scale(b), qs, bsums)
+}
+
+/// Activation quant bytes read as the signed values they are.
+#[inline(always)]
+pub(crate) fn as_i8(bytes: &[u8]) -> &[i8] {
+    bytemuck::cast_slice(bytes)
+}
+
+/// `Σ w_v·y_v` over the shorter of two runs, exactly in `i32`: small integer weights against
+/// signed activation quants. For the portable definitions.
+#[inline(always)]
+pub(crate) fn int_dot<T: Copy + Into<i32>>(w: &[T], y: &[i8]) -> i32 {
+    w.iter()
+        .zip(y)
+        .map(|(&a, &b)| a.into() * i32::from(b))
+        .sum()
 }
 
 /// The activation type ggml pairs with weights of `dtype` in products, for the types of this

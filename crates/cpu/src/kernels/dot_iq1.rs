@@ -44,12 +44,11 @@
 //! `S = Σ_v |dx·ls_v·(g_v + σ_v/8)|·|dy·y_v|`. The unit tests check `(4·nb + 16)·2⁻²⁴·S`
 //! (plus `10⁻³⁰` for subnormal products).
 
-use super::block_dot::{self, avx2_lookup, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, int_dot, q8_k_parts, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq1::{iq1_m_parts, iq1_m_scale, iq1_s_parts, IQ1_M_BYTES, IQ1_S_BYTES};
 use crate::quant::kquants::Q8_K_BYTES;
-use crate::quant::QK_K;
 
 #[cfg(test)]
 mod tests;
@@ -83,24 +82,6 @@ fn step(acc: f32, dx: f32, dy: f32, isum: i32, msum: i32) -> f32 {
     (dx * dy).mul_add(t, acc)
 }
 
-/// A q8_K super-block's scale, quants and stored group sums.
-#[inline(always)]
-fn q8_k_parts(b: &[u8; Q8_K_BYTES]) -> (f32, [i8; QK_K], [i16; 16]) {
-    let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let qs = std::array::from_fn(|v| b[4 + v] as i8);
-    let bsums = std::array::from_fn(|k| i16::from_le_bytes([b[260 + 2 * k], b[261 + 2 * k]]));
-    (d, qs, bsums)
-}
-
-/// `Σ a_v·b_v` over two equally long runs.
-#[inline(always)]
-fn run_dot(a: &[i8], b: &[i8]) -> i32 {
-    a.iter()
-        .zip(b)
-        .map(|(&p, &q)| i32::from(p) * i32::from(q))
-        .sum()
-}
-
 /// iq1_s · q8_K, portable (the definition).
 pub fn dot_iq1_s(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<IQ1_S_BYTES>();
@@ -112,7 +93,7 @@ pub fn dot_iq1_s(x: &[u8], y: &[u8]) -> f32 {
         let (mut isum, mut msum) = (0i32, 0i32);
         for s in 0..8 {
             let l = i32::from(ls[s]);
-            isum += l * run_dot(&g[32 * s..32 * s + 32], &yq[32 * s..32 * s + 32]);
+            isum += l * int_dot(&g[32 * s..32 * s + 32], &yq[32 * s..32 * s + 32]);
             let pair = i32::from(bsums[2 * s]) + i32::from(bsums[2 * s + 1]);
             msum += if neg[s] { -l * pair } else { l * pair };
         }
@@ -132,7 +113,7 @@ pub fn dot_iq1_m(x: &[u8], y: &[u8]) -> f32 {
         let (mut isum, mut msum) = (0i32, 0i32);
         for h in 0..16 {
             let l = i32::from(ls[h]);
-            isum += l * run_dot(&g[16 * h..16 * h + 16], &yq[16 * h..16 * h + 16]);
+            isum += l * int_dot(&g[16 * h..16 * h + 16], &yq[16 * h..16 * h + 16]);
             let shift: i32 = (2 * h..2 * h + 2)
                 .map(|r| {
                     let s: i32 = yq[8 * r..8 * r + 8].iter().map(|&v| i32::from(v)).sum();

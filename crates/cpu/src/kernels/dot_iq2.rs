@@ -51,7 +51,7 @@
 //! partial sum, whose magnitudes are at most `S` (to first order); `·0.125` is exact. The unit
 //! tests check exactly this bound.
 
-use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
+use super::block_dot::{self, as_i8, avx2_lookup, int_dot, q8_k_scale, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq2::{
@@ -99,14 +99,7 @@ fn isum(u: &Unpacked, by: &[u8; Q8_K_BYTES]) -> i32 {
     u.scales
         .iter()
         .zip(u.values.chunks_exact(16).zip(yq.chunks_exact(16)))
-        .map(|(&s, (w, y))| {
-            let dot: i32 = w
-                .iter()
-                .zip(y)
-                .map(|(&a, &b)| i32::from(a) * i32::from(b as i8))
-                .sum();
-            (2 * i32::from(s) + 1) * dot
-        })
+        .map(|(&s, (w, y))| (2 * i32::from(s) + 1) * int_dot(w, as_i8(y)))
         .sum()
 }
 
@@ -117,8 +110,7 @@ fn dot_with<const BYTES: usize>(x: &[u8], y: &[u8], unpack: fn(&[u8]) -> Unpacke
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
-        let dy = f32::from_le_bytes([by[0], by[1], by[2], by[3]]);
-        acc = step(acc, f16_at(bx, 0), dy, isum(&unpack(bx), by));
+        acc = step(acc, f16_at(bx, 0), q8_k_scale(by), isum(&unpack(bx), by));
     }
     finish(acc)
 }

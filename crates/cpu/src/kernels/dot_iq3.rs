@@ -36,7 +36,7 @@
 //! `x_v` the exact weight value (`dx·ls·q/4` or `dx·ls·q`). The unit tests check
 //! `(4·nb + 16)·2⁻²⁴·S` (plus `10⁻³⁰` for subnormal products).
 
-use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, int_dot, q8_k_parts, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::iq3::{iq3_s_quants, iq3_xxs_quants, IQ3_S_BYTES, IQ3_XXS_BYTES};
@@ -73,26 +73,12 @@ fn iq3_xxs_finish(acc: f32) -> f32 {
     0.25 * acc
 }
 
-/// A q8_K super-block's scale and quants.
-#[inline(always)]
-fn q8_k_parts(b: &[u8; Q8_K_BYTES]) -> (f32, [i8; QK_K]) {
-    let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    (d, std::array::from_fn(|v| b[4 + v] as i8))
-}
-
 /// `isum = Σ_s ls_s·Σ_{v∈s} q_v·y_v` over the 8 sub-blocks of 32 values.
 #[inline(always)]
 fn scaled_sum(q: &[i8; QK_K], y: &[i8; QK_K], ls: &[u8; 8]) -> i32 {
     ls.iter()
         .zip(q.chunks_exact(32).zip(y.chunks_exact(32)))
-        .map(|(&l, (qs, ys))| {
-            let dot: i32 = qs
-                .iter()
-                .zip(ys)
-                .map(|(&a, &b)| i32::from(a) * i32::from(b))
-                .sum();
-            i32::from(l) * dot
-        })
+        .map(|(&l, (qs, ys))| i32::from(l) * int_dot(qs, ys))
         .sum()
 }
 
@@ -102,7 +88,7 @@ pub fn dot_iq3_xxs(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
-        let (dy, yq) = q8_k_parts(by);
+        let (dy, yq, _) = q8_k_parts(by);
         let (q, ls) = iq3_xxs_quants(bx);
         acc = step(acc, f16_at(bx, 0), dy, scaled_sum(&q, &yq, &ls));
     }
@@ -115,7 +101,7 @@ pub fn dot_iq3_s(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
-        let (dy, yq) = q8_k_parts(by);
+        let (dy, yq, _) = q8_k_parts(by);
         let (q, ls) = iq3_s_quants(bx);
         acc = step(acc, f16_at(bx, 0), dy, scaled_sum(&q, &yq, &ls));
     }

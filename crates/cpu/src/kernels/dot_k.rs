@@ -44,7 +44,7 @@
 //! about `(2·nb + 4)·2⁻²³·S` where `nb` is the super-block count and `S = Σ_v (|d·sc_v·q_v| +
 //! |dmin·m_v|)·|dy·y_v|` (the unit tests check `(4·nb + 16)·2⁻²⁴·S`).
 
-use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
+use super::block_dot::{self, avx2_lookup, int_dot, q8_k_parts, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::{
@@ -130,24 +130,6 @@ fn step_min(acc: f32, dx: f32, dmin: f32, dy: f32, isum: i32, msum: i32) -> f32 
     (-(dmin * dy)).mul_add(msum as f32, acc)
 }
 
-/// A q8_K super-block's scale, quants and stored group sums.
-#[inline(always)]
-fn q8_k_parts(b: &[u8; Q8_K_BYTES]) -> (f32, [i8; QK_K], [i16; 16]) {
-    let d = f32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-    let qs = std::array::from_fn(|v| b[4 + v] as i8);
-    let bsums = std::array::from_fn(|k| i16::from_le_bytes([b[260 + 2 * k], b[261 + 2 * k]]));
-    (d, qs, bsums)
-}
-
-/// `Σ q_v·y_v` over one group.
-#[inline(always)]
-fn group_dot<T: Copy + Into<i32>>(q: &[T], y: &[i8]) -> i32 {
-    q.iter()
-        .zip(y)
-        .map(|(&a, &b)| a.into() * i32::from(b))
-        .sum()
-}
-
 /// `isum = Σ_g sc_g·dot_g` over groups of `len` values.
 #[inline(always)]
 fn scaled_sum<T: Copy + Into<i32>, S: Copy + Into<i32>>(
@@ -159,7 +141,7 @@ fn scaled_sum<T: Copy + Into<i32>, S: Copy + Into<i32>>(
     scales
         .iter()
         .enumerate()
-        .map(|(g, &s)| s.into() * group_dot(&q[len * g..len * (g + 1)], &y[len * g..]))
+        .map(|(g, &s)| s.into() * int_dot(&q[len * g..len * (g + 1)], &y[len * g..]))
         .sum()
 }
 

@@ -58,7 +58,7 @@
 //! The unit tests check `(2n + 16)·2⁻²⁴·S` against the f64 dot product of the dequantized
 //! rows.
 
-use super::block_dot::{self, avx2_lookup, step, DotFn, Isa};
+use super::block_dot::{self, as_i8, avx2_lookup, int_dot, q8_k_scale, step, DotFn, Isa};
 use crate::dtype::DType;
 use crate::quant::f16_at;
 use crate::quant::kquants::Q8_K_BYTES;
@@ -113,28 +113,13 @@ fn q1_0_step<const N: usize>(acc: f32, dx: f32, dy: [f32; N], isum: [i32; N]) ->
     dx.mul_add(t, acc)
 }
 
-/// `Σ w_v·y_v` with `y` read as `i8`.
-#[inline(always)]
-fn int_dot(w: &[i8], y: &[u8]) -> i32 {
-    w.iter()
-        .zip(y)
-        .map(|(&a, &b)| i32::from(a) * i32::from(b as i8))
-        .sum()
-}
-
-/// The f32 scale of a q8_K super-block.
-#[inline(always)]
-fn q8_k_scale(b: &[u8]) -> f32 {
-    f32::from_le_bytes([b[0], b[1], b[2], b[3]])
-}
-
 /// TQ1_0 · q8_K, portable (the definition).
 pub fn dot_tq1_0(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<TQ1_0_BYTES>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
-        let isum = int_dot(&tq1_0_quants(bx), &by[4..260]);
+        let isum = int_dot(&tq1_0_quants(bx), as_i8(&by[4..260]));
         acc = step(acc, f16_at(bx, 52), q8_k_scale(by), isum);
     }
     acc
@@ -146,7 +131,7 @@ pub fn dot_tq2_0(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
-        let isum = int_dot(&tq2_0_quants(&bx[..64]), &by[4..260]);
+        let isum = int_dot(&tq2_0_quants(&bx[..64]), as_i8(&by[4..260]));
         acc = step(acc, f16_at(bx, 64), q8_k_scale(by), isum);
     }
     acc
@@ -158,7 +143,7 @@ pub fn dot_mxfp4(x: &[u8], y: &[u8]) -> f32 {
     let (yb, _) = y.as_chunks::<Q8_0_BYTES>();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
-        let isum = int_dot(&mxfp4_levels(&bx[1..]), &by[2..]);
+        let isum = int_dot(&mxfp4_levels(&bx[1..]), as_i8(&by[2..]));
         acc = step(acc, f16_at(by, 0), e8m0_half(bx[0]), isum);
     }
     acc
@@ -174,7 +159,7 @@ pub fn dot_nvfp4(x: &[u8], y: &[u8]) -> f32 {
         for s in 0..4 {
             let q8 = &by[(s / 2) * Q8_0_BYTES..];
             let ys = &q8[2 + 16 * (s % 2)..2 + 16 * (s % 2) + 16];
-            let isum = int_dot(&levels[16 * s..16 * s + 16], ys);
+            let isum = int_dot(&levels[16 * s..16 * s + 16], as_i8(ys));
             let l = 4 * (b % 2) + s;
             acc[l] = step(acc[l], f16_at(q8, 0), ue4m3_half(bx[s]), isum);
         }
@@ -193,7 +178,7 @@ pub fn dot_q1_0(x: &[u8], y: &[u8]) -> f32 {
         for k in 0..4 {
             let isum = int_dot(
                 &signs[32 * k..32 * k + 32],
-                &by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES],
+                as_i8(&by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES]),
             );
             let l = 4 * (b % 2) + k;
             acc[l] = step(acc[l], dx, f16_at(by, k * Q8_0_BYTES), isum);
@@ -220,7 +205,7 @@ pub fn dot_q2_0(x: &[u8], y: &[u8]) -> f32 {
         let isum = std::array::from_fn(|k| {
             int_dot(
                 &quants[32 * k..32 * k + 32],
-                &by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES],
+                as_i8(&by[k * Q8_0_BYTES + 2..(k + 1) * Q8_0_BYTES]),
             )
         });
         acc = q1_0_step::<2>(acc, f16_at(bx, 0), dy, isum);

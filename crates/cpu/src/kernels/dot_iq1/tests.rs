@@ -4,6 +4,7 @@ use crate::kernels::dot_test_support::{
 };
 use crate::quant::codec;
 use crate::quant::iq1::IQ1_DELTA;
+use crate::quant::QK_K;
 
 /// `|dx·ls·(g + σ/8)|` per value of an iq1_s super-block.
 fn mag_iq1_s(b: &[u8]) -> Vec<f64> {

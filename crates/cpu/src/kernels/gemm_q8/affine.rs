@@ -40,9 +40,7 @@ use crate::quant::kquants::{
     Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
 use crate::quant::legacy::{unpack_nibbles, Q4_1_BYTES, Q5_1_BYTES};
-
-/// Values per K-quant super-block (the largest stored block of these types).
-const QK_K: usize = 256;
+use crate::quant::QK_K;
 
 /// Lines per packed block: the parent's 8 steps × 2 vectors of quants, then per (half,
 /// vector) a line of scales, a line of offset corrections and a line of minimums (types with
