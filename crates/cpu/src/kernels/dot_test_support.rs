@@ -255,6 +255,33 @@ pub(crate) type Case = (DType, usize, Scale, fn(&[u8]) -> Vec<f64>);
 /// longer).
 pub(crate) const COUNTS: [usize; 4] = [1, 2, 3, 7];
 
+/// Defines a family's four standard tests over its `cases` ([`Case`]s) and `dot_fn`:
+/// coverage, bit equality of every ISA, hostile bytes and lengths, the f64 bound.
+macro_rules! case_tests {
+    ($cases:expr, $dot:expr) => {
+        #[test]
+        fn dot_fn_covers_exactly_these_types() {
+            $crate::kernels::dot_test_support::check_coverage(&$cases, $dot);
+        }
+
+        #[test]
+        fn every_isa_matches_portable_bits() {
+            $crate::kernels::dot_test_support::check_isas_match(&$cases, $dot);
+        }
+
+        #[test]
+        fn hostile_bytes_and_lengths() {
+            $crate::kernels::dot_test_support::check_hostile_and_lengths(&$cases, $dot);
+        }
+
+        #[test]
+        fn portable_matches_dequantized_f64_dot() {
+            $crate::kernels::dot_test_support::check_f64_bound(&$cases, $dot);
+        }
+    };
+}
+pub(crate) use case_tests;
+
 /// Checks that `dot` covers exactly the types of `cases`, in every available family, and
 /// that they are q8_K products reachable through [`block_dot::dot_fn_with`].
 pub(crate) fn check_coverage(cases: &[Case], dot: DotLookup) {

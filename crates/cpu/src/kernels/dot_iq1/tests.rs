@@ -1,7 +1,5 @@
 use super::*;
-use crate::kernels::dot_test_support::{
-    check_coverage, check_f64_bound, check_hostile_and_lengths, check_isas_match, Case, Scale,
-};
+use crate::kernels::dot_test_support::{case_tests, Case, Scale};
 use crate::quant::codec;
 use crate::quant::iq1::IQ1_DELTA;
 use crate::quant::QK_K;
@@ -37,25 +35,7 @@ const CASES: [Case; 2] = [
     (DType::IQ1_M, IQ1_M_BYTES, Scale::Iq1m, mag_iq1_m),
 ];
 
-#[test]
-fn dot_fn_covers_exactly_these_types() {
-    check_coverage(&CASES, dot_fn);
-}
-
-#[test]
-fn every_isa_matches_portable_bits() {
-    check_isas_match(&CASES, dot_fn);
-}
-
-#[test]
-fn hostile_bytes_and_lengths() {
-    check_hostile_and_lengths(&CASES, dot_fn);
-}
-
-#[test]
-fn portable_matches_dequantized_f64_dot() {
-    check_f64_bound(&CASES, dot_fn);
-}
+case_tests!(CASES, dot_fn);
 
 /// iq1_s reads the shift term from the stored bsums, not from the quants: changing only the
 /// bsums changes the product by exactly `dx·dy·ls·σ·Δbsum/8`.

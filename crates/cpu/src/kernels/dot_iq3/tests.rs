@@ -1,9 +1,7 @@
 //! Tests of the iq3 products (the harness is [`crate::kernels::dot_test_support`]).
 
 use super::*;
-use crate::kernels::dot_test_support::{
-    check_coverage, check_f64_bound, check_hostile_and_lengths, check_isas_match, Case, Scale,
-};
+use crate::kernels::dot_test_support::{case_tests, Case, Scale};
 use crate::quant::codec;
 use crate::quant::iq3::IQ3_XXS_BYTES;
 
@@ -30,25 +28,7 @@ const CASES: [Case; 2] = [
     (DType::IQ3_S, IQ3_S_BYTES, Scale::At0, mag_iq3_s),
 ];
 
-#[test]
-fn dot_fn_covers_exactly_these_types() {
-    check_coverage(&CASES, dot_fn);
-}
-
-#[test]
-fn every_isa_matches_portable_bits() {
-    check_isas_match(&CASES, dot_fn);
-}
-
-#[test]
-fn hostile_bytes_and_lengths() {
-    check_hostile_and_lengths(&CASES, dot_fn);
-}
-
-#[test]
-fn portable_matches_dequantized_f64_dot() {
-    check_f64_bound(&CASES, dot_fn);
-}
+case_tests!(CASES, dot_fn);
 
 /// A hand-made super-block: grid point 0 (all 4s) everywhere, scale nibble 1 (ls = 3),
 /// sign index 1 (values 0 and 7 of each run negative), d = 1; activations all 1 with
