@@ -105,6 +105,16 @@ fn spread_signs(signs: u32) -> __m256i {
     _mm256_or_si256(bit_mask(signs), _mm256_set1_epi8(1))
 }
 
+/// `Σ_k f(k)` over a super-block's 8 sub-blocks (each spread over 8 i32 lanes), reduced to
+/// one exact sum: written out so that every sub-block's constants fold, two accumulators.
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+fn sub_block_sum(f: impl Fn(usize) -> __m256i) -> i32 {
+    let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
+    let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
+    hsum(_mm256_add_epi32(s0, s1))
+}
+
 /// `ls·Σ w·y` of iq2_xxs sub-block `k`, spread over 8 i32 lanes.
 #[inline]
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -133,11 +143,8 @@ pub(super) unsafe fn iq2_xxs(x: &[u8], y: &[u8]) -> f32 {
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_XXS_BYTES);
-        // Written out so that every sub-block's constants fold; two accumulators.
-        let f = |k: usize| xxs_sub(bx, by, k);
-        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
-        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
-        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
+        let isum = sub_block_sum(|k| xxs_sub(bx, by, k));
+        acc = step(acc, scale_at0(bx), q8_d(by), isum);
     }
     finish(acc)
 }
@@ -169,11 +176,8 @@ pub(super) unsafe fn iq2_xs(x: &[u8], y: &[u8]) -> f32 {
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_XS_BYTES);
         let scales = odd_scale_bytes(u64_at(bx, 66));
-        // Written out so that every sub-block's constants fold; two accumulators.
-        let f = |k: usize| xs_sub(bx, by, scales, k);
-        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
-        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
-        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
+        let isum = sub_block_sum(|k| xs_sub(bx, by, scales, k));
+        acc = step(acc, scale_at0(bx), q8_d(by), isum);
     }
     finish(acc)
 }
@@ -207,11 +211,8 @@ pub(super) unsafe fn iq2_s(x: &[u8], y: &[u8]) -> f32 {
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx.as_ptr(), IQ2_S_BYTES);
         let scales = odd_scale_bytes(u64_at(bx, 74));
-        // Written out so that every sub-block's constants fold; two accumulators.
-        let f = |k: usize| s_sub(bx, by, scales, k);
-        let s0 = _mm256_add_epi32(_mm256_add_epi32(f(0), f(2)), _mm256_add_epi32(f(4), f(6)));
-        let s1 = _mm256_add_epi32(_mm256_add_epi32(f(1), f(3)), _mm256_add_epi32(f(5), f(7)));
-        acc = step(acc, scale_at0(bx), q8_d(by), hsum(_mm256_add_epi32(s0, s1)));
+        let isum = sub_block_sum(|k| s_sub(bx, by, scales, k));
+        acc = step(acc, scale_at0(bx), q8_d(by), isum);
     }
     finish(acc)
 }
