@@ -18,9 +18,9 @@ n*256 f32 values.
 """
 
 import struct
-from pathlib import Path
 
 import numpy as np
+from fixture_support import finite_f16_bits, write_sections
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
@@ -29,20 +29,6 @@ SEED = 20250301
 BLOCKS = 16
 
 TYPES = [(T.IQ3_XXS, 98), (T.IQ3_S, 110), (T.IQ1_S, 50), (T.IQ1_M, 56)]
-
-
-def finite_f16_bits(rng: np.random.Generator) -> int:
-    """A finite f16 bit pattern: mostly moderate normals, sometimes subnormal, zero,
-    negative zero or large."""
-    kind = rng.integers(0, 10)
-    sign = int(rng.integers(0, 2)) << 15
-    if kind == 0:
-        return sign | int(rng.integers(1, 0x400))  # subnormal
-    if kind == 1:
-        return sign  # +0 / -0
-    if kind == 2:
-        return sign | (int(rng.integers(24, 31)) << 10) | int(rng.integers(0, 0x400))  # large
-    return sign | (int(rng.integers(5, 18)) << 10) | int(rng.integers(0, 0x400))  # ~1e-3..4
 
 
 def set_scale(qtype, block: np.ndarray, bits: int) -> None:
@@ -73,13 +59,7 @@ def main() -> None:
         sec = struct.pack("<III", int(qtype), BLOCKS, size)
         sec += raw.tobytes() + values.astype("<f4").tobytes()
         sections.append(sec)
-    out = bytearray(b"IQF1") + struct.pack("<I", len(sections))
-    for sec in sections:
-        out += sec
-    path = Path(__file__).resolve().parent.parent / "tests" / "data" / "iq3_iq1_blocks.bin"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(bytes(out))
-    print(f"wrote {path} ({len(out)} bytes)")
+    write_sections("iq3_iq1_blocks.bin", b"IQF1", sections)
 
 
 if __name__ == "__main__":

@@ -28,9 +28,9 @@ type id, u32 super-block count n, u32 bytes per super-block, and then
 import argparse
 import ctypes
 import struct
-from pathlib import Path
 
 import numpy as np
+from fixture_support import finite_f16_bits, write_sections
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
@@ -47,20 +47,6 @@ DECODED = [
     (T.Q6_K, 210, [208]),
     (T.IQ4_XS, 136, [0]),
 ]
-
-
-def finite_f16_bits(rng: np.random.Generator) -> int:
-    """A finite f16 bit pattern: mostly normal values of moderate size, sometimes subnormal,
-    zero, negative zero or large."""
-    kind = rng.integers(0, 10)
-    sign = int(rng.integers(0, 2)) << 15
-    if kind == 0:
-        return sign | int(rng.integers(1, 0x400))  # subnormal
-    if kind == 1:
-        return sign  # +0 / -0
-    if kind == 2:
-        return sign | (int(rng.integers(24, 31)) << 10) | int(rng.integers(0, 0x400))  # large
-    return sign | (int(rng.integers(5, 18)) << 10) | int(rng.integers(0, 0x400))  # ~1e-3..4
 
 
 def q8_k_ref(x: np.ndarray) -> bytes:
@@ -124,7 +110,6 @@ def main() -> None:
     parser.add_argument("--ggml-lib", help="ggml's base shared library (libggml-base.so)")
     args = parser.parse_args()
     rng = np.random.default_rng(SEED)
-    out = bytearray(b"KQF1")
     sections = []
     for qtype, size, f16_fields in DECODED:
         raw = rng.integers(0, 256, size=(BLOCKS, size), dtype=np.uint8)
@@ -159,13 +144,7 @@ def main() -> None:
     q8 = b"".join(q8_k_ref(x[i * QK_K : (i + 1) * QK_K]) for i in range(n))
     sections.append(struct.pack("<III", int(T.Q8_K), n, 292) + x.astype("<f4").tobytes() + q8)
 
-    out += struct.pack("<I", len(sections))
-    for sec in sections:
-        out += sec
-    path = Path(__file__).resolve().parent.parent / "tests" / "data" / "kquant_blocks.bin"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(bytes(out))
-    print(f"wrote {path} ({len(out)} bytes)")
+    path = write_sections("kquant_blocks.bin", b"KQF1", sections)
     if args.ggml_lib:
         data = ggml_quantized(args.ggml_lib)
         path = path.parent / "kquant_ggml_quantized.bin"

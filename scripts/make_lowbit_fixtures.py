@@ -28,9 +28,9 @@ u32 ggml type id, u32 block count n, u32 bytes per block, u32 values per block, 
 """
 
 import struct
-from pathlib import Path
 
 import numpy as np
+from fixture_support import finite_f16_bits, write_sections
 from gguf import GGMLQuantizationType as T
 from gguf.quants import NVFP4, dequantize, quantize
 
@@ -44,19 +44,6 @@ DECODED = [
     (T.NVFP4, 64, 36, None),
 ]
 QUANTIZED = [(T.TQ1_0, 256, 54), (T.TQ2_0, 256, 66), (T.MXFP4, 32, 17)]
-
-
-def finite_f16_bits(rng: np.random.Generator) -> int:
-    """A finite f16 bit pattern: mostly moderate normals, sometimes subnormal, zero or large."""
-    kind = rng.integers(0, 10)
-    sign = int(rng.integers(0, 2)) << 15
-    if kind == 0:
-        return sign | int(rng.integers(1, 0x400))
-    if kind == 1:
-        return sign
-    if kind == 2:
-        return sign | (int(rng.integers(24, 31)) << 10) | int(rng.integers(0, 0x400))
-    return sign | (int(rng.integers(5, 18)) << 10) | int(rng.integers(0, 0x400))
 
 
 def decoded_section(rng, qtype, qk, size, f16_at, n) -> bytes:
@@ -156,13 +143,7 @@ def main() -> None:
         n = 400 if qtype == T.MXFP4 else 48
         sections.append(quantized_section(rng, qtype, qk, size, n))
     sections.append(ue4m3_section(rng))
-    out = bytearray(b"LBF1") + struct.pack("<I", len(sections))
-    for sec in sections:
-        out += sec
-    path = Path(__file__).resolve().parent.parent / "tests" / "data" / "lowbit_blocks.bin"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(bytes(out))
-    print(f"wrote {path} ({len(out)} bytes)")
+    write_sections("lowbit_blocks.bin", b"LBF1", sections)
 
 
 if __name__ == "__main__":
