@@ -31,6 +31,38 @@ impl Rng {
     }
 }
 
+/// Asserts that `to_f32` decodes `bytes` (whole super-blocks of `dtype`) to `want` bit for bit
+/// at byte offsets 0, 1 and 3, and that `DType::row_to_f32` (the same codec) does too.
+pub(crate) fn check_decodes_to(
+    dtype: crate::dtype::DType,
+    to_f32: fn(&[u8], &mut [f32]),
+    bytes: &[u8],
+    want: &[f32],
+) {
+    let n = bytes.len() / dtype.type_size() * QK_K;
+    for offset in [0usize, 1, 3] {
+        let mut buf = vec![0u8; offset + bytes.len()];
+        buf[offset..].copy_from_slice(bytes);
+        let mut got = vec![f32::NAN; n];
+        to_f32(&buf[offset..], &mut got);
+        assert_eq!(got.len(), want.len());
+        for (i, (g, w)) in got.iter().zip(want).enumerate() {
+            assert_eq!(
+                g.to_bits(),
+                w.to_bits(),
+                "{dtype} value {i} (block {}): {g} vs gguf {w}",
+                i / QK_K
+            );
+        }
+    }
+    let mut row = vec![0f32; n];
+    dtype.row_to_f32(bytes, &mut row).unwrap();
+    assert!(row
+        .iter()
+        .zip(want)
+        .all(|(a, b)| a.to_bits() == b.to_bits()));
+}
+
 /// The bytes of `tests/data/<name>` (panics if the file is missing).
 pub(crate) fn read_data(name: &str) -> Vec<u8> {
     let path = format!("{}/../../tests/data/{name}", env!("CARGO_MANIFEST_DIR"));

@@ -1,5 +1,5 @@
 use super::*;
-use crate::quant::test_support::{f32s, type_sections, Rng, TypeSection};
+use crate::quant::test_support::{check_decodes_to, f32s, type_sections, Rng, TypeSection};
 
 /// This module's types with their bytes per super-block and lattice tables.
 const TYPES: [(DType, usize, &[u64]); 3] = [
@@ -48,27 +48,12 @@ fn decode_matches_gguf_bit_for_bit() {
         assert_eq!(dtype.type_size(), size);
         let (bytes, values) = payload.split_at(n * size);
         let want = f32s(values);
-        for offset in [0usize, 1, 3] {
-            let mut buf = vec![0u8; offset + bytes.len()];
-            buf[offset..].copy_from_slice(bytes);
-            let got = decode(dtype, &buf[offset..]);
-            assert_eq!(got.len(), want.len());
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    w.to_bits(),
-                    "{dtype} value {i} (block {}): {g} vs gguf {w}",
-                    i / QK_K
-                );
-            }
-        }
-        // The row conversion of DType goes through the same codec.
-        let mut row = vec![0f32; n * QK_K];
-        dtype.row_to_f32(bytes, &mut row).unwrap();
-        assert!(row
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        check_decodes_to(
+            dtype,
+            codec(dtype).expect("an iq2 codec").to_f32,
+            bytes,
+            &want,
+        );
         // Negative zeros are in the data (d = -0 or +0 with minus signs), so the comparison
         // above also checks the signs of zeros.
         assert!(want.iter().any(|v| v.to_bits() == 0x8000_0000), "{dtype}");

@@ -1,5 +1,7 @@
 use super::*;
-use crate::quant::test_support::{f32s, read_data, type_sections, Rng, TypeSection};
+use crate::quant::test_support::{
+    check_decodes_to, f32s, read_data, type_sections, Rng, TypeSection,
+};
 
 /// The types with a codec here, with their bytes per super-block.
 const TYPES: [(DType, usize); 7] = [
@@ -60,26 +62,7 @@ fn decode_matches_gguf_bit_for_bit() {
         assert_eq!(dtype.type_size(), size);
         let (bytes, values) = payload.split_at(n * size);
         let want = f32s(values);
-        for offset in [0usize, 1, 3] {
-            let mut buf = vec![0u8; offset + bytes.len()];
-            buf[offset..].copy_from_slice(bytes);
-            let got = decode(dtype, &buf[offset..]);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert_eq!(
-                    g.to_bits(),
-                    w.to_bits(),
-                    "{dtype} value {i} (block {}): {g} vs gguf {w}",
-                    i / QK_K
-                );
-            }
-        }
-        // The row conversion of DType goes through the same codec.
-        let mut row = vec![0f32; n * QK_K];
-        dtype.row_to_f32(bytes, &mut row).unwrap();
-        assert!(row
-            .iter()
-            .zip(&want)
-            .all(|(a, b)| a.to_bits() == b.to_bits()));
+        check_decodes_to(dtype, codec_of(dtype).to_f32, bytes, &want);
         seen += 1;
     }
     assert_eq!(seen, 6, "q2_K..q6_K and iq4_xs");
