@@ -1962,33 +1962,31 @@ fn no_op_writes_outside_its_output() {
 
 // ----- ggml's other block types (q4_1 .. q1_0) -----
 
-/// Every block type a product can use as weights beyond q8_0/q4_0, with the row lengths its
-/// blocks allow (its block size: 32, 64, 128 or 256 values).
-const GGUF_WEIGHT_TYPES: [DType; 23] = [
-    DType::Q4_1,
-    DType::Q5_0,
-    DType::Q5_1,
-    DType::IQ4_NL,
-    DType::Q2_K,
-    DType::Q3_K,
-    DType::Q4_K,
-    DType::Q5_K,
-    DType::Q6_K,
-    DType::IQ4_XS,
-    DType::IQ2_XXS,
-    DType::IQ2_XS,
-    DType::IQ2_S,
-    DType::IQ3_XXS,
-    DType::IQ3_S,
-    DType::IQ1_S,
-    DType::IQ1_M,
-    DType::TQ1_0,
-    DType::TQ2_0,
-    DType::MXFP4,
-    DType::NVFP4,
-    DType::Q1_0,
-    DType::Q2_0,
-];
+/// Every block type a product can use as weights beyond q8_0/q4_0 (which have tests of
+/// their own), in `DType::ALL` order: derived, so a new block type is covered when it is added.
+fn gguf_weight_types() -> Vec<DType> {
+    DType::ALL
+        .into_iter()
+        .filter(|d| d.is_quantized() && d.is_weight_type())
+        .filter(|d| !matches!(d, DType::Q8_0 | DType::Q4_0))
+        .collect()
+}
+
+/// The hand list this replaced: the derived one must not lose a type silently.
+#[test]
+fn gguf_weight_types_cover_ggml_block_types() {
+    let types = gguf_weight_types();
+    assert_eq!(types.len(), 23, "{types:?}");
+    for d in [
+        DType::Q4_1,
+        DType::Q2_K,
+        DType::IQ1_M,
+        DType::MXFP4,
+        DType::Q2_0,
+    ] {
+        assert!(types.contains(&d), "{d}");
+    }
+}
 
 /// Random blocks of a type without a quantizer (the i-quants below 4 bits): every byte random
 /// but the f16 super-block scale, set to a small finite value (at the block's start, or for
@@ -2039,7 +2037,7 @@ fn fill_block(t: &Tensor, rng: &mut Rng) -> Vec<f32> {
 #[test]
 fn mul_mat_gguf_block_types() {
     let mut rng = Rng::new(41);
-    for dtype in GGUF_WEIGHT_TYPES {
+    for dtype in gguf_weight_types() {
         let unit = dtype.block_size();
         for (blocks, m, n, batches, bcast) in [
             (1usize, 5usize, 1usize, 1usize, 1usize),
@@ -2106,7 +2104,7 @@ fn mul_mat_gguf_block_types() {
 #[test]
 fn mul_mat_id_gguf_block_types() {
     let mut rng = Rng::new(44);
-    for dtype in GGUF_WEIGHT_TYPES {
+    for dtype in gguf_weight_types() {
         let c = ctx();
         let k = 2 * dtype.block_size().max(32);
         let (m, n_expert, n_used, n_tokens) = (9usize, 4usize, 2usize, 5usize);
@@ -2149,7 +2147,7 @@ fn mul_mat_id_gguf_block_types() {
 #[test]
 fn cpy_and_get_rows_of_gguf_block_types() {
     let mut rng = Rng::new(42);
-    for dtype in GGUF_WEIGHT_TYPES
+    for dtype in gguf_weight_types()
         .into_iter()
         .chain([DType::Q8_1, DType::Q8_K])
     {
