@@ -2167,33 +2167,41 @@ fn cpy_and_get_rows_of_gguf_block_types() {
         let mut bytes = vec![0u8; q.nbytes()];
         q.read_bytes(0, &mut bytes).unwrap();
         assert_eq!(bytes, expected, "CPY f32 -> {dtype}");
-        let mut deq = vec![0f32; av.len()];
-        dtype.row_to_f32(&bytes, &mut deq).unwrap();
-        let back = c.new_tensor(DType::F32, &[k, 3]).unwrap();
-        let out = ops::cpy(&c, &q, &back).unwrap();
-        compute(&out);
-        let want: Vec<f64> = deq.iter().map(|&x| x as f64).collect();
-        check(
-            &format!("CPY {dtype} -> f32"),
-            &back.to_f32_vec().unwrap(),
-            &want,
-            0.0,
-        );
-        let ids = c.new_tensor(DType::I32, &[4]).unwrap();
-        fill_i32(&ids, &[2, 0, 2, 1]);
-        let rows = ops::get_rows(&c, &q, &ids).unwrap();
-        compute(&rows);
-        let mut want = Vec::new();
-        for r in [2usize, 0, 2, 1] {
-            want.extend(deq[r * k..(r + 1) * k].iter().map(|&x| x as f64));
-        }
-        check(
-            &format!("GET_ROWS {dtype}"),
-            &rows.to_f32_vec().unwrap(),
-            &want,
-            0.0,
-        );
+        reads_decode_exactly(&c, &q, &bytes, &[2, 0, 2, 1]);
     }
+}
+
+/// CPY out of the `(k, 3)` block tensor `q` (holding `bytes`) gives its decoded values, and
+/// GET_ROWS of rows `ids` the decoded rows, exactly.
+fn reads_decode_exactly(c: &Context, q: &Tensor, bytes: &[u8], ids: &[i32]) {
+    let (dtype, k) = (q.dtype(), q.ne()[0]);
+    let mut deq = vec![0f32; 3 * k];
+    dtype.row_to_f32(bytes, &mut deq).unwrap();
+    let back = c.new_tensor(DType::F32, &[k, 3]).unwrap();
+    let out = ops::cpy(c, q, &back).unwrap();
+    compute(&out);
+    let want: Vec<f64> = deq.iter().map(|&x| x as f64).collect();
+    check(
+        &format!("CPY {dtype} -> f32"),
+        &back.to_f32_vec().unwrap(),
+        &want,
+        0.0,
+    );
+    let id_tensor = c.new_tensor(DType::I32, &[ids.len()]).unwrap();
+    fill_i32(&id_tensor, ids);
+    let rows = ops::get_rows(c, q, &id_tensor).unwrap();
+    compute(&rows);
+    let mut want = Vec::new();
+    for &r in ids {
+        let r = r as usize;
+        want.extend(deq[r * k..(r + 1) * k].iter().map(|&x| x as f64));
+    }
+    check(
+        &format!("GET_ROWS {dtype}"),
+        &rows.to_f32_vec().unwrap(),
+        &want,
+        0.0,
+    );
 }
 
 /// A type without a quantizer: CPY and SET_ROWS into it are unsupported (a clear error, as in
@@ -2212,32 +2220,7 @@ fn no_quantizer_refuses_cpy_and_reads_rows(dtype: DType, rng: &mut Rng) {
     );
     let bytes = random_blocks(dtype, 3 * k, rng);
     q.write_bytes(0, &bytes).unwrap();
-    let mut deq = vec![0f32; 3 * k];
-    dtype.row_to_f32(&bytes, &mut deq).unwrap();
-    let back = c.new_tensor(DType::F32, &[k, 3]).unwrap();
-    let out = ops::cpy(&c, &q, &back).unwrap();
-    compute(&out);
-    let want: Vec<f64> = deq.iter().map(|&x| x as f64).collect();
-    check(
-        &format!("CPY {dtype} -> f32"),
-        &back.to_f32_vec().unwrap(),
-        &want,
-        0.0,
-    );
-    let ids = c.new_tensor(DType::I32, &[2]).unwrap();
-    fill_i32(&ids, &[2, 0]);
-    let rows = ops::get_rows(&c, &q, &ids).unwrap();
-    compute(&rows);
-    let mut want = Vec::new();
-    for r in [2usize, 0] {
-        want.extend(deq[r * k..(r + 1) * k].iter().map(|&x| x as f64));
-    }
-    check(
-        &format!("GET_ROWS {dtype}"),
-        &rows.to_f32_vec().unwrap(),
-        &want,
-        0.0,
-    );
+    reads_decode_exactly(&c, &q, &bytes, &[2, 0]);
 }
 
 /// FLASH_ATTN_EXT with keys and values of every KV-cache type (bf16 and the 32-value block
