@@ -445,16 +445,17 @@ fn prepare_acts(
 ) -> Result<()> {
     let k = b.ne[0];
     let row_bytes = act_row_bytes_for(isa, k);
+    // Dense aligned f32 rows are quantized where they are, others loaded first.
+    let dense = b.dtype == DType::F32
+        && b.nb[0] == 4
+        && (b.ptr.0 as usize).is_multiple_of(4)
+        && b.nb[1..].iter().all(|s| s % 4 == 0);
     super::par_rows_mut(
         out,
         row_bytes,
         || vec![0f32; k],
         |r, row, buf| {
             let (i1, i2, i3) = b.row_coords(r);
-            let dense = b.dtype == DType::F32
-                && b.nb[0] == 4
-                && (b.ptr.0 as usize).is_multiple_of(4)
-                && b.nb[1..].iter().all(|s| s % 4 == 0);
             if dense {
                 // SAFETY: row `r` lies inside `b`, dense 4-byte aligned f32 (checked above),
                 // read-only during the product.
