@@ -5,7 +5,8 @@ without llama.cpp:
   types (``write_tiny_model`` in tests/python/test_llm.py: llama, 2 layers, width 256,
   feed-forward 512, a byte vocabulary of 264 tokens, seed 6);
 * ``tests/python/data/archs_llamacpp.npz``: an f32 model of each architecture llama.cpp reads
-  from these files (llama, qwen2, qwen3: width 128, feed-forward 96, seed 3).
+  from these files (llama, qwen2, qwen3: width 128, feed-forward 96, seed 3), and qwen3 and
+  llama with heads of 64 values (twice width / heads, as Qwen3 files have them).
 
 Each file's SHA-256 is stored beside its logits so the tests know they rebuilt the same file.
 llama.cpp (through llama-cpp-python, 2 threads, f32 KV cache) evaluates the token ids one per
@@ -29,7 +30,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT / "tests" / "python" / "data"
 BLOCK_TYPE_IDS = [9, 18, 27, 36, 45, 54]
 ARCH_IDS = [5, 80, 17, 200, 33, 120, 7, 99]
-ARCHITECTURES = ["llama", "qwen2", "qwen3"]
+# name: (architecture, head size or None for width / heads)
+ARCHITECTURES: dict[str, tuple[str, int | None]] = {
+    "llama": ("llama", None),
+    "qwen2": ("qwen2", None),
+    "qwen3": ("qwen3", None),
+    "qwen3-heads64": ("qwen3", 64),
+    "llama-heads64": ("llama", 64),
+}
 
 
 def _references(out: Path, ids: list[int], models: dict[str, Callable[[Path], object]]) -> None:
@@ -70,8 +78,8 @@ def main() -> None:
     def block_type(dtype: str) -> Callable[[Path], object]:
         return lambda p: write_tiny_model(p, seed=6, dtype=dtype, width=256, n_ff=512)
 
-    def architecture(arch: str) -> Callable[[Path], object]:
-        return lambda p: write_tiny_model(p, arch, seed=3, width=128, n_ff=96)
+    def architecture(arch: str, head_dim: int | None) -> Callable[[Path], object]:
+        return lambda p: write_tiny_model(p, arch, seed=3, width=128, n_ff=96, head_dim=head_dim)
 
     _references(
         DATA / "block_types_llamacpp.npz",
@@ -81,7 +89,7 @@ def main() -> None:
     _references(
         DATA / "archs_llamacpp.npz",
         ARCH_IDS,
-        {arch: architecture(arch) for arch in ARCHITECTURES},
+        {name: architecture(*spec) for name, spec in ARCHITECTURES.items()},
     )
 
 

@@ -64,14 +64,16 @@ def write_tiny_model(
     dtype: str = "f32",
     width: int = 128,
     n_ff: int = 96,
+    head_dim: int | None = None,
 ) -> dict[str, np.ndarray]:
     """Writes a random model; returns its weights as float32 numpy arrays (numpy order).
     Matrices whose rows are whole blocks of ``dtype`` are stored in it (random blocks for a type
-    without a quantizer)."""
+    without a quantizer). ``head_dim`` (default ``width / 4``) other than that is written as
+    the ``attention.key_length`` / ``value_length`` keys, as Qwen3 files have it."""
     rng = np.random.default_rng(seed)
     tokens, types, merges = _byte_vocab()
     n_vocab, d, heads, heads_kv = len(tokens), width, 4, 2
-    hd = d // heads
+    hd = head_dim or d // heads
     w: dict[str, np.ndarray] = {}
 
     def mat(rows: int, cols: int, scale: float = 0.2) -> np.ndarray:
@@ -120,7 +122,7 @@ def write_tiny_model(
         "tokenizer.ggml.add_bos_token": False,
         "tokenizer.chat_template": TEMPLATE,
     }
-    if arch == "qwen3":
+    if arch == "qwen3" or hd != d // heads:
         meta[f"{arch}.attention.key_length"] = hd
         meta[f"{arch}.attention.value_length"] = hd
     stored: dict[str, object] = {}
@@ -175,6 +177,23 @@ def test_logits_match_float64_forward(tmp_path: Path, arch: str, kv: str) -> Non
     tol = {"f32": 2e-3, "f16": 2e-2, "bf16": 0.1, "q8_0": 0.25, "q4_0": 1.0}[kv]
     assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max())
     assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.75
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_head_size_other_than_width_over_heads(tmp_path: Path, arch: str) -> None:
+    """Query/key/value heads of 64 values in a model of width 128 with 4 heads (Qwen3's
+    1024-wide models have 16 heads of 128): projections of 256 outputs, attention output
+    projected back to the width."""
+    path = tmp_path / f"{arch}.gguf"
+    w = write_tiny_model(path, arch, seed=4, head_dim=64)
+    model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
+    assert model.config.head_dim == 64 and model.config.n_embd == 128
+    ids = [5, 80, 17, 200, 33, 120, 7, 99]
+    got = model.logits(ids)
+    want = reference_logits(model, w, ids)
+    assert np.abs(got - want).max() < 2e-3 * max(1.0, np.abs(want).max())
+    stepwise = llm_mod.LLM(path, n_ctx=64, n_batch=1, kv_dtype="f32").logits(ids)
+    assert np.abs(stepwise - want).max() < 2e-3 * max(1.0, np.abs(want).max())
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1"])

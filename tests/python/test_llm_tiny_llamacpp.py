@@ -4,7 +4,8 @@ scripts/make_tiny_llm_reference.py, so this runs without llama.cpp:
 * a model stored in each of ggml's weight block types, decoded token by token (mat-vecs:
   integer block dot products against activations quantized to the partner type, as
   llama.cpp computes them);
-* an f32 model of each architecture llama.cpp reads from these files (llama, qwen2, qwen3)."""
+* an f32 model of each architecture llama.cpp reads from these files (llama, qwen2, qwen3),
+  and qwen3 / llama with heads of 64 values (twice width / heads, as Qwen3 files have)."""
 
 from __future__ import annotations
 
@@ -59,10 +60,19 @@ def test_token_by_token_logits_equal_llama_cpp(
     _agree(path, block_types, dtype)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize(
+    ("name", "arch", "head_dim"),
+    [
+        ("llama", "llama", None),
+        ("qwen2", "qwen2", None),
+        ("qwen3", "qwen3", None),
+        ("qwen3-heads64", "qwen3", 64),
+        ("llama-heads64", "llama", 64),
+    ],
+)
 def test_architectures_equal_llama_cpp(
-    tmp_path: Path, archs: dict[str, np.ndarray], arch: str
+    tmp_path: Path, archs: dict[str, np.ndarray], name: str, arch: str, head_dim: int | None
 ) -> None:
-    path = tmp_path / f"{arch}.gguf"
-    write_tiny_model(path, arch, seed=3, width=128, n_ff=96)
-    _agree(path, archs, arch)
+    path = tmp_path / f"{name}.gguf"
+    write_tiny_model(path, arch, seed=3, width=128, n_ff=96, head_dim=head_dim)
+    _agree(path, archs, name)
