@@ -90,14 +90,6 @@ impl Source {
             Source::Iq4Xs => (b / 8 * IQ4_XS_BYTES, b % 8),
         }
     }
-
-    /// Bytes of a row of `nb` blocks of 32.
-    fn row_bytes(self, nb: usize) -> usize {
-        match self {
-            Source::Iq4Xs => nb / 8 * IQ4_XS_BYTES,
-            _ => self.locate(nb).0,
-        }
-    }
 }
 
 /// The scale of iq4_xs group `g` of the super-block at `at`: `d · (ls − 32)`, exact in f32.
@@ -488,8 +480,9 @@ fn pack_panel(
 ) {
     let src = Source::of(dtype).expect("a type the integer GEMM takes");
     reset_panel(out, nb * BLOCK_LINES, rows);
-    assert!(src != Source::Iq4Xs || nb.is_multiple_of(8));
-    assert!(rows.iter().flatten().all(|r| r.len() >= src.row_bytes(nb)));
+    // whole stored blocks (iq4_xs: super-blocks of 8) in every present row
+    let row_bytes = dtype.row_size(nb * QK).expect("whole blocks");
+    assert!(rows.iter().flatten().all(|r| r.len() >= row_bytes));
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: `Avx2` is only chosen when the CPU has AVX2/FMA/F16C; sizes as above, and
@@ -1241,10 +1234,8 @@ mod tests {
         let nb = k / QK;
         // 29 rows: the second half panel partly present; 11: the second half panel empty.
         for ((dtype, src), m) in SOURCES.iter().flat_map(|s| [(*s, 29), (*s, 11)]) {
-            let block = dtype.row_size(k).unwrap() / nb;
             let raw = random_rows(dtype, m, k, 7);
-            let row_bytes = src.row_bytes(nb);
-            assert_eq!(row_bytes, block * nb);
+            let row_bytes = dtype.row_size(k).unwrap();
             let rows: [Option<&[u8]>; PANEL] =
                 std::array::from_fn(|r| (r < m).then(|| &raw[r * row_bytes..(r + 1) * row_bytes]));
             let mut portable = vec![Line([0; 64]); nb * BLOCK_LINES];
