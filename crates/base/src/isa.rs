@@ -20,7 +20,8 @@
 //!
 //! `FERROGRAPH_MAX_ISA` caps what the probe reports, so that one machine can run the code a
 //! lesser CPU would (every kernel choice follows these flags): `avx2` turns off AVX-512 and
-//! AMX, `portable` every x86 / aarch64 extension; other values (and `avx512`) cap nothing.
+//! AMX, `portable` every x86 / aarch64 extension; `avx512` caps nothing, and any other value
+//! caps nothing with a warning in the log.
 
 use std::sync::OnceLock;
 
@@ -89,7 +90,10 @@ impl Features {
         match std::env::var("FERROGRAPH_MAX_ISA").as_deref() {
             Ok("portable") => f = Features::default(),
             Ok("avx2") => f.cap_to_avx2(),
-            _ => {}
+            Ok("avx512") | Err(_) => {}
+            Ok(other) => log::warn!(
+                "FERROGRAPH_MAX_ISA={other:?} is not one of portable, avx2, avx512: not capped"
+            ),
         }
         f
     }
