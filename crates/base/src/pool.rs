@@ -1268,7 +1268,14 @@ mod tests {
             );
         }
         drop(pool);
+        // Dropping the pool joins its workers: their code has returned. The kernel may list
+        // an exiting thread (state 'R') for a moment after the join returns, so the entry is
+        // given up to a second to go.
+        let start = Instant::now();
         for &tid in &tids {
+            while thread_state(tid).is_some() && start.elapsed() < Duration::from_secs(1) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
             assert_eq!(thread_state(tid), None, "worker {tid} outlived its pool");
         }
     }
