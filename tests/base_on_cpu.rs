@@ -102,6 +102,90 @@ fn profiled_run_times_every_node() {
     assert!(p.node_seconds() <= p.total_seconds);
 }
 
+/// On the CPU backend a profile is read inside a normal run: the same bits as an unprofiled
+/// run, every node listed, views at zero, and mat-vecs fused into one job (a layer's q, k, v
+/// reading the same activations) sharing the job's time by their weights' bytes.
+#[test]
+fn profile_of_a_cpu_run_is_read_inside_the_run() {
+    use ferrograph::alloc::alloc_ctx_tensors_from_buft;
+    use ferrograph::buffer::CpuBufferType;
+
+    let cpu: Arc<dyn Backend> = Arc::new(CpuBackend::new(2).unwrap());
+    let weights = Context::new(true);
+    let k = 256;
+    let rows = [64usize, 32, 96];
+    let mats: Vec<Tensor> = rows
+        .iter()
+        .map(|&r| weights.new_tensor(DType::Q4_K, &[k, r]).unwrap())
+        .collect();
+    alloc_ctx_tensors_from_buft(&weights, CpuBufferType::shared()).unwrap();
+    for (i, (m, &r)) in mats.iter().zip(&rows).enumerate() {
+        let values: Vec<f32> = (0..k * r)
+            .map(|j| ((j * 7919 + i * 104_729) % 1013) as f32 / 500.0 - 1.0)
+            .collect();
+        let mut bytes = vec![0u8; DType::Q4_K.row_size(k).unwrap() * r];
+        DType::Q4_K.row_from_f32(&values, &mut bytes).unwrap();
+        m.write_bytes(0, &bytes).unwrap();
+    }
+    let ctx = Context::new(true);
+    let x = ctx.new_tensor(DType::F32, &[k, 1]).unwrap();
+    x.set_input();
+    let normed = ops::rms_norm(&ctx, &x, 1e-5).unwrap();
+    let outs: Vec<Tensor> = mats
+        .iter()
+        .map(|m| {
+            let y = ops::mul_mat(&ctx, m, &normed).unwrap();
+            let flat = ops::reshape(&ctx, &y, &[y.nelements()]).unwrap();
+            flat.set_output();
+            flat
+        })
+        .collect();
+    let g = Graph::build(&outs);
+    let mut sched = Scheduler::new(vec![cpu], None, 16, false, false).unwrap();
+    sched.alloc_graph(&g).unwrap();
+    let input: Vec<f32> = (0..k).map(|j| (j as f32 * 0.37).sin()).collect();
+    x.set_f32(&input).unwrap();
+    let bits = |outs: &[Tensor]| -> Vec<Vec<u32>> {
+        outs.iter()
+            .map(|o| {
+                o.to_f32_vec()
+                    .unwrap()
+                    .iter()
+                    .map(|v| v.to_bits())
+                    .collect()
+            })
+            .collect()
+    };
+    assert_eq!(sched.graph_compute(&g).unwrap(), Status::Success);
+    let plain = bits(&outs);
+    // (the norm may compute in place over the input, as in ggml: set it before each run)
+    x.set_f32(&input).unwrap();
+    let (status, p) = sched.graph_compute_profiled(&g).unwrap();
+    assert_eq!(status, Status::Success);
+    assert_eq!(bits(&outs), plain);
+    assert_eq!(p.nodes.len(), g.n_nodes());
+    assert!(p.node_seconds() <= p.total_seconds);
+    let products: Vec<f64> = p
+        .nodes
+        .iter()
+        .filter(|n| n.op == "MUL_MAT")
+        .map(|n| n.seconds)
+        .collect();
+    assert_eq!(products.len(), 3);
+    assert!(products.iter().all(|&s| s > 0.0), "{products:?}");
+    // one job's time shared by weight bytes: the rows' proportions
+    for (s, &r) in products.iter().zip(&rows) {
+        let expected = products[0] * r as f64 / rows[0] as f64;
+        assert!(
+            (s - expected).abs() <= 1e-9 * expected.max(1e-12),
+            "{products:?}"
+        );
+    }
+    for n in p.nodes.iter().filter(|n| n.op == "RESHAPE") {
+        assert_eq!(n.seconds, 0.0);
+    }
+}
+
 #[test]
 fn copy_and_compare_two_cpu_backends() {
     let ctx = Context::new(false);

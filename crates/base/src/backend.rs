@@ -111,6 +111,14 @@ pub trait Backend: Send + Sync {
     }
     /// Queues the computation of `graph`.
     fn graph_compute_async(&self, graph: &Graph) -> Result<Status>;
+    /// Computes `graph` as a normal run does and waits, timing each node inside that run:
+    /// the status and one wall time in seconds per node of `graph` (0 for nodes with nothing
+    /// to compute). `None` (the default, nothing computed) when the backend cannot time nodes
+    /// inside a run; a profile then computes node by node.
+    fn graph_compute_timed(&self, graph: &Graph) -> Result<Option<(Status, Vec<f64>)>> {
+        let _ = graph;
+        Ok(None)
+    }
 
     /// Whether this backend computes the op.
     fn supports_op(&self, op: &Tensor) -> bool {

@@ -193,6 +193,26 @@ impl CpuBackend {
     }
 
     fn run(&self, graph: &Graph) -> Result<Status> {
+        self.run_with(graph, |graph, pool, options, abort, scratch| {
+            compute::compute_graph_in(graph, pool, options, abort, scratch)
+                .map(|status| (status, ()))
+        })
+        .map(|(status, ())| status)
+    }
+
+    /// Runs `walk` (a compute loop) on `graph` with this backend's pool, options, abort
+    /// callbacks and scratch; remembers a successful graph's checked ops.
+    fn run_with<T>(
+        &self,
+        graph: &Graph,
+        walk: impl FnOnce(
+            &Graph,
+            &Threadpool,
+            &ComputeOptions,
+            Option<&(dyn Fn() -> bool + Sync)>,
+            &mut Vec<u8>,
+        ) -> Result<(Status, T)>,
+    ) -> Result<(Status, T)> {
         let pool = self.threadpool();
         // Epoch 0 is every empty graph's: nothing to remember.
         let epoch = graph.epoch();
@@ -212,11 +232,11 @@ impl CpuBackend {
         let mut own_scratch = Vec::new();
         let mut kept = self.scratch.try_lock().ok();
         let scratch = kept.as_deref_mut().unwrap_or(&mut own_scratch);
-        let status = compute::compute_graph_in(graph, &pool, &options, Some(&abort), scratch)?;
+        let (status, out) = walk(graph, &pool, &options, Some(&abort), scratch)?;
         if status == Status::Success {
             self.checked_epoch.store(epoch, Ordering::Relaxed);
         }
-        Ok(status)
+        Ok((status, out))
     }
 }
 
@@ -248,6 +268,10 @@ impl Backend for CpuBackend {
 
     fn graph_compute_async(&self, graph: &Graph) -> Result<Status> {
         self.run(graph)
+    }
+
+    fn graph_compute_timed(&self, graph: &Graph) -> Result<Option<(Status, Vec<f64>)>> {
+        self.run_with(graph, compute::compute_graph_timed).map(Some)
     }
 }
 

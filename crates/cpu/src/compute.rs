@@ -15,6 +15,7 @@ use crate::ops::Op;
 use crate::pool::Threadpool;
 use crate::tensor::Tensor;
 use matmul::{InterleavedProduct, PlainProduct};
+use std::time::{Duration, Instant};
 
 /// Options of a CPU compute call.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -175,6 +176,36 @@ pub fn compute_graph_in(
     abort: Option<&(dyn Fn() -> bool + Sync)>,
     scratch: &mut Vec<u8>,
 ) -> Result<Status> {
+    walk_graph(graph, pool, options, abort, scratch, None)
+}
+
+/// [`compute_graph_in`] that also returns the wall time of each node of `graph`, read inside
+/// the same walk (nodes run exactly as in a normal compute): seconds per node, 0 for leaves
+/// and views. A fused run of mat-vecs is timed as a whole and its time shared among its
+/// products in proportion to their weight bytes (what a mat-vec's time follows).
+pub fn compute_graph_timed(
+    graph: &Graph,
+    pool: &Threadpool,
+    options: &ComputeOptions,
+    abort: Option<&(dyn Fn() -> bool + Sync)>,
+    scratch: &mut Vec<u8>,
+) -> Result<(Status, Vec<f64>)> {
+    let mut seconds = vec![0.0; graph.n_nodes()];
+    let status = walk_graph(graph, pool, options, abort, scratch, Some(&mut seconds))?;
+    Ok((status, seconds))
+}
+
+/// The compute loop: every node of `graph` in order on `pool`, fused runs of mat-vecs where
+/// they form; with `seconds`, each node's wall time is written there (two clock reads per
+/// computed node or run, nothing else changes).
+fn walk_graph(
+    graph: &Graph,
+    pool: &Threadpool,
+    options: &ComputeOptions,
+    abort: Option<&(dyn Fn() -> bool + Sync)>,
+    scratch: &mut Vec<u8>,
+    mut seconds: Option<&mut [f64]>,
+) -> Result<Status> {
     let nodes = graph.nodes();
     // No hand-over: this thread walks the graph and runs small nodes alone; a node that splits
     // its work shares it with the pool's workers (spinning between nodes, or woken).
@@ -189,12 +220,18 @@ pub fn compute_graph_in(
                 i += 1;
                 continue;
             }
-            if let Some(next) = compute_mat_vec_run(nodes, i, options, scratch)? {
-                i = next;
-                continue;
+            let start = seconds.is_some().then(Instant::now);
+            let next = match compute_mat_vec_run(nodes, i, options, scratch)? {
+                Some(next) => next,
+                None => {
+                    compute_in_pool(node, options, scratch)?;
+                    i + 1
+                }
+            };
+            if let (Some(seconds), Some(start)) = (seconds.as_deref_mut(), start) {
+                share_time(&nodes[i..next], &mut seconds[i..next], start.elapsed());
             }
-            compute_in_pool(node, options, scratch)?;
-            i += 1;
+            i = next;
         }
         Ok(Status::Success)
     })
@@ -203,6 +240,32 @@ pub fn compute_graph_in(
             crate::tensor::mark_computed(nodes);
         }
     })
+}
+
+/// Writes the wall time `elapsed` of `nodes` (one node, or a fused run of mat-vecs with
+/// skipped views between) into `seconds`: all of it for one node, else shared among the
+/// products by their weights' bytes (views get none).
+fn share_time(nodes: &[Tensor], seconds: &mut [f64], elapsed: Duration) {
+    let elapsed = elapsed.as_secs_f64();
+    if let [_] = nodes {
+        seconds[0] = elapsed;
+        return;
+    }
+    let weight = |n: &Tensor| {
+        if is_noop(n) {
+            0
+        } else {
+            n.srcs().first().map_or(0, Tensor::nbytes)
+        }
+    };
+    let total: usize = nodes.iter().map(weight).sum();
+    for (node, slot) in nodes.iter().zip(seconds) {
+        *slot = if total == 0 {
+            0.0
+        } else {
+            elapsed * weight(node) as f64 / total as f64
+        };
+    }
 }
 
 /// One product of a fused run of mat-vecs: interleaved weights (the repacking buffer type's

@@ -12,10 +12,13 @@ const DEFAULT_TOP: usize = 10;
 
 /// Where the time of a scheduler run went: wall time per node, totals per op type.
 ///
-/// Each node is computed on its own and waited for before the clock is read, so node times
-/// do not overlap (one node's rows are still shared among the CPU threads); the profiled run
-/// pays one dispatch and wait per node, so it is slower than an unprofiled one. Copies between
-/// backends count in `total_seconds` but in no node. `p1 + p2` adds two runs' timings.
+/// On the CPU backend the run is a normal one with the clock read around each node, so node
+/// times are what the run spends on them (a fused run of mat-vecs is shared among its products
+/// by weight bytes) and `total_seconds - node_seconds` is the run's own bookkeeping. On other
+/// backends (or with an eval callback) each node is computed on its own and waited for, which
+/// costs a dispatch and a wait per node. Node times never overlap (one node's rows are still
+/// shared among the CPU threads). Copies between backends count in `total_seconds` but in no
+/// node. `p1 + p2` adds two runs' timings.
 #[pyclass(name = "Profile", module = "ferrograph", frozen)]
 pub(crate) struct PyProfile {
     inner: Profile,

@@ -513,8 +513,9 @@ impl PyScheduler {
 
     /// Computes `graph` across the backends and waits. Raises AbortedError when the eval
     /// callback (or an abort callback) cancelled it, and the callback's own exception when it
-    /// raised one. With `profile=True`, returns a `Profile` of the run (every node computed on
-    /// its own and timed; see `Profile`), else None.
+    /// raised one. With `profile=True`, returns a `Profile` of the run (every node's wall time:
+    /// read inside a normal run on the CPU backend, else each node computed on its own; see
+    /// `Profile`), else None.
     #[pyo3(signature = (graph, profile = false))]
     fn graph_compute(
         &self,

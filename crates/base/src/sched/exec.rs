@@ -84,6 +84,9 @@ impl Run<'_> {
                 (Some(cb), None) => {
                     self.compute_observed(backend, split_graph, split.nodes.start, cb)?
                 }
+                (None, Some(times)) => {
+                    self.compute_timed_inside(backend, split_graph, split.nodes.start, times)?
+                }
                 (cb, Some(times)) => {
                     self.compute_timed(backend, split_graph, split.nodes.start, cb, times)?
                 }
@@ -131,6 +134,33 @@ impl Run<'_> {
             start = end;
         }
         Ok(Status::Success)
+    }
+
+    /// Computes a split as a normal run, its backend timing the nodes inside that run, and
+    /// records their times; a backend that cannot ([`Backend::graph_compute_timed`] gives
+    /// `None`) is timed one node at a time ([`Self::compute_timed`]).
+    fn compute_timed_inside(
+        &self,
+        backend: &dyn Backend,
+        split_graph: &Graph,
+        first_node: usize,
+        times: &mut Vec<NodeTime>,
+    ) -> Result<Status> {
+        let Some((status, seconds)) = backend.graph_compute_timed(split_graph)? else {
+            return self.compute_timed(backend, split_graph, first_node, None, times);
+        };
+        let originals = &self.graph.nodes()[first_node..first_node + split_graph.n_nodes()];
+        for (j, (original, seconds)) in originals.iter().zip(seconds).enumerate() {
+            times.push(NodeTime {
+                index: first_node + j,
+                name: original.name(),
+                op: original.op().display_name(),
+                shape: original.shape(),
+                backend: backend.name().to_owned(),
+                seconds,
+            });
+        }
+        Ok(status)
     }
 
     /// Computes a split one node at a time, waiting for each, and records its wall time

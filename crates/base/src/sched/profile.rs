@@ -4,14 +4,20 @@
 //!
 //! # What is timed
 //!
-//! A profiled run computes every node of every split as its own one-node graph and waits for
-//! its backend before reading the clock, so each node's time is well defined (the CPU engine
-//! still splits one node's rows across its threads, but nodes never overlap). That costs one
-//! dispatch and one wait per node: a profiled run is slower than a normal one, most visibly
-//! on graphs of many tiny nodes. Copies of split inputs between backends are not node time;
-//! they are part of [`Profile::total_seconds`] (the wall time of the whole call), so the node
-//! times always sum to at most the total. A normal run takes none of this path: it checks one
-//! branch per split.
+//! A split on a backend that times nodes inside its own run ([`Backend::graph_compute_timed`]:
+//! the CPU backend) is computed exactly as in a normal run, the clock read around each node,
+//! so node times include what the run really spends on them (a fused run of mat-vecs is timed
+//! whole and shared among its products by weight bytes) and the time between nodes is the
+//! run's own bookkeeping. On other backends, or with an eval callback, every node of the split
+//! is computed as its own one-node graph and waited for before the clock is read, so each
+//! node's time is well defined (nodes never overlap) but each costs one dispatch and one wait:
+//! such a run is slower than a normal one, most visibly on graphs of many tiny nodes. Copies
+//! of split inputs between backends are not node time; they are part of
+//! [`Profile::total_seconds`] (the wall time of the whole call), so the node times always sum
+//! to at most the total. A normal run takes none of this path: it checks one branch per
+//! split.
+//!
+//! [`Backend::graph_compute_timed`]: crate::backend::Backend::graph_compute_timed
 
 use std::collections::HashMap;
 use std::fmt;
