@@ -13,7 +13,7 @@ use crate::tensor::Tensor;
 
 use super::internal::Internal;
 use super::plan::PlanCore;
-use super::profile::NodeTime;
+use super::profile::Timed;
 use super::topology::Topology;
 
 /// The evaluation callback: `(tensor, ask)`. With `ask = true` it answers whether it wants
@@ -53,7 +53,7 @@ impl Run<'_> {
     pub fn compute(
         &self,
         mut callback: Option<&mut EvalCallback>,
-        mut profile: Option<&mut Vec<NodeTime>>,
+        mut profile: Option<&mut Vec<Timed>>,
     ) -> Result<Status> {
         let splits = &self.core.splits;
         for (k, split) in splits.iter().enumerate() {
@@ -85,10 +85,10 @@ impl Run<'_> {
                     self.compute_observed(backend, split_graph, split.nodes.start, cb)?
                 }
                 (None, Some(times)) => {
-                    self.compute_timed_inside(backend, split_graph, split.nodes.start, times)?
+                    self.compute_timed_inside(b, split_graph, split.nodes.start, times)?
                 }
                 (cb, Some(times)) => {
-                    self.compute_timed(backend, split_graph, split.nodes.start, cb, times)?
+                    self.compute_timed(b, split_graph, split.nodes.start, cb, times)?
                 }
             };
             if status != Status::Success {
@@ -141,25 +141,19 @@ impl Run<'_> {
     /// `None`) is timed one node at a time ([`Self::compute_timed`]).
     fn compute_timed_inside(
         &self,
-        backend: &dyn Backend,
+        b: usize,
         split_graph: &Graph,
         first_node: usize,
-        times: &mut Vec<NodeTime>,
+        times: &mut Vec<Timed>,
     ) -> Result<Status> {
-        let Some((status, seconds)) = backend.graph_compute_timed(split_graph)? else {
-            return self.compute_timed(backend, split_graph, first_node, None, times);
+        let Some((status, seconds)) = self.backends[b].graph_compute_timed(split_graph)? else {
+            return self.compute_timed(b, split_graph, first_node, None, times);
         };
-        let originals = &self.graph.nodes()[first_node..first_node + split_graph.n_nodes()];
-        for (j, (original, seconds)) in originals.iter().zip(seconds).enumerate() {
-            times.push(NodeTime {
-                index: first_node + j,
-                name: original.name(),
-                op: original.op().display_name(),
-                shape: original.shape(),
-                backend: backend.name().to_owned(),
-                seconds,
-            });
-        }
+        times.extend(seconds.into_iter().enumerate().map(|(j, seconds)| Timed {
+            index: first_node + j,
+            backend: b,
+            seconds,
+        }));
         Ok(status)
     }
 
@@ -167,12 +161,13 @@ impl Run<'_> {
     /// (the callback, if any, still sees the nodes it asks for).
     fn compute_timed(
         &self,
-        backend: &dyn Backend,
+        b: usize,
         split_graph: &Graph,
         first_node: usize,
         mut callback: Option<&mut EvalCallback>,
-        times: &mut Vec<NodeTime>,
+        times: &mut Vec<Timed>,
     ) -> Result<Status> {
+        let backend = self.backends[b].as_ref();
         for j in 0..split_graph.n_nodes() {
             let original = &self.graph.nodes()[first_node + j];
             let wanted = match callback.as_deref_mut() {
@@ -183,14 +178,10 @@ impl Run<'_> {
             let start = Instant::now();
             let status = backend.graph_compute_async(&one)?;
             backend.synchronize()?;
-            let seconds = start.elapsed().as_secs_f64();
-            times.push(NodeTime {
+            times.push(Timed {
                 index: first_node + j,
-                name: original.name(),
-                op: original.op().display_name(),
-                shape: original.shape(),
-                backend: backend.name().to_owned(),
-                seconds,
+                backend: b,
+                seconds: start.elapsed().as_secs_f64(),
             });
             if status != Status::Success {
                 return Ok(status);

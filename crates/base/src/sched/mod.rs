@@ -828,7 +828,7 @@ impl Scheduler {
     fn compute_with(
         &mut self,
         graph: &Graph,
-        profile: Option<&mut Vec<NodeTime>>,
+        profile: Option<&mut Vec<profile::Timed>>,
     ) -> Result<Status> {
         let current = self
             .instance

@@ -166,15 +166,41 @@ impl fmt::Display for Profile {
     }
 }
 
+/// A node's time as the run records it: names and shapes are looked up after the clock stops,
+/// so building the profile costs the run nothing.
+pub(super) struct Timed {
+    /// Position of the node in the caller's graph.
+    pub index: usize,
+    /// Index of the backend that computed it, in the scheduler's list.
+    pub backend: usize,
+    /// Wall time of the node, in seconds.
+    pub seconds: f64,
+}
+
 impl Scheduler {
     /// Computes `graph` like [`Scheduler::graph_compute`] and returns, with the status, the
     /// wall time of every node (see the module documentation for how nodes are timed).
     pub fn graph_compute_profiled(&mut self, graph: &Graph) -> Result<(Status, Profile)> {
         let start = Instant::now();
-        let mut nodes = Vec::with_capacity(graph.n_nodes());
-        let status = self.compute_with(graph, Some(&mut nodes))?;
+        let mut timed = Vec::with_capacity(graph.n_nodes());
+        let status = self.compute_with(graph, Some(&mut timed))?;
         self.synchronize()?;
         let total_seconds = start.elapsed().as_secs_f64();
+        let nodes = graph.nodes();
+        let nodes = timed
+            .into_iter()
+            .filter_map(|t| {
+                let node = nodes.get(t.index)?;
+                Some(NodeTime {
+                    index: t.index,
+                    name: node.name(),
+                    op: node.op().display_name(),
+                    shape: node.shape(),
+                    backend: self.backends.get(t.backend)?.name().to_owned(),
+                    seconds: t.seconds,
+                })
+            })
+            .collect();
         Ok((
             status,
             Profile {
