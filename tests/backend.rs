@@ -133,6 +133,60 @@ fn a_failing_graph_fails_every_compute_and_a_replayed_graph_keeps_its_results() 
     }
 }
 
+/// The backend keeps the operands it resolved for a graph and computes the same graph again
+/// with them; a graph whose tensors were moved to other memory, or whose buffer was reset,
+/// must be resolved afresh (the new memory read, the stale one refused), never read through
+/// the old addresses.
+#[test]
+fn a_replayed_graph_follows_its_tensors_to_new_memory() {
+    use ferrograph::alloc::GraphAllocator;
+    use ferrograph::buffer::CpuBufferType;
+
+    let backend = CpuBackend::new(2).unwrap();
+    let ctx = Context::new(true);
+    let x = ctx.new_tensor(DType::F32, &[64]).unwrap();
+    x.set_input();
+    let doubled = ops::scale(&ctx, &x, 2.0, 0.0).unwrap();
+    let out = ops::add(&ctx, &doubled, &x).unwrap();
+    out.set_output();
+    let graph = Graph::build(std::slice::from_ref(&out));
+    let input = |k: f32| (0..64).map(|i| i as f32 + k).collect::<Vec<_>>();
+    let expect = |k: f32| (0..64).map(|i| 3.0 * (i as f32 + k)).collect::<Vec<_>>();
+
+    let mut first = GraphAllocator::new(CpuBufferType::shared());
+    first.alloc_graph(&graph).unwrap();
+    for k in [0.0, 1.0] {
+        x.set_f32(&input(k)).unwrap();
+        assert_eq!(backend.graph_compute(&graph).unwrap(), Status::Success);
+        assert_eq!(out.to_f32_vec().unwrap(), expect(k));
+    }
+    let old = out.host_ptr().unwrap();
+    // The same tensors in another allocator's memory; the first one's memory is released.
+    let mut second = GraphAllocator::new(CpuBufferType::shared());
+    let mut filler = Vec::new();
+    for _ in 0..4 {
+        // other allocations, so the new buffer does not land where the old one was
+        filler.push(alloc_cpu_buffer(1 << 16).unwrap());
+    }
+    for node in graph.nodes().iter().chain(graph.leafs()) {
+        node.unbind();
+    }
+    second.alloc_graph(&graph).unwrap();
+    drop(first);
+    assert_ne!(out.host_ptr().unwrap(), old, "the tensors moved");
+    for k in [5.0, 9.0] {
+        x.set_f32(&input(k)).unwrap();
+        assert_eq!(backend.graph_compute(&graph).unwrap(), Status::Success);
+        assert_eq!(out.to_f32_vec().unwrap(), expect(k));
+    }
+    // A reset buffer: its tensors are stale, and computing the graph says so.
+    for buffer in second.buffers(0) {
+        buffer.reset();
+    }
+    let err = backend.graph_compute(&graph).unwrap_err();
+    assert!(matches!(err, Error::Stale(_)), "{err}");
+}
+
 #[test]
 fn tensor_transfers_and_copies() {
     let backend = registry::init_by_name("CPU", "").unwrap();

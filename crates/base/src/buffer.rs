@@ -361,6 +361,7 @@ impl Buffer {
     pub fn free(&self) {
         self.0.freed.store(true, Ordering::Release);
         self.0.generation.fetch_add(1, Ordering::AcqRel);
+        crate::tensor::note_bindings_changed();
         for part in self.0.memory.parts() {
             part.free();
         }
@@ -369,6 +370,7 @@ impl Buffer {
     /// Invalidates all tensors bound to the buffer (they become stale) without freeing it.
     pub fn reset(&self) {
         self.0.generation.fetch_add(1, Ordering::AcqRel);
+        crate::tensor::note_bindings_changed();
         for part in self.0.memory.parts() {
             part.reset();
         }

@@ -40,9 +40,28 @@ pub use crate::host::MAX_DIMS;
 /// allocators' overwrite records (`alloc::overwrites`) stay valid while it reads the same.
 static LAYOUT_EPOCH: AtomicU64 = AtomicU64::new(1);
 
-/// Bumps the layout epoch (see [`layout_epoch`]).
+/// The bindings epoch: a process-wide counter bumped whenever any tensor's binding may have
+/// changed where its bytes are or whether they are live (a bind to a new place, an unbind, an
+/// allocator's sweep, a buffer reset or freed). While it reads the same, every host address a
+/// compute resolved for a tensor that is still alive stays the address it would resolve now.
+static BINDINGS_EPOCH: AtomicU64 = AtomicU64::new(1);
+
+/// Bumps the layout epoch (see [`layout_epoch`]) and the bindings epoch.
 pub(crate) fn note_layout_changed() {
     LAYOUT_EPOCH.fetch_add(1, Ordering::AcqRel);
+    note_bindings_changed();
+}
+
+/// Bumps the bindings epoch (see [`bindings_epoch`]).
+pub(crate) fn note_bindings_changed() {
+    BINDINGS_EPOCH.fetch_add(1, Ordering::AcqRel);
+}
+
+/// The bindings epoch's current value: compute engines may keep the host addresses they
+/// resolved for a graph's tensors while it is unchanged (and the graph alive), instead of
+/// resolving every operand through its binding on every compute.
+pub fn bindings_epoch() -> u64 {
+    BINDINGS_EPOCH.load(Ordering::Acquire)
 }
 
 /// The layout epoch's current value.

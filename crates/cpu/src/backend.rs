@@ -112,7 +112,7 @@ pub struct CpuBackend {
     /// replaying it — a language model's decoding graph, once per token — skips the check.
     checked_epoch: AtomicU64,
     /// Scratch kept between computes (converted activations of matrix products).
-    scratch: Mutex<Vec<u8>>,
+    workspace: Mutex<compute::Workspace>,
 }
 
 /// A prepared CPU computation (ggml's CPU graph plan).
@@ -153,7 +153,7 @@ impl CpuBackend {
             abort: Mutex::new(None),
             use_reference: AtomicBool::new(false),
             checked_epoch: AtomicU64::new(0),
-            scratch: Mutex::new(Vec::new()),
+            workspace: Mutex::new(compute::Workspace::default()),
         })
     }
 
@@ -193,8 +193,8 @@ impl CpuBackend {
     }
 
     fn run(&self, graph: &Graph) -> Result<Status> {
-        self.run_with(graph, |graph, pool, options, abort, scratch| {
-            compute::compute_graph_in(graph, pool, options, abort, scratch)
+        self.run_with(graph, |graph, pool, options, abort, workspace| {
+            compute::compute_graph_in(graph, pool, options, abort, workspace)
                 .map(|status| (status, ()))
         })
         .map(|(status, ())| status)
@@ -210,7 +210,7 @@ impl CpuBackend {
             &Threadpool,
             &ComputeOptions,
             Option<&(dyn Fn() -> bool + Sync)>,
-            &mut Vec<u8>,
+            &mut compute::Workspace,
         ) -> Result<(Status, T)>,
     ) -> Result<(Status, T)> {
         let pool = self.threadpool();
@@ -229,10 +229,10 @@ impl CpuBackend {
             move || own.as_ref().is_some_and(|f| f()) || global.as_ref().is_some_and(|f| f());
         // Computes on one backend from several threads take turns on the pool; one that
         // finds the scratch taken uses its own.
-        let mut own_scratch = Vec::new();
-        let mut kept = self.scratch.try_lock().ok();
-        let scratch = kept.as_deref_mut().unwrap_or(&mut own_scratch);
-        let (status, out) = walk(graph, &pool, &options, Some(&abort), scratch)?;
+        let mut own_workspace = compute::Workspace::default();
+        let mut kept = self.workspace.try_lock().ok();
+        let workspace = kept.as_deref_mut().unwrap_or(&mut own_workspace);
+        let (status, out) = walk(graph, &pool, &options, Some(&abort), workspace)?;
         if status == Status::Success {
             self.checked_epoch.store(epoch, Ordering::Relaxed);
         }

@@ -163,20 +163,32 @@ pub fn compute_graph(
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
 ) -> Result<Status> {
-    let mut scratch = Vec::with_capacity(work_size(graph, pool.n_threads()));
-    compute_graph_in(graph, pool, options, abort, &mut scratch)
+    let mut workspace = Workspace {
+        scratch: Vec::with_capacity(work_size(graph, pool.n_threads())),
+        ..Workspace::default()
+    };
+    compute_graph_in(graph, pool, options, abort, &mut workspace)
 }
 
-/// [`compute_graph`] with the caller's scratch (grown as nodes need it), which a backend
-/// keeps from one compute to the next.
+/// What a backend keeps from one compute to the next: the scratch for converted operands
+/// (grown as nodes need it) and the operands it resolved for the last graph.
+#[derive(Default)]
+pub struct Workspace {
+    /// Bytes for converted operands and prepared activations.
+    pub scratch: Vec<u8>,
+    operands: OperandCache,
+}
+
+/// [`compute_graph`] with the caller's workspace, which a backend keeps from one compute to
+/// the next: computing the same graph again reuses its resolved operands.
 pub fn compute_graph_in(
     graph: &Graph,
     pool: &Threadpool,
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
-    scratch: &mut Vec<u8>,
+    workspace: &mut Workspace,
 ) -> Result<Status> {
-    walk_graph(graph, pool, options, abort, scratch, None)
+    walk_graph(graph, pool, options, abort, workspace, None)
 }
 
 /// [`compute_graph_in`] that also returns the wall time of each node of `graph`, read inside
@@ -188,10 +200,10 @@ pub fn compute_graph_timed(
     pool: &Threadpool,
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
-    scratch: &mut Vec<u8>,
+    workspace: &mut Workspace,
 ) -> Result<(Status, Vec<f64>)> {
     let mut seconds = vec![0.0; graph.n_nodes()];
-    let status = walk_graph(graph, pool, options, abort, scratch, Some(&mut seconds))?;
+    let status = walk_graph(graph, pool, options, abort, workspace, Some(&mut seconds))?;
     Ok((status, seconds))
 }
 
@@ -203,10 +215,12 @@ fn walk_graph(
     pool: &Threadpool,
     options: &ComputeOptions,
     abort: Option<&(dyn Fn() -> bool + Sync)>,
-    scratch: &mut Vec<u8>,
+    workspace: &mut Workspace,
     mut seconds: Option<&mut [f64]>,
 ) -> Result<Status> {
     let nodes = graph.nodes();
+    let Workspace { scratch, operands } = workspace;
+    let mut cache = operands.for_graph(graph, options);
     // No hand-over: this thread walks the graph and runs small nodes alone; a node that splits
     // its work shares it with the pool's workers (spinning between nodes, or woken).
     pool.run(|| {
@@ -221,10 +235,20 @@ fn walk_graph(
                 continue;
             }
             let start = seconds.is_some().then(Instant::now);
-            let next = match compute_mat_vec_run(nodes, i, options, scratch)? {
-                Some(next) => next,
+            let run = match cache.as_deref_mut() {
+                Some(cache) => cache.run_at(nodes, i, options),
+                None => find_mat_vec_run(nodes, i, options),
+            };
+            let next = match run {
+                Some((run, b, next)) => {
+                    run.compute(b, scratch)?;
+                    next
+                }
                 None => {
-                    compute_in_pool(node, options, scratch)?;
+                    match cache.as_deref_mut() {
+                        Some(cache) => cache.compute_node(node, i, options, scratch)?,
+                        None => compute_in_pool(node, options, scratch)?,
+                    }
                     i + 1
                 }
             };
@@ -240,6 +264,86 @@ fn walk_graph(
             crate::tensor::mark_computed(nodes);
         }
     })
+}
+
+/// The operands a backend resolved for one graph, node by node, and the fused runs found in
+/// it: valid while the graph's epoch and the process's bindings epoch
+/// ([`crate::tensor::bindings_epoch`]) are those it was filled under. A decoding step computes
+/// the same graph each token, and resolving a node's operands through their bindings cost
+/// 120-420 ns per node there (locks and buffer fields the weight stream has evicted from the
+/// caches): ~3% of a SmolLM2 step.
+#[derive(Default)]
+struct OperandCache {
+    graph_epoch: u64,
+    bindings_epoch: u64,
+    reference: bool,
+    /// Per node: its resolved operands, once computed through the cache (`None`: not yet, or
+    /// not cacheable: operands copied out of a repacked layout, or more than the inline count).
+    nodes: Vec<Option<Resolved>>,
+    /// Per node: whether a fused run starts there (outer `None`: not looked at yet).
+    runs: Vec<Option<Option<(Run, RawTensor, usize)>>>,
+}
+
+impl OperandCache {
+    /// The cache ready for `graph` (emptied when the graph, the bindings or the options
+    /// changed), or `None` for a graph it cannot recognise (epoch 0: never built).
+    fn for_graph(&mut self, graph: &Graph, options: &ComputeOptions) -> Option<&mut Self> {
+        let graph_epoch = graph.epoch();
+        if graph_epoch == 0 {
+            return None;
+        }
+        let bindings_epoch = crate::tensor::bindings_epoch();
+        let n = graph.n_nodes();
+        if self.graph_epoch != graph_epoch
+            || self.bindings_epoch != bindings_epoch
+            || self.reference != options.use_reference
+            || self.nodes.len() != n
+        {
+            self.graph_epoch = graph_epoch;
+            self.bindings_epoch = bindings_epoch;
+            self.reference = options.use_reference;
+            self.nodes.clear();
+            self.nodes.resize(n, None);
+            self.runs.clear();
+            self.runs.resize(n, None);
+        }
+        Some(self)
+    }
+
+    /// The fused run starting at node `i`, looked up once per graph.
+    fn run_at(
+        &mut self,
+        nodes: &[Tensor],
+        i: usize,
+        options: &ComputeOptions,
+    ) -> Option<(Run, RawTensor, usize)> {
+        self.runs[i]
+            .get_or_insert_with(|| find_mat_vec_run(nodes, i, options))
+            .clone()
+    }
+
+    /// Computes node `i` with its operands resolved once per graph.
+    fn compute_node(
+        &mut self,
+        node: &Tensor,
+        i: usize,
+        options: &ComputeOptions,
+        scratch: &mut Vec<u8>,
+    ) -> Result<()> {
+        if let Some(resolved) = self.nodes[i] {
+            return run_resolved(node, &resolved, options, scratch);
+        }
+        if !options.ops_checked && !supports_op(node) {
+            return Err(unsupported(node));
+        }
+        match resolve(node)? {
+            Resolution::Inline(resolved) => {
+                self.nodes[i] = Some(resolved);
+                run_resolved(node, &resolved, options, scratch)
+            }
+            other => compute_resolution(node, other, options, scratch),
+        }
+    }
 }
 
 /// Writes the wall time `elapsed` of `nodes` (one node, or a fused run of mat-vecs with
@@ -297,6 +401,7 @@ const MAX_RUN: usize = 4;
 
 /// The products of a fused run, all of one kind, in place (no allocation per run): the
 /// first `len` entries of the array.
+#[derive(Clone)]
 enum Run {
     Interleaved([InterleavedProduct; MAX_RUN], usize),
     Plain([PlainProduct; MAX_RUN], usize),
@@ -382,31 +487,26 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
     ))
 }
 
-/// Runs node `i` and the mat-vecs after it (view nodes between are skipped) that read the
-/// same activations with weights of the same kind, type and row length as one job
-/// ([`matmul::mul_mat_interleaved_run`], [`matmul::mul_mat_plain_run`]): the index of the next
-/// node to run, or `None` (nothing run) when node `i` starts no run of two or more. Safe to
-/// run early: every product reads only the shared activations (computed before node `i`) and
-/// its quantized weights (never another product's f32 output, nor a view of one), and none
-/// reads another's output.
-fn compute_mat_vec_run(
+/// The fused run of mat-vecs starting at node `i`, if node `i` and the mat-vecs after it (view
+/// nodes between are skipped) read the same activations with weights of the same kind, type
+/// and row length ([`matmul::mul_mat_interleaved_run`], [`matmul::mul_mat_plain_run`]): the
+/// run, its activations and the index of the node after it; `None` when node `i` starts no run
+/// of two or more. Safe to run early: every product reads only the shared activations
+/// (computed before node `i`) and its quantized weights (never another product's f32 output,
+/// nor a view of one), and none reads another's output.
+fn find_mat_vec_run(
     nodes: &[Tensor],
     i: usize,
     options: &ComputeOptions,
-    scratch: &mut Vec<u8>,
-) -> Result<Option<usize>> {
+) -> Option<(Run, RawTensor, usize)> {
     // Cheap test first (ids only): a product with no partner reading its activations, the
     // common case, resolves no operands here; `compute_in_pool` does that once.
-    let Some(activations) = mul_mat_activations(&nodes[i]) else {
-        return Ok(None);
-    };
+    let activations = mul_mat_activations(&nodes[i])?;
     let partner = nodes[i + 1..].iter().find(|n| !is_noop(n));
     if partner.and_then(mul_mat_activations) != Some(activations) {
-        return Ok(None);
+        return None;
     }
-    let Some((first, b)) = run_product(&nodes[i], options) else {
-        return Ok(None);
-    };
+    let (first, b) = run_product(&nodes[i], options)?;
     let mut run = Run::new(first);
     // The run's outputs (ids): a later product reading one of them cannot join.
     let mut outputs = [nodes[i].id(); MAX_RUN];
@@ -428,11 +528,7 @@ fn compute_mat_vec_run(
             _ => break,
         }
     }
-    if run.len() < 2 {
-        return Ok(None);
-    }
-    run.compute(b, scratch)?;
-    Ok(Some(next))
+    (run.len() >= 2).then_some((run, b, next))
 }
 
 /// Leaves and view ops: nothing to compute.
@@ -460,6 +556,31 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
     if !options.ops_checked && !supports_op(node) {
         return Err(unsupported(node));
     }
+    compute_resolution(node, resolve(node)?, options, scratch)
+}
+
+/// A node's operands as the kernels read them: host views of the output and of up to
+/// [`MAX_INLINE_SRCS`] sources, and the layout of repacked weights read in place.
+#[derive(Clone, Copy)]
+struct Resolved {
+    dst: RawTensor,
+    srcs: [RawTensor; MAX_INLINE_SRCS],
+    n_srcs: usize,
+    laid_out: Option<StoredLayout>,
+}
+
+/// How a node's operands were resolved.
+enum Resolution {
+    /// Views into the tensors' own memory: valid as long as their bindings.
+    Inline(Resolved),
+    /// Some operand copied out of a repacked layout: the views point into `copies`.
+    Copied(Resolved, Vec<Vec<u64>>),
+    /// A custom op with more operands than the inline count.
+    Many(RawTensor, Vec<RawTensor>),
+}
+
+/// Resolves the output and operands of `node` (a non-view node) to host views.
+fn resolve(node: &Tensor) -> Result<Resolution> {
     let dst = RawTensor::new(node)?;
     let n_srcs = node.srcs().len();
     if n_srcs > MAX_INLINE_SRCS {
@@ -469,10 +590,7 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
             .iter()
             .map(RawTensor::new)
             .collect::<Result<Vec<_>>>()?;
-        if node.is_empty() {
-            return Ok(());
-        }
-        return run(node, dst, &srcs, options, scratch);
+        return Ok(Resolution::Many(dst, srcs));
     }
     // Operand views on the stack: no allocation per node.
     let mut srcs = [dst; MAX_INLINE_SRCS];
@@ -495,9 +613,59 @@ fn compute_in_pool(node: &Tensor, options: &ComputeOptions, scratch: &mut Vec<u8
             }
         };
     }
+    let resolved = Resolved {
+        dst,
+        srcs,
+        n_srcs,
+        laid_out,
+    };
+    Ok(if copies.is_empty() {
+        Resolution::Inline(resolved)
+    } else {
+        Resolution::Copied(resolved, copies)
+    })
+}
+
+/// Computes `node` with its resolved operands (the copies they point into, if any, live until
+/// it is done).
+fn compute_resolution(
+    node: &Tensor,
+    resolution: Resolution,
+    options: &ComputeOptions,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    match resolution {
+        Resolution::Inline(resolved) => run_resolved(node, &resolved, options, scratch),
+        Resolution::Copied(resolved, copies) => {
+            let out = run_resolved(node, &resolved, options, scratch);
+            drop(copies);
+            out
+        }
+        Resolution::Many(dst, srcs) => {
+            if node.is_empty() {
+                return Ok(());
+            }
+            run(node, dst, &srcs, options, scratch)
+        }
+    }
+}
+
+/// Runs the kernel of `node` on resolved operands.
+fn run_resolved(
+    node: &Tensor,
+    resolved: &Resolved,
+    options: &ComputeOptions,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
     if node.is_empty() {
         return Ok(());
     }
+    let Resolved {
+        dst,
+        srcs,
+        n_srcs,
+        laid_out,
+    } = *resolved;
     if let Some(layout) = laid_out {
         let reference = options.use_reference;
         return matmul::mul_mat_laid_out(dst, srcs[0], &layout, srcs[1], reference, scratch);
