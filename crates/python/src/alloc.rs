@@ -195,6 +195,15 @@ impl PyGraphAllocator {
         self.inner.with(py, f)
     }
 
+    /// A quick read of the allocator (see `CoreLock::peek`).
+    fn peek<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&GraphAllocator) -> R + Send,
+    ) -> PyResult<R> {
+        self.inner.peek(py, f)
+    }
+
     /// Rejects a buffer id outside `0..n_buffers`.
     fn check_id(&self, id: usize) -> PyResult<()> {
         if id < self.n_buffers {
@@ -340,14 +349,14 @@ impl PyGraphAllocator {
     #[pyo3(signature = (id = 0))]
     fn buffer_size(&self, py: Python<'_>, id: usize) -> PyResult<usize> {
         self.check_id(id)?;
-        self.with(py, |a| a.buffer_size(id))
+        self.peek(py, |a| a.buffer_size(id))
     }
 
     /// The buffers of id `id` (one per chunk; OutOfBoundsError past `n_buffers`).
     #[pyo3(signature = (id = 0))]
     fn buffers(&self, py: Python<'_>, id: usize) -> PyResult<Vec<PyBuffer>> {
         self.check_id(id)?;
-        let buffers = self.with(py, |a| a.buffers(id).to_vec())?;
+        let buffers = self.peek(py, |a| a.buffers(id).to_vec())?;
         Ok(buffers
             .into_iter()
             .map(|inner| PyBuffer { inner })
@@ -357,7 +366,7 @@ impl PyGraphAllocator {
     /// Debug switch: fill released memory with a poison pattern so reuse bugs show.
     #[getter]
     fn get_poison(&self, py: Python<'_>) -> PyResult<bool> {
-        self.with(py, |a| a.poison())
+        self.peek(py, |a| a.poison())
     }
 
     #[setter]
@@ -369,7 +378,7 @@ impl PyGraphAllocator {
     /// per-buffer sizes, each tensor's offset and lifetime, peak and fragmentation.
     #[getter]
     fn plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.with(py, |a| a.plan().cloned())? {
+        match self.peek(py, |a| a.plan().cloned())? {
             Some(plan) => Ok(Some(memory_plan_dict(py, &plan)?)),
             None => Ok(None),
         }
@@ -401,7 +410,7 @@ impl PyGraphAllocator {
 
     fn __repr__(&self, py: Python<'_>) -> String {
         let n = self.n_buffers;
-        match self.with(py, |a| (0..n).map(|i| a.buffer_size(i)).collect::<Vec<_>>()) {
+        match self.peek(py, |a| (0..n).map(|i| a.buffer_size(i)).collect::<Vec<_>>()) {
             Ok(sizes) => format!("GraphAllocator(n_buffers={n}, sizes={sizes:?})"),
             Err(_) => format!("GraphAllocator(n_buffers={n}, busy)"),
         }

@@ -146,6 +146,30 @@ impl<T: Send> CoreLock<T> {
     }
 }
 
+impl<T: Send> CoreLock<T> {
+    /// Runs `f`, a quick read that neither blocks nor calls Python nor logs, on the locked
+    /// value: with the interpreter held when the lock is free at once, otherwise as
+    /// [`CoreLock::with`]. Holding both is safe because `f` waits for nothing. Why: a Python
+    /// thread polling a getter in a loop released and retook the interpreter on every call,
+    /// and CPython lets the releasing thread take it straight back, so another thread needing
+    /// the interpreter between its own calls (a worker reserving graphs) waited seconds; now
+    /// the poller keeps it and hands it over at the interpreter's switch interval.
+    pub(crate) fn peek<R: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&T) -> R + Send,
+    ) -> PyResult<R> {
+        if self.owner.load(Ordering::Acquire) == thread_token() {
+            return Err(self.busy(true));
+        }
+        match self.inner.try_lock() {
+            Ok(guard) => Ok(f(&guard)),
+            Err(TryLockError::Poisoned(p)) => Ok(f(&p.into_inner())),
+            Err(TryLockError::WouldBlock) => self.with(py, |value| f(value)),
+        }
+    }
+}
+
 /// Runs core work `f` with the interpreter released, marking this thread as holding core
 /// locks for its duration: core code may hold its own internal locks (the backend loader's,
 /// the registry's) while it logs, so its records are queued and forwarded once `f` returned.

@@ -245,6 +245,11 @@ impl PyScheduler {
         self.inner.with(py, f)
     }
 
+    /// A quick read of the scheduler (see `CoreLock::peek`).
+    fn peek<R: Send>(&self, py: Python<'_>, f: impl FnOnce(&Scheduler) -> R + Send) -> PyResult<R> {
+        self.inner.peek(py, f)
+    }
+
     /// Runs a computation and raises what stopped it: an exception of the eval callback or of
     /// an abort callback first (the original exception), else the status's error.
     fn compute(
@@ -326,13 +331,13 @@ impl PyScheduler {
     /// Splits of the current graph.
     #[getter]
     fn n_splits(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| s.n_splits())
+        self.peek(py, |s| s.n_splits())
     }
 
     /// Pipeline slots per copied tensor (settable, 1 to 64; 1 turns pipelining off).
     #[getter]
     fn get_n_copies(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| s.n_copies())
+        self.peek(py, |s| s.n_copies())
     }
 
     #[setter]
@@ -349,7 +354,7 @@ impl PyScheduler {
     /// Whether higher-priority backends may take ops whose weights are in host memory.
     #[getter]
     fn get_op_offload(&self, py: Python<'_>) -> PyResult<bool> {
-        self.with(py, |s| s.op_offload())
+        self.peek(py, |s| s.op_offload())
     }
 
     #[setter]
@@ -361,7 +366,7 @@ impl PyScheduler {
     /// minimum batch for which an op is offloaded.
     #[getter]
     fn get_offload_policy<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        Ok(match self.with(py, |s| s.offload_policy())? {
+        Ok(match self.peek(py, |s| s.offload_policy())? {
             OffloadPolicy::Device => "device".into_pyobject(py)?.into_any(),
             OffloadPolicy::Never => "never".into_pyobject(py)?.into_any(),
             OffloadPolicy::Always => "always".into_pyobject(py)?.into_any(),
@@ -415,7 +420,7 @@ impl PyScheduler {
     /// Bytes of compute memory allocated for `backend`.
     fn get_buffer_size(&self, py: Python<'_>, backend: &PyBackend) -> PyResult<usize> {
         let b = backend.inner.clone();
-        Ok(self.with(py, |s| s.buffer_size(&b))??)
+        Ok(self.peek(py, |s| s.buffer_size(&b))??)
     }
 
     /// Pins `tensor` (and, through assignment, its neighbours) to `backend`.
@@ -508,7 +513,7 @@ impl PyScheduler {
     /// graph was split).
     fn is_allocated(&self, py: Python<'_>, graph: &PyGraph) -> PyResult<bool> {
         let graph = graph.inner.clone();
-        self.with(py, |s| s.is_allocated(&graph))
+        self.peek(py, |s| s.is_allocated(&graph))
     }
 
     /// Computes `graph` across the backends and waits. Raises AbortedError when the eval
@@ -570,7 +575,7 @@ impl PyScheduler {
     /// each tensor's offset and lifetime, peak and fragmentation; None before allocation.
     #[getter]
     fn memory_plan<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        match self.with(py, |s| s.memory_plan().cloned())? {
+        match self.peek(py, |s| s.memory_plan().cloned())? {
             Some(plan) => Ok(Some(super::alloc::memory_plan_dict(py, &plan)?)),
             None => Ok(None),
         }
@@ -589,12 +594,12 @@ impl PyScheduler {
     /// (hits, misses) of the plan cache.
     #[getter]
     fn plan_cache_stats(&self, py: Python<'_>) -> PyResult<(u64, u64)> {
-        self.with(py, |s| s.plan_cache_stats())
+        self.peek(py, |s| s.plan_cache_stats())
     }
 
     fn __repr__(&self, py: Python<'_>) -> String {
         let names: Vec<String> = self.backends.iter().map(|b| b.name().to_owned()).collect();
-        match self.with(py, |s| (s.n_splits(), s.n_copies())) {
+        match self.peek(py, |s| (s.n_splits(), s.n_copies())) {
             Ok((n_splits, n_copies)) => {
                 format!("Scheduler(backends={names:?}, n_splits={n_splits}, n_copies={n_copies})")
             }
