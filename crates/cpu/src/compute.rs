@@ -280,8 +280,9 @@ struct OperandCache {
     /// Per node: its resolved operands, once computed through the cache (`None`: not yet, or
     /// not cacheable: operands copied out of a repacked layout, or more than the inline count).
     nodes: Vec<Option<Resolved>>,
-    /// Per node: whether a fused run starts there (outer `None`: not looked at yet).
-    runs: Vec<Option<Option<(Run, RawTensor, usize)>>>,
+    /// Per node: whether a fused run starts there (outer `None`: not looked at yet; boxed,
+    /// as few nodes start one).
+    runs: Vec<Option<Option<Box<FoundRun>>>>,
 }
 
 impl OperandCache {
@@ -311,15 +312,11 @@ impl OperandCache {
     }
 
     /// The fused run starting at node `i`, looked up once per graph.
-    fn run_at(
-        &mut self,
-        nodes: &[Tensor],
-        i: usize,
-        options: &ComputeOptions,
-    ) -> Option<(Run, RawTensor, usize)> {
+    fn run_at(&mut self, nodes: &[Tensor], i: usize, options: &ComputeOptions) -> Option<FoundRun> {
         self.runs[i]
-            .get_or_insert_with(|| find_mat_vec_run(nodes, i, options))
-            .clone()
+            .get_or_insert_with(|| find_mat_vec_run(nodes, i, options).map(Box::new))
+            .as_deref()
+            .cloned()
     }
 
     /// Computes node `i` with its operands resolved once per graph.
@@ -487,6 +484,10 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
     ))
 }
 
+/// A fused run of mat-vecs: its products, their shared activations and the index of the node
+/// after the run.
+type FoundRun = (Run, RawTensor, usize);
+
 /// The fused run of mat-vecs starting at node `i`, if node `i` and the mat-vecs after it (view
 /// nodes between are skipped) read the same activations with weights of the same kind, type
 /// and row length ([`matmul::mul_mat_interleaved_run`], [`matmul::mul_mat_plain_run`]): the
@@ -494,11 +495,7 @@ fn run_product(node: &Tensor, options: &ComputeOptions) -> Option<(RunProduct, R
 /// of two or more. Safe to run early: every product reads only the shared activations
 /// (computed before node `i`) and its quantized weights (never another product's f32 output,
 /// nor a view of one), and none reads another's output.
-fn find_mat_vec_run(
-    nodes: &[Tensor],
-    i: usize,
-    options: &ComputeOptions,
-) -> Option<(Run, RawTensor, usize)> {
+fn find_mat_vec_run(nodes: &[Tensor], i: usize, options: &ComputeOptions) -> Option<FoundRun> {
     // Cheap test first (ids only): a product with no partner reading its activations, the
     // common case, resolves no operands here; `compute_in_pool` does that once.
     let activations = mul_mat_activations(&nodes[i])?;
