@@ -187,6 +187,76 @@ fn a_replayed_graph_follows_its_tensors_to_new_memory() {
     assert!(matches!(err, Error::Stale(_)), "{err}");
 }
 
+/// A node of the computation itself (a custom op) that resets the memory of the nodes after
+/// it: on a replay, with the operands of those nodes already resolved and kept, the next node
+/// still sees the reset (the check runs before every node) and the compute fails as stale.
+#[test]
+fn a_reset_inside_a_replayed_computation_is_seen_by_the_next_node() {
+    use ferrograph::alloc::GraphAllocator;
+    use ferrograph::buffer::{Buffer, CpuBufferType};
+    use ferrograph::op::CustomOp;
+    use std::sync::Mutex;
+
+    /// Copies its source; on its `arm`-th call and later, then resets `target`.
+    struct ResetAfter {
+        calls: AtomicUsize,
+        arm: usize,
+        target: Mutex<Option<Buffer>>,
+    }
+    impl CustomOp for ResetAfter {
+        fn name(&self) -> &str {
+            "reset_after"
+        }
+        fn compute(
+            &self,
+            dst: &ferrograph::tensor::Tensor,
+            srcs: &[ferrograph::tensor::Tensor],
+        ) -> ferrograph::Result<()> {
+            dst.set_f32(&srcs[0].to_f32_vec()?)?;
+            if self.calls.fetch_add(1, Ordering::SeqCst) + 1 >= self.arm {
+                if let Some(b) = self.target.lock().unwrap().as_ref() {
+                    b.reset();
+                }
+            }
+            Ok(())
+        }
+    }
+
+    let backend = CpuBackend::new(2).unwrap();
+    let ctx = Context::new(true);
+    let x = ctx.new_tensor(DType::F32, &[32]).unwrap();
+    x.set_input();
+    let op = Arc::new(ResetAfter {
+        calls: AtomicUsize::new(0),
+        arm: 2,
+        target: Mutex::new(None),
+    });
+    let a = ops::scale(&ctx, &x, 2.0, 0.0).unwrap();
+    let b = ops::custom(
+        &ctx,
+        op.clone(),
+        std::slice::from_ref(&a),
+        DType::F32,
+        &[32],
+    )
+    .unwrap();
+    let c = ops::scale(&ctx, &b, 3.0, 0.0).unwrap();
+    let out = ops::add(&ctx, &c, &a).unwrap();
+    out.set_output();
+    let graph = Graph::build(std::slice::from_ref(&out));
+    let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+    galloc.alloc_graph(&graph).unwrap();
+    *op.target.lock().unwrap() = Some(galloc.buffers(0)[0].clone());
+    x.set_f32(&[1.0; 32]).unwrap();
+    // First compute: every node resolved and kept; the op does not reset yet.
+    assert_eq!(backend.graph_compute(&graph).unwrap(), Status::Success);
+    assert_eq!(out.to_f32_vec().unwrap(), vec![8.0; 32]);
+    // Replay: the op resets the buffer; the next node must not read it through kept views.
+    x.set_f32(&[1.0; 32]).unwrap();
+    let err = backend.graph_compute(&graph).unwrap_err();
+    assert!(matches!(err, Error::Stale(_)), "{err}");
+}
+
 #[test]
 fn tensor_transfers_and_copies() {
     let backend = registry::init_by_name("CPU", "").unwrap();

@@ -236,7 +236,10 @@ fn walk_graph(
             }
             let start = seconds.is_some().then(Instant::now);
             let run = match cache.as_deref_mut() {
-                Some(cache) => cache.run_at(nodes, i, options),
+                Some(cache) => {
+                    cache.revalidate();
+                    cache.run_at(nodes, i, options)
+                }
                 None => find_mat_vec_run(nodes, i, options),
             };
             let next = match run {
@@ -309,6 +312,18 @@ impl OperandCache {
             self.runs.resize(n, None);
         }
         Some(self)
+    }
+
+    /// Forgets every entry when a binding changed since they were resolved: checked before
+    /// each node, so a callback of this very computation (a custom op) that moves or releases
+    /// memory is seen by the next node, as when every node resolved its operands afresh.
+    fn revalidate(&mut self) {
+        let now = crate::tensor::bindings_epoch();
+        if now != self.bindings_epoch {
+            self.bindings_epoch = now;
+            self.nodes.iter_mut().for_each(|n| *n = None);
+            self.runs.iter_mut().for_each(|r| *r = None);
+        }
     }
 
     /// The fused run starting at node `i`, looked up once per graph.
