@@ -413,7 +413,7 @@ impl PyScheduler {
     ) -> PyResult<super::backend::PyBufferType> {
         let b = backend.inner.clone();
         Ok(super::backend::PyBufferType {
-            inner: self.with(py, |s| s.buffer_type(&b))??,
+            inner: self.peek(py, |s| s.buffer_type(&b))??,
         })
     }
 
@@ -564,7 +564,7 @@ impl PyScheduler {
     /// The plan for the current graph, or None before the first split.
     #[getter]
     fn plan(&self, py: Python<'_>) -> PyResult<Option<PySchedPlan>> {
-        self.with(py, |s| {
+        self.peek(py, |s| {
             let plan = s.plan()?;
             let dot = s.to_dot().unwrap_or_default();
             Some(PySchedPlan { plan, dot })
@@ -583,7 +583,7 @@ impl PyScheduler {
 
     /// GraphViz source of the current plan, or None.
     fn to_dot(&self, py: Python<'_>) -> PyResult<Option<String>> {
-        self.with(py, |s| s.to_dot())
+        self.peek(py, |s| s.to_dot())
     }
 
     /// Drops every cached plan (the next compute re-plans).
