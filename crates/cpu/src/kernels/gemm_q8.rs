@@ -1136,17 +1136,24 @@ mod tests {
         (DType::IQ4_XS, Source::Iq4Xs),
     ];
 
+    /// `n` reproducible bytes from `seed` (the high byte of a linear congruential stream):
+    /// the raw material of the random weight rows here and in `affine`'s tests.
+    pub(super) fn lcg_bytes(n: usize, seed: u32) -> Vec<u8> {
+        let mut s = seed;
+        (0..n)
+            .map(|_| {
+                s = s.wrapping_mul(1664525).wrapping_add(1013904223);
+                (s >> 24) as u8
+            })
+            .collect()
+    }
+
     /// `m` rows of `k` values of `dtype`: random bytes with sane f16 scales (finite, small,
     /// both signs); q8_0's first row holds the extreme bytes −128 and 127.
     fn random_rows(dtype: DType, m: usize, k: usize, seed: u32) -> Vec<u8> {
         let row_bytes = dtype.row_size(k).unwrap();
         let block = dtype.type_size();
-        let mut raw = vec![0u8; m * row_bytes];
-        let mut s = seed;
-        for byte in raw.iter_mut() {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            *byte = (s >> 24) as u8;
-        }
+        let mut raw = lcg_bytes(m * row_bytes, seed);
         for (r, row) in raw.chunks_exact_mut(row_bytes).enumerate() {
             for (bi, blk) in row.chunks_exact_mut(block).enumerate() {
                 let sign = if (r + bi) % 3 == 0 { -1.0 } else { 1.0 };

@@ -728,13 +728,7 @@ mod tests {
 
     /// `m` rows of `k` values: random bytes with sane f16 `d` (and `dmin`) of both signs.
     fn random_rows(dtype: DType, m: usize, k: usize, seed: u32) -> Vec<u8> {
-        let row_bytes = dtype.row_size(k).unwrap();
-        let mut raw = vec![0u8; m * row_bytes];
-        let mut s = seed;
-        for byte in raw.iter_mut() {
-            s = s.wrapping_mul(1664525).wrapping_add(1013904223);
-            *byte = (s >> 24) as u8;
-        }
+        let mut raw = super::super::tests::lcg_bytes(m * dtype.row_size(k).unwrap(), seed);
         let at: &[usize] = match dtype {
             DType::Q2_K => &[80, 82],
             DType::Q3_K => &[108],
