@@ -2032,8 +2032,9 @@ fn fill_block(t: &Tensor, rng: &mut Rng) -> Vec<f32> {
 /// q8_0, q4_0, q5_0, iq4_nl and iq4_xs; dequantized tiles and the f32 GEMM for the rest), partial row
 /// tiles, broadcast batches and a transposed activation view — against the f64 product of the
 /// dequantized weights, identical bits at 1, 2 and 3 threads, no write outside the output. With
-/// one or two columns in the product the portable kernels (the reference switch) and the SIMD kernels give
-/// identical bits: the portable code defines the arithmetic.
+/// at most `direct_dot_max_cols(dtype)` columns in the product (2; up to 8 for the types with
+/// minimums or scales per 16) the portable kernels (the reference switch) and the SIMD kernels
+/// give identical bits: the portable code defines the arithmetic.
 #[test]
 fn mul_mat_gguf_block_types() {
     let mut rng = Rng::new(41);
@@ -2045,6 +2046,8 @@ fn mul_mat_gguf_block_types() {
             (2, 19, 3, 2, 1),
             (4, 33, 40, 1, 1),
             (1, 130, 1, 3, 1),
+            (2, 70, 5, 1, 1),
+            (1, 41, 8, 1, 1),
         ] {
             let k = blocks * unit;
             let c = ctx();
@@ -2065,7 +2068,7 @@ fn mul_mat_gguf_block_types() {
             check(&format!("{what} reference"), &portable, &want, 2e-4);
             // (a single weight matrix shared by every batch is one product of all columns)
             let columns = if batches == 1 { n * bcast } else { n };
-            if columns <= 2 {
+            if columns <= ferrograph::cpu::direct_dot_max_cols(dtype) {
                 let same = fast
                     .iter()
                     .zip(&portable)

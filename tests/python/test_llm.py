@@ -204,13 +204,21 @@ def test_quantized_weights_match_their_dequantized_forward(tmp_path: Path, dtype
     ids = [9, 18, 27, 36, 45]
     got = model.logits(ids)
     want = reference_logits(model, w, ids)
-    # activations are quantized to q8_0/q8_1 in products: a small relative error
-    assert np.abs(got - want).max() < 0.05 * max(1.0, np.abs(want).max())
+    # Activations are quantized to q8_0/q8_1 in products: a small relative error. On these
+    # tiny random models its largest logit error measures 2-7% of the largest logit across
+    # seeds, the same for a prompt and for token-by-token decoding (which always took the
+    # q8_0/q8_1 dot products); the greedy choice agrees.
+    scale = max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() < 0.08 * scale
+    assert (got.argmax(-1) == want.argmax(-1)).mean() >= 0.8
+    stepwise = llm_mod.LLM(path, n_ctx=64, n_batch=1, kv_dtype="f32").logits(ids)
+    assert np.abs(stepwise - want).max() < 0.08 * scale
 
 
 SUPERBLOCK_TYPES = ["q2_K", "q4_K", "q6_K", "iq4_xs", "iq2_xxs", "iq2_xs", "iq2_s", "iq3_xxs"]
 SUPERBLOCK_TYPES += ["iq3_s", "iq1_s", "iq1_m", "tq1_0", "tq2_0", "mxfp4", "nvfp4", "q1_0", "q2_0"]
-# Weight types whose products of several columns run on the integer GEMM (q8_0 activations).
+# Weight types whose products of several columns quantize the activations (the integer GEMM's
+# q8_0, or the block dot products' partner type for a few columns).
 INTEGER_GEMM_TYPES = {
     "q8_0",
     "q4_0",
@@ -230,17 +238,19 @@ def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     """A model stored in each of ggml's weight block types (rows of 256 values: whole
     super-blocks) computes the forward pass of its decoded weights when prompts run in batches.
     The products decode weight tiles for the f32 GEMM — close to the float64 forward — except
-    for the types the integer GEMM takes (iq4_xs and the K-quants here), which quantize the
-    activations to q8_0 as llama.cpp does: on these random models that moves logits by a few
-    percent of their range. Token by token the products quantize the activations as llama.cpp
-    does: test_llm_tiny_llamacpp.py compares those with llama.cpp."""
+    for the types the integer GEMM or the block dot products take (iq4_xs and the K-quants
+    here), which quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does, in
+    the dot products that prompts of up to 5-6 tokens and decoding use): on these random
+    models that moves the largest logit error to 2-17% of the logits' range across seeds and
+    both paths (measured), so the bound is 20%. test_llm_tiny_llamacpp.py compares the token
+    by token products with llama.cpp."""
     path = tmp_path / f"{dtype}.gguf"
     w = write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
     model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")
     ids = [9, 18, 27, 36, 45, 54]
     got = model.logits(ids)
     want = reference_logits(model, w, ids)
-    tol = 0.1 if dtype in INTEGER_GEMM_TYPES else 2e-3
+    tol = 0.2 if dtype in INTEGER_GEMM_TYPES else 2e-3
     assert np.abs(got - want).max() < tol * max(1.0, np.abs(want).max()), dtype
 
 

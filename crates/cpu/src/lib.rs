@@ -21,6 +21,7 @@ pub mod sysinfo;
 pub mod type_traits;
 
 pub use compute::{compute_graph, compute_node, supports_op, work_size, ComputeOptions};
+pub use kernels::matmul::direct_dot_max_cols;
 pub use kernels::peak::{fma_peak_gflops, int8_peak_gops};
 pub use kernels::view::RowIo;
 

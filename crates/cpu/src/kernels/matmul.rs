@@ -480,7 +480,27 @@ const MIN_TASKS: usize = 16;
 /// f16/bf16 rows widened to f32 as it loads them, quantized rows converted to f32 once per
 /// tile (faster there, and more accurate). Both decide by the whole product's column count (`n_cols` of
 /// [`run_tile`]), never by a tile's, so the path does not depend on how the output is split.
+/// Some weight types keep the dot products for a few more columns ([`direct_dot_max_cols`]).
 const DIRECT_DOT_MAX_COLS: usize = 2;
+
+/// Largest column count for which weights of `dtype` are read by direct dot products against
+/// their partner activations (see [`DIRECT_DOT_MAX_COLS`]). Weights with minimums or scales
+/// per 16 values (q4_1, q5_1 and the K-quants) reach the integer GEMM only through a repacking
+/// of every weight panel per call, which for a handful of columns costs more than one direct
+/// dot product per column: measured on 14336 × 4096 matrices (2 threads, Zen 5, weights
+/// streamed from memory), the direct products stay ahead up to 8 columns for q4_1 / q5_1
+/// (at 8: 6.3 vs 4.7 GB/s of weights), 6 for q4_K / q6_K / q2_K, 5 for q5_K / q3_K; the
+/// types whose blocks are plain signed bytes times a scale (q8_0, q4_0, q5_0, iq4_*) are
+/// faster in the GEMM from 3 columns. Decided by the whole product's column count, so the
+/// path (and every result bit) is the same for any split of the output.
+pub fn direct_dot_max_cols(dtype: DType) -> usize {
+    match dtype {
+        DType::Q4_1 | DType::Q5_1 => 8,
+        DType::Q2_K | DType::Q4_K | DType::Q6_K => 6,
+        DType::Q3_K | DType::Q5_K => 5,
+        _ => DIRECT_DOT_MAX_COLS,
+    }
+}
 
 /// How the direct/tiled path cuts a product into tasks: row tiles of [`TilePlan::ti`] weight
 /// rows (16, so even a small mat-vec, a 192-row projection, splits into enough tasks for every
@@ -577,7 +597,7 @@ pub fn mul_mat(
 }
 
 /// [`mul_mat`]; with `interleaved`, `a` is a whole 2-D q4_1 matrix stored in that layout,
-/// which only the f32 tile path (more than [`DIRECT_DOT_MAX_COLS`] columns, fewer than the
+/// which only the f32 tile path (more than [`direct_dot_max_cols`] columns, fewer than the
 /// GEMM's) may then reach: its rows are rebuilt and converted one at a time.
 fn mul_mat_tiles(
     dst: RawTensor,
@@ -609,7 +629,7 @@ fn mul_mat_tiles(
     // q8_0 activations (see `gemm_q8`), with VNNI or AVX2 (the portable kernel is slower than
     // dequantized tiles through the f32 GEMM).
     if !reference
-        && n > DIRECT_DOT_MAX_COLS
+        && n > direct_dot_max_cols(a.dtype)
         && gemm_q8::Isa::best() != gemm_q8::Isa::Portable
         && gemm_q8::applies(&a, &dst)
     {
@@ -628,8 +648,8 @@ fn mul_mat_tiles(
         return mul_mat_gemm_from(&dst, &a, interleaved, b, (r2, r3), scratch);
     }
     // Quantized weights: integer dot products with q8_0 activations (ggml's way) only up to
-    // DIRECT_DOT_MAX_COLS columns.
-    let activations = if a.dtype.is_quantized() && !reference && n > DIRECT_DOT_MAX_COLS {
+    // `direct_dot_max_cols` columns.
+    let activations = if a.dtype.is_quantized() && !reference && n > direct_dot_max_cols(a.dtype) {
         DType::F32
     } else {
         a.dtype
@@ -684,7 +704,7 @@ pub struct PlainProduct {
 
 /// Whether `dst = a · b` is a mat-vec with plainly stored quantized weights that
 /// [`mul_mat_plain_run`] may compute together with others of the same weight type reading the
-/// same `b`: 2-D operands, at most [`DIRECT_DOT_MAX_COLS`] columns, dense weight rows, so that
+/// same `b`: 2-D operands, at most [`direct_dot_max_cols`] columns, dense weight rows, so that
 /// alone it would take [`mul_mat`]'s direct dot path.
 pub fn joins_plain_run(dst: &RawTensor, a: &RawTensor, b: &RawTensor, reference: bool) -> bool {
     let (k, m, n) = (a.ne[0], a.ne[1], b.ne[1]);
@@ -696,7 +716,7 @@ pub fn joins_plain_run(dst: &RawTensor, a: &RawTensor, b: &RawTensor, reference:
         && b.dtype == DType::F32
         && b.ne[0] == k
         && b.ne[2] * b.ne[3] == 1
-        && (1..=DIRECT_DOT_MAX_COLS).contains(&n)
+        && (1..=direct_dot_max_cols(a.dtype)).contains(&n)
         && k > 0
         && m > 0
         && dst.dtype == DType::F32
@@ -936,7 +956,7 @@ pub fn mul_mat_interleaved(
     // The whole 2-D matrix against one batch of columns: what the interleaved paths handle.
     let whole = is_whole_interleaved(&dst, &a, layout, &b);
     // More columns: the plain layout's paths (GEMM, f32 tiles), converting rebuilt rows.
-    if !reference && whole && n > DIRECT_DOT_MAX_COLS {
+    if !reference && whole && n > direct_dot_max_cols(DType::Q4_1) {
         return mul_mat_tiles(dst, a, Some(layout), b, reference, scratch);
     }
     if reference || !whole {
@@ -1069,7 +1089,7 @@ pub fn joins_interleaved_run(
 ) -> bool {
     !reference
         && b.dtype == DType::F32
-        && b.ne[1] <= DIRECT_DOT_MAX_COLS
+        && b.ne[1] <= direct_dot_max_cols(DType::Q4_1)
         && a.ne[0] > 0
         && a.ne[1] > 0
         && is_whole_interleaved(dst, a, layout, b)
