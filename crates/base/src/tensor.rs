@@ -23,7 +23,7 @@
 
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use crate::buffer::Buffer;
@@ -55,6 +55,53 @@ pub(crate) fn note_layout_changed() {
 /// Bumps the bindings epoch (see [`bindings_epoch`]).
 pub(crate) fn note_bindings_changed() {
     BINDINGS_EPOCH.fetch_add(1, Ordering::AcqRel);
+}
+
+/// Bindings made as one change of the layout (an allocator binding a whole graph): every
+/// tensor bound through it gets one clock stamp, and the epochs are bumped at the first
+/// binding that moves a tensor and once more when the batch ends, instead of at every
+/// binding. An observer that read an epoch before the batch's first move sees it changed
+/// from then on, as with bumps per binding; one that reads it mid-batch sees the final bump.
+/// A batch whose bindings all keep their places bumps nothing (a replayed plan keeps its
+/// records). Single-threaded by construction (not `Sync`).
+pub(crate) struct BindBatch {
+    /// The clock stamp of the batch's bindings (0 until the first).
+    stamp: std::cell::Cell<u64>,
+    /// Whether a binding moved a tensor (the epochs were bumped once already).
+    moved: std::cell::Cell<bool>,
+}
+
+impl BindBatch {
+    /// A batch with nothing bound yet.
+    pub(crate) fn new() -> BindBatch {
+        BindBatch {
+            stamp: std::cell::Cell::new(0),
+            moved: std::cell::Cell::new(false),
+        }
+    }
+
+    /// The batch's clock stamp, taken at its first binding.
+    fn stamp(&self) -> u64 {
+        if self.stamp.get() == 0 {
+            self.stamp.set(tick());
+        }
+        self.stamp.get()
+    }
+
+    /// A binding moved a tensor: the epochs are bumped now if this is the batch's first.
+    fn note_moved(&self) {
+        if !self.moved.replace(true) {
+            note_layout_changed();
+        }
+    }
+}
+
+impl Drop for BindBatch {
+    fn drop(&mut self) {
+        if self.moved.get() {
+            note_layout_changed();
+        }
+    }
 }
 
 /// The bindings epoch's current value: compute engines may keep the host addresses they
@@ -98,6 +145,9 @@ pub struct TensorNode {
     dtype: DType,
     ne: [usize; MAX_DIMS],
     nb: [usize; MAX_DIMS],
+    /// Bytes spanned ([`span_bytes`] of the fixed shape and strides), computed once: the
+    /// allocators ask for it per tensor and per allocation.
+    nbytes: usize,
     ndim: usize,
     op: Op,
     srcs: Vec<Tensor>,
@@ -120,6 +170,11 @@ pub struct TensorNode {
     /// The first later node of an allocated graph whose memory overlaps this tensor's
     /// (recorded by [`crate::alloc::record_overwrites`]); its compute overwrites this value.
     overwritten_by: Mutex<Option<Weak<TensorNode>>>,
+    /// Whether `overwritten_by` may hold a node: written under its lock, read without it so
+    /// that forgetting a record that is not there takes no lock (allocations bind hundreds of
+    /// fresh tensors). A reader seeing `false` while another thread records a node orders
+    /// its own clearing first, which is a valid order of the two.
+    has_overwriter: AtomicBool,
     context: Weak<ContextInner>,
 }
 
@@ -249,6 +304,7 @@ impl Tensor {
             dtype: spec.dtype,
             ne: spec.ne,
             nb,
+            nbytes: span_bytes(spec.dtype, &spec.ne, &nb),
             ndim,
             op: spec.op,
             srcs: spec.srcs,
@@ -263,6 +319,7 @@ impl Tensor {
             computed_at: AtomicU64::new(0),
             bound_at: AtomicU64::new(0),
             overwritten_by: Mutex::new(None),
+            has_overwriter: AtomicBool::new(false),
             context,
         })))
     }
@@ -323,7 +380,7 @@ impl Tensor {
     /// Bytes spanned in memory (ggml's `nbytes`).
     #[inline]
     pub fn nbytes(&self) -> usize {
-        span_bytes(self.0.dtype, &self.0.ne, &self.0.nb)
+        self.0.nbytes
     }
 
     /// Bytes of one contiguous row.
@@ -494,7 +551,12 @@ impl Tensor {
 
     /// Binds a non-view tensor to `offset` in `buffer` (checked: bounds and alignment).
     pub fn bind(&self, buffer: &Buffer, offset: usize) -> Result<()> {
-        self.bind_aligned(buffer, offset, buffer.alignment())
+        self.bind_aligned(buffer, offset, buffer.alignment(), None)
+    }
+
+    /// [`Tensor::bind`] as part of `batch` (see [`BindBatch`]).
+    pub(crate) fn bind_in(&self, buffer: &Buffer, offset: usize, batch: &BindBatch) -> Result<()> {
+        self.bind_aligned(buffer, offset, buffer.alignment(), Some(batch))
     }
 
     /// Binds a non-view tensor to `offset` in `buffer` where memory laid out by someone else
@@ -525,10 +587,16 @@ impl Tensor {
                 )));
             }
         }
-        self.bind_aligned(buffer, offset, alignment)
+        self.bind_aligned(buffer, offset, alignment, None)
     }
 
-    fn bind_aligned(&self, buffer: &Buffer, offset: usize, alignment: usize) -> Result<()> {
+    fn bind_aligned(
+        &self,
+        buffer: &Buffer,
+        offset: usize,
+        alignment: usize,
+        batch: Option<&BindBatch>,
+    ) -> Result<()> {
         if self.is_view() {
             return Err(Error::InvalidArgument(format!(
                 "{} is a view; it uses its source's memory and cannot be bound",
@@ -553,7 +621,8 @@ impl Tensor {
                     drop(storage);
                     // Same bytes: the recorded overwriter (if any) still stands, so the
                     // layout epoch is left alone and a replayed plan can skip its sweep.
-                    self.0.bound_at.store(tick(), Ordering::Release);
+                    let stamp = batch.map_or_else(tick, BindBatch::stamp);
+                    self.0.bound_at.store(stamp, Ordering::Release);
                     return Ok(());
                 }
             }
@@ -585,7 +654,7 @@ impl Tensor {
         self.0.bound_buffer.store(buffer.id(), Ordering::Release);
         self.0.bound_generation.store(generation, Ordering::Release);
         drop(storage);
-        self.note_bound();
+        self.note_bound(batch);
         Ok(())
     }
 
@@ -879,11 +948,16 @@ impl Tensor {
     }
 
     /// The tensor was bound to a new place: a fresh value clock, no recorded overwriter, and a
-    /// new layout epoch (see `alloc::overwrites`, "Replays").
-    fn note_bound(&self) {
-        self.0.bound_at.store(tick(), Ordering::Release);
-        *lock(&self.0.overwritten_by) = None;
-        note_layout_changed();
+    /// new layout epoch (see `alloc::overwrites`, "Replays"; in a batch, the batch's stamp and
+    /// epoch bumps).
+    fn note_bound(&self, batch: Option<&BindBatch>) {
+        let stamp = batch.map_or_else(tick, BindBatch::stamp);
+        self.0.bound_at.store(stamp, Ordering::Release);
+        self.clear_overwritten_by();
+        match batch {
+            Some(batch) => batch.note_moved(),
+            None => note_layout_changed(),
+        }
     }
 
     /// Records that the tensor's bytes (a view's source's) were written from outside a
@@ -900,7 +974,7 @@ impl Tensor {
     /// Records that `later`, a node computed after this tensor in an allocated graph, shares
     /// some of its bytes (set by the graph allocator; cleared when the tensor is bound again).
     pub(crate) fn set_overwritten_by(&self, later: &Tensor) {
-        *lock(&self.0.overwritten_by) = Some(Arc::downgrade(&later.0));
+        self.replace_overwritten_by(Some(later));
     }
 
     /// The recorded overwriting node, if it is still alive (for tests).
@@ -912,9 +986,21 @@ impl Tensor {
             .map(Tensor)
     }
 
+    /// Replaces the recorded overwriting node by `later` (none: forgets it), under one lock.
+    pub(crate) fn replace_overwritten_by(&self, later: Option<&Tensor>) {
+        if later.is_none() && !self.0.has_overwriter.load(Ordering::Acquire) {
+            return;
+        }
+        let mut record = lock(&self.0.overwritten_by);
+        *record = later.map(|t| Arc::downgrade(&t.0));
+        self.0
+            .has_overwriter
+            .store(record.is_some(), Ordering::Release);
+    }
+
     /// Forgets a recorded overwriting node (before the allocator records them afresh).
     pub(crate) fn clear_overwritten_by(&self) {
-        *lock(&self.0.overwritten_by) = None;
+        self.replace_overwritten_by(None);
     }
 
     /// The byte range the tensor's own binding covers: `(buffer id, offset, nbytes)`; `None`

@@ -64,7 +64,7 @@ use crate::buffer::{same_buffer_type, Buffer, BufferType, BufferUsage};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, Position};
 use crate::ops::Op;
-use crate::tensor::{flags, Tensor};
+use crate::tensor::{flags, BindBatch, Tensor};
 
 /// The byte [`GraphAllocator::set_poison`] fills compute buffers with.
 pub const POISON_BYTE: u8 = 0xCD;
@@ -777,12 +777,14 @@ impl GraphAllocator {
         let Some(stored) = &self.stored else {
             return Err(Error::alloc("no plan after reserving"));
         };
+        // One change of the layout for the whole graph (see `BindBatch`).
+        let batch = BindBatch::new();
         for (leaf, entry) in graph.leafs().iter().zip(&stored.leafs) {
             // A leaf given compute memory here (an input never allocated elsewhere, or one
             // whose own buffer was freed) starts as zeros: its old bytes are gone and the
             // compute memory holds another tensor's leftovers (or poison). Reading it before
             // it is set is defined (zeros), never uninitialised memory.
-            if self.bind(leaf, &entry.place, &our_buffers)? {
+            if self.bind(leaf, &entry.place, &our_buffers, &batch)? {
                 leaf.fill_bytes(0, leaf.nbytes(), 0)?;
             }
         }
@@ -791,23 +793,29 @@ impl GraphAllocator {
                 if let SrcRef::Outside { place, root } = r {
                     // Sources outside the graph are inputs too: zeros, as leafs.
                     if let (Some(r), Some(root)) = (src.view_src(), root) {
-                        if self.bind(r, root, &our_buffers)? {
+                        if self.bind(r, root, &our_buffers, &batch)? {
                             r.fill_bytes(0, r.nbytes(), 0)?;
                         }
                     }
-                    if self.bind(src, place, &our_buffers)? {
+                    if self.bind(src, place, &our_buffers, &batch)? {
                         src.fill_bytes(0, src.nbytes(), 0)?;
                     }
                 }
             }
-            self.bind(node, &entry.place, &our_buffers)?;
+            self.bind(node, &entry.place, &our_buffers, &batch)?;
         }
         Ok(())
     }
 
     /// Binds `tensor` to its planned place in compute memory; whether it did (false for
     /// external tensors and views).
-    fn bind(&self, tensor: &Tensor, place: &Place, our_buffers: &[u64]) -> Result<bool> {
+    fn bind(
+        &self,
+        tensor: &Tensor,
+        place: &Place,
+        our_buffers: &[u64],
+        batch: &BindBatch,
+    ) -> Result<bool> {
         match place {
             Place::Planned(a) if !is_external(tensor, our_buffers) => {
                 let buffer = self.slots[a.slot].buffers.get(a.chunk).ok_or_else(|| {
@@ -816,7 +824,7 @@ impl GraphAllocator {
                         a.chunk
                     ))
                 })?;
-                tensor.bind(buffer, a.offset).map(|()| true)
+                tensor.bind_in(buffer, a.offset, batch).map(|()| true)
             }
             _ => Ok(false),
         }

@@ -44,7 +44,8 @@ pub(crate) struct SweepMemo {
     last: Option<(u64, u64)>,
     /// The byte ranges the last sweep saw, in sweep order.
     spans: Vec<Span>,
-    /// Its result: `(position, position of the first later tensor over its bytes)`.
+    /// Its result: `(position, position of the first later tensor over its bytes)`, ascending
+    /// by position, at most one per position.
     overwrites: Vec<(usize, usize)>,
 }
 
@@ -88,11 +89,12 @@ impl SweepMemo {
                 .zip(&self.spans)
                 .all(|(t, span)| t.bound_span() == *span);
         let how = if same_spans {
-            for t in &tensors {
-                t.clear_overwritten_by();
-            }
-            for &(occupant, later) in &self.overwrites {
-                tensors[occupant].set_overwritten_by(tensors[later]);
+            // Each tensor's record replaced under one lock: the replayed overwriter, if any
+            // (positions ascend in `overwrites`, one entry per occupant), else none.
+            let mut next = self.overwrites.iter().peekable();
+            for (at, t) in tensors.iter().enumerate() {
+                let later = next.next_if(|&&(occupant, _)| occupant == at);
+                t.replace_overwritten_by(later.map(|&(_, l)| tensors[l]));
             }
             Recorded::Replayed
         } else {
@@ -132,7 +134,8 @@ pub fn record_overwrites_as(graph: &Graph, stand_ins: &[(Tensor, Tensor)]) {
 type Occupants = BTreeMap<usize, (usize, usize)>;
 
 /// The sweep over `tensors` (given in the order their values are produced, with their bound
-/// ranges `spans`): clears every record, sets the new ones and returns them as positions.
+/// ranges `spans`): clears every record, sets the new ones and returns them as positions,
+/// ascending by occupant.
 fn sweep(tensors: &[&Tensor], spans: &[Span]) -> Vec<(usize, usize)> {
     // Current occupants per buffer (a graph touches few).
     let mut occupants: Vec<(u64, Occupants)> = Vec::new();
@@ -183,6 +186,8 @@ fn sweep(tensors: &[&Tensor], spans: &[Span]) -> Vec<(usize, usize)> {
         }
         map.insert(start, (end, index));
     }
+    // By occupant (each at most once), the order a replay applies them in.
+    overwrites.sort_unstable();
     overwrites
 }
 
@@ -237,5 +242,36 @@ mod tests {
         record_overwrites(&rebuilt);
         assert_eq!(overwriter(&m2), fresh);
         assert!(fresh.is_some() && fresh != expected);
+    }
+
+    /// A graph bound in one batch moves the layout epoch by the time the batch ends (before
+    /// the records are read), and binding a recorded tensor to a new place forgets its
+    /// overwriter whether or not the binding is batched.
+    #[test]
+    fn batched_bindings_change_the_epoch_and_forget_records() {
+        use crate::tensor::{layout_epoch, BindBatch};
+        let mut galloc = GraphAllocator::new(CpuBufferType::shared());
+        let (graph, m, _ctx) = chain(&mut galloc);
+        let mut memo = SweepMemo::default();
+        memo.record(&graph, &[]);
+        assert!(overwriter(&m).is_some());
+        let buffer = CpuBufferType::shared().alloc_buffer(1024).unwrap();
+        let before = layout_epoch();
+        {
+            let batch = BindBatch::new();
+            m.bind_in(&buffer, 512, &batch).unwrap();
+            assert!(layout_epoch() > before, "the first move bumps at once");
+            assert_eq!(overwriter(&m), None, "a moved tensor has no record");
+            let mid = layout_epoch();
+            drop(batch);
+            assert!(layout_epoch() > mid, "the end of a batch that moved bumps again");
+        }
+        // A recorded tensor (now bound outside the allocator's memory, so it keeps that
+        // place) forgets its record on a plain binding elsewhere too.
+        let later = graph.nodes().last().unwrap().clone();
+        m.set_overwritten_by(&later);
+        assert_eq!(overwriter(&m), Some(later.id()));
+        m.bind(&buffer, 256).unwrap();
+        assert_eq!(overwriter(&m), None);
     }
 }

@@ -52,7 +52,7 @@ use crate::device::DeviceType;
 use crate::error::{Error, Result, Status};
 use crate::event::Event;
 use crate::graph::{Graph, Position};
-use crate::tensor::Tensor;
+use crate::tensor::{BindBatch, Tensor};
 
 pub use exec::EvalCallback;
 pub use profile::{NodeTime, OpTotal, Profile};
@@ -788,13 +788,18 @@ impl Scheduler {
             self.galloc.alloc_graph_unrecorded(graph)?;
         }
         let own = self.own_buffer_ids();
-        for (original, shadow) in &internal.bindings {
-            let external = original
-                .storage()
-                .is_ok_and(|s| !own.contains(&s.buffer.id()));
-            if !external {
-                let storage = shadow.storage()?;
-                original.bind(&storage.buffer, storage.offset)?;
+        {
+            // One change of the layout for all of them (see `BindBatch`), over before the
+            // records below read the layout epoch.
+            let batch = BindBatch::new();
+            for (original, shadow) in &internal.bindings {
+                let external = original
+                    .storage()
+                    .is_ok_and(|s| !own.contains(&s.buffer.id()));
+                if !external {
+                    let storage = shadow.storage()?;
+                    original.bind_in(&storage.buffer, storage.offset, &batch)?;
+                }
             }
         }
         // The caller's tensors now share the shadows' memory: record which ones later nodes
