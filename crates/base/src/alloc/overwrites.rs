@@ -264,7 +264,10 @@ mod tests {
             assert_eq!(overwriter(&m), None, "a moved tensor has no record");
             let mid = layout_epoch();
             drop(batch);
-            assert!(layout_epoch() > mid, "the end of a batch that moved bumps again");
+            assert!(
+                layout_epoch() > mid,
+                "the end of a batch that moved bumps again"
+            );
         }
         // A recorded tensor (now bound outside the allocator's memory, so it keeps that
         // place) forgets its record on a plain binding elsewhere too.
