@@ -136,10 +136,10 @@ fn products_in_one_graph(weights: &[&Tensor], n: usize, threads: usize) -> Resul
 }
 
 /// Asserts that the products of `weights` computed in one graph (adjacent ones sharing an input
-/// may run as one job) have, at 1, 2 and 3 threads and 1 and 2 columns, the bits of each
+/// may run as one job) have, at 1, 2 and 3 threads and 1, 2 and 5 columns, the bits of each
 /// `alone[i]` (the same matrix, maybe stored otherwise) computed by itself.
 fn assert_each_keeps_its_bits(weights: &[&Tensor], alone: &[&Tensor], what: &str) -> Result<()> {
-    for n in [1usize, 2] {
+    for n in [1usize, 2, 5] {
         let expect = alone
             .iter()
             .map(|w| Ok(products_in_one_graph(&[w], n, 1)?.remove(0)))
@@ -235,7 +235,7 @@ fn products_lookups_and_views_equal_the_plain_layout_bit_for_bit() -> Result<()>
         let (_rc, packed) = weight(RepackBufferType::shared(), rows, k, &data)?;
         type Build = Box<dyn Fn(&Context, &Tensor) -> Result<Tensor>>;
         let mut cases: Vec<(String, Build)> = Vec::new();
-        for n in [1usize, 2, 3, 17, 32, 45] {
+        for n in [1usize, 2, 3, 4, 6, 8, 9, 17, 32, 45] {
             cases.push((
                 format!("mul_mat n={n}"),
                 Box::new(move |c: &Context, w: &Tensor| ops::mul_mat(c, w, &input(c, k, n)?)),

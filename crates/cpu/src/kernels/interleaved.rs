@@ -16,8 +16,9 @@
 //!
 //! # The product
 //!
-//! [`dot_group`] computes the 8 rows' products with one q8_1 activation row, and its result
-//! for each row is **bit for bit** the single-row product of [`super::dot_legacy`] (same
+//! [`dot_group_cols`] computes the 8 rows' products with one or more q8_1 activation rows
+//! (each group's nibbles split once for all of them), and its result for each row and
+//! column is **bit for bit** the single-row product of [`super::dot_legacy`] (same
 //! lanes, same fused multiply-adds, same reduction). The AVX2 version loads 32 nibble bytes
 //! (rows `p` and `p + 4`) at once, splits low and high nibbles, multiplies them against the
 //! activation's first and second 16 values broadcast to both halves (`maddubs`: `|pair| ≤
@@ -268,23 +269,29 @@ pub unsafe fn gather_blocks(
 }
 
 /// The products of the 8 rows of one group (`group`: its `8 · row_bytes` stored bytes) with
-/// the q8_1 row `y`, over `nb` blocks; result `r` is bit for bit
-/// [`dot_legacy`]'s q4_1 · q8_1 product of row `r`.
+/// each of the `C` q8_1 rows `ys`, over `nb` blocks: result `[c][r]` is bit for bit
+/// [`dot_legacy`]'s q4_1 · q8_1 product of row `r` with `ys[c]`. Each superblock's nibbles
+/// are split once for all the columns; each column runs the same operations in the same
+/// order whatever `C` is.
 ///
 /// # Panics
-/// If `group` or `y` is shorter than `nb` blocks need.
-pub fn dot_group(group: &[u8], y: &[u8], nb: usize) -> [f32; GROUP] {
-    assert!(group.len() >= nb * SUPERBLOCK && y.len() >= nb * Q8_1_BYTES);
+/// If `group` or a row of `ys` is shorter than `nb` blocks need.
+pub fn dot_group_cols<const C: usize>(
+    group: &[u8],
+    ys: [&[u8]; C],
+    nb: usize,
+) -> [[f32; GROUP]; C] {
+    assert!(group.len() >= nb * SUPERBLOCK && ys.iter().all(|y| y.len() >= nb * Q8_1_BYTES));
     #[cfg(target_arch = "x86_64")]
     if x86::available() {
         // SAFETY: the CPU has AVX2, FMA and F16C; the lengths were checked above.
-        return unsafe { x86::dot_group(group.as_ptr(), y.as_ptr(), nb) };
+        return unsafe { x86::dot_group_cols(group.as_ptr(), ys.map(<[u8]>::as_ptr), nb) };
     }
-    dot_group_portable(group, y, nb)
+    ys.map(|y| dot_group_portable(group, y, nb))
 }
 
-/// [`dot_group`] by the definition: each row's block rebuilt and fed to the single-row
-/// product's step.
+/// One column of [`dot_group_cols`] by the definition: each row's block rebuilt and fed to
+/// the single-row product's step.
 pub fn dot_group_portable(group: &[u8], y: &[u8], nb: usize) -> [f32; GROUP] {
     std::array::from_fn(|r| {
         let mut row = vec![0u8; nb * Q4_1_BYTES];
@@ -304,7 +311,7 @@ mod x86 {
     use super::{GROUP, LANES, SUPERBLOCK};
     use crate::quant::legacy::Q8_1_BYTES;
 
-    /// Whether this CPU runs [`dot_group`] (AVX2, FMA and F16C).
+    /// Whether this CPU runs [`dot_group_cols`] (AVX2, FMA and F16C).
     pub fn available() -> bool {
         super::super::dot_legacy::dot_fn(
             crate::dtype::DType::Q4_1,
@@ -313,57 +320,10 @@ mod x86 {
         .is_some()
     }
 
-    /// See [`super::dot_group`].
-    ///
-    /// # Safety
-    /// The CPU must have AVX2, FMA and F16C; `group` must be valid for `nb` superblocks and
-    /// `y` for `nb` q8_1 blocks.
+    /// The single-row reduction of one column's accumulators, for all 8 rows at once.
+    #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_group(group: *const u8, y: *const u8, nb: usize) -> [f32; GROUP] {
-        let low = _mm256_set1_epi8(0x0F);
-        let ones = _mm256_set1_epi16(1);
-        let mut acc = [_mm256_setzero_ps(); LANES];
-        for i in 0..nb {
-            // SAFETY: superblock i and activation block i lie inside the ranges the caller
-            // guarantees; every load is unaligned and inside its block.
-            unsafe {
-                let sb = group.add(i * SUPERBLOCK);
-                let yb = y.add(i * Q8_1_BYTES);
-                // The next superblocks (past the group: the next group's).
-                super::super::simd::prefetch_ahead(sb, SUPERBLOCK);
-                let ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128(yb.add(4).cast()));
-                let yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(yb.add(20).cast()));
-                // Rows p and p + 4: 8 i32 partial sums, the first four row p's. (A macro, not
-                // a closure: a closure would not inherit this function's target features.)
-                macro_rules! pair {
-                    ($p:expr) => {{
-                        let v = _mm256_loadu_si256(sb.add(32 + 32 * $p).cast());
-                        let lo = _mm256_and_si256(v, low);
-                        let hi = _mm256_and_si256(_mm256_srli_epi16::<4>(v), low);
-                        let s = _mm256_add_epi16(
-                            _mm256_maddubs_epi16(lo, ylo),
-                            _mm256_maddubs_epi16(hi, yhi),
-                        );
-                        _mm256_madd_epi16(s, ones)
-                    }};
-                }
-                let q01 = _mm256_hadd_epi32(pair!(0), pair!(1));
-                let q23 = _mm256_hadd_epi32(pair!(2), pair!(3));
-                // Lane r: row r's exact block sum (rows 0..4 from the low halves, 4..8 from
-                // the high halves).
-                let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(q01, q23));
-                let d = _mm256_cvtph_ps(_mm_loadu_si128(sb.cast()));
-                let m = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16).cast()));
-                let yd = _mm_set1_epi16(yb.cast::<i16>().read_unaligned());
-                let ys = _mm_set1_epi16(yb.add(2).cast::<i16>().read_unaligned());
-                let dy = _mm256_cvtph_ps(yd);
-                let sy = _mm256_cvtph_ps(ys);
-                let lane = &mut acc[i % LANES];
-                *lane = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dy), *lane);
-                *lane = _mm256_fmadd_ps(m, sy, *lane);
-            }
-        }
-        // The single-row reduction, for all 8 rows at once.
+    fn reduce(acc: &[__m256; LANES]) -> [f32; GROUP] {
         let h: [__m256; 4] = std::array::from_fn(|i| _mm256_add_ps(acc[i], acc[i + 4]));
         let r = _mm256_add_ps(_mm256_add_ps(h[0], h[2]), _mm256_add_ps(h[1], h[3]));
         let nan = _mm256_cmp_ps::<_CMP_UNORD_Q>(r, r);
@@ -372,6 +332,75 @@ mod x86 {
         // SAFETY: `out` holds 8 f32.
         unsafe { _mm256_storeu_ps(out.as_mut_ptr(), r) };
         out
+    }
+
+    /// See [`super::dot_group_cols`]: per superblock, four 32-byte loads split into
+    /// nibbles (rows p and p + 4 of the group side by side), then per column the exact block
+    /// sums of all 8 rows (`maddubs` against the broadcast activations, pairs and rows
+    /// folded by `madd` and `hadd`) and the single-row product's two f32 steps into
+    /// accumulator `i % LANES`, reduced as the single-row product reduces.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C; `group` must be valid for `nb` superblocks and
+    /// every row of `ys` for `nb` q8_1 blocks.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_group_cols<const C: usize>(
+        group: *const u8,
+        ys: [*const u8; C],
+        nb: usize,
+    ) -> [[f32; GROUP]; C] {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let mut acc = [[_mm256_setzero_ps(); LANES]; C];
+        for i in 0..nb {
+            // SAFETY: superblock i and activation block i of every column lie inside the
+            // ranges the caller guarantees; every load is unaligned and inside its block.
+            unsafe {
+                let sb = group.add(i * SUPERBLOCK);
+                super::super::simd::prefetch_ahead(sb, SUPERBLOCK);
+                // Rows p and p + 4's nibbles, split once.
+                macro_rules! split {
+                    ($p:expr) => {{
+                        let v = _mm256_loadu_si256(sb.add(32 + 32 * $p).cast());
+                        (
+                            _mm256_and_si256(v, low),
+                            _mm256_and_si256(_mm256_srli_epi16::<4>(v), low),
+                        )
+                    }};
+                }
+                let nibbles = [split!(0), split!(1), split!(2), split!(3)];
+                let d = _mm256_cvtph_ps(_mm_loadu_si128(sb.cast()));
+                let m = _mm256_cvtph_ps(_mm_loadu_si128(sb.add(16).cast()));
+                for (c, y) in ys.iter().enumerate() {
+                    let yb = y.add(i * Q8_1_BYTES);
+                    let ylo = _mm256_broadcastsi128_si256(_mm_loadu_si128(yb.add(4).cast()));
+                    let yhi = _mm256_broadcastsi128_si256(_mm_loadu_si128(yb.add(20).cast()));
+                    // (A macro, not a closure: a closure would not inherit this function's
+                    // target features.)
+                    macro_rules! pair {
+                        ($p:expr) => {{
+                            let (lo, hi) = nibbles[$p];
+                            let s = _mm256_add_epi16(
+                                _mm256_maddubs_epi16(lo, ylo),
+                                _mm256_maddubs_epi16(hi, yhi),
+                            );
+                            _mm256_madd_epi16(s, ones)
+                        }};
+                    }
+                    let q01 = _mm256_hadd_epi32(pair!(0), pair!(1));
+                    let q23 = _mm256_hadd_epi32(pair!(2), pair!(3));
+                    let sums = _mm256_cvtepi32_ps(_mm256_hadd_epi32(q01, q23));
+                    let yd = _mm_set1_epi16(yb.cast::<i16>().read_unaligned());
+                    let ysum = _mm_set1_epi16(yb.add(2).cast::<i16>().read_unaligned());
+                    let dy = _mm256_cvtph_ps(yd);
+                    let sy = _mm256_cvtph_ps(ysum);
+                    let lane = &mut acc[c][i % LANES];
+                    *lane = _mm256_fmadd_ps(sums, _mm256_mul_ps(d, dy), *lane);
+                    *lane = _mm256_fmadd_ps(m, sy, *lane);
+                }
+            }
+        }
+        acc.map(|a| reduce(&a))
     }
 }
 
@@ -481,13 +510,38 @@ mod tests {
                 let plain = weights(&mut rng, 8, nb);
                 let stored = pack(&layout, &plain);
                 let y = activations(&mut rng, nb);
-                let got = dot_group(&stored, &y, nb);
+                let [got] = dot_group_cols(&stored, [&y[..]], nb);
                 let portable = dot_group_portable(&stored, &y, nb);
                 for r in 0..8 {
                     let row = &plain[r * layout.row_bytes..(r + 1) * layout.row_bytes];
                     let single = dot_legacy::dot_q4_1_q8_1_portable(row, &y);
                     assert_eq!(got[r].to_bits(), single.to_bits(), "nb {nb} row {r}");
                     assert_eq!(portable[r].to_bits(), single.to_bits());
+                }
+            }
+        }
+    }
+
+    /// Several columns at once give each column's single-column bits, portable or SIMD.
+    #[test]
+    fn column_groups_equal_single_column_products_bit_for_bit() {
+        let mut rng = Rng(12);
+        for nb in [1, 3, 8, 9, 18] {
+            let layout = Layout::new(DType::Q4_1, nb * QK, 8).unwrap();
+            for _ in 0..10 {
+                let stored = pack(&layout, &weights(&mut rng, 8, nb));
+                let ys: [Vec<u8>; 4] = std::array::from_fn(|_| activations(&mut rng, nb));
+                let two = dot_group_cols(&stored, [&ys[0][..], &ys[1][..]], nb);
+                let four = dot_group_cols(&stored, ys.each_ref().map(|y| &y[..]), nb);
+                for (c, y) in ys.iter().enumerate() {
+                    let [single] = dot_group_cols(&stored, [&y[..]], nb);
+                    let portable = dot_group_portable(&stored, y, nb);
+                    let bits = |v: [f32; GROUP]| v.map(f32::to_bits);
+                    assert_eq!(bits(four[c]), bits(single), "nb {nb} column {c}");
+                    assert_eq!(bits(four[c]), bits(portable), "nb {nb} column {c}");
+                    if c < 2 {
+                        assert_eq!(bits(two[c]), bits(single));
+                    }
                 }
             }
         }

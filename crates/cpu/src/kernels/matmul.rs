@@ -1126,7 +1126,7 @@ fn mat_vecs_interleaved(
     b: RawTensor,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    use super::interleaved::{dot_group, GROUP};
+    use super::interleaved::GROUP;
     let (k, n) = (b.ne[0], b.ne[1]);
     let prepared = prepare(DType::Q4_1, b, scratch, false)?;
     let nb = k / QK;
@@ -1160,33 +1160,66 @@ fn mat_vecs_interleaved(
                         .write_unaligned(v)
                 }
             };
-            for j in 0..n {
-                let y = prepared.q8_row((j, 0, 0));
-                let mut r = rows.start;
-                while r < rows.end {
-                    if r + GROUP <= grouped {
-                        // SAFETY: group r / 8 holds 8 rows of `row_bytes` inside `a`
-                        // (read-only).
-                        let group = unsafe {
-                            std::slice::from_raw_parts(a.at(r * row_bytes), GROUP * row_bytes)
-                        };
-                        for (dr, v) in dot_group(group, y, nb).into_iter().enumerate() {
-                            write(j, r + dr, v);
-                        }
-                        r += GROUP;
-                    } else {
-                        // SAFETY: rows past the groups are stored plainly inside `a`.
-                        let row =
-                            unsafe { std::slice::from_raw_parts(a.at(r * row_bytes), row_bytes) };
-                        write(j, r, single(row, y));
-                        r += 1;
-                    }
+            // Columns four, then two, at a time while they last (each group's nibbles split
+            // once for all of them; the same bits as one column at a time), then one.
+            let mut j = 0;
+            while j < n {
+                let take = match n - j {
+                    1 => 1,
+                    2 | 3 => 2,
+                    _ => 4,
+                };
+                let rows = rows.clone();
+                let out = |c: usize, i: usize, v: f32| write(j + c, i, v);
+                let y = |c: usize| prepared.q8_row((j + c, 0, 0));
+                match take {
+                    1 => interleaved_columns::<1>(&a, rows, grouped, row_bytes, nb, y, single, out),
+                    2 => interleaved_columns::<2>(&a, rows, grouped, row_bytes, nb, y, single, out),
+                    _ => interleaved_columns::<4>(&a, rows, grouped, row_bytes, nb, y, single, out),
                 }
+                j += take;
             }
             t = end;
         }
         Ok(())
     })
+}
+
+/// One task's rows `rows` of an interleaved q4_1 product for `C` columns (activation rows
+/// `y(0..C)`, `nb` blocks each): whole groups (below `grouped`) by the group kernel for all
+/// columns at once, the plainly stored rows after them by `single`; `out(c, i, v)` writes
+/// column `c`'s row `i`.
+#[allow(clippy::too_many_arguments)]
+fn interleaved_columns<'y, const C: usize>(
+    a: &RawTensor,
+    rows: Range<usize>,
+    grouped: usize,
+    row_bytes: usize,
+    nb: usize,
+    y: impl Fn(usize) -> &'y [u8],
+    single: block_dot::DotFn,
+    out: impl Fn(usize, usize, f32),
+) {
+    use super::interleaved::{dot_group_cols, GROUP};
+    let ys: [&[u8]; C] = std::array::from_fn(y);
+    let mut r = rows.start;
+    while r + GROUP <= grouped.min(rows.end) {
+        // SAFETY: group r / 8 holds 8 rows of `row_bytes` inside `a` (read-only).
+        let group = unsafe { std::slice::from_raw_parts(a.at(r * row_bytes), GROUP * row_bytes) };
+        for (c, values) in dot_group_cols(group, ys, nb).into_iter().enumerate() {
+            for (dr, v) in values.into_iter().enumerate() {
+                out(c, r + dr, v);
+            }
+        }
+        r += GROUP;
+    }
+    for i in r..rows.end {
+        // SAFETY: rows past the groups are stored plainly inside `a` (read-only).
+        let row = unsafe { std::slice::from_raw_parts(a.at(i * row_bytes), row_bytes) };
+        for (c, y) in ys.iter().enumerate() {
+            out(c, i, single(row, y));
+        }
+    }
 }
 
 /// Row `i` of the interleaved q4_1 matrix `a` (laid out by `layout`) as f32 in `out`.
