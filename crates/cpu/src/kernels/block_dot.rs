@@ -16,6 +16,19 @@ use crate::quant::QK_K;
 /// partner type with the same number of values.
 pub type DotFn = fn(&[u8], &[u8]) -> f32;
 
+/// A product of one weight row with `C` activation rows at once: column `c` has the bits of
+/// the single-row product ([`DotFn`]) with `ys[c]`.
+pub type DotColsFn<const C: usize> = fn(&[u8], [&[u8]; C]) -> [f32; C];
+
+/// The fastest product of `dtype` rows with `C` partner rows at once on this CPU, for the
+/// types that have one (where the weights' decoding is worth sharing between columns).
+pub fn dot_cols_fn<const C: usize>(dtype: DType) -> Option<DotColsFn<C>> {
+    if Isa::best() != Isa::Avx512 {
+        return None;
+    }
+    dot_k::dot_cols_fn::<C>(dtype)
+}
+
 /// The kernel families of the block dot products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {

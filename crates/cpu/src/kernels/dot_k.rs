@@ -80,9 +80,42 @@ fn avx512(dtype: DType) -> Option<DotFn> {
     None
 }
 
+/// The family's 512-bit products of one weight row with `C` activation rows at once (each
+/// super-block decoded once for all of them; column `c` has the bits of the single-row
+/// product with `ys[c]`): q4_K, q5_K and q6_K, on CPUs with AVX-512F/BW.
+pub fn dot_cols_fn<const C: usize>(dtype: DType) -> Option<block_dot::DotColsFn<C>> {
+    #[cfg(target_arch = "x86_64")]
+    if crate::isa::get().avx512_bw() && super::block_x86::supported() {
+        return match dtype {
+            DType::Q4_K => Some(avx512_entry::q4_k_cols::<C>),
+            DType::Q5_K => Some(avx512_entry::q5_k_cols::<C>),
+            DType::Q6_K => Some(avx512_entry::q6_k_cols::<C>),
+            _ => None,
+        };
+    }
+    let _ = dtype;
+    None
+}
+
 /// Safe entry points to the 512-bit kernels, handed out only by `avx512` after its check.
 #[cfg(target_arch = "x86_64")]
 mod avx512_entry {
+    pub(super) fn q4_k_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+        // SAFETY: only `dot_cols_fn` hands this out, once AVX-512F/BW, AVX2, FMA and F16C
+        // are confirmed: all the kernel requires.
+        unsafe { super::x86::q4_k_avx512_cols(x, ys) }
+    }
+
+    pub(super) fn q5_k_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+        // SAFETY: as for `q4_k_cols`.
+        unsafe { super::x86::q5_k_avx512_cols(x, ys) }
+    }
+
+    pub(super) fn q6_k_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+        // SAFETY: as for `q4_k_cols`.
+        unsafe { super::x86::q6_k_avx512_cols(x, ys) }
+    }
+
     pub(super) fn q4_k(x: &[u8], y: &[u8]) -> f32 {
         // SAFETY: only `avx512` hands this out, once AVX-512F/BW, AVX2, FMA and F16C are
         // confirmed: all the kernel requires.

@@ -57,6 +57,49 @@ fn every_isa_matches_portable_bits() {
     }
 }
 
+/// The several-column products give every column the portable single-row bits (random
+/// rows, every activation kind, columns of different kinds side by side), including NaN and
+/// infinite results from non-finite scales.
+#[test]
+fn column_products_match_single_row_bits() {
+    let mut rng = Rng(0x5EED_C015);
+    for (dtype, size, scale) in TYPES {
+        let portable = dot_fn(dtype, Isa::Portable).unwrap();
+        let (Some(two), Some(four)) = (dot_cols_fn::<2>(dtype), dot_cols_fn::<4>(dtype)) else {
+            continue;
+        };
+        for nb in COUNTS {
+            for round in 0..6 {
+                let mut w = random_weights(&mut rng, size, scale, nb);
+                if round == 5 {
+                    // a non-finite scale in the last super-block
+                    w[(nb - 1) * size..][..2].copy_from_slice(&0x7C00u16.to_le_bytes());
+                }
+                let ys: [Vec<u8>; 4] = std::array::from_fn(|c| {
+                    q8_k_row(&mut rng, Q8_K_KINDS[c % Q8_K_KINDS.len()], nb)
+                });
+                let want: Vec<u32> = ys.iter().map(|y| portable(&w, y).to_bits()).collect();
+                let got4 = four(&w, ys.each_ref().map(|y| &y[..]));
+                let got2 = two(&w, [&ys[0][..], &ys[1][..]]);
+                for c in 0..4 {
+                    assert_eq!(
+                        got4[c].to_bits(),
+                        want[c],
+                        "{dtype} nb {nb} column {c} of 4"
+                    );
+                }
+                for c in 0..2 {
+                    assert_eq!(
+                        got2[c].to_bits(),
+                        want[c],
+                        "{dtype} nb {nb} column {c} of 2"
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// Extreme weight bytes (all bits set / clear, with the largest f16 scales) against
 /// extreme activations, and unaligned rows.
 #[test]

@@ -361,7 +361,8 @@ pub(super) unsafe fn q6_k(x: &[u8], y: &[u8]) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q4_k_avx512(x: &[u8], y: &[u8]) -> f32 {
     // SAFETY: forwarded from the caller.
-    unsafe { k4_avx512::<Q4_K_BYTES, false>(x, y) }
+    let [out] = unsafe { k4_avx512::<Q4_K_BYTES, false, 1>(x, [y]) };
+    out
 }
 
 /// q5_K · q8_K with 512-bit vectors ([`super::dot_q5_k`], [`k4_avx512`]).
@@ -371,23 +372,55 @@ pub(super) unsafe fn q4_k_avx512(x: &[u8], y: &[u8]) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q5_k_avx512(x: &[u8], y: &[u8]) -> f32 {
     // SAFETY: forwarded from the caller.
-    unsafe { k4_avx512::<Q5_K_BYTES, true>(x, y) }
+    let [out] = unsafe { k4_avx512::<Q5_K_BYTES, true, 1>(x, [y]) };
+    out
 }
 
-/// q4_K (`N` = 144) or q5_K (`N` = 176, `FIVE`) · q8_K with 512-bit vectors: each 64-byte
-/// load of nibbles (two runs of 64 values) is split into low and high nibbles (q5_K: plus
-/// their fifth bits, tested out of the broadcast `qh` bytes into a mask) and regrouped by
-/// 128-bit lanes so that each vector holds 64 consecutive values; group scales are
-/// replicated by one `vpermw` each, the minimum term is the AVX2 kernels'. The same exact
-/// integer sums and the same f32 steps as the AVX2 kernels.
+/// [`q4_k_avx512`] for `C` activation rows at once (each super-block decoded once).
+///
+/// # Safety
+/// As [`q4_k_avx512`].
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(super) unsafe fn q4_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+    // SAFETY: forwarded from the caller.
+    unsafe { k4_avx512::<Q4_K_BYTES, false, C>(x, ys) }
+}
+
+/// [`q5_k_avx512`] for `C` activation rows at once (each super-block decoded once).
+///
+/// # Safety
+/// As [`q5_k_avx512`].
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(super) unsafe fn q5_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+    // SAFETY: forwarded from the caller.
+    unsafe { k4_avx512::<Q5_K_BYTES, true, C>(x, ys) }
+}
+
+/// Super-blocks of a weight row `x` that every activation row of `ys` covers too (the
+/// single-row products zip the two rows).
+#[inline(always)]
+fn common_blocks<const N: usize, const C: usize>(x: &[u8], ys: &[&[u8]; C]) -> usize {
+    ys.iter()
+        .fold(x.len() / N, |n, y| n.min(y.len() / Q8_K_BYTES))
+}
+
+/// q4_K (`N` = 144) or q5_K (`N` = 176, `FIVE`) · q8_K with 512-bit vectors, for `C`
+/// activation rows: each 64-byte load of nibbles (two runs of 64 values) is split into low
+/// and high nibbles (q5_K: plus their fifth bits, tested out of the broadcast `qh` bytes into
+/// a mask) and regrouped by 128-bit lanes so that each vector holds 64 consecutive values;
+/// group scales are replicated by one `vpermw` each, the minimum term is the AVX2 kernels'.
+/// The decoded values and scales serve every column; each column then takes the same exact
+/// integer sums and the same f32 steps as the AVX2 kernels, whatever `C` is.
 ///
 /// # Safety
 /// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
 #[inline]
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
-unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32 {
-    let (xb, _) = x.as_chunks::<N>();
-    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+unsafe fn k4_avx512<const N: usize, const FIVE: bool, const C: usize>(
+    x: &[u8],
+    ys: [&[u8]; C],
+) -> [f32; C] {
+    let nb = common_blocks::<N, C>(x, &ys);
     let qs_at = if FIVE { 48 } else { 16 };
     let low = _mm512_set1_epi8(0x0F);
     // q5_K: run `r` (32 values) takes bit `r` of each `qh` byte; the low nibbles of load `c`
@@ -406,12 +439,12 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
         // SAFETY: 32 i16 are 64 bytes.
         unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
     });
-    let mut acc = 0f32;
-    for (bx, by) in xb.iter().zip(yb) {
+    let mut acc = [0f32; C];
+    for b in 0..nb {
+        // SAFETY: super-block `b` lies inside `x` (b < nb).
+        let bx: &[u8; N] = unsafe { &*x.as_ptr().add(b * N).cast() };
         prefetch_ahead(bx);
         let (scales, mdup) = k4_scales(bx);
-        // m_g · (bsum_2g + bsum_2g+1), widened to i32 by the multiply-add.
-        let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
         let sc = _mm512_castsi256_si512(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(scales)));
         // q5_K's `qh` bytes 16..48, in both 256-bit halves
         let qh = if FIVE {
@@ -419,10 +452,11 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
         } else {
             None
         };
-        let mut sumi = _mm512_setzero_si512();
+        // The four runs of 64 values and their group scales.
+        let mut w = [_mm512_setzero_si512(); 4];
+        let mut g = [_mm512_setzero_si512(); 4];
         for (c, [lo_bits, hi_bits]) in fifth.iter().enumerate() {
-            // SAFETY: nibbles `qs_at + 64 c .. + 64` of the super-block; the q8_K quants
-            // 4 + 128 c .. + 128 of the 292-byte one.
+            // SAFETY: nibbles `qs_at + 64 c .. + 64` of the super-block.
             unsafe {
                 let q = _mm512_loadu_si512(bx.as_ptr().add(qs_at + 64 * c).cast());
                 let mut lo = _mm512_and_si512(q, low);
@@ -432,43 +466,61 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
                     hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, *hi_bits), hi, sixteen);
                 }
                 // runs 2c and 2c + 1 of 64 values: [low | high nibbles] of each 32-byte chunk
-                let w = [
-                    _mm512_shuffle_i64x2::<0x44>(lo, hi),
-                    _mm512_shuffle_i64x2::<0xEE>(lo, hi),
-                ];
-                for (t, wt) in w.iter().enumerate() {
-                    let s = 2 * c + t;
-                    let yv = _mm512_loadu_si512(by.as_ptr().add(4 + 64 * s).cast());
-                    let p = _mm512_maddubs_epi16(*wt, yv);
-                    let g = _mm512_permutexvar_epi16(groups[s], sc);
-                    sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, g));
-                }
+                w[2 * c] = _mm512_shuffle_i64x2::<0x44>(lo, hi);
+                w[2 * c + 1] = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
+            }
+            for t in 0..2 {
+                g[2 * c + t] = _mm512_permutexvar_epi16(groups[2 * c + t], sc);
             }
         }
-        let sum = _mm256_add_epi32(
-            _mm512_castsi512_si256(sumi),
-            _mm512_extracti64x4_epi64::<1>(sumi),
-        );
-        let (isum, msum) = hsum2(sum, mins);
         let (d, dmin) = f16_pair(u32_at(bx, 0));
-        acc = step_min(acc, d, dmin, q8_d(by), isum, msum);
+        for (col, y) in ys.iter().enumerate() {
+            // SAFETY: super-block `b` of the activation row lies inside it (b < nb).
+            let by: &[u8; Q8_K_BYTES] = unsafe { &*y.as_ptr().add(b * Q8_K_BYTES).cast() };
+            // m_g · (bsum_2g + bsum_2g+1), widened to i32 by the multiply-add.
+            let mins = _mm256_madd_epi16(ld256(by, 260), mdup);
+            let mut sumi = _mm512_setzero_si512();
+            for s in 0..4 {
+                // SAFETY: the q8_K quants 4 + 64 s .. + 64 of the 292-byte super-block.
+                let yv = unsafe { _mm512_loadu_si512(by.as_ptr().add(4 + 64 * s).cast()) };
+                let p = _mm512_maddubs_epi16(w[s], yv);
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, g[s]));
+            }
+            let sum = _mm256_add_epi32(
+                _mm512_castsi512_si256(sumi),
+                _mm512_extracti64x4_epi64::<1>(sumi),
+            );
+            let (isum, msum) = hsum2(sum, mins);
+            acc[col] = step_min(acc[col], d, dmin, q8_d(by), isum, msum);
+        }
     }
     acc
 }
 
-/// q6_K · q8_K with 512-bit vectors ([`super::dot_q6_k`]): each half super-block (128
-/// values) is two vectors of 64 six-bit values — the low nibbles of its 64 `ql` bytes with
-/// the `qh` bits shifted in by a per-256-bit-lane variable shift, and the high nibbles
-/// likewise — whose `(q − 32)·y` pair sums (`vpmaddubsw` of `q` and of 32, subtracted; no
-/// saturation) meet the group scales replicated by one `vpermw` each. The same exact integer
-/// sum and the same f32 step as the AVX2 kernel.
+/// q6_K · q8_K with 512-bit vectors ([`super::dot_q6_k`], [`q6_k_avx512_cols`]).
 ///
 /// # Safety
 /// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
-    let (xb, _) = x.as_chunks::<Q6_K_BYTES>();
-    let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
+    // SAFETY: forwarded from the caller.
+    let [out] = unsafe { q6_k_avx512_cols::<1>(x, [y]) };
+    out
+}
+
+/// q6_K · q8_K with 512-bit vectors for `C` activation rows: each half super-block (128
+/// values) is two vectors of 64 six-bit values — the low nibbles of its 64 `ql` bytes with
+/// the `qh` bits shifted in by a per-256-bit-lane variable shift, and the high nibbles
+/// likewise — whose `(q − 32)·y` pair sums (`vpmaddubsw` of `q` and of 32, subtracted; no
+/// saturation) meet the group scales replicated by one `vpermw` each. The decoded values and
+/// scales serve every column; each column takes the same exact integer sum and the same f32
+/// step as the AVX2 kernel, whatever `C` is.
+///
+/// # Safety
+/// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+pub(super) unsafe fn q6_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+    let nb = common_blocks::<Q6_K_BYTES, C>(x, &ys);
     let low = _mm512_set1_epi8(0x0F);
     let top = _mm512_set1_epi8(0x30);
     let m32 = _mm512_set1_epi8(32);
@@ -482,15 +534,18 @@ pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
         // SAFETY: 32 i16 are 64 bytes.
         unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
     });
-    let mut acc = 0f32;
-    for (bx, by) in xb.iter().zip(yb) {
+    let mut acc = [0f32; C];
+    for b in 0..nb {
+        // SAFETY: super-block `b` lies inside `x` (b < nb).
+        let bx: &[u8; Q6_K_BYTES] = unsafe { &*x.as_ptr().add(b * Q6_K_BYTES).cast() };
         prefetch_ahead(bx);
-        // SAFETY: every load lies inside the super-blocks (210 and 292 bytes): `ql` 0..128,
-        // `qh` 128..192, the scales 192..208; the q8_K quants 4..260.
+        let mut q = [_mm512_setzero_si512(); 4];
+        let mut g = [_mm512_setzero_si512(); 4];
+        // SAFETY: every load lies inside the 210-byte super-block: `ql` 0..128, `qh`
+        // 128..192, the scales 192..208.
         unsafe {
             let sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128(bx, 192)));
             let qh = _mm512_loadu_si512(bx.as_ptr().add(128).cast());
-            let mut sumi = _mm512_setzero_si512();
             for h in 0..2 {
                 let ql = _mm512_loadu_si512(bx.as_ptr().add(64 * h).cast());
                 let hbits = if h == 0 {
@@ -499,32 +554,38 @@ pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
                     _mm512_extracti64x4_epi64::<1>(qh)
                 };
                 let hb = _mm512_broadcast_i64x4(hbits);
-                let q = [
-                    _mm512_or_si512(
-                        _mm512_and_si512(ql, low),
-                        _mm512_and_si512(_mm512_sllv_epi16(hb, shl), top),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low),
-                        _mm512_and_si512(_mm512_srlv_epi16(hb, shr), top),
-                    ),
-                ];
-                for (t, qt) in q.iter().enumerate() {
-                    let yv = _mm512_loadu_si512(by.as_ptr().add(4 + 128 * h + 64 * t).cast());
-                    let p = _mm512_sub_epi16(
-                        _mm512_maddubs_epi16(*qt, yv),
-                        _mm512_maddubs_epi16(m32, yv),
-                    );
-                    let s = _mm512_permutexvar_epi16(groups[2 * h + t], sc);
-                    sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s));
+                q[2 * h] = _mm512_or_si512(
+                    _mm512_and_si512(ql, low),
+                    _mm512_and_si512(_mm512_sllv_epi16(hb, shl), top),
+                );
+                q[2 * h + 1] = _mm512_or_si512(
+                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low),
+                    _mm512_and_si512(_mm512_srlv_epi16(hb, shr), top),
+                );
+                for t in 0..2 {
+                    g[2 * h + t] = _mm512_permutexvar_epi16(groups[2 * h + t], sc);
                 }
+            }
+        }
+        let d = f16_to_f32(u16::from_le_bytes([bx[208], bx[209]]));
+        for (col, y) in ys.iter().enumerate() {
+            // SAFETY: super-block `b` of the activation row lies inside it (b < nb).
+            let by: &[u8; Q8_K_BYTES] = unsafe { &*y.as_ptr().add(b * Q8_K_BYTES).cast() };
+            let mut sumi = _mm512_setzero_si512();
+            for s in 0..4 {
+                // SAFETY: the q8_K quants 4 + 64 s .. + 64 of the 292-byte super-block.
+                let yv = unsafe { _mm512_loadu_si512(by.as_ptr().add(4 + 64 * s).cast()) };
+                let p = _mm512_sub_epi16(
+                    _mm512_maddubs_epi16(q[s], yv),
+                    _mm512_maddubs_epi16(m32, yv),
+                );
+                sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, g[s]));
             }
             let sum = _mm256_add_epi32(
                 _mm512_castsi512_si256(sumi),
                 _mm512_extracti64x4_epi64::<1>(sumi),
             );
-            let d = f16_to_f32(u16::from_le_bytes([bx[208], bx[209]]));
-            acc = step(acc, d, q8_d(by), hsum(sum));
+            acc[col] = step(acc[col], d, q8_d(by), hsum(sum));
         }
     }
     acc
