@@ -9,6 +9,9 @@ release module into ./.venv). For each weight type:
   threads; the larger, or the f32 mat-vec's own rate when it reads faster, is "bandwidth").
   Three copies of each weight are used in turn so the 32 MiB L3 never holds the next call's
   weights.
+* **few columns** (``--columns 1,2,4,8``): the same weight times each of those column counts
+  (several decoding sequences, short prompts), each as GB/s of weight bytes and % of the
+  bandwidth: up to where the products turn compute-bound they should stay near the read.
 * **GEMM**: a 4096 x 4096 weight times 512 columns, in GFLOPS beside the f32 weight's product
   measured in the same run (the ratio is throughput over f32's).
 
@@ -98,8 +101,13 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--types", default=",".join(TYPES))
+    parser.add_argument(
+        "--columns", default="1", help="column counts of the weight-streaming products (1,2,4,8)"
+    )
+    parser.add_argument("--no-gemm", action="store_true", help="skip the 512-column GEMM")
     args = parser.parse_args()
     types = args.types.split(",")
+    columns = [int(c) for c in args.columns.split(",")]
     rows, k, gemm_n = (14336, 4096, 512) if not args.quick else (2048, 1024, 64)
     cpu = fg.init_backend("CPU", n_threads=args.threads)
     one, many = streaming_read(
@@ -110,8 +118,9 @@ def main() -> None:
         f"# streaming read (numpy int64 sum): 1 thread {one:.1f} GB/s, {args.threads} threads "
         f"{many:.1f} GB/s -> bandwidth {bandwidth:.1f} GB/s"
     )
-    print(f"# mat-vec {rows}x{k} x 1 column; GEMM {k}x{k} x {gemm_n} columns")
-    print(f"{'type':8} {'matvec GB/s':>12} {'% bw':>6} {'ms':>7} {'GEMM GFLOPS':>12} {'x f32':>6}")
+    print(f"# mat-vec {rows}x{k} x {args.columns} columns; GEMM {k}x{k} x {gemm_n} columns")
+    heads = " ".join(f"{f'n={n} GB/s':>12} {'% bw':>6}" for n in columns)
+    print(f"{'type':8} {heads} {'ms':>7} {'GEMM GFLOPS':>12} {'x f32':>6}")
     if "f32" in types:
         # the f32 mat-vec is itself one plain pass over its weights: when it reads faster than
         # numpy's sum, the machine's bandwidth is at least that
@@ -123,17 +132,24 @@ def main() -> None:
     f32_gflops = None
     for dtype in types:
         start = time.perf_counter()
-        run, nbytes = product(cpu, dtype, rows, k, 1, 3)
-        t = best_seconds(run, args.repeat)
-        gbs = nbytes / t / 1e9
-        gemm, _ = product(cpu, dtype, k, k, gemm_n, 1)
-        tg = best_seconds(gemm, max(2, args.repeat // 2), min_time=0.05)
-        gflops = 2.0 * k * k * gemm_n / tg / 1e9
-        if dtype == "f32":
-            f32_gflops = gflops
-        ratio = gflops / f32_gflops if f32_gflops else float("nan")
+        cells = []
+        t = float("nan")
+        for n in columns:
+            run, nbytes = product(cpu, dtype, rows, k, n, 3)
+            tn = best_seconds(run, args.repeat)
+            t = tn if n == columns[0] else t
+            gbs = nbytes / tn / 1e9
+            cells.append(f"{gbs:12.1f} {100 * gbs / bandwidth:5.0f}%")
+        gflops = ratio = float("nan")
+        if not args.no_gemm:
+            gemm, _ = product(cpu, dtype, k, k, gemm_n, 1)
+            tg = best_seconds(gemm, max(2, args.repeat // 2), min_time=0.05)
+            gflops = 2.0 * k * k * gemm_n / tg / 1e9
+            if dtype == "f32":
+                f32_gflops = gflops
+            ratio = gflops / f32_gflops if f32_gflops else float("nan")
         print(
-            f"{dtype:8} {gbs:12.1f} {100 * gbs / bandwidth:5.0f}% {t * 1e3:7.2f} "
+            f"{dtype:8} {' '.join(cells)} {t * 1e3:7.2f} "
             f"{gflops:12.1f} {ratio:6.2f}   (setup {time.perf_counter() - start:.0f} s)",
             flush=True,
         )
