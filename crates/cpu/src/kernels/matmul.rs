@@ -291,30 +291,8 @@ fn run_tile(
                         std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
                     }
                 };
-                if let Some(dot4) = block_dot::dot_cols_fn::<4>(block) {
-                    while cols.len() >= 4 {
-                        let (four, rest) = cols.split_at(4);
-                        let ys: [&[u8]; 4] = std::array::from_fn(|c| b.q8_row(four[c].b));
-                        for i in rows.clone() {
-                            for (col, v) in four.iter().zip(dot4(row(i), ys)) {
-                                write(col, i, v);
-                            }
-                        }
-                        cols = rest;
-                    }
-                }
-                if let Some(dot2) = block_dot::dot_cols_fn::<2>(block) {
-                    while cols.len() >= 2 {
-                        let (two, rest) = cols.split_at(2);
-                        let ys: [&[u8]; 2] = std::array::from_fn(|c| b.q8_row(two[c].b));
-                        for i in rows.clone() {
-                            for (col, v) in two.iter().zip(dot2(row(i), ys)) {
-                                write(col, i, v);
-                            }
-                        }
-                        cols = rest;
-                    }
-                }
+                cols = dot_columns::<4>(block, cols, rows.clone(), &row, b, &write);
+                cols = dot_columns::<2>(block, cols, rows.clone(), &row, b, &write);
             }
             for col in cols {
                 let brow = b.q8_row(col.b);
@@ -418,6 +396,33 @@ fn run_tile(
         }
     }
     Ok(())
+}
+
+/// The leading columns of `cols`, `C` at a time, by `dtype`'s several-column product
+/// (when it has one) over weight rows `rows` (`row(i)` gives row `i`'s bytes); returns the
+/// columns left (fewer than `C`, or all of them without such a product).
+fn dot_columns<'c, 'r, const C: usize>(
+    dtype: DType,
+    mut cols: &'c [Col],
+    rows: Range<usize>,
+    row: &impl Fn(usize) -> &'r [u8],
+    b: &Prepared<'_>,
+    write: &impl Fn(&Col, usize, f32),
+) -> &'c [Col] {
+    let Some(dot) = block_dot::dot_cols_fn::<C>(dtype) else {
+        return cols;
+    };
+    while cols.len() >= C {
+        let (these, rest) = cols.split_at(C);
+        let ys: [&[u8]; C] = std::array::from_fn(|c| b.q8_row(these[c].b));
+        for i in rows.clone() {
+            for (col, v) in these.iter().zip(dot(row(i), ys)) {
+                write(col, i, v);
+            }
+        }
+        cols = rest;
+    }
+    cols
 }
 
 /// Weight rows `rows` of batch `(i02, i03)` of the 16-bit float matrix `a` as elements of

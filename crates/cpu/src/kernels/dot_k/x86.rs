@@ -374,6 +374,41 @@ pub(super) unsafe fn q5_k_avx512(x: &[u8], y: &[u8]) -> f32 {
     unsafe { k4_avx512::<Q5_K_BYTES, true>(x, y) }
 }
 
+/// The constant vectors of the 512-bit q4_K / q5_K kernels.
+struct K4Constants {
+    /// Low-nibble mask.
+    low: __m512i,
+    /// q5_K: run `r` (32 values) takes bit `r` of each `qh` byte; the low nibbles of load `c`
+    /// are runs 4c and 4c + 2, the high ones 4c + 1 and 4c + 3: `fifth[c]` are the bits of
+    /// the low and high nibbles of load `c`, by 256-bit half.
+    fifth: [[__m512i; 2]; 2],
+    /// The fifth bit's value.
+    sixteen: __m512i,
+    /// Word lane `i` of the scales for values `64 s..64 s + 64`: group `2 s + i / 16`.
+    groups: [__m512i; 4],
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+fn k4_constants() -> K4Constants {
+    let bits = |lo_run: i32| {
+        _mm512_inserti64x4::<1>(
+            _mm512_set1_epi8(1 << lo_run),
+            _mm256_set1_epi8((1i32 << (lo_run + 2)) as i8),
+        )
+    };
+    K4Constants {
+        low: _mm512_set1_epi8(0x0F),
+        fifth: [[bits(0), bits(1)], [bits(4), bits(5)]],
+        sixteen: _mm512_set1_epi8(0x10),
+        groups: std::array::from_fn(|s| {
+            let idx: [i16; 32] = std::array::from_fn(|i| (2 * s + i / 16) as i16);
+            // SAFETY: 32 i16 are 64 bytes.
+            unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+        }),
+    }
+}
+
 /// q4_K (`N` = 144) or q5_K (`N` = 176, `FIVE`) · q8_K with 512-bit vectors: each 64-byte
 /// load of nibbles (two runs of 64 values) is split into low and high nibbles (q5_K: plus
 /// their fifth bits, tested out of the broadcast `qh` bytes into a mask) and regrouped by
@@ -389,23 +424,12 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
     let (xb, _) = x.as_chunks::<N>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let qs_at = if FIVE { 48 } else { 16 };
-    let low = _mm512_set1_epi8(0x0F);
-    // q5_K: run `r` (32 values) takes bit `r` of each `qh` byte; the low nibbles of load `c`
-    // are runs 4c and 4c + 2, the high ones 4c + 1 and 4c + 3.
-    let bits = |lo_run: i32| {
-        _mm512_inserti64x4::<1>(
-            _mm512_set1_epi8(1 << lo_run),
-            _mm256_set1_epi8((1i32 << (lo_run + 2)) as i8),
-        )
-    };
-    let fifth = [[bits(0), bits(1)], [bits(4), bits(5)]];
-    let sixteen = _mm512_set1_epi8(0x10);
-    // Word lane `i` of the scales for values `64 s..64 s + 64`: group `2 s + i / 16`.
-    let groups: [__m512i; 4] = std::array::from_fn(|s| {
-        let idx: [i16; 32] = std::array::from_fn(|i| (2 * s + i / 16) as i16);
-        // SAFETY: 32 i16 are 64 bytes.
-        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
-    });
+    let K4Constants {
+        low,
+        fifth,
+        sixteen,
+        groups,
+    } = k4_constants();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx);
@@ -500,23 +524,12 @@ unsafe fn k4_avx512_cols<const N: usize, const FIVE: bool, const C: usize>(
 ) -> [f32; C] {
     let nb = common_blocks::<N, C>(x, &ys);
     let qs_at = if FIVE { 48 } else { 16 };
-    let low = _mm512_set1_epi8(0x0F);
-    // q5_K: run `r` (32 values) takes bit `r` of each `qh` byte; the low nibbles of load `c`
-    // are runs 4c and 4c + 2, the high ones 4c + 1 and 4c + 3.
-    let bits = |lo_run: i32| {
-        _mm512_inserti64x4::<1>(
-            _mm512_set1_epi8(1 << lo_run),
-            _mm256_set1_epi8((1i32 << (lo_run + 2)) as i8),
-        )
-    };
-    let fifth = [[bits(0), bits(1)], [bits(4), bits(5)]];
-    let sixteen = _mm512_set1_epi8(0x10);
-    // Word lane `i` of the scales for values `64 s..64 s + 64`: group `2 s + i / 16`.
-    let groups: [__m512i; 4] = std::array::from_fn(|s| {
-        let idx: [i16; 32] = std::array::from_fn(|i| (2 * s + i / 16) as i16);
-        // SAFETY: 32 i16 are 64 bytes.
-        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
-    });
+    let K4Constants {
+        low,
+        fifth,
+        sixteen,
+        groups,
+    } = k4_constants();
     let mut acc = [0f32; C];
     for b in 0..nb {
         // SAFETY: super-block `b` lies inside `x` (b < nb).
@@ -575,6 +588,41 @@ unsafe fn k4_avx512_cols<const N: usize, const FIVE: bool, const C: usize>(
     acc
 }
 
+/// The constant vectors of the 512-bit q6_K kernels.
+struct Q6Constants {
+    /// Low-nibble mask.
+    low: __m512i,
+    /// The two high bits' place.
+    top: __m512i,
+    /// The values' offset.
+    m32: __m512i,
+    /// The qh shifts of the four runs of 32 values: runs 0 | 1 (left by 4 | 2), runs 2 | 3
+    /// (right by 0 | 2), one count per 16-bit lane.
+    shl: __m512i,
+    /// See `shl`.
+    shr: __m512i,
+    /// Word lane `i` of the scales for the 64 values starting at group `4 s`: scale
+    /// `4 s + i / 8`.
+    groups: [__m512i; 4],
+}
+
+#[inline]
+#[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+fn q6_constants() -> Q6Constants {
+    Q6Constants {
+        low: _mm512_set1_epi8(0x0F),
+        top: _mm512_set1_epi8(0x30),
+        m32: _mm512_set1_epi8(32),
+        shl: _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2)),
+        shr: _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2)),
+        groups: std::array::from_fn(|s| {
+            let idx: [i16; 32] = std::array::from_fn(|i| (4 * s + i / 8) as i16);
+            // SAFETY: 32 i16 are 64 bytes.
+            unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
+        }),
+    }
+}
+
 /// q6_K · q8_K with 512-bit vectors ([`super::dot_q6_k`]): each half super-block (128
 /// values) is two vectors of 64 six-bit values — the low nibbles of its 64 `ql` bytes with
 /// the `qh` bits shifted in by a per-256-bit-lane variable shift, and the high nibbles
@@ -588,19 +636,14 @@ unsafe fn k4_avx512_cols<const N: usize, const FIVE: bool, const C: usize>(
 pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<Q6_K_BYTES>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
-    let low = _mm512_set1_epi8(0x0F);
-    let top = _mm512_set1_epi8(0x30);
-    let m32 = _mm512_set1_epi8(32);
-    // The qh shifts of the four runs of 32 values: runs 0 | 1 (left by 4 | 2), runs 2 | 3
-    // (right by 0 | 2), one count per 16-bit lane.
-    let shl = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
-    let shr = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
-    // Word lane `i` of the scales for the 64 values starting at group `4 s`: scale `4 s + i / 8`.
-    let groups: [__m512i; 4] = std::array::from_fn(|s| {
-        let idx: [i16; 32] = std::array::from_fn(|i| (4 * s + i / 8) as i16);
-        // SAFETY: 32 i16 are 64 bytes.
-        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
-    });
+    let Q6Constants {
+        low,
+        top,
+        m32,
+        shl,
+        shr,
+        groups,
+    } = q6_constants();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx);
@@ -663,19 +706,14 @@ pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q6_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
     let nb = common_blocks::<Q6_K_BYTES, C>(x, &ys);
-    let low = _mm512_set1_epi8(0x0F);
-    let top = _mm512_set1_epi8(0x30);
-    let m32 = _mm512_set1_epi8(32);
-    // The qh shifts of the four runs of 32 values: runs 0 | 1 (left by 4 | 2), runs 2 | 3
-    // (right by 0 | 2), one count per 16-bit lane.
-    let shl = _mm512_inserti64x4::<1>(_mm512_set1_epi16(4), _mm256_set1_epi16(2));
-    let shr = _mm512_inserti64x4::<1>(_mm512_setzero_si512(), _mm256_set1_epi16(2));
-    // Word lane `i` of the scales for the 64 values starting at group `4 s`: scale `4 s + i / 8`.
-    let groups: [__m512i; 4] = std::array::from_fn(|s| {
-        let idx: [i16; 32] = std::array::from_fn(|i| (4 * s + i / 8) as i16);
-        // SAFETY: 32 i16 are 64 bytes.
-        unsafe { _mm512_loadu_si512(idx.as_ptr().cast()) }
-    });
+    let Q6Constants {
+        low,
+        top,
+        m32,
+        shl,
+        shr,
+        groups,
+    } = q6_constants();
     let mut acc = [0f32; C];
     for b in 0..nb {
         // SAFETY: super-block `b` lies inside `x` (b < nb).
