@@ -251,7 +251,12 @@ def main() -> int:
     args = parser.parse_args()
 
     ours = bench_ferrograph(args)
-    theirs = bench_llamacpp(args)
+    try:
+        theirs = bench_llamacpp(args)
+        peer_missing = "llama-cpp-python[server] is not installed"
+    except RuntimeError as e:  # its server's own dependencies may be missing (fastapi, ...)
+        theirs = None
+        peer_missing = f"llama_cpp.server did not run: {e}"
 
     def summary(results: list[dict[str, Any]]) -> str:
         rates = [r["per_s"] for r in results]
@@ -289,7 +294,7 @@ def main() -> int:
                 f"{r['first_token_ms']:7.1f} ms  answered {r['answered']} failed {r['failed']}"
             )
     else:
-        print("  (llama-cpp-python[server] is not installed: no llama_cpp.server comparison)")
+        print(f"  ({peer_missing}: no llama_cpp.server comparison)")
     rss = ours["rss_mib"]
     rounds = ", ".join(f"{r:.0f}" for r in rss[1:])
     print(f"server RSS: {rss[0]:.0f} MiB after warm-up; after each round: {rounds} MiB")
