@@ -162,13 +162,18 @@ def chat_bench(client: Any, model: str, streams: int, tokens: int) -> dict[str, 
             extra_body={"ignore_eos": True},
             stream_options={"include_usage": True},
         )
+        pieces = 0
         for chunk in stream:
             if chunk.usage is not None:
                 n = chunk.usage.completion_tokens
-            elif n == 0 and not first_seen[c]:
-                first_seen[c] = True
-                first.append(time.perf_counter() - t0)
-        return n
+            elif chunk.choices and chunk.choices[0].text:
+                pieces += 1
+                if not first_seen[c]:
+                    first_seen[c] = True
+                    first.append(time.perf_counter() - t0)
+        # a server without `stream_options.include_usage` (llama_cpp.server): one streamed
+        # piece per token
+        return n or pieces
 
     out = {}
     for n_streams in sorted({1, streams}):
