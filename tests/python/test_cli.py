@@ -59,3 +59,24 @@ def test_a_bad_option_is_a_usage_error() -> None:
         check=False,
     )
     assert result.returncode == 2 and "invalid int value" in result.stderr
+
+
+def test_the_api_socket_is_tcp_so_asyncio_turns_nagle_off() -> None:
+    """asyncio sets TCP_NODELAY only on connections whose socket's protocol is IPPROTO_TCP;
+    with Nagle's algorithm on, every response waited ~40 ms for the client's delayed ACK."""
+    import socket
+
+    from ferrograph.__main__ import listening_socket
+
+    server = listening_socket("127.0.0.1", 0)
+    try:
+        assert server.proto == socket.IPPROTO_TCP
+        client = socket.create_connection(server.getsockname()[:2])
+        conn, _ = server.accept()
+        try:
+            assert conn.proto == socket.IPPROTO_TCP  # what asyncio checks
+        finally:
+            conn.close()
+            client.close()
+    finally:
+        server.close()
