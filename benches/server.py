@@ -147,8 +147,13 @@ def embedding_bench(client: Any, model: str, clients: int, requests: int) -> dic
     return {"sequential": sequential, "concurrent": concurrent}
 
 
-def chat_bench(client: Any, model: str, streams: int, tokens: int) -> dict[str, Any]:
+def chat_bench(
+    client: Any, model: str, streams: int, tokens: int, no_eos: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """``no_eos``: the request fields that keep a stream going to ``tokens`` (default
+    ``ignore_eos``, which llama_cpp.server ignores: it gets a bias against the end token)."""
     first: list[float] = []
+    keep_going = no_eos if no_eos is not None else {"extra_body": {"ignore_eos": True}}
 
     def one(c: int, r: int) -> int:
         t0 = time.perf_counter()
@@ -159,8 +164,8 @@ def chat_bench(client: Any, model: str, streams: int, tokens: int) -> dict[str, 
             max_tokens=tokens,
             temperature=0,
             stream=True,
-            extra_body={"ignore_eos": True},
             stream_options={"include_usage": True},
+            **keep_going,
         )
         pieces = 0
         for chunk in stream:
@@ -236,8 +241,12 @@ def bench_llamacpp(args: argparse.Namespace) -> dict[str, Any] | None:
     )
     try:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=600)
-        chat_bench(client, path, 1, 8)
-        return chat_bench(client, path, args.streams, args.tokens)
+        import ferrograph as fg
+
+        eos = fg.gguf.GGUFFile(path).metadata.get("tokenizer.ggml.eos_token_id", 2)
+        no_eos = {"logit_bias": {str(int(eos)): -100}}
+        chat_bench(client, path, 1, 8, no_eos)
+        return chat_bench(client, path, args.streams, args.tokens, no_eos)
     finally:
         stop(proc)
 
