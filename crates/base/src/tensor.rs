@@ -275,6 +275,7 @@ impl Tensor {
         let nb = spec
             .nb
             .unwrap_or_else(|| contiguous_strides(spec.dtype, &spec.ne));
+        let nbytes = span_bytes(spec.dtype, &spec.ne, &nb);
         let (view_src, view_offset) = match spec.view {
             Some((src, offset)) => {
                 // A view of a view points at the root so storage resolves in one step.
@@ -282,13 +283,11 @@ impl Tensor {
                     Some(root) => (root.clone(), src.view_offset()),
                     None => (src, 0),
                 };
-                let end = offset
-                    .checked_add(base)
-                    .and_then(|o| o.checked_add(span_bytes(spec.dtype, &spec.ne, &nb)));
+                let end = offset.checked_add(base).and_then(|o| o.checked_add(nbytes));
                 if end.is_none_or(|end| end > root.nbytes()) {
                     return Err(Error::shape(format!(
                         "view of {} bytes at offset {} is outside {} ({} bytes)",
-                        span_bytes(spec.dtype, &spec.ne, &nb),
+                        nbytes,
                         base + offset,
                         root.label(),
                         root.nbytes()
@@ -304,7 +303,7 @@ impl Tensor {
             dtype: spec.dtype,
             ne: spec.ne,
             nb,
-            nbytes: span_bytes(spec.dtype, &spec.ne, &nb),
+            nbytes,
             ndim,
             op: spec.op,
             srcs: spec.srcs,

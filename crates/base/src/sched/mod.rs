@@ -639,7 +639,7 @@ impl Scheduler {
 
     /// Builds the internal graph of the current instance for `slot` and binds its pipelined
     /// tensors. Returns nothing; the internal graph stays in the instance.
-    fn prepare_slot(&mut self, slot: usize) -> Result<()> {
+    fn prepare_slot(&mut self, slot: usize, batch: &BindBatch) -> Result<()> {
         let Some(inst) = self.instance.as_mut() else {
             return Err(Error::InvalidArgument("internal: no current graph".into()));
         };
@@ -682,7 +682,7 @@ impl Scheduler {
                     Some(c) => &internal.copies[c],
                     None => inst.topo.tensor(&inst.graph, entry.tensor),
                 };
-                tensor.bind(buffer, entry.offset + slot * entry.stride)?;
+                tensor.bind_in(buffer, entry.offset + slot * entry.stride, batch)?;
             }
         }
         Ok(())
@@ -709,7 +709,7 @@ impl Scheduler {
     pub fn reserve(&mut self, graph: &Graph) -> Result<()> {
         self.synchronize_backends()?;
         self.split_graph(graph)?;
-        self.prepare_slot(self.cur_copy)?;
+        self.prepare_slot(self.cur_copy, &BindBatch::new())?;
         self.reserve_current(self.cur_copy)?;
         self.state = State::Fresh;
         Ok(())
@@ -719,7 +719,7 @@ impl Scheduler {
     /// without allocating anything.
     pub fn reserve_size(&mut self, graph: &Graph) -> Result<Vec<usize>> {
         self.split_graph(graph)?;
-        self.prepare_slot(self.cur_copy)?;
+        self.prepare_slot(self.cur_copy, &BindBatch::new())?;
         let Some(inst) = self.instance.as_ref() else {
             return Err(Error::InvalidArgument("internal: no current graph".into()));
         };
@@ -749,7 +749,11 @@ impl Scheduler {
 
     fn alloc_current(&mut self) -> Result<()> {
         let slot = self.cur_copy;
-        self.prepare_slot(slot)?;
+        // Every binding of this allocation (pipeline slots, shadows, the caller's tensors) is
+        // one change of the layout (see `BindBatch`; the graph allocator's own batch nests
+        // inside), over before the records at the end read the layout epoch.
+        let batch = BindBatch::new();
+        self.prepare_slot(slot, &batch)?;
         let own = self.own_buffer_ids();
         let needs_reserve = match (&self.reserved_core, &self.instance) {
             (Some(reserved), Some(inst)) => !Arc::ptr_eq(reserved, &inst.core),
@@ -769,7 +773,7 @@ impl Scheduler {
         for (original, shadow) in &internal.bindings {
             if let Ok(storage) = original.storage() {
                 if !own.contains(&storage.buffer.id()) {
-                    shadow.bind(&storage.buffer, storage.offset)?;
+                    shadow.bind_in(&storage.buffer, storage.offset, &batch)?;
                 }
             }
         }
@@ -788,20 +792,16 @@ impl Scheduler {
             self.galloc.alloc_graph_unrecorded(graph)?;
         }
         let own = self.own_buffer_ids();
-        {
-            // One change of the layout for all of them (see `BindBatch`), over before the
-            // records below read the layout epoch.
-            let batch = BindBatch::new();
-            for (original, shadow) in &internal.bindings {
-                let external = original
-                    .storage()
-                    .is_ok_and(|s| !own.contains(&s.buffer.id()));
-                if !external {
-                    let storage = shadow.storage()?;
-                    original.bind_in(&storage.buffer, storage.offset, &batch)?;
-                }
+        for (original, shadow) in &internal.bindings {
+            let external = original
+                .storage()
+                .is_ok_and(|s| !own.contains(&s.buffer.id()));
+            if !external {
+                let storage = shadow.storage()?;
+                original.bind_in(&storage.buffer, storage.offset, &batch)?;
             }
         }
+        drop(batch);
         // The caller's tensors now share the shadows' memory: record which ones later nodes
         // or copies overwrite, so reading them after a compute raises instead of returning
         // other bytes. A replay of the graph swept last, with nothing moved since, keeps the

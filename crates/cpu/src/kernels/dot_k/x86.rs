@@ -409,6 +409,33 @@ fn k4_constants() -> K4Constants {
     }
 }
 
+impl K4Constants {
+    /// Runs `2 c` and `2 c + 1` (64 values each) of a super-block: its 64-byte load `c` of
+    /// nibbles at `nibbles` split into low and high nibbles (q5_K: plus the fifth bits out
+    /// of its broadcast `qh` bytes) and regrouped by 128-bit lanes, [low | high] of each
+    /// 32-byte chunk.
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW; `nibbles` points at 64 readable bytes.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn runs(&self, nibbles: *const u8, qh: Option<__m512i>, c: usize) -> [__m512i; 2] {
+        // SAFETY: 64 bytes at `nibbles` (caller).
+        let q = unsafe { _mm512_loadu_si512(nibbles.cast()) };
+        let mut lo = _mm512_and_si512(q, self.low);
+        let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), self.low);
+        if let Some(qh) = qh {
+            let [lo_bits, hi_bits] = self.fifth[c];
+            lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, lo_bits), lo, self.sixteen);
+            hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, hi_bits), hi, self.sixteen);
+        }
+        [
+            _mm512_shuffle_i64x2::<0x44>(lo, hi),
+            _mm512_shuffle_i64x2::<0xEE>(lo, hi),
+        ]
+    }
+}
+
 /// q4_K (`N` = 144) or q5_K (`N` = 176, `FIVE`) · q8_K with 512-bit vectors: each 64-byte
 /// load of nibbles (two runs of 64 values) is split into low and high nibbles (q5_K: plus
 /// their fifth bits, tested out of the broadcast `qh` bytes into a mask) and regrouped by
@@ -424,12 +451,7 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
     let (xb, _) = x.as_chunks::<N>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
     let qs_at = if FIVE { 48 } else { 16 };
-    let K4Constants {
-        low,
-        fifth,
-        sixteen,
-        groups,
-    } = k4_constants();
+    let k4 = k4_constants();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx);
@@ -444,27 +466,16 @@ unsafe fn k4_avx512<const N: usize, const FIVE: bool>(x: &[u8], y: &[u8]) -> f32
             None
         };
         let mut sumi = _mm512_setzero_si512();
-        for (c, [lo_bits, hi_bits]) in fifth.iter().enumerate() {
+        for c in 0..2 {
             // SAFETY: nibbles `qs_at + 64 c .. + 64` of the super-block; the q8_K quants
             // 4 + 128 c .. + 128 of the 292-byte one.
             unsafe {
-                let q = _mm512_loadu_si512(bx.as_ptr().add(qs_at + 64 * c).cast());
-                let mut lo = _mm512_and_si512(q, low);
-                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
-                if let Some(qh) = qh {
-                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, *lo_bits), lo, sixteen);
-                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, *hi_bits), hi, sixteen);
-                }
-                // runs 2c and 2c + 1 of 64 values: [low | high nibbles] of each 32-byte chunk
-                let w = [
-                    _mm512_shuffle_i64x2::<0x44>(lo, hi),
-                    _mm512_shuffle_i64x2::<0xEE>(lo, hi),
-                ];
+                let w = k4.runs(bx.as_ptr().add(qs_at + 64 * c), qh, c);
                 for (t, wt) in w.iter().enumerate() {
                     let s = 2 * c + t;
                     let yv = _mm512_loadu_si512(by.as_ptr().add(4 + 64 * s).cast());
                     let p = _mm512_maddubs_epi16(*wt, yv);
-                    let g = _mm512_permutexvar_epi16(groups[s], sc);
+                    let g = _mm512_permutexvar_epi16(k4.groups[s], sc);
                     sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, g));
                 }
             }
@@ -524,12 +535,7 @@ unsafe fn k4_avx512_cols<const N: usize, const FIVE: bool, const C: usize>(
 ) -> [f32; C] {
     let nb = common_blocks::<N, C>(x, &ys);
     let qs_at = if FIVE { 48 } else { 16 };
-    let K4Constants {
-        low,
-        fifth,
-        sixteen,
-        groups,
-    } = k4_constants();
+    let k4 = k4_constants();
     let mut acc = [0f32; C];
     for b in 0..nb {
         // SAFETY: super-block `b` lies inside `x` (b < nb).
@@ -546,22 +552,11 @@ unsafe fn k4_avx512_cols<const N: usize, const FIVE: bool, const C: usize>(
         // The four runs of 64 values and their group scales.
         let mut w = [_mm512_setzero_si512(); 4];
         let mut g = [_mm512_setzero_si512(); 4];
-        for (c, [lo_bits, hi_bits]) in fifth.iter().enumerate() {
+        for c in 0..2 {
             // SAFETY: nibbles `qs_at + 64 c .. + 64` of the super-block.
-            unsafe {
-                let q = _mm512_loadu_si512(bx.as_ptr().add(qs_at + 64 * c).cast());
-                let mut lo = _mm512_and_si512(q, low);
-                let mut hi = _mm512_and_si512(_mm512_srli_epi16::<4>(q), low);
-                if let Some(qh) = qh {
-                    lo = _mm512_mask_add_epi8(lo, _mm512_test_epi8_mask(qh, *lo_bits), lo, sixteen);
-                    hi = _mm512_mask_add_epi8(hi, _mm512_test_epi8_mask(qh, *hi_bits), hi, sixteen);
-                }
-                // runs 2c and 2c + 1 of 64 values: [low | high nibbles] of each 32-byte chunk
-                w[2 * c] = _mm512_shuffle_i64x2::<0x44>(lo, hi);
-                w[2 * c + 1] = _mm512_shuffle_i64x2::<0xEE>(lo, hi);
-            }
+            [w[2 * c], w[2 * c + 1]] = unsafe { k4.runs(bx.as_ptr().add(qs_at + 64 * c), qh, c) };
             for t in 0..2 {
-                g[2 * c + t] = _mm512_permutexvar_epi16(groups[2 * c + t], sc);
+                g[2 * c + t] = _mm512_permutexvar_epi16(k4.groups[2 * c + t], sc);
             }
         }
         let (d, dmin) = f16_pair(u32_at(bx, 0));
@@ -623,6 +618,37 @@ fn q6_constants() -> Q6Constants {
     }
 }
 
+impl Q6Constants {
+    /// Half `h` (128 values) of a q6_K super-block `bx` as two vectors of 64 six-bit values:
+    /// the low nibbles of its 64 `ql` bytes with their `qh` bits shifted in, and the high
+    /// nibbles likewise (`qh`: the super-block's 64 `qh` bytes).
+    ///
+    /// # Safety
+    /// The CPU must support AVX-512F/BW; `bx` points at a whole super-block.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
+    unsafe fn half(&self, bx: *const u8, qh: __m512i, h: usize) -> [__m512i; 2] {
+        // SAFETY: `ql` bytes 64 h .. 64 h + 64 of the super-block (caller).
+        let ql = unsafe { _mm512_loadu_si512(bx.add(64 * h).cast()) };
+        let hbits = if h == 0 {
+            _mm512_extracti64x4_epi64::<0>(qh)
+        } else {
+            _mm512_extracti64x4_epi64::<1>(qh)
+        };
+        let hb = _mm512_broadcast_i64x4(hbits);
+        [
+            _mm512_or_si512(
+                _mm512_and_si512(ql, self.low),
+                _mm512_and_si512(_mm512_sllv_epi16(hb, self.shl), self.top),
+            ),
+            _mm512_or_si512(
+                _mm512_and_si512(_mm512_srli_epi16::<4>(ql), self.low),
+                _mm512_and_si512(_mm512_srlv_epi16(hb, self.shr), self.top),
+            ),
+        ]
+    }
+}
+
 /// q6_K · q8_K with 512-bit vectors ([`super::dot_q6_k`]): each half super-block (128
 /// values) is two vectors of 64 six-bit values — the low nibbles of its 64 `ql` bytes with
 /// the `qh` bits shifted in by a per-256-bit-lane variable shift, and the high nibbles
@@ -636,14 +662,7 @@ fn q6_constants() -> Q6Constants {
 pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
     let (xb, _) = x.as_chunks::<Q6_K_BYTES>();
     let (yb, _) = y.as_chunks::<Q8_K_BYTES>();
-    let Q6Constants {
-        low,
-        top,
-        m32,
-        shl,
-        shr,
-        groups,
-    } = q6_constants();
+    let q6 = q6_constants();
     let mut acc = 0f32;
     for (bx, by) in xb.iter().zip(yb) {
         prefetch_ahead(bx);
@@ -654,30 +673,14 @@ pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
             let qh = _mm512_loadu_si512(bx.as_ptr().add(128).cast());
             let mut sumi = _mm512_setzero_si512();
             for h in 0..2 {
-                let ql = _mm512_loadu_si512(bx.as_ptr().add(64 * h).cast());
-                let hbits = if h == 0 {
-                    _mm512_extracti64x4_epi64::<0>(qh)
-                } else {
-                    _mm512_extracti64x4_epi64::<1>(qh)
-                };
-                let hb = _mm512_broadcast_i64x4(hbits);
-                let q = [
-                    _mm512_or_si512(
-                        _mm512_and_si512(ql, low),
-                        _mm512_and_si512(_mm512_sllv_epi16(hb, shl), top),
-                    ),
-                    _mm512_or_si512(
-                        _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low),
-                        _mm512_and_si512(_mm512_srlv_epi16(hb, shr), top),
-                    ),
-                ];
+                let q = q6.half(bx.as_ptr(), qh, h);
                 for (t, qt) in q.iter().enumerate() {
                     let yv = _mm512_loadu_si512(by.as_ptr().add(4 + 128 * h + 64 * t).cast());
                     let p = _mm512_sub_epi16(
                         _mm512_maddubs_epi16(*qt, yv),
-                        _mm512_maddubs_epi16(m32, yv),
+                        _mm512_maddubs_epi16(q6.m32, yv),
                     );
-                    let s = _mm512_permutexvar_epi16(groups[2 * h + t], sc);
+                    let s = _mm512_permutexvar_epi16(q6.groups[2 * h + t], sc);
                     sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, s));
                 }
             }
@@ -706,14 +709,7 @@ pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q6_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
     let nb = common_blocks::<Q6_K_BYTES, C>(x, &ys);
-    let Q6Constants {
-        low,
-        top,
-        m32,
-        shl,
-        shr,
-        groups,
-    } = q6_constants();
+    let q6 = q6_constants();
     let mut acc = [0f32; C];
     for b in 0..nb {
         // SAFETY: super-block `b` lies inside `x` (b < nb).
@@ -727,23 +723,9 @@ pub(super) unsafe fn q6_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) 
             let sc = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(ld128(bx, 192)));
             let qh = _mm512_loadu_si512(bx.as_ptr().add(128).cast());
             for h in 0..2 {
-                let ql = _mm512_loadu_si512(bx.as_ptr().add(64 * h).cast());
-                let hbits = if h == 0 {
-                    _mm512_extracti64x4_epi64::<0>(qh)
-                } else {
-                    _mm512_extracti64x4_epi64::<1>(qh)
-                };
-                let hb = _mm512_broadcast_i64x4(hbits);
-                q[2 * h] = _mm512_or_si512(
-                    _mm512_and_si512(ql, low),
-                    _mm512_and_si512(_mm512_sllv_epi16(hb, shl), top),
-                );
-                q[2 * h + 1] = _mm512_or_si512(
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(ql), low),
-                    _mm512_and_si512(_mm512_srlv_epi16(hb, shr), top),
-                );
+                [q[2 * h], q[2 * h + 1]] = q6.half(bx.as_ptr(), qh, h);
                 for t in 0..2 {
-                    g[2 * h + t] = _mm512_permutexvar_epi16(groups[2 * h + t], sc);
+                    g[2 * h + t] = _mm512_permutexvar_epi16(q6.groups[2 * h + t], sc);
                 }
             }
         }
@@ -757,7 +739,7 @@ pub(super) unsafe fn q6_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) 
                 let yv = unsafe { _mm512_loadu_si512(by.as_ptr().add(4 + 64 * s).cast()) };
                 let p = _mm512_sub_epi16(
                     _mm512_maddubs_epi16(q[s], yv),
-                    _mm512_maddubs_epi16(m32, yv),
+                    _mm512_maddubs_epi16(q6.m32, yv),
                 );
                 sumi = _mm512_add_epi32(sumi, _mm512_madd_epi16(p, g[s]));
             }
