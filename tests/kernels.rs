@@ -925,6 +925,8 @@ fn mul_mat_quantized_weights() {
         for (k, m, n, nr) in [
             (64usize, 7usize, 5usize, 1usize),
             (96, 33, 1, 2),
+            (224, 37, 2, 1),
+            (160, 19, 2, 2),
             (256, 16, 9, 1),
             (64, 200, 40, 1),
         ] {
@@ -1829,6 +1831,8 @@ fn mul_mat_bits_do_not_depend_on_thread_count() {
             (64, 300, 33, 3),
             (32, 40, 64, 12),
             (128, 130, 3, 2),
+            (224, 70, 2, 1),
+            (160, 33, 2, 3),
         ] {
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m, batches]).unwrap();

@@ -238,6 +238,17 @@ fn run_tile(
     match a.dtype {
         DType::Q4_0 if matches!(b, Prepared::Q4Pairs(..)) => {
             let row_bytes = a.dtype.row_size(k)?;
+            let row = |i: usize| {
+                // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+                // `row_bytes` bytes of adjacent blocks.
+                unsafe { std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes) }
+            };
+            // Four and then two columns at a time (each pair of blocks unpacked once for
+            // all of them; every column keeps the single product's bits).
+            let four = super::quant_dot::dot_q4_0_pairs_cols_fn::<4>();
+            let cols = dot_columns(four, cols, rows.clone(), &row, b, &write);
+            let two = super::quant_dot::dot_q4_0_pairs_cols_fn::<2>();
+            let cols = dot_columns(two, cols, rows.clone(), &row, b, &write);
             for col in cols {
                 let brow = b.q8_row(col.b);
                 for i in rows.clone() {
@@ -258,6 +269,20 @@ fn run_tile(
                 (_, false) => super::quant_dot::dot_q4_0_q8_0,
                 (_, true) => dot_q4_0_q8_0_ref,
             };
+            let mut cols = cols;
+            if a.dtype == DType::Q8_0 && !reference {
+                let row = |i: usize| {
+                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+                    // `row_bytes` bytes of adjacent blocks.
+                    unsafe {
+                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
+                    }
+                };
+                let four = super::quant_dot::dot_q8_0_cols_fn::<4>();
+                cols = dot_columns(four, cols, rows.clone(), &row, b, &write);
+                let two = super::quant_dot::dot_q8_0_cols_fn::<2>();
+                cols = dot_columns(two, cols, rows.clone(), &row, b, &write);
+            }
             for col in cols {
                 let brow = b.q8_row(col.b);
                 for i in rows.clone() {
@@ -291,8 +316,10 @@ fn run_tile(
                         std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
                     }
                 };
-                cols = dot_columns::<4>(block, cols, rows.clone(), &row, b, &write);
-                cols = dot_columns::<2>(block, cols, rows.clone(), &row, b, &write);
+                let four = block_dot::dot_cols_fn::<4>(block);
+                cols = dot_columns(four, cols, rows.clone(), &row, b, &write);
+                let two = block_dot::dot_cols_fn::<2>(block);
+                cols = dot_columns(two, cols, rows.clone(), &row, b, &write);
             }
             for col in cols {
                 let brow = b.q8_row(col.b);
@@ -398,18 +425,18 @@ fn run_tile(
     Ok(())
 }
 
-/// The leading columns of `cols`, `C` at a time, by `dtype`'s several-column product
-/// (when it has one) over weight rows `rows` (`row(i)` gives row `i`'s bytes); returns the
-/// columns left (fewer than `C`, or all of them without such a product).
+/// The leading columns of `cols`, `C` at a time, by the several-column product `dot` (when
+/// the weights' type has one on this CPU) over weight rows `rows` (`row(i)` gives row `i`'s
+/// bytes); returns the columns left (fewer than `C`, or all of them without such a product).
 fn dot_columns<'c, 'r, const C: usize>(
-    dtype: DType,
+    dot: Option<block_dot::DotColsFn<C>>,
     mut cols: &'c [Col],
     rows: Range<usize>,
     row: &impl Fn(usize) -> &'r [u8],
     b: &Prepared<'_>,
     write: &impl Fn(&Col, usize, f32),
 ) -> &'c [Col] {
-    let Some(dot) = block_dot::dot_cols_fn::<C>(dtype) else {
+    let Some(dot) = dot else {
         return cols;
     };
     while cols.len() >= C {

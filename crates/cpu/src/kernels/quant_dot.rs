@@ -16,6 +16,7 @@ use half::f16;
 
 use crate::dtype::DType;
 use crate::error::Result;
+use crate::kernels::block_dot::DotColsFn;
 
 /// Elements per q8_0 / q4_0 block.
 pub const QK: usize = 32;
@@ -307,6 +308,54 @@ pub fn dot_q4_0_q8_0(a: &[u8], b: &[u8]) -> f32 {
     dot_q4_0_q8_0_ref(a, b)
 }
 
+/// The product of one q8_0 weight row with `C` q8_0 activation rows at once (each weight block
+/// loaded once for all of them; column `c` has the bits of [`dot_q8_0_q8_0`] with `ys[c]`),
+/// on CPUs with AVX-512F/BW and VNNI.
+pub fn dot_q8_0_cols_fn<const C: usize>() -> Option<DotColsFn<C>> {
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni512() && has_f16c() {
+        return Some(columns_entry::q8_0::<C>);
+    }
+    None
+}
+
+/// The product of one q4_0 weight row with `C` activation rows prepared by
+/// [`prepare_q4_pairs`] at once (each pair of blocks unpacked once for all of them; column
+/// `c` has the bits of [`dot_q4_0_pairs`] with `ys[c]`), on CPUs with AVX-512F/BW and VNNI.
+pub fn dot_q4_0_pairs_cols_fn<const C: usize>() -> Option<DotColsFn<C>> {
+    #[cfg(target_arch = "x86_64")]
+    if has_vnni512() && has_f16c() {
+        return Some(columns_entry::q4_0_pairs::<C>);
+    }
+    None
+}
+
+/// Safe entry points to the several-column kernels, handed out only after the checks above.
+#[cfg(target_arch = "x86_64")]
+mod columns_entry {
+    use super::{columns, PAIR_BYTES, Q4_0_BYTES};
+
+    pub(super) fn q8_0<const C: usize>(a: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+        // SAFETY: only `dot_q8_0_cols_fn` hands this out, once AVX-512F/BW/VNNI, AVX2, FMA
+        // and F16C are confirmed; the kernel reads only the blocks every row holds.
+        unsafe { columns::q8_0_cols(a, ys) }
+    }
+
+    pub(super) fn q4_0_pairs<const C: usize>(a: &[u8], ys: [&[u8]; C]) -> [f32; C] {
+        let pairs = (a.len() / Q4_0_BYTES).div_ceil(2);
+        assert!(
+            ys.iter().all(|y| y.len() >= pairs * PAIR_BYTES),
+            "prepared q4_0 activation rows shorter than the weight row"
+        );
+        // SAFETY: only `dot_q4_0_pairs_cols_fn` hands this out, once the kernel's features are
+        // confirmed; every row of `ys` holds the weight row's pairs (asserted above).
+        unsafe { columns::q4_0_pairs_cols(a, ys) }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod columns;
+
 /// Bytes per pair of blocks of an activation row prepared for [`dot_q4_0_pairs`]: 64 quant
 /// bytes, 16 i32 offset corrections, 16 f32 scales.
 pub const PAIR_BYTES: usize = 192;
@@ -566,8 +615,9 @@ mod x86 {
         }
     }
 
+    /// The eight lanes of `v` summed: halves, then pairs, then the last two.
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn hsum(v: __m256) -> f32 {
+    pub(super) unsafe fn hsum(v: __m256) -> f32 {
         let lo = _mm256_castps256_ps128(v);
         let hi = _mm256_extractf128_ps(v, 1);
         let s = _mm_add_ps(lo, hi);
@@ -926,6 +976,7 @@ mod x86 {
             (lo, hi, d0, d1)
         }};
     }
+    pub(super) use q4_0_pair;
 
     /// [`super::dot_q4_0_pairs_portable`] with AVX2: per pair of blocks, the 32 packed bytes
     /// are unpacked into the low nibbles of both blocks (lanes 0-7) and the high nibbles
@@ -1015,7 +1066,14 @@ mod x86 {
                 acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(dx, dy), acc);
             }
         }
-        // The fixed order of `reduce16`: halves, quarters, pairs, then the last two.
+        reduce16(acc)
+    }
+
+    /// The 16 lanes of `acc` summed in the fixed order of [`super::reduce16`]: halves,
+    /// quarters, pairs, then the last two.
+    #[inline]
+    #[target_feature(enable = "avx512f,avx")]
+    pub(super) fn reduce16(acc: __m512) -> f32 {
         let h8 = _mm256_add_ps(
             _mm512_castps512_ps256(acc),
             _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(acc))),
@@ -1220,6 +1278,132 @@ mod tests {
                     r4,
                     "q4_0 vnni",
                 );
+            }
+        }
+    }
+
+    /// A small xorshift generator for raw block bytes.
+    struct Bytes(u64);
+
+    impl Bytes {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+
+        /// `blocks` raw blocks of `size` bytes: random quants, and f16 scales drawn from
+        /// every kind (normal, tiny, subnormal, zero, the largest, infinite) when `wild`.
+        fn blocks(&mut self, blocks: usize, size: usize, wild: bool) -> Vec<u8> {
+            const SCALES: [u16; 8] = [
+                0x2E66, 0xB800, 0x0001, 0x0000, 0x7BFF, 0x7C00, 0x3C00, 0x1400,
+            ];
+            let mut out: Vec<u8> = (0..blocks * size).map(|_| self.next() as u8).collect();
+            for b in out.chunks_exact_mut(size) {
+                let d = if wild {
+                    SCALES[(self.next() % 8) as usize]
+                } else {
+                    0x2000 | (self.next() as u16 & 0x0FFF)
+                };
+                b[..2].copy_from_slice(&d.to_le_bytes());
+            }
+            out
+        }
+    }
+
+    /// The several-column q8_0 product gives every column the bits of the single-row product
+    /// (block counts around its four-block steps, random and extreme quants, scales of every
+    /// kind, columns of different content side by side).
+    #[test]
+    fn q8_0_column_products_match_single_row_bits() {
+        let (Some(two), Some(four)) = (dot_q8_0_cols_fn::<2>(), dot_q8_0_cols_fn::<4>()) else {
+            return;
+        };
+        let mut rng = Bytes(0x0C0F_FEE5);
+        for blocks in [1usize, 2, 3, 4, 5, 6, 7, 8, 9, 13, 128] {
+            for round in 0..6 {
+                let wild = round >= 3;
+                let mut w = rng.blocks(blocks, Q8_0_BYTES, wild);
+                if round == 1 {
+                    // the extreme bytes: every weight −128 against ±127 / −128 activations
+                    for b in w.chunks_exact_mut(Q8_0_BYTES) {
+                        b[2..].fill(0x80);
+                    }
+                }
+                // Activations come from the q8_0 quantizer, whose quants lie in −127..=127
+                // (the single-row kernel's sign trick relies on it).
+                let ys: [Vec<u8>; 4] = std::array::from_fn(|c| {
+                    let mut y = rng.blocks(blocks, Q8_0_BYTES, wild);
+                    for b in y.chunks_exact_mut(Q8_0_BYTES) {
+                        for q in &mut b[2..] {
+                            if round == 1 {
+                                *q = [0x81, 0x7F, 0x81, 0x00][c];
+                            } else if *q == 0x80 {
+                                *q = 0x81;
+                            }
+                        }
+                    }
+                    y
+                });
+                let want: Vec<u32> = ys.iter().map(|y| dot_q8_0_q8_0(&w, y).to_bits()).collect();
+                let got4 = four(&w, ys.each_ref().map(|y| &y[..]));
+                let got2 = two(&w, [&ys[2][..], &ys[3][..]]);
+                for c in 0..4 {
+                    assert_eq!(
+                        got4[c].to_bits(),
+                        want[c],
+                        "{blocks} blocks, column {c} of 4"
+                    );
+                }
+                for c in 0..2 {
+                    assert_eq!(
+                        got2[c].to_bits(),
+                        want[2 + c],
+                        "{blocks} blocks, column {c} of 2"
+                    );
+                }
+            }
+        }
+    }
+
+    /// The several-column q4_0 product gives every column the bits of the single-row mat-vec
+    /// on prepared pairs (odd and even block counts, raw nibbles under scales of every kind,
+    /// activations from tiny to overflowing their f16 scale).
+    #[test]
+    fn q4_0_column_products_match_single_row_bits() {
+        let (Some(two), Some(four)) =
+            (dot_q4_0_pairs_cols_fn::<2>(), dot_q4_0_pairs_cols_fn::<4>())
+        else {
+            return;
+        };
+        let mut rng = Bytes(0x9A1E_5EED);
+        for blocks in [1usize, 2, 3, 4, 5, 7, 8, 13, 128] {
+            for round in 0..4 {
+                let n = blocks * QK;
+                let w = rng.blocks(blocks, Q4_0_BYTES, round >= 2);
+                let ys: [Vec<u8>; 4] = std::array::from_fn(|c| {
+                    let scale = [1.0f32, 1e-6, 3e4, 1e7][(c + round) % 4];
+                    let x: Vec<f32> = values(n, (17 * blocks + 5 * c + round) as u32)
+                        .iter()
+                        .map(|v| v * scale)
+                        .collect();
+                    let mut y = vec![0u8; q4_pairs_row_bytes(n)];
+                    prepare_q4_pairs(&x, &mut y);
+                    y
+                });
+                let want: Vec<u32> = ys.iter().map(|y| dot_q4_0_pairs(&w, y).to_bits()).collect();
+                let got4 = four(&w, ys.each_ref().map(|y| &y[..]));
+                let got2 = two(&w, [&ys[1][..], &ys[3][..]]);
+                for c in 0..4 {
+                    assert_eq!(
+                        got4[c].to_bits(),
+                        want[c],
+                        "{blocks} blocks, column {c} of 4"
+                    );
+                }
+                assert_eq!(got2[0].to_bits(), want[1], "{blocks} blocks, column 0 of 2");
+                assert_eq!(got2[1].to_bits(), want[3], "{blocks} blocks, column 1 of 2");
             }
         }
     }
