@@ -850,7 +850,7 @@ def _add_api_parser(commands: Any) -> None:
         "--embedding-max-wait-ms",
         type=float,
         default=5.0,
-        help="milliseconds a batch waits for more requests (5)",
+        help="milliseconds a batch waits for more requests while clients are concurrent (5)",
     )
     p.add_argument(
         "--max-body-bytes",

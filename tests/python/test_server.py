@@ -661,6 +661,30 @@ def test_embedding_requests_are_batched_and_bounded(encoder: Any) -> None:
     ]
 
 
+def test_lone_embedding_requests_are_not_held_for_company(encoder: Any) -> None:
+    """An idle encoder takes a lone client's request at once: with a wait for company of a
+    minute, three requests one after another still finish long before it (each its own
+    encoder call)."""
+    from ferrograph.server import EmbeddingBatcher
+    from ferrograph.server.metrics import Metrics
+
+    gated = _GatedEncoder(encoder)
+    gated.gate.set()
+    batcher = EmbeddingBatcher(gated, Metrics(), max_batch=64, max_wait=60.0)
+
+    async def one_at_a_time() -> list[Any]:
+        return [await asyncio.wait_for(batcher.embed([s]), 30) for s in SENTENCES[:3]]
+
+    try:
+        results = asyncio.run(one_at_a_time())
+    finally:
+        batcher.close()
+    assert gated.calls == [1, 1, 1]
+    expected = encoder.encode(SENTENCES[:3])
+    got = np.concatenate([rows for rows, _ in results])
+    np.testing.assert_allclose(cosines(got, expected), 1.0, atol=1e-6)
+
+
 def test_prompt_chunks_share_graphs_with_decoding_rows() -> None:
     """With a small n_batch, long prompts are evaluated chunk by chunk in the same graphs as
     other sequences' decoding rows; every sequence still follows its own greedy path (up to

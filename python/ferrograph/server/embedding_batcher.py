@@ -1,9 +1,11 @@
 """Embedding requests of many clients gathered into one encoder call.
 
 A single worker thread owns the encoder. Requests wait in a queue bounded in sentences; the
-worker takes what is queued, waits at most ``max_wait`` seconds for more while the batch has
-fewer than ``max_batch`` sentences, encodes them all with one ``encode`` call and hands each
-request its rows. The event loop only queues and awaits: the model never runs on it.
+worker takes what is queued and encodes it all with one ``encode`` call, handing each request
+its rows. It waits for company (at most ``max_wait`` seconds, while the batch has fewer than
+``max_batch`` sentences) only under concurrent load — when requests arrived while the encoder
+was busy, or the last batch served several requests; a lone client is encoded at once. The
+event loop only queues and awaits: the model never runs on it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,9 @@ class EmbeddingBatcher:
     max_batch:
         Sentences gathered into one encoder call at most (a larger request runs alone).
     max_wait:
-        Seconds the worker waits for more requests once it has some.
+        Seconds the worker waits for more requests once it has some, when other clients are
+        active (requests queued during the previous batch, or a previous batch of several
+        requests); an idle encoder takes a lone request at once.
     max_queue:
         Sentences waiting at most; past that :meth:`embed` raises a 429 error.
     profile:
@@ -83,6 +87,8 @@ class EmbeddingBatcher:
         self._queued_sentences = 0
         self._cond = threading.Condition()
         self._stopping = False
+        # Requests in the batch taken last (several: clients are active concurrently).
+        self._last_requests = 0
         self._thread = threading.Thread(target=self._run, name="ferrograph-embed", daemon=True)
         self._thread.start()
 
@@ -123,11 +129,15 @@ class EmbeddingBatcher:
 
     def _take(self) -> list[_Pending] | None:
         with self._cond:
+            # Requests that queued while the encoder was busy mean concurrent clients: worth
+            # waiting a little for more of them. A request finding the encoder idle, after
+            # batches of one, is a lone client's: it is encoded at once.
+            concurrent = bool(self._queue) or self._last_requests > 1
             while not self._queue and not self._stopping:
                 self._cond.wait()
             if self._stopping:
                 return None
-            deadline = time.monotonic() + self.max_wait
+            deadline = time.monotonic() + (self.max_wait if concurrent else 0.0)
             while self._queued_sentences < self.max_batch and not self._stopping:
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -145,6 +155,7 @@ class EmbeddingBatcher:
                     continue
                 batch.append(nxt)
                 count += len(nxt.texts)
+            self._last_requests = len(batch)
             return batch
 
     def _run(self) -> None:
