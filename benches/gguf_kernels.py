@@ -82,7 +82,12 @@ def product(
         if fg.DType(dtype).is_quantized and not fg.cpu.type_traits(dtype).has_from_float:
             fg.tensor_set(w, random_blocks(dtype, m * k, rng))
         else:
-            w.set(wn.astype(np.float16) if dtype == "f16" else wn)
+            if dtype == "f16":
+                w.set(wn.astype(np.float16))
+            elif dtype == "bf16":  # the upper halves of the f32 bits
+                w.set((wn.view(np.uint32) >> 16).astype(np.uint16))
+            else:
+                w.set(wn)
         x.set(xn)
         nbytes = w.nbytes
         graphs.append((ctx, fg.Graph.build(fg.ops.mul_mat(w, x, ctx=ctx))))

@@ -3,7 +3,9 @@
 //! multiply-adds instead of one, and the 4 row sums of a column are reduced together (one
 //! horizontal-add tree, not four separate horizontal sums — with short rows the reductions are
 //! a large share of the work). Used by MUL_MAT below the GEMM path's column threshold (see
-//! `gemm::MIN_COLS`).
+//! `gemm::applies`: 32 columns, 72 for f16/bf16 weights on AVX-512). A row's result depends
+//! only on its own row and column (the reduction tree keeps rows apart), so MUL_MAT pads a
+//! tile's missing rows with copies and any grouping of rows gives the same bits.
 
 use super::quant_dot::dot_f32;
 #[cfg(target_arch = "x86_64")]
@@ -43,13 +45,6 @@ pub(crate) trait TileWeight: Copy + Sync {
 
     /// One element as f32 (exact).
     fn widen(self) -> f32;
-
-    /// `row` as f32: itself, or widened into `buf`.
-    fn widen_row<'a>(row: &'a [Self], buf: &'a mut Vec<f32>) -> &'a [f32] {
-        buf.clear();
-        buf.extend(row.iter().map(|w| w.widen()));
-        buf
-    }
 }
 
 impl TileWeight for f32 {
@@ -68,9 +63,6 @@ impl TileWeight for f32 {
     #[inline(always)]
     fn widen(self) -> f32 {
         self
-    }
-    fn widen_row<'a>(row: &'a [f32], _: &'a mut Vec<f32>) -> &'a [f32] {
-        row
     }
 }
 

@@ -62,6 +62,17 @@ const AVX2_ONE_PANEL: std::ops::RangeInclusive<usize> = 15..=16;
 /// 19-31 16-34% faster on the GEMM.
 const AVX512_F32_MIN_COLS: usize = 14;
 
+/// The fewest columns with which dense f16/bf16 weights take the GEMM path on AVX-512 CPUs;
+/// fewer go to the register tiles, which widen the 16-bit rows as they load them instead of
+/// converting every weight to an f32 panel first. Measured on 14336 × 4096 weights streaming
+/// from memory (Zen 5, 2 threads, GB/s of weights, tiles / GEMM; DECISIONS: "Few-column
+/// f16/bf16 products"): f16 32 columns 11.5 / 8.1, 48 8.0 / 6.1, 64 5.5 / 5.0, 80 4.0 / 4.2,
+/// 96 3.3 / 3.7; bf16 32 11.5 / 7.2, 48 7.9 / 5.5, 64 5.5 / 4.7, 80 4.0 / 3.9, 96 3.2 / 3.4.
+/// Decided by the whole product's column count, and the tiles compute every element from its
+/// own row and column alone (a tile's last rows are padded), so no split of the product
+/// changes a bit.
+const AVX512_HALF_MIN_COLS: usize = 72;
+
 /// Whether an f32 product with `n_cols` (below [`MIN_COLS`]) takes the GEMM path on `isa`.
 fn f32_few_cols(isa: Isa, n_cols: usize) -> bool {
     match isa {
@@ -283,7 +294,15 @@ fn weights_direct(a: &RawTensor) -> bool {
 
 /// Whether the GEMM path handles this product.
 pub fn applies(a: &RawTensor, dst: &RawTensor, n_cols: usize) -> bool {
-    (n_cols >= MIN_COLS || (a.dtype == DType::F32 && f32_few_cols(Isa::best(), n_cols)))
+    let half_tiles = Isa::best() == Isa::Avx512
+        && matches!(a.dtype, DType::F16 | DType::BF16)
+        && (a.ne[0] <= 1 || a.nb[0] == 2);
+    let min_cols = if half_tiles {
+        AVX512_HALF_MIN_COLS
+    } else {
+        MIN_COLS
+    };
+    (n_cols >= min_cols || (a.dtype == DType::F32 && f32_few_cols(Isa::best(), n_cols)))
         && a.ne[0] >= 8
         && dst.dtype == DType::F32
         && dst.nb[0] == 4

@@ -19,9 +19,8 @@ use super::gemm_bf16;
 use super::gemm_q8;
 use super::interleaved::Layout as Interleaved;
 use super::quant_dot::{
-    dot_bf16_f32, dot_f16_f32, dot_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref,
-    dot_q8_0_q8_0, dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0,
-    Q8_0_BYTES, QK,
+    dot_bf16_f32, dot_f16_f32, dot_f32_ref, dot_q4_0_pairs, dot_q4_0_q8_0_ref, dot_q8_0_q8_0,
+    dot_q8_0_q8_0_ref, prepare_q4_pairs, q4_pairs_row_bytes, quantize_row_q8_0, Q8_0_BYTES, QK,
 };
 use super::stored_layout::StoredLayout;
 use super::view::{read_index, RawTensor, SendPtr};
@@ -341,15 +340,14 @@ fn run_tile(
                 && dot_tile::simd_tiles() =>
         {
             // More columns: register tiles widening the 16-bit rows as they load them (no
-            // f32 copy of the rows to write and read back); the rows left over below a
-            // multiple of 4 are widened once and take f32 dots.
+            // f32 copy of the rows to write and read back).
             let (at, first) = ((i02, i03), rows.start);
             if half == DType::F16 {
                 let arows = half_rows::<F16Bits>(a, rows, at);
-                tiled_rows(arows, first, cols, b, k, true, abuf, &write);
+                tiled_rows(arows, first, cols, b, k, true, &write);
             } else {
                 let arows = half_rows::<Bf16Bits>(a, rows, at);
-                tiled_rows(arows, first, cols, b, k, true, abuf, &write);
+                tiled_rows(arows, first, cols, b, k, true, &write);
             }
         }
         half @ (DType::F16 | DType::BF16)
@@ -409,16 +407,7 @@ fn run_tile(
                     }
                 }
             } else {
-                tiled_rows::<f32>(
-                    arows,
-                    rows.start,
-                    cols,
-                    b,
-                    k,
-                    direct,
-                    &mut Vec::new(),
-                    &write,
-                );
+                tiled_rows::<f32>(arows, rows.start, cols, b, k, direct, &write);
             }
         }
     }
@@ -471,7 +460,7 @@ fn half_rows<'a, W: TileWeight + 'a>(
 /// `row0..`, as f32 or 16-bit floats widened in registers) against the columns `cols`.
 ///
 /// 4 rows × 2-4 columns per pass (register tiles); rows left over below a multiple of 4 take
-/// f32 dots (16-bit rows widened into `widened` first). Rows outside, columns inside: each
+/// a tile padded with copies of the last row. Rows outside, columns inside: each
 /// 4-row block is fetched from memory once, in address order (a steady stream for the
 /// prefetcher), then reused from L1 by every column group. Groups are balanced (13 columns:
 /// 4+3+3+3 with AVX-512, else 3+3+3+2+2) so no pass has a single column, which would be bound
@@ -485,15 +474,17 @@ fn tiled_rows<'r, W: TileWeight + 'r>(
     b: &Prepared<'_>,
     k: usize,
     prefetch: bool,
-    widened: &mut Vec<f32>,
     write: &impl Fn(&Col, usize, f32),
 ) {
     let arows: Vec<&[W]> = arows.collect();
-    let r_tiled = arows.len() / 4 * 4;
     let n_groups = cols.len().div_ceil(max_tile_cols());
     let (base, extra) = (cols.len() / n_groups, cols.len() % n_groups);
-    for r0 in (0..r_tiled).step_by(4) {
-        let a4 = [arows[r0], arows[r0 + 1], arows[r0 + 2], arows[r0 + 3]];
+    for r0 in (0..arows.len()).step_by(4) {
+        // The last 1-3 rows fill the tile by repeating the last of them (results dropped):
+        // a row's bits never depend on the rows beside it, so any split of the rows (thread
+        // tasks, a weight split over devices) gives every element the same bits.
+        let real = (arows.len() - r0).min(4);
+        let a4: [&[W]; 4] = std::array::from_fn(|r| arows[r0 + r.min(real - 1)]);
         let next = (prefetch && r0 + 8 <= arows.len())
             .then(|| std::array::from_fn(|r| arows[r0 + 4 + r].as_ptr()));
         let mut c0 = 0;
@@ -503,26 +494,22 @@ fn tiled_rows<'r, W: TileWeight + 'r>(
             let next = if g == 0 { next } else { None };
             let at = row0 + r0;
             match width {
-                1 => tile::<W, 1>(a4, group, b, k, at, next, write),
-                2 => tile::<W, 2>(a4, group, b, k, at, next, write),
-                3 => tile::<W, 3>(a4, group, b, k, at, next, write),
-                _ => tile::<W, 4>(a4, group, b, k, at, next, write),
+                1 => tile::<W, 1>(a4, real, group, b, k, at, next, write),
+                2 => tile::<W, 2>(a4, real, group, b, k, at, next, write),
+                3 => tile::<W, 3>(a4, real, group, b, k, at, next, write),
+                _ => tile::<W, 4>(a4, real, group, b, k, at, next, write),
             }
             c0 += width;
-        }
-    }
-    for (ii, arow) in arows.iter().enumerate().skip(r_tiled) {
-        let arow = W::widen_row(arow, widened);
-        for col in cols {
-            write(col, row0 + ii, dot_f32(arow, b.f32_row(k, col.b)));
         }
     }
 }
 
 /// One register tile of [`tiled_rows`]: weight rows `a4` (rows `row0..row0 + 4`) against
-/// the `C` columns of `group`, each result passed to `write`.
+/// the `C` columns of `group`, the results of the first `real` rows passed to `write`.
+#[allow(clippy::too_many_arguments)]
 fn tile<W: TileWeight, const C: usize>(
     a4: [&[W]; 4],
+    real: usize,
     group: &[Col],
     b: &Prepared<'_>,
     k: usize,
@@ -531,7 +518,7 @@ fn tile<W: TileWeight, const C: usize>(
     write: &impl Fn(&Col, usize, f32),
 ) {
     let brows: [&[f32]; C] = std::array::from_fn(|c| b.f32_row(k, group[c].b));
-    for (dr, row) in dots_4xc(a4, brows, next).iter().enumerate() {
+    for (dr, row) in dots_4xc(a4, brows, next).iter().enumerate().take(real) {
         for (col, &v) in group.iter().zip(row) {
             write(col, row0 + dr, v);
         }
