@@ -66,6 +66,22 @@ pub(crate) enum Source {
 }
 
 impl Source {
+    /// Every source; a packer's const parameter is a position in this list ([`Source::at`]),
+    /// so each source gets its own packer with the per-row choice of unpacking folded away (a
+    /// jump table per row and block had been a tenth of packing a q4_0 panel).
+    const ALL: [Source; 5] = [
+        Source::Q8_0,
+        Source::Q4_0,
+        Source::Q5_0,
+        Source::Iq4Nl,
+        Source::Iq4Xs,
+    ];
+
+    /// The source at `index` in [`Source::ALL`].
+    pub(crate) const fn at(index: u8) -> Source {
+        Source::ALL[index as usize]
+    }
+
     /// The source of weights of type `dtype`, if the GEMM takes it.
     pub(crate) fn of(dtype: DType) -> Option<Source> {
         Some(match dtype {
@@ -641,6 +657,29 @@ mod x86 {
         nb: usize,
         out: &mut [Line],
     ) {
+        // SAFETY: forwarded from the caller.
+        unsafe {
+            match src {
+                Source::Q8_0 => pack_panel_of::<0>(rows, nb, out),
+                Source::Q4_0 => pack_panel_of::<1>(rows, nb, out),
+                Source::Q5_0 => pack_panel_of::<2>(rows, nb, out),
+                Source::Iq4Nl => pack_panel_of::<3>(rows, nb, out),
+                Source::Iq4Xs => pack_panel_of::<4>(rows, nb, out),
+            }
+        }
+    }
+
+    /// [`pack_panel`] for the source at index `S` ([`Source::at`]).
+    ///
+    /// # Safety
+    /// As [`pack_panel`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,f16c")]
+    unsafe fn pack_panel_of<const S: u8>(
+        rows: &[Option<&[u8]>; PANEL],
+        nb: usize,
+        out: &mut [Line],
+    ) {
+        let src = const { Source::at(S) };
         for b in 0..nb {
             // SAFETY: packed block `b` exists in `out` (caller).
             let blk = unsafe { out.as_mut_ptr().add(b * BLOCK_LINES) }.cast::<u8>();

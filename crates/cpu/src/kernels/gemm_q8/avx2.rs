@@ -61,6 +61,25 @@ pub(crate) unsafe fn pack_panel(
     nb: usize,
     out: &mut [Line],
 ) {
+    // SAFETY: forwarded from the caller.
+    unsafe {
+        match src {
+            Source::Q8_0 => pack_panel_of::<0>(rows, nb, out),
+            Source::Q4_0 => pack_panel_of::<1>(rows, nb, out),
+            Source::Q5_0 => pack_panel_of::<2>(rows, nb, out),
+            Source::Iq4Nl => pack_panel_of::<3>(rows, nb, out),
+            Source::Iq4Xs => pack_panel_of::<4>(rows, nb, out),
+        }
+    }
+}
+
+/// [`pack_panel`] for the source at index `S` ([`Source::at`]: each source its own packer).
+///
+/// # Safety
+/// As [`pack_panel`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn pack_panel_of<const S: u8>(rows: &[Option<&[u8]>; PANEL], nb: usize, out: &mut [Line]) {
+    let src = const { Source::at(S) };
     let ones8 = _mm256_set1_epi8(1);
     let ones16 = _mm256_set1_epi16(1);
     for b in 0..nb {
