@@ -367,7 +367,7 @@ fn q8_0_and_q4_0_panels_read_write_and_fill_exactly() -> Result<()> {
             repack::stored_view(&w),
             Some(repack::StoredView::LaidOut(
                 _,
-                repack::StoredLayout::Panels(_)
+                repack::StoredLayout::Panels(_) | repack::StoredLayout::Nibbles(_)
             ))
         ));
         let (vbytes, abytes) = (rng.bytes(v.nbytes()), rng.bytes(after.nbytes()));

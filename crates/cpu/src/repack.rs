@@ -4,7 +4,9 @@
 //! A whole, contiguous 2-D matrix bound in a [`RepackBufferType`] buffer gets a layout from
 //! the moment it is bound ([`layout_for`]): q4_1 rows of whole blocks are interleaved eight
 //! rows at a time ([`interleaved`], the decoding mat-vec's layout: a permutation of the plain
-//! bytes), q8_0 and q4_0 rows of whole blocks are stored as the integer GEMM's packed panels
+//! bytes), q4_0 rows of whole blocks as nibble panels that the integer GEMM expands with a
+//! few instructions per line ([`crate::kernels::gemm_q8::nibbles`], also a permutation, padded
+//! to whole panels of 32 rows), q8_0 rows as the integer GEMM's packed panels
 //! ([`crate::kernels::gemm_q8::stored`], larger than the plain bytes: [`BufferType::alloc_size`] says how much). Every
 //! other tensor is stored plainly. Writes and reads of any byte range go through the layout's
 //! mapping and return exactly the plain bytes: a weight can be set piece by piece, read back,
@@ -23,6 +25,7 @@ use std::sync::{Arc, OnceLock, RwLock};
 use crate::buffer::{Buffer, BufferMemory, BufferType, HostMemory, HOST_ALIGNMENT};
 use crate::device::Device;
 use crate::error::{Error, Result};
+use crate::kernels::gemm_q8::nibbles::NibbleLayout;
 use crate::kernels::gemm_q8::stored::PanelLayout;
 use crate::kernels::interleaved::Layout;
 pub use crate::kernels::stored_layout::StoredLayout;
@@ -79,8 +82,8 @@ pub fn is_repack(buffer_type: &dyn BufferType) -> bool {
 }
 
 /// The layout `tensor` would get in a repacking buffer, if any: a whole, contiguous 2-D matrix
-/// (not a view) of q4_1 with at least one group of eight rows (interleaved), or of q8_0 / q4_0
-/// (packed panels), in rows of whole blocks.
+/// (not a view) of q4_1 with at least one group of eight rows (interleaved), of q4_0 (nibble
+/// panels) or of q8_0 (packed panels), in rows of whole blocks.
 pub fn layout_for(tensor: &Tensor) -> Option<StoredLayout> {
     let ne = tensor.ne();
     if tensor.view_src().is_some() || !tensor.is_contiguous() || ne[2] != 1 || ne[3] != 1 {
@@ -88,6 +91,9 @@ pub fn layout_for(tensor: &Tensor) -> Option<StoredLayout> {
     }
     if let Some(l) = Layout::new(tensor.dtype(), ne[0], ne[1]).filter(|l| l.grouped_rows() > 0) {
         return Some(StoredLayout::Interleaved(l));
+    }
+    if let Some(l) = NibbleLayout::new(tensor.dtype(), ne[0], ne[1]) {
+        return Some(StoredLayout::Nibbles(l));
     }
     PanelLayout::new(tensor.dtype(), ne[0], ne[1]).map(StoredLayout::Panels)
 }
@@ -233,7 +239,7 @@ impl BufferMemory for RepackMemory {
         // The range's old tenants are gone; its bytes now follow the new tensor's layout.
         layouts.retain(|(start, l)| start + l.stored_bytes() <= offset || *start >= end);
         if let Some(layout) = layout {
-            if let StoredLayout::Panels(_) = layout {
+            if let StoredLayout::Panels(_) | StoredLayout::Nibbles(_) = layout {
                 // Rows past the matrix's last one stay zero in its last panel.
                 // SAFETY: the span lies inside the memory (checked above); binding is ordered
                 // before any use of the tensor by the caller.

@@ -283,6 +283,7 @@ pub(crate) const PACK_PREFETCH: usize = 256;
 mod affine;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+pub mod nibbles;
 pub mod stored;
 
 /// Weight rows per packed panel (two 16-lane vectors).
@@ -982,6 +983,8 @@ enum Weights<'a> {
     Interleaved(&'a Interleaved),
     /// Packed panels ([`stored`]) at this address.
     Panels(super::view::SendPtr),
+    /// q4_0 nibble panels ([`nibbles`]) at this address, expanded per task.
+    Nibbles(super::view::SendPtr, &'a nibbles::NibbleLayout),
 }
 
 /// [`mul_mat`] with weights stored as packed panels ([`stored`]): `a` describes the plain
@@ -1017,8 +1020,40 @@ pub fn mul_mat_stored(
     )
 }
 
-/// [`mul_mat`] and [`mul_mat_stored`]: panels packed per task from `a`'s rows (plain or
-/// interleaved), or read as stored.
+/// [`mul_mat`] with q4_0 weights stored as nibble panels ([`nibbles`]): `a` describes the
+/// plain 2-D matrix and points at the stored panels, which follow `layout`. Each task expands
+/// its panel into the packers' bytes, so the bits are [`mul_mat`]'s on the plain rows.
+pub fn mul_mat_nibbles(
+    isa: Isa,
+    dst: &RawTensor,
+    a: &RawTensor,
+    layout: &nibbles::NibbleLayout,
+    b: &RawTensor,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let fits = a.dtype == DType::Q4_0
+        && layout.k == a.ne[0]
+        && layout.rows == a.ne[1]
+        && a.ne[2] == 1
+        && a.ne[3] == 1;
+    if !fits {
+        return Err(Error::shape(
+            "quantized GEMM: stored nibble panels do not fit this product",
+        ));
+    }
+    mul_mat_from(
+        isa,
+        dst,
+        a,
+        Weights::Nibbles(a.ptr, layout),
+        b,
+        (b.ne[2], b.ne[3]),
+        scratch,
+    )
+}
+
+/// [`mul_mat`], [`mul_mat_stored`] and [`mul_mat_nibbles`]: panels packed per task from `a`'s
+/// rows (plain or interleaved), read as stored, or expanded from nibble panels.
 fn mul_mat_from(
     isa: Isa,
     dst: &RawTensor,
@@ -1037,7 +1072,9 @@ fn mul_mat_from(
     let (ne12, ne13) = (b.ne[2], b.ne[3]);
     let nb = k / QK;
     let affine_type = affine::AffineType::of(a.dtype);
-    if affine_type.is_some() && (isa == Isa::Avx2 || matches!(weights, Weights::Panels(_))) {
+    if affine_type.is_some()
+        && (isa == Isa::Avx2 || matches!(weights, Weights::Panels(_) | Weights::Nibbles(..)))
+    {
         return Err(Error::shape(format!(
             "quantized GEMM: {} weights need the VNNI or the portable kernel and plain rows",
             a.dtype
@@ -1048,6 +1085,17 @@ fn mul_mat_from(
     scratch.resize(b.nrows() * row_bytes, 0);
     prepare_acts(isa, b, scratch, affine_type)?;
     let acts: &[u8] = scratch;
+    // Nibble panels on the fused kernel: each activation block's offset term, once.
+    let fused = matches!(weights, Weights::Nibbles(..)) && isa == Isa::Vnni512;
+    let mut terms = Vec::new();
+    if fused {
+        let mut row_terms = Vec::new();
+        for row in acts.chunks_exact(row_bytes) {
+            nibbles::offset_terms(row, k, &mut row_terms);
+            terms.extend_from_slice(&row_terms);
+        }
+    }
+    let terms: &[i32] = &terms;
     let a_row_bytes = a.dtype.row_size(k)?;
     let panels = m.div_ceil(PANEL);
     let col_blocks = n.div_ceil(COL_BLOCK);
@@ -1070,6 +1118,8 @@ fn mul_mat_from(
             let (i12, i13) = (batch % ne12, batch / ne12);
             let (i02, i03) = (i12 / r2, i13 / r3);
             let i0 = p * PANEL;
+            // The stored nibble panel the fused kernel reads (nibble weights only).
+            let mut stored_panel: &[u8] = &[];
             let panel: &[Line] = match weights {
                 // SAFETY: panel `p` of the stored matrix: `nb` packed blocks of 64-byte
                 // aligned lines (`mul_mat_stored` checked the alignment and the layout),
@@ -1078,6 +1128,22 @@ fn mul_mat_from(
                     let at = base.0.add(p * nb * PACKED_BLOCK);
                     std::slice::from_raw_parts(at.cast::<Line>(), nb * BLOCK_LINES)
                 },
+                Weights::Nibbles(base, layout) => {
+                    // SAFETY: panel `p` of the stored matrix (`layout.stored_bytes()` bytes at
+                    // `a`'s address, the caller's), read-only during the product.
+                    let stored = unsafe {
+                        std::slice::from_raw_parts(
+                            base.0.add(p * layout.panel_bytes()).cast_const(),
+                            layout.panel_bytes(),
+                        )
+                    };
+                    if fused {
+                        stored_panel = stored;
+                    } else {
+                        nibbles::expand_panel(isa, layout, p, stored, &mut plain, &mut buf);
+                    }
+                    &buf
+                }
                 Weights::Interleaved(layout) => {
                     let present = (m - i0).min(PANEL);
                     plain.resize(PANEL * a_row_bytes, 0);
@@ -1122,6 +1188,15 @@ fn mul_mat_from(
                 }
                 if let Some(kt) = affine_type {
                     affine::run_tile(kt, isa, panel, &act_rows[..j1 - j0], k, &mut out);
+                } else if fused {
+                    let mut term_rows: [&[i32]; COLS] = [&[]; COLS];
+                    for (slot, j) in term_rows.iter_mut().zip(j0..j1) {
+                        let r = j + n * (i12 + ne12 * i13);
+                        *slot = &terms[r * nb..(r + 1) * nb];
+                    }
+                    let (acts, terms) = (&act_rows[..j1 - j0], &term_rows[..j1 - j0]);
+                    nibbles::tile(isa, stored_panel, acts, terms, k, &mut out)
+                        .expect("the fused kernel runs on Vnni512");
                 } else {
                     run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 }

@@ -1049,7 +1049,36 @@ pub fn mul_mat_laid_out(
     match layout {
         StoredLayout::Interleaved(l) => mul_mat_interleaved(dst, a, l, b, reference, scratch),
         StoredLayout::Panels(l) => mul_mat_panels(dst, a, l, b, reference, scratch),
+        StoredLayout::Nibbles(l) => mul_mat_nibble_panels(dst, a, l, b, reference, scratch),
     }
+}
+
+/// MUL_MAT with q4_0 weights stored as nibble panels (the repacking buffer type's layout for
+/// them, [`gemm_q8::nibbles`]): the integer GEMM expands each panel as it goes, for any
+/// column count, with the bits of the GEMM on the plain rows. The reference kernels, a CPU
+/// without the integer kernels, or a product the GEMM cannot take get the plain bytes rebuilt
+/// and the plain path.
+pub fn mul_mat_nibble_panels(
+    dst: RawTensor,
+    a: RawTensor,
+    layout: &gemm_q8::nibbles::NibbleLayout,
+    b: RawTensor,
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<()> {
+    let isa = gemm_q8::Isa::best();
+    if !reference && isa != gemm_q8::Isa::Portable && gemm_q8::applies(&a, &dst) && b.ne[0] == a.ne[0]
+    {
+        return gemm_q8::mul_mat_nibbles(isa, &dst, &a, layout, &b, scratch);
+    }
+    mul_mat_rebuilt(
+        dst,
+        a,
+        &StoredLayout::Nibbles(*layout),
+        b,
+        reference,
+        scratch,
+    )
 }
 
 /// MUL_MAT with q8_0/q4_0 weights stored as the integer GEMM's packed panels (the repacking

@@ -2,6 +2,7 @@
 //! the kernels' own layouts, with the plain and stored sizes and the exact byte mapping of
 //! each.
 
+use super::gemm_q8::nibbles::{self, NibbleLayout};
 use super::gemm_q8::stored::{self as panels, PanelLayout};
 use super::interleaved::{self, Layout};
 
@@ -12,6 +13,8 @@ pub enum StoredLayout {
     Interleaved(Layout),
     /// q8_0 / q4_0 rows as the integer GEMM's packed panels (more bytes than plain).
     Panels(PanelLayout),
+    /// q4_0 rows as nibble panels (the same bytes, permuted; whole panels of 32 rows).
+    Nibbles(NibbleLayout),
 }
 
 impl StoredLayout {
@@ -20,6 +23,7 @@ impl StoredLayout {
         match self {
             StoredLayout::Interleaved(l) => l.bytes(),
             StoredLayout::Panels(l) => l.plain_bytes(),
+            StoredLayout::Nibbles(l) => l.plain_bytes(),
         }
     }
 
@@ -28,6 +32,7 @@ impl StoredLayout {
         match self {
             StoredLayout::Interleaved(l) => l.bytes(),
             StoredLayout::Panels(l) => l.stored_bytes(),
+            StoredLayout::Nibbles(l) => l.stored_bytes(),
         }
     }
 
@@ -36,6 +41,7 @@ impl StoredLayout {
         match self {
             StoredLayout::Interleaved(l) => interleaved::copy_in(l, stored, start, data),
             StoredLayout::Panels(l) => panels::copy_in(l, stored, start, data),
+            StoredLayout::Nibbles(l) => nibbles::copy_in(l, stored, start, data),
         }
     }
 
@@ -44,6 +50,7 @@ impl StoredLayout {
         match self {
             StoredLayout::Interleaved(l) => interleaved::copy_out(l, stored, start, out),
             StoredLayout::Panels(l) => panels::copy_out(l, stored, start, out),
+            StoredLayout::Nibbles(l) => nibbles::copy_out(l, stored, start, out),
         }
     }
 }
