@@ -1067,7 +1067,10 @@ pub fn mul_mat_nibble_panels(
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
     let isa = gemm_q8::Isa::best();
-    if !reference && isa != gemm_q8::Isa::Portable && gemm_q8::applies(&a, &dst) && b.ne[0] == a.ne[0]
+    if !reference
+        && isa != gemm_q8::Isa::Portable
+        && gemm_q8::applies(&a, &dst)
+        && b.ne[0] == a.ne[0]
     {
         return gemm_q8::mul_mat_nibbles(isa, &dst, &a, layout, &b, scratch);
     }
