@@ -664,13 +664,19 @@ def test_embedding_requests_are_batched_and_bounded(encoder: Any) -> None:
 def test_lone_embedding_requests_are_not_held_for_company(encoder: Any) -> None:
     """An idle encoder takes a lone client's request at once: with a wait for company of a
     minute, three requests one after another still finish long before it (each its own
-    encoder call)."""
+    encoder call) — also when the worker comes back for work only after the client, answered,
+    has already sent its next request."""
     from ferrograph.server import EmbeddingBatcher
     from ferrograph.server.metrics import Metrics
 
+    class SlowToReturn(EmbeddingBatcher):
+        def _take(self) -> Any:
+            time.sleep(0.05)  # the answered client's next request is queued by now
+            return super()._take()
+
     gated = _GatedEncoder(encoder)
     gated.gate.set()
-    batcher = EmbeddingBatcher(gated, Metrics(), max_batch=64, max_wait=60.0)
+    batcher = SlowToReturn(gated, Metrics(), max_batch=64, max_wait=60.0)
 
     async def one_at_a_time() -> list[Any]:
         return [await asyncio.wait_for(batcher.embed([s]), 30) for s in SENTENCES[:3]]

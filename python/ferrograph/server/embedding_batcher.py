@@ -89,6 +89,10 @@ class EmbeddingBatcher:
         self._stopping = False
         # Requests in the batch taken last (several: clients are active concurrently).
         self._last_requests = 0
+        # Whether the encoder is computing a batch, and whether a request arrived meanwhile
+        # (another client active at the same time).
+        self._busy = False
+        self._arrived_while_busy = False
         self._thread = threading.Thread(target=self._run, name="ferrograph-embed", daemon=True)
         self._thread.start()
 
@@ -117,6 +121,7 @@ class EmbeddingBatcher:
                 )
             self._queue.append(_Pending(texts, future, loop))
             self._queued_sentences += len(texts)
+            self._arrived_while_busy |= self._busy
             self._cond.notify()
         return await future
 
@@ -131,8 +136,11 @@ class EmbeddingBatcher:
         with self._cond:
             # Requests that queued while the encoder was busy mean concurrent clients: worth
             # waiting a little for more of them. A request finding the encoder idle, after
-            # batches of one, is a lone client's: it is encoded at once.
-            concurrent = bool(self._queue) or self._last_requests > 1
+            # batches of one, is a lone client's: it is encoded at once. (Whether the queue is
+            # empty here says nothing: a lone client, answered before this point, may already
+            # have sent its next request.)
+            concurrent = self._arrived_while_busy or self._last_requests > 1
+            self._arrived_while_busy = False
             while not self._queue and not self._stopping:
                 self._cond.wait()
             if self._stopping:
@@ -156,6 +164,7 @@ class EmbeddingBatcher:
                 batch.append(nxt)
                 count += len(nxt.texts)
             self._last_requests = len(batch)
+            self._busy = bool(batch)
             return batch
 
     def _run(self) -> None:
@@ -180,6 +189,10 @@ class EmbeddingBatcher:
                 last = self.encoder.last_profile
                 self.profile = last if self.profile is None else self.profile + last
             elapsed = time.perf_counter() - start
+            # Idle again before anyone is answered: a lone client's next request must not
+            # count as arriving while busy.
+            with self._cond:
+                self._busy = False
             logger.debug(
                 "embedded %d sentences of %d requests in %.1f ms",
                 len(texts),
