@@ -569,27 +569,14 @@ fn pack_block(src: Source, row: &[u8], b: usize, blk: &mut [u8], r: usize) {
     blk[at..at + 4].copy_from_slice(&(-128 * sum).to_ne_bytes());
 }
 
-/// The inverse of [`pack_block`] for the values of a q4_0 (`q4`) or q8_0 block: lane `r`'s
-/// values of the packed block `blk` as a plain block's quant bytes (`quants`: the block's
-/// bytes after its scale).
-fn unpack_block_quants(q4: bool, blk: &[u8], r: usize, quants: &mut [u8]) {
+/// The inverse of [`pack_block`] for the values of a q8_0 block: lane `r`'s values of the
+/// packed block `blk` as the plain block's quant bytes (`quants`: the block's bytes after its
+/// scale).
+fn unpack_block_quants(blk: &[u8], r: usize, quants: &mut [u8]) {
     let (v, lane) = (r / 16, r % 16);
-    let mut w = [0i8; QK];
     for s in 0..STEPS {
         let at = (s * 2 + v) * 64 + lane * 4;
-        for t in 0..4 {
-            w[4 * s + t] = blk[at + t] as i8;
-        }
-    }
-    if q4 {
-        for j in 0..QK / 2 {
-            let (lo, hi) = ((w[j] + 8) as u8, (w[j + QK / 2] + 8) as u8);
-            quants[j] = lo | (hi << 4);
-        }
-    } else {
-        for (o, &q) in quants[..QK].iter_mut().zip(&w) {
-            *o = q as u8;
-        }
+        quants[4 * s..4 * s + 4].copy_from_slice(&blk[at..at + 4]);
     }
 }
 

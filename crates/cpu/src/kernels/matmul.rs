@@ -1084,7 +1084,7 @@ pub fn mul_mat_nibble_panels(
     )
 }
 
-/// MUL_MAT with q8_0/q4_0 weights stored as the integer GEMM's packed panels (the repacking
+/// MUL_MAT with q8_0 weights stored as the integer GEMM's packed panels (the repacking
 /// buffer type's layout for them, [`gemm_q8::stored`]): the GEMM reads the panels as stored,
 /// for any column count. The reference kernels, a CPU without the integer kernels, or a
 /// product the GEMM cannot take get the plain bytes rebuilt and the plain path, with the same

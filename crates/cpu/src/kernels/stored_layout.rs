@@ -11,7 +11,7 @@ use super::interleaved::{self, Layout};
 pub enum StoredLayout {
     /// q4_1 rows interleaved eight at a time (the same bytes, permuted).
     Interleaved(Layout),
-    /// q8_0 / q4_0 rows as the integer GEMM's packed panels (more bytes than plain).
+    /// q8_0 rows as the integer GEMM's packed panels (more bytes than plain).
     Panels(PanelLayout),
     /// q4_0 rows as nibble panels (the same bytes, permuted; whole panels of 32 rows).
     Nibbles(NibbleLayout),

@@ -1,6 +1,6 @@
-//! q8_0 / q4_0 weight matrices kept as the integer GEMM's packed panels: the layout of the
-//! CPU's repacking buffer type for these types ([`crate::repack`]), so a product reads the
-//! panels as stored instead of packing every panel on every call.
+//! q8_0 weight matrices kept as the integer GEMM's packed panels: the layout of the CPU's
+//! repacking buffer type for q8_0 ([`crate::repack`]; q4_0 has its own, [`super::nibbles`]),
+//! so a product reads the panels as stored instead of packing every panel on every call.
 //!
 //! # The layout
 //!
@@ -12,16 +12,12 @@
 //! of any plain byte range go block by block: a block that a write covers only partly is
 //! rebuilt, patched and packed again, so nothing can go stale.
 
-use super::{
-    pack_block, unpack_block_quants, Source, PACKED_BLOCK, PANEL, Q4_0_BYTES, Q8_0_BYTES, QK,
-};
+use super::{pack_block, unpack_block_quants, Source, PACKED_BLOCK, PANEL, Q8_0_BYTES, QK};
 use crate::dtype::DType;
 
-/// The packed-panel layout of one weight matrix.
+/// The packed-panel layout of one q8_0 weight matrix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PanelLayout {
-    /// q4_0 blocks (else q8_0).
-    pub q4: bool,
     /// Values per row (a multiple of 32).
     pub k: usize,
     /// Rows of the matrix.
@@ -29,24 +25,16 @@ pub struct PanelLayout {
 }
 
 impl PanelLayout {
-    /// The layout of `rows` rows of `k` values of `dtype`, if the type has panels (q8_0, q4_0)
-    /// and the rows are whole blocks.
+    /// The layout of `rows` rows of `k` values of `dtype`, if the type is q8_0 and the rows
+    /// are whole blocks.
     pub fn new(dtype: DType, k: usize, rows: usize) -> Option<PanelLayout> {
-        let q4 = match dtype {
-            DType::Q4_0 => true,
-            DType::Q8_0 => false,
-            _ => return None,
-        };
-        (k > 0 && k.is_multiple_of(QK) && rows > 0).then_some(PanelLayout { q4, k, rows })
+        (dtype == DType::Q8_0 && k > 0 && k.is_multiple_of(QK) && rows > 0)
+            .then_some(PanelLayout { k, rows })
     }
 
     /// The matrix's block type.
     pub fn dtype(&self) -> DType {
-        if self.q4 {
-            DType::Q4_0
-        } else {
-            DType::Q8_0
-        }
+        DType::Q8_0
     }
 
     fn nb(&self) -> usize {
@@ -54,11 +42,7 @@ impl PanelLayout {
     }
 
     fn block_bytes(&self) -> usize {
-        if self.q4 {
-            Q4_0_BYTES
-        } else {
-            Q8_0_BYTES
-        }
+        Q8_0_BYTES
     }
 
     /// Bytes of the matrix stored plainly (what reads and writes address).
@@ -95,15 +79,14 @@ impl PanelLayout {
     /// Packs the plain block `plain` as block `b` of `row`.
     fn store_block(&self, stored: &mut [u8], row: usize, b: usize, plain: &[u8]) {
         let (blk, lane) = self.packed(row, b);
-        let src = if self.q4 { Source::Q4_0 } else { Source::Q8_0 };
-        pack_block(src, plain, 0, &mut stored[blk], lane);
+        pack_block(Source::Q8_0, plain, 0, &mut stored[blk], lane);
         stored[self.scale_at(row, b)].copy_from_slice(&plain[..2]);
     }
 
     /// Rebuilds the plain bytes of block `b` of `row` into `out` (one block's bytes).
     fn load_block(&self, stored: &[u8], row: usize, b: usize, out: &mut [u8]) {
         let (blk, lane) = self.packed(row, b);
-        unpack_block_quants(self.q4, &stored[blk], lane, &mut out[2..]);
+        unpack_block_quants(&stored[blk], lane, &mut out[2..]);
         out[..2].copy_from_slice(&stored[self.scale_at(row, b)]);
     }
 
@@ -176,9 +159,9 @@ mod tests {
     fn panels_are_the_packers_and_ranges_map_exactly() {
         for (dtype, k, rows) in [
             (DType::Q8_0, 96, 29),
-            (DType::Q4_0, 64, 70),
+            (DType::Q8_0, 64, 70),
             (DType::Q8_0, 32, 1),
-            (DType::Q4_0, 160, 32),
+            (DType::Q8_0, 160, 32),
         ] {
             let layout = PanelLayout::new(dtype, k, rows).unwrap();
             let mut plain = bytes(layout.plain_bytes(), k as u32 + rows as u32);
@@ -230,9 +213,10 @@ mod tests {
     }
 
     #[test]
-    fn only_whole_blocks_of_q8_0_and_q4_0_have_panels() {
+    fn only_whole_blocks_of_q8_0_have_panels() {
         assert!(PanelLayout::new(DType::Q8_0, 64, 3).is_some());
-        assert!(PanelLayout::new(DType::Q4_0, 32, 1).is_some());
+        assert!(PanelLayout::new(DType::Q8_0, 32, 1).is_some());
+        assert!(PanelLayout::new(DType::Q4_0, 32, 1).is_none());
         assert!(PanelLayout::new(DType::Q8_0, 48, 3).is_none());
         assert!(PanelLayout::new(DType::Q4_1, 64, 3).is_none());
         assert!(PanelLayout::new(DType::Q8_0, 64, 0).is_none());
