@@ -190,6 +190,23 @@ pub(crate) fn fifth_bits(qh: i32) -> std::arch::x86_64::__m256i {
     _mm256_and_si256(_mm256_cmpeq_epi8(bits, bit), _mm256_set1_epi8(0x10))
 }
 
+/// `$f::<S>($args)` with `S` the position of `$src` in [`Source::ALL`]: a function generic
+/// over the source (a const parameter) called for a source known only at run time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! per_source {
+    ($src:expr, $f:ident($($arg:expr),*)) => {
+        match $src {
+            Source::Q8_0 => $f::<0>($($arg),*),
+            Source::Q4_0 => $f::<1>($($arg),*),
+            Source::Q5_0 => $f::<2>($($arg),*),
+            Source::Iq4Nl => $f::<3>($($arg),*),
+            Source::Iq4Xs => $f::<4>($($arg),*),
+        }
+    };
+}
+#[cfg(target_arch = "x86_64")]
+pub(crate) use per_source;
+
 /// Loads block `b` of each present row of `rows` (weights of `src`) into `r` as 32 signed
 /// bytes (the values of [`block_ints`]) and its scale into `scales`; missing rows keep their
 /// zeros. A macro so that it expands inside the packers' target-feature functions (AVX2 and
@@ -646,15 +663,7 @@ mod x86 {
         out: &mut [Line],
     ) {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match src {
-                Source::Q8_0 => pack_panel_of::<0>(rows, nb, out),
-                Source::Q4_0 => pack_panel_of::<1>(rows, nb, out),
-                Source::Q5_0 => pack_panel_of::<2>(rows, nb, out),
-                Source::Iq4Nl => pack_panel_of::<3>(rows, nb, out),
-                Source::Iq4Xs => pack_panel_of::<4>(rows, nb, out),
-            }
-        }
+        unsafe { per_source!(src, pack_panel_of(rows, nb, out)) }
     }
 
     /// [`pack_panel`] for the source at index `S` ([`Source::at`]).
@@ -851,23 +860,54 @@ mod x86 {
                 }
                 let dw0 = _mm512_load_ps(blk.add(SCALES_AT).cast());
                 let dw1 = _mm512_load_ps(blk.add(SCALES_AT + 64).cast());
-                for c in 0..C {
-                    let da = _mm512_set1_ps(ap[c].add(k + 4 * b).cast::<f32>().read_unaligned());
-                    accf[c][0] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(acci[c][0]),
-                        _mm512_mul_ps(dw0, da),
-                        accf[c][0],
-                    );
-                    accf[c][1] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(acci[c][1]),
-                        _mm512_mul_ps(dw1, da),
-                        accf[c][1],
+                scale_block(&mut accf, &acci, [dw0, dw1], &ap, k + 4 * b);
+            }
+        }
+        // SAFETY: AVX-512F, which this function has.
+        unsafe { store_tile(&accf, out) };
+    }
+
+    /// The f32 step of one block for every column, shared by the VNNI micro-kernels:
+    /// `acc = fma(isum, dw · da, acc)` per half panel, `da` the f32 scale at byte `at` of
+    /// column `c`'s prepared activation row.
+    ///
+    /// # Safety
+    /// Inlined only into functions with AVX-512F; every `ap[c]` holds 4 bytes at `at`.
+    #[inline(always)]
+    pub(super) unsafe fn scale_block<const C: usize>(
+        accf: &mut [[__m512; 2]; C],
+        acci: &[[__m512i; 2]; C],
+        dw: [__m512; 2],
+        ap: &[*const u8; C],
+        at: usize,
+    ) {
+        for c in 0..C {
+            // SAFETY: the caller's contract.
+            unsafe {
+                let da = _mm512_set1_ps(ap[c].add(at).cast::<f32>().read_unaligned());
+                for h in 0..2 {
+                    accf[c][h] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(acci[c][h]),
+                        _mm512_mul_ps(dw[h], da),
+                        accf[c][h],
                     );
                 }
             }
         }
+    }
+
+    /// Writes the `C` columns' 32 sums of a micro-tile to `out`.
+    ///
+    /// # Safety
+    /// Inlined only into functions with AVX-512F.
+    #[inline(always)]
+    pub(super) unsafe fn store_tile<const C: usize>(
+        accf: &[[__m512; 2]; C],
+        out: &mut [[f32; PANEL]; COLS],
+    ) {
         for c in 0..C {
-            // SAFETY: `out[c]` holds 32 f32 (two unaligned 16-lane stores).
+            // SAFETY: `out[c]` holds 32 f32 (two unaligned 16-lane stores); AVX-512F (the
+            // caller's contract).
             unsafe {
                 _mm512_storeu_ps(out[c].as_mut_ptr(), accf[c][0]);
                 _mm512_storeu_ps(out[c].as_mut_ptr().add(16), accf[c][1]);

@@ -176,6 +176,45 @@ pub(crate) mod testing {
         })
     }
 
+    /// `n` reproducible bytes from `seed`.
+    pub fn bytes(n: usize, seed: u32) -> Vec<u8> {
+        xorshift32(seed).take(n).map(|s| (s >> 7) as u8).collect()
+    }
+
+    /// Checks a stored layout's byte mapping over `plain` (the matrix's plain bytes, written
+    /// whole into `stored` already): the whole matrix reads back, then 300 arbitrary ranges
+    /// (up to three blocks of `block` bytes) read back what was last written and take fresh
+    /// bytes, and the whole matrix reads back those at the end.
+    pub fn check_range_mapping(
+        plain: &[u8],
+        block: usize,
+        stored: &mut [u8],
+        copy_in: impl Fn(&mut [u8], usize, &[u8]),
+        copy_out: impl Fn(&[u8], usize, &mut [u8]),
+    ) {
+        let mut back = vec![0u8; plain.len()];
+        copy_out(stored, 0, &mut back);
+        assert_eq!(back, plain);
+        let mut expect = plain.to_vec();
+        let mut s = 3usize;
+        for i in 0..300 {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            let a = (s >> 20) % plain.len();
+            let b = a + (s >> 40) % (plain.len() - a + 1).min(3 * block);
+            let mut piece = vec![0u8; b - a];
+            copy_out(stored, a, &mut piece);
+            assert_eq!(piece, expect[a..b], "read {a}..{b}");
+            let fresh = bytes(b - a, i + 1);
+            copy_in(stored, a, &fresh);
+            expect[a..b].copy_from_slice(&fresh);
+        }
+        let mut whole = vec![0u8; plain.len()];
+        copy_out(stored, 0, &mut whole);
+        assert_eq!(whole, expect);
+    }
+
     /// `n` reproducible values in [-1, 1] from `seed`.
     pub fn values(n: usize, seed: u32) -> Vec<f32> {
         xorshift32(seed)

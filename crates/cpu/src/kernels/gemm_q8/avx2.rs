@@ -62,15 +62,7 @@ pub(crate) unsafe fn pack_panel(
     out: &mut [Line],
 ) {
     // SAFETY: forwarded from the caller.
-    unsafe {
-        match src {
-            Source::Q8_0 => pack_panel_of::<0>(rows, nb, out),
-            Source::Q4_0 => pack_panel_of::<1>(rows, nb, out),
-            Source::Q5_0 => pack_panel_of::<2>(rows, nb, out),
-            Source::Iq4Nl => pack_panel_of::<3>(rows, nb, out),
-            Source::Iq4Xs => pack_panel_of::<4>(rows, nb, out),
-        }
-    }
+    unsafe { super::per_source!(src, pack_panel_of(rows, nb, out)) }
 }
 
 /// [`pack_panel`] for the source at index `S` ([`Source::at`]: each source its own packer).

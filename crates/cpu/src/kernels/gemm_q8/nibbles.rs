@@ -202,6 +202,7 @@ pub(super) fn tile(
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
+    use super::super::x86::{scale_block, store_tile};
     use super::super::{Line, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT};
     use super::{SCALES, STORED_BLOCK};
     use crate::kernels::simd::prefetch_ahead;
@@ -305,28 +306,11 @@ mod x86 {
                 }
                 let dw0 = _mm512_cvtph_ps(_mm256_loadu_si256(src.add(SCALES).cast()));
                 let dw1 = _mm512_cvtph_ps(_mm256_loadu_si256(src.add(SCALES + 32).cast()));
-                for c in 0..C {
-                    let da = _mm512_set1_ps(ap[c].add(k + 4 * b).cast::<f32>().read_unaligned());
-                    accf[c][0] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(acci[c][0]),
-                        _mm512_mul_ps(dw0, da),
-                        accf[c][0],
-                    );
-                    accf[c][1] = _mm512_fmadd_ps(
-                        _mm512_cvtepi32_ps(acci[c][1]),
-                        _mm512_mul_ps(dw1, da),
-                        accf[c][1],
-                    );
-                }
+                scale_block(&mut accf, &acci, [dw0, dw1], &ap, k + 4 * b);
             }
         }
-        for c in 0..C {
-            // SAFETY: `out[c]` holds 32 f32 (two unaligned 16-lane stores).
-            unsafe {
-                _mm512_storeu_ps(out[c].as_mut_ptr(), accf[c][0]);
-                _mm512_storeu_ps(out[c].as_mut_ptr().add(16), accf[c][1]);
-            }
-        }
+        // SAFETY: AVX-512F, which this function has.
+        unsafe { store_tile(&accf, out) };
     }
 
     /// Dispatches [`tile_c`] on the column count (1..=COLS).
@@ -359,11 +343,7 @@ mod x86 {
 mod tests {
     use super::super::{pack_panel_portable, Source, PACKED_BLOCK};
     use super::*;
-    use crate::kernels::testing::xorshift32;
-
-    fn bytes(n: usize, seed: u32) -> Vec<u8> {
-        xorshift32(seed).take(n).map(|s| (s >> 7) as u8).collect()
-    }
+    use crate::kernels::testing::{bytes, check_range_mapping};
 
     /// Every ISA's expansion of every panel gives the portable packer's bytes for the
     /// panel's rows (a partial last panel: its rows' lanes), and any plain range reads back
@@ -424,28 +404,13 @@ mod tests {
                 }
             }
             assert_eq!(PACKED_BLOCK, BLOCK_LINES * 64);
-            let mut back = vec![0u8; plain.len()];
-            copy_out(&layout, &stored, 0, &mut back);
-            assert_eq!(back, plain);
-            // Arbitrary ranges, read and written.
-            let mut expect = plain.clone();
-            let mut s = 3usize;
-            for i in 0..300 {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let a = (s >> 20) % plain.len();
-                let b = a + (s >> 40) % (plain.len() - a + 1).min(3 * Q4_0_BYTES);
-                let mut piece = vec![0u8; b - a];
-                copy_out(&layout, &stored, a, &mut piece);
-                assert_eq!(piece, expect[a..b], "read {a}..{b}");
-                let fresh = bytes(b - a, i + 1);
-                copy_in(&layout, &mut stored, a, &fresh);
-                expect[a..b].copy_from_slice(&fresh);
-            }
-            let mut whole = vec![0u8; plain.len()];
-            copy_out(&layout, &stored, 0, &mut whole);
-            assert_eq!(whole, expect);
+            check_range_mapping(
+                &plain,
+                Q4_0_BYTES,
+                &mut stored,
+                |st, at, data| copy_in(&layout, st, at, data),
+                |st, at, out| copy_out(&layout, st, at, out),
+            );
         }
     }
 

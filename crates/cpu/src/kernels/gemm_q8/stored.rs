@@ -149,11 +149,7 @@ pub fn copy_out(layout: &PanelLayout, stored: &[u8], start: usize, out: &mut [u8
 mod tests {
     use super::super::{pack_panel_portable, Line, BLOCK_LINES, PANEL};
     use super::*;
-    use crate::kernels::testing::xorshift32;
-
-    fn bytes(n: usize, seed: u32) -> Vec<u8> {
-        xorshift32(seed).take(n).map(|s| (s >> 7) as u8).collect()
-    }
+    use crate::kernels::testing::{bytes, check_range_mapping};
 
     #[test]
     fn panels_are_the_packers_and_ranges_map_exactly() {
@@ -187,28 +183,13 @@ mod tests {
                 let want: Vec<u8> = want.iter().flat_map(|l| l.0).collect();
                 assert_eq!(got, &want[..], "{dtype} panel {p}");
             }
-            let mut back = vec![0u8; plain.len()];
-            copy_out(&layout, &stored, 0, &mut back);
-            assert_eq!(back, plain);
-            // Arbitrary ranges, read and written.
-            let mut expect = plain.clone();
-            let mut s = 3usize;
-            for i in 0..300 {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                let a = (s >> 20) % plain.len();
-                let b = a + (s >> 40) % (plain.len() - a + 1).min(3 * bb);
-                let mut piece = vec![0u8; b - a];
-                copy_out(&layout, &stored, a, &mut piece);
-                assert_eq!(piece, expect[a..b], "{dtype} read {a}..{b}");
-                let fresh = bytes(b - a, i + 1);
-                copy_in(&layout, &mut stored, a, &fresh);
-                expect[a..b].copy_from_slice(&fresh);
-            }
-            let mut whole = vec![0u8; plain.len()];
-            copy_out(&layout, &stored, 0, &mut whole);
-            assert_eq!(whole, expect);
+            check_range_mapping(
+                &plain,
+                bb,
+                &mut stored,
+                |st, at, data| copy_in(&layout, st, at, data),
+                |st, at, out| copy_out(&layout, st, at, out),
+            );
         }
     }
 
