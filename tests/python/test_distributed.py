@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import shutil
 import subprocess
 import sys
 import threading
@@ -518,6 +519,50 @@ while not os.path.exists("go") and time.monotonic() < deadline:
 cluster.shutdown()
 assert not ray.is_initialized()
 """
+
+
+@needs_servers
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
+def test_no_process_of_a_local_ray_connects_beyond_loopback(tmp_path: Any) -> None:
+    """Every connect() of the launching process and of every process Ray starts for it (traced
+    with strace, so no connection is missed between samples) goes to loopback or a local
+    socket: in particular Ray's dashboard process, started even without the dashboard, does
+    not ask the cloud metadata services which cloud it runs on."""
+    env = dict(os.environ)
+    for key in (*_RAY_ENV, "RAY_ADDRESS"):
+        env.pop(key, None)  # launch() must do it by itself
+    script = _LOCAL_LAUNCH.replace('not os.path.exists("go") and ', "")
+    script = script.replace("deadline = time.monotonic() + 60", "deadline = time.monotonic() + 3")
+    trace = tmp_path / "connects.txt"
+    done = subprocess.run(
+        [
+            "strace",
+            "-f",
+            "-qq",
+            "-e",
+            "trace=connect",
+            "-o",
+            str(trace),
+            sys.executable,
+            "-c",
+            script,
+        ],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    connects = [line for line in trace.read_text().splitlines() if "connect(" in line]
+    assert any("127.0.0.1" in line for line in connects)  # the trace saw Ray's own traffic
+    beyond = [
+        line
+        for line in connects
+        if ("sa_family=AF_INET," in line and 'inet_addr("127.' not in line)
+        or ("sa_family=AF_INET6," in line and '"::1"' not in line and '"::ffff:127.' not in line)
+    ]
+    assert not beyond, beyond[:5]
 
 
 @needs_servers

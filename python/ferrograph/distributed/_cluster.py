@@ -13,7 +13,7 @@ from typing import Any
 
 from ..errors import BackendError
 from ..remote import RemoteConnection, open_connection
-from ._ray import actor_failure, first_line
+from ._ray import actor_failure, first_line, stop_ray
 
 logger = logging.getLogger("ferrograph.distributed")
 
@@ -246,7 +246,7 @@ class Cluster:
                 s.state = "stopped"
             self.generation += 1
         if self.owns_ray:
-            ray.shutdown()
+            stop_ray(ray)
         logger.info("cluster shut down")
 
     def __enter__(self) -> Cluster:

@@ -14,7 +14,14 @@ from .._server_process import default_server_command
 from ..errors import Error, InvalidArgumentError
 from ._cluster import Cluster, ServerState
 from ._host import ServerHost
-from ._ray import LaunchError, actor_failure, import_ray, keep_ray_on_loopback, start_ray
+from ._ray import (
+    LaunchError,
+    actor_failure,
+    import_ray,
+    keep_ray_on_loopback,
+    start_ray,
+    stop_ray,
+)
 
 logger = logging.getLogger("ferrograph.distributed")
 
@@ -182,7 +189,7 @@ def launch(
             with contextlib.suppress(Exception):
                 remove_placement_group(pg)
             if owns_ray:
-                ray.shutdown()
+                stop_ray(ray)
         raise
     cluster._on_lost = on_lost
     cluster._start_monitor()

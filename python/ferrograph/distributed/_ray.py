@@ -6,7 +6,9 @@ from __future__ import annotations
 import logging
 import os
 import re
+import shutil
 import sys
+import tempfile
 from typing import Any
 
 from ..errors import Error
@@ -54,30 +56,72 @@ def keep_ray_on_loopback() -> None:
         setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a module of Ray's)
 
 
+# The home directory given to the processes of the Ray started here (see `_quiet_home`).
+_ray_home: str | None = None
+
+
+def _quiet_home() -> str:
+    """A fresh directory holding an empty ``ray_bootstrap_config.yaml``, to be the home
+    directory of the Ray processes started here. Even with ``include_dashboard=False`` Ray
+    starts a dashboard process whose usage module, usage statistics off or not, reads that file
+    from the home directory and, when it is missing, asks the cloud metadata services
+    (169.254.169.254, metadata.google.internal) which cloud it runs on: a connection beyond
+    loopback (seen by the loopback test). With the file present it reads the file instead."""
+    home = tempfile.mkdtemp(prefix="ferrograph-ray-")
+    with open(os.path.join(home, "ray_bootstrap_config.yaml"), "w", encoding="utf-8") as f:
+        f.write("{}\n")
+    return home
+
+
 def start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
-    """Connects to Ray; returns whether this call started it (and so must stop it)."""
+    """Connects to Ray; returns whether this call started it (and so must stop it with
+    :func:`stop_ray`)."""
+    global _ray_home
     if ray.is_initialized():
         return False
     if address is not None:
         ray.init(address=address, log_to_driver=False)
         return False
     keep_ray_on_loopback()
-    ray.init(
-        address="local",  # a new one, never a cluster someone else started on this machine
-        num_cpus=max(os.cpu_count() or 1, int(n_cpus + 0.999)),
-        include_dashboard=False,
-        log_to_driver=False,
-        _node_ip_address="127.0.0.1",
-    )
+    # The processes Ray starts now inherit this environment; this process's is restored.
+    home = _quiet_home()
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = home
+    try:
+        ray.init(
+            address="local",  # a new one, never a cluster someone else started on this machine
+            num_cpus=max(os.cpu_count() or 1, int(n_cpus + 0.999)),
+            include_dashboard=False,
+            log_to_driver=False,
+            _node_ip_address="127.0.0.1",
+        )
+    except BaseException:
+        shutil.rmtree(home, ignore_errors=True)
+        raise
+    finally:
+        if saved is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = saved
+    _ray_home = home
     addresses = {n.get("NodeManagerAddress") for n in ray.nodes()}
     if addresses != {"127.0.0.1"}:
-        ray.shutdown()
+        stop_ray(ray)
         raise LaunchError(
             f"the local Ray started on {sorted(map(str, addresses))} instead of 127.0.0.1 only; "
             f"stopped it (set RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before importing ray)"
         )
     logger.info("started a local Ray on 127.0.0.1 (no dashboard, no usage stats)")
     return True
+
+
+def stop_ray(ray: Any) -> None:
+    """Shuts down the Ray :func:`start_ray` started and removes its processes' home."""
+    global _ray_home
+    ray.shutdown()
+    if _ray_home is not None:
+        shutil.rmtree(_ray_home, ignore_errors=True)
+        _ray_home = None
 
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
