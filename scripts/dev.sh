@@ -103,7 +103,7 @@ case "${1:-}" in
     python -m pytest -q tests/python
     # The kernels a CPU without AVX-512 (and one without any SIMD extension) would choose,
     # run on this one: the kernel suite and the model / block-type suites, capped.
-    FERROGRAPH_MAX_ISA=avx2 cargo test -q --test kernels
+    FERROGRAPH_MAX_ISA=avx2 cargo test -q --test kernels --test repack
     FERROGRAPH_MAX_ISA=avx2 python -m pytest -q tests/python/test_llm.py \
       tests/python/test_llm_tiny_llamacpp.py tests/python/test_block_types_ggml.py \
       tests/python/test_minilm.py

@@ -1,7 +1,8 @@
 //! q4_0 weight matrices kept as nibble panels: the repacking buffer type's layout for q4_0
-//! ([`crate::repack`]), a permutation of the plain bytes that the integer GEMM expands into
-//! its packed panels with a few vector instructions per line, instead of gathering 32 rows
-//! side by side and transposing them on every call.
+//! ([`crate::repack`]), a permutation of the plain bytes that the integer GEMM's fused VNNI
+//! micro-kernel ([`tile`]) reads as stored — a few vector instructions per line separate the
+//! nibbles — instead of gathering 32 rows side by side and transposing them on every call.
+//! CPUs without that kernel rebuild a panel's plain rows and pack them ([`expand_panel`]).
 //!
 //! # The layout
 //!
@@ -16,7 +17,7 @@
 //! what was written, scales' NaN payloads included, and a write of any range moves its bytes
 //! into place: nothing can go stale.
 
-use super::{pack_any, Isa, Line, BLOCK_LINES, COLS, PANEL, QK};
+use super::{pack_any, Isa, Line, COLS, PANEL, QK};
 use crate::dtype::DType;
 use crate::kernels::quant_dot::Q4_0_BYTES;
 
@@ -121,10 +122,10 @@ pub fn copy_out(layout: &NibbleLayout, stored: &[u8], start: usize, out: &mut [u
 }
 
 /// Panel `p` of a matrix stored in `layout` (`panel`: its [`NibbleLayout::panel_bytes`]
-/// bytes) as the GEMM's packed panel in `out`, with the bytes the packer of `isa` writes for
-/// the panel's rows (a missing row's lanes hold whatever its zero bytes expand to; their
-/// results are never used). `plain` is scratch for the ISAs without an expansion kernel,
-/// which rebuild the plain rows and pack them.
+/// bytes) as the GEMM's packed panel in `out`: the panel's plain rows rebuilt into `plain`
+/// and packed by the packer of `isa` (the kernels without a fused nibble kernel: AVX2 and
+/// portable). A first version expanded the nibbles straight into packed lines on AVX-512; the
+/// fused kernel ([`tile`]) replaced it (see DECISIONS).
 pub(super) fn expand_panel(
     isa: Isa,
     layout: &NibbleLayout,
@@ -135,14 +136,6 @@ pub(super) fn expand_panel(
 ) {
     let nb = layout.nb();
     assert!(panel.len() >= layout.panel_bytes());
-    #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Vnni512 {
-        out.resize(nb * BLOCK_LINES, Line([0; 64]));
-        // SAFETY: `Vnni512` is only chosen on CPUs with AVX-512F/BW/VNNI and F16C; `panel`
-        // holds `nb` stored blocks (asserted) and `out` `nb` packed blocks.
-        unsafe { x86::expand(panel, nb, out) };
-        return;
-    }
     let row_bytes = nb * Q4_0_BYTES;
     let present = (layout.rows - p * PANEL).min(PANEL);
     plain.resize(present * row_bytes, 0);
@@ -203,54 +196,10 @@ pub(super) fn tile(
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use super::super::x86::{scale_block, store_tile};
-    use super::super::{Line, BLOCK_LINES, COLS, COMP_AT, PANEL, QK, SCALES_AT};
+    use super::super::{COLS, PANEL, QK};
     use super::{SCALES, STORED_BLOCK};
     use crate::kernels::simd::prefetch_ahead;
     use std::arch::x86_64::*;
-
-    /// [`super::expand_panel`] with 512-bit vectors: per stored line, the low and the high
-    /// nibbles minus 8 are two packed lines, `vpdpbusd` with ones sums each row's values for
-    /// its offset correction (`−128 ·` the sum, as the packers store it), and the 16 f16
-    /// scales of each half become f32 in one instruction.
-    ///
-    /// # Safety
-    /// The CPU must support AVX-512F/BW/VNNI and F16C; `panel` holds `nb` stored blocks and
-    /// `out` `nb` packed blocks.
-    #[target_feature(enable = "avx512f,avx512bw,avx512vnni,f16c")]
-    pub(super) unsafe fn expand(panel: &[u8], nb: usize, out: &mut [Line]) {
-        let low = _mm512_set1_epi8(0x0f);
-        let eight = _mm512_set1_epi8(8);
-        let ones = _mm512_set1_epi8(1);
-        let zero = _mm512_setzero_si512();
-        for b in 0..nb {
-            // SAFETY: stored block `b` lies inside `panel`, packed block `b` inside `out`
-            // (the caller's contract); every access below stays inside them.
-            unsafe {
-                let src = panel.as_ptr().add(b * STORED_BLOCK);
-                prefetch_ahead(src, STORED_BLOCK);
-                let blk = out.as_mut_ptr().add(b * BLOCK_LINES).cast::<u8>();
-                for v in 0..2 {
-                    let mut sum = zero;
-                    for g in 0..4 {
-                        let x = _mm512_loadu_si512(src.add((2 * g + v) * 64).cast());
-                        let lo = _mm512_sub_epi8(_mm512_and_si512(x, low), eight);
-                        let hi = _mm512_sub_epi8(
-                            _mm512_and_si512(_mm512_srli_epi16::<4>(x), low),
-                            eight,
-                        );
-                        _mm512_store_si512(blk.add((2 * g + v) * 64).cast(), lo);
-                        _mm512_store_si512(blk.add((2 * (g + 4) + v) * 64).cast(), hi);
-                        sum = _mm512_dpbusd_epi32(sum, ones, lo);
-                        sum = _mm512_dpbusd_epi32(sum, ones, hi);
-                    }
-                    let comp = _mm512_sub_epi32(zero, _mm512_slli_epi32::<7>(sum));
-                    _mm512_store_si512(blk.add(COMP_AT + v * 64).cast(), comp);
-                    let bits = _mm256_loadu_si256(src.add(SCALES + 32 * v).cast());
-                    _mm512_store_ps(blk.add(SCALES_AT + v * 64).cast(), _mm512_cvtph_ps(bits));
-                }
-            }
-        }
-    }
 
     /// [`super::tile`] for `C` columns: per block and half panel, four stored lines give the
     /// eight lines of nibbles (low: values `4g..4g + 4`, high: `16 + 4g..`), each column's
@@ -341,13 +290,13 @@ mod x86 {
 
 #[cfg(test)]
 mod tests {
-    use super::super::{pack_panel_portable, Source, PACKED_BLOCK};
+    use super::super::{pack_panel_portable, Source, BLOCK_LINES, PACKED_BLOCK};
     use super::*;
     use crate::kernels::testing::{bytes, check_range_mapping};
 
-    /// Every ISA's expansion of every panel gives the portable packer's bytes for the
-    /// panel's rows (a partial last panel: its rows' lanes), and any plain range reads back
-    /// and writes exactly.
+    /// Every ISA's expansion of every panel (rows rebuilt from the stored bytes, then packed)
+    /// gives the portable packer's bytes for the panel's rows (a partial last panel: its
+    /// rows' lanes), and any plain range reads back and writes exactly.
     #[test]
     fn expanded_panels_are_the_packers_and_ranges_map_exactly() {
         for (k, rows) in [(64usize, 70usize), (32, 1), (160, 32), (96, 45)] {
