@@ -10,6 +10,9 @@ llama.cpp with flash attention on, as its CPU default for this model resolves.
 Run after ``bash scripts/dev.sh test`` with llama-cpp-python installed (it builds llama.cpp from
 source: ``CMAKE_ARGS="-DGGML_NATIVE=ON -DGGML_BLAS=OFF" pip install --no-binary
 llama-cpp-python llama-cpp-python``): ``python benches/llm.py [--model FILE.gguf]``.
+``--requantize q4_0`` (or ``q8_0``, ``q4_k_m``, ...) first rewrites the model with llama.cpp's
+own quantizer (``llama_model_quantize``, cached in the system temp directory) and measures both
+on that file: the packaged SmolLM2 is q4_1, and other block types take other kernels.
 """
 
 from __future__ import annotations
@@ -143,13 +146,50 @@ def _packaged() -> object:
     return find_packaged_model()
 
 
+# llama.cpp's file types (``llama_ftype``) by the names ``--requantize`` takes.
+_FTYPES = {"q4_0": 2, "q4_1": 3, "q8_0": 7, "q5_0": 8, "q5_1": 9, "q4_k_m": 15, "q5_k_m": 17}
+
+
+def _requantized(model: str, kind: str) -> str:
+    """``model`` rewritten in llama.cpp's file type ``kind`` (cached in the temp directory)."""
+    import ctypes
+    import hashlib
+    import os
+    import tempfile
+
+    import llama_cpp
+
+    tag = hashlib.sha256(f"{os.path.abspath(model)}:{os.path.getsize(model)}".encode()).hexdigest()
+    out = os.path.join(tempfile.gettempdir(), f"ferrograph-bench-{tag[:12]}-{kind}.gguf")
+    if not os.path.exists(out):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = _FTYPES[kind]
+        params.allow_requantize = True
+        params.nthread = 2
+        partial = out + ".part"
+        rc = llama_cpp.llama_model_quantize(model.encode(), partial.encode(), ctypes.byref(params))
+        if rc != 0:
+            raise SystemExit(f"llama_model_quantize failed ({rc}) for {kind}")
+        os.replace(partial, out)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: packaged SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--requantize",
+        choices=sorted(_FTYPES),
+        default=None,
+        help="measure a copy of the model requantized by llama.cpp to this type",
+    )
     parser.add_argument("--worker", choices=["ferrograph", "llama.cpp"], help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.requantize and not args.worker:
+        args.model = _requantized(args.model or str(_packaged()), args.requantize)
+        print(f"# {args.model} (requantized to {args.requantize} by llama.cpp)")
     if args.worker:
         fn = worker_ferrograph if args.worker == "ferrograph" else worker_llamacpp
         result = fn(args.model, args.threads)
