@@ -24,7 +24,6 @@ Sections (``--only``):
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import statistics
 import struct
@@ -36,21 +35,27 @@ from typing import Any
 
 import numpy as np
 
-_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
-
 
 def start_ray(n_nodes: int, cpus_per_node: int) -> tuple[Any, float]:
-    os.environ.update(_RAY_ENV)
+    import ferrograph as fg
+
+    fg.distributed.keep_ray_on_loopback()  # before Ray reads its settings at import
     import ray
     from ray.cluster_utils import Cluster
 
     start = time.perf_counter()
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    for _ in range(n_nodes):
-        cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+    # (the home directory, a few bytes in the temp directory, outlives the bench's Ray)
+    with fg.distributed.ray_home():  # no cloud metadata requests from Ray's processes
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+            },
+        )
+        for _ in range(n_nodes):
+            cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     return cluster, time.perf_counter() - start

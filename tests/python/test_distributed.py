@@ -44,7 +44,8 @@ SENTENCES = [
     "The girl is carrying a baby.",
     "Il pleut depuis ce matin.",
 ]
-_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# what keep_ray_on_loopback() sets (the tests restore or remove it)
+_RAY_ENV = distributed._ray._LOCAL_RAY_ENV
 
 
 # ----- without Ray ------------------------------------------------------------------------
@@ -96,6 +97,24 @@ def test_the_package_keeps_the_modules_names() -> None:
     assert not hasattr(distributed, "sever_connections")
 
 
+def test_ray_home_gives_started_processes_a_quiet_home() -> None:
+    """Processes started inside ``ray_home()`` see a home holding the file that keeps Ray's
+    dashboard process from asking the cloud metadata services; this process's HOME returns."""
+    before = os.environ.get("HOME")
+    with distributed.ray_home() as home:
+        seen = subprocess.run(
+            [sys.executable, "-c", "import os; print(os.path.expanduser('~'))"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+        assert seen == home
+        with open(os.path.join(home, "ray_bootstrap_config.yaml")) as f:
+            assert f.read().strip() == "{}"
+    assert os.environ.get("HOME") == before
+    shutil.rmtree(home)
+
+
 # ----- a local Ray cluster ----------------------------------------------------------------
 
 
@@ -108,15 +127,16 @@ def ray_cluster() -> Iterator[Any]:
     import ray
     from ray.cluster_utils import Cluster
 
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 0,
-            "node_ip_address": "127.0.0.1",
-            "include_dashboard": False,
-        },
-    )
-    workers = [cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1") for _ in range(2)]
+    with distributed.ray_home() as home:  # no cloud metadata requests from Ray's processes
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+            },
+        )
+        workers = [cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1") for _ in range(2)]
     ray.init(address=cluster.address, log_to_driver=False)
     cluster.wait_for_nodes()
     cluster.worker_node_ids = {w.node_id for w in workers}  # type: ignore[attr-defined]
@@ -125,6 +145,7 @@ def ray_cluster() -> Iterator[Any]:
     finally:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(home, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -521,18 +542,45 @@ assert not ray.is_initialized()
 """
 
 
+# A cluster of Ray nodes started by hand the documented way (as the `ray_cluster` fixture and
+# benches/cluster.py do): Ray's own `ray start`-like path, which also reports to Ray that usage
+# statistics are off unless told where else to report.
+_CLUSTER_BY_HAND = """
+import time
+from ferrograph import distributed
+distributed.keep_ray_on_loopback()
+from ray.cluster_utils import Cluster
+with distributed.ray_home():
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
+    )
+    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+cluster.wait_for_nodes()
+time.sleep(3)
+cluster.shutdown()
+"""
+
+
 @needs_servers
 @pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace")
-def test_no_process_of_a_local_ray_connects_beyond_loopback(tmp_path: Any) -> None:
-    """Every connect() of the launching process and of every process Ray starts for it (traced
+@pytest.mark.parametrize("how", ["launch", "by hand"])
+def test_no_process_of_a_local_ray_connects_beyond_loopback(tmp_path: Any, how: str) -> None:
+    """Every connect() of the starting process and of every process Ray starts for it (traced
     with strace, so no connection is missed between samples) goes to loopback or a local
     socket: in particular Ray's dashboard process, started even without the dashboard, does
-    not ask the cloud metadata services which cloud it runs on."""
+    not ask the cloud metadata services which cloud it runs on, nor report anywhere that usage
+    statistics are off — for `launch()` and for a multi-node cluster started by hand."""
     env = dict(os.environ)
     for key in (*_RAY_ENV, "RAY_ADDRESS"):
-        env.pop(key, None)  # launch() must do it by itself
-    script = _LOCAL_LAUNCH.replace('not os.path.exists("go") and ', "")
-    script = script.replace("deadline = time.monotonic() + 60", "deadline = time.monotonic() + 3")
+        env.pop(key, None)  # launch() / keep_ray_on_loopback() must do it by themselves
+    if how == "launch":
+        script = _LOCAL_LAUNCH.replace('not os.path.exists("go") and ', "")
+        script = script.replace(
+            "deadline = time.monotonic() + 60", "deadline = time.monotonic() + 3"
+        )
+    else:
+        script = _CLUSTER_BY_HAND
     trace = tmp_path / "connects.txt"
     done = subprocess.run(
         [

@@ -57,7 +57,7 @@ from ._host import ServerHost as ServerHost
 from ._launch import STRATEGIES, launch
 from ._placement import copy_weights as copy_weights
 from ._placement import place_layers
-from ._ray import LaunchError, RayNotInstalledError, keep_ray_on_loopback
+from ._ray import LaunchError, RayNotInstalledError, keep_ray_on_loopback, ray_home
 
 __all__ = [
     "STRATEGIES",
@@ -68,4 +68,5 @@ __all__ = [
     "keep_ray_on_loopback",
     "launch",
     "place_layers",
+    "ray_home",
 ]

@@ -3,12 +3,14 @@ loopback, the two errors of a launch, and reading the failures Ray reports."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
 import shutil
 import sys
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 from ..errors import Error
@@ -18,8 +20,14 @@ logger = logging.getLogger("ferrograph.distributed")
 _INSTALL_HINT = 'pip install "ferrograph[distributed]"   (or: pip install "ray>=2.9")'
 
 # Environment of a Ray started here: no usage reports, no control service on the outward
-# interface (measured: without these Ray bound its control service beyond loopback).
-_LOCAL_RAY_ENV = {"RAY_USAGE_STATS_ENABLED": "0", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+# interface (measured: without these Ray bound its control service beyond loopback), and the
+# address Ray reports to — even that usage statistics are off, from clusters not started by
+# `ray.init` (traced: a DNS lookup of usage-stats.ray.io) — a closed loopback port.
+_LOCAL_RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_USAGE_STATS_REPORT_URL": "http://127.0.0.1:1/",
+}
 
 
 class RayNotInstalledError(Error, ImportError):
@@ -56,21 +64,34 @@ def keep_ray_on_loopback() -> None:
         setattr(constants, "ENABLE_RAY_CLUSTER", False)  # noqa: B010 (a module of Ray's)
 
 
-# The home directory given to the processes of the Ray started here (see `_quiet_home`).
+# The home directory of the processes of the Ray `start_ray` started (see `ray_home`).
 _ray_home: str | None = None
 
 
-def _quiet_home() -> str:
-    """A fresh directory holding an empty ``ray_bootstrap_config.yaml``, to be the home
-    directory of the Ray processes started here. Even with ``include_dashboard=False`` Ray
-    starts a dashboard process whose usage module, usage statistics off or not, reads that file
-    from the home directory and, when it is missing, asks the cloud metadata services
-    (169.254.169.254, metadata.google.internal) which cloud it runs on: a connection beyond
-    loopback (seen by the loopback test). With the file present it reads the file instead."""
+@contextlib.contextmanager
+def ray_home() -> Iterator[str]:
+    """While open, processes started from this one (Ray's, by ``ray.init`` or
+    ``ray.cluster_utils.Cluster``) get a fresh home directory holding an empty
+    ``ray_bootstrap_config.yaml``; yields its path. On exit this process's ``HOME`` is restored;
+    the started processes keep theirs, so remove the directory after stopping that Ray.
+
+    Why: even with ``include_dashboard=False`` Ray starts a dashboard process whose usage module,
+    usage statistics off or not, reads that file from the home directory and, when it is
+    missing, asks the cloud metadata services (169.254.169.254, metadata.google.internal) which
+    cloud it runs on — a connection beyond loopback. With the file present it reads the file.
+    Use it with :func:`keep_ray_on_loopback` when starting Ray yourself."""
     home = tempfile.mkdtemp(prefix="ferrograph-ray-")
     with open(os.path.join(home, "ray_bootstrap_config.yaml"), "w", encoding="utf-8") as f:
         f.write("{}\n")
-    return home
+    saved = os.environ.get("HOME")
+    os.environ["HOME"] = home
+    try:
+        yield home
+    finally:
+        if saved is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = saved
 
 
 def start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
@@ -83,26 +104,18 @@ def start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
         ray.init(address=address, log_to_driver=False)
         return False
     keep_ray_on_loopback()
-    # The processes Ray starts now inherit this environment; this process's is restored.
-    home = _quiet_home()
-    saved = os.environ.get("HOME")
-    os.environ["HOME"] = home
-    try:
-        ray.init(
-            address="local",  # a new one, never a cluster someone else started on this machine
-            num_cpus=max(os.cpu_count() or 1, int(n_cpus + 0.999)),
-            include_dashboard=False,
-            log_to_driver=False,
-            _node_ip_address="127.0.0.1",
-        )
-    except BaseException:
-        shutil.rmtree(home, ignore_errors=True)
-        raise
-    finally:
-        if saved is None:
-            os.environ.pop("HOME", None)
-        else:
-            os.environ["HOME"] = saved
+    with ray_home() as home:
+        try:
+            ray.init(
+                address="local",  # a new one, never a cluster someone else started here
+                num_cpus=max(os.cpu_count() or 1, int(n_cpus + 0.999)),
+                include_dashboard=False,
+                log_to_driver=False,
+                _node_ip_address="127.0.0.1",
+            )
+        except BaseException:
+            shutil.rmtree(home, ignore_errors=True)
+            raise
     _ray_home = home
     addresses = {n.get("NodeManagerAddress") for n in ray.nodes()}
     if addresses != {"127.0.0.1"}:
