@@ -207,6 +207,23 @@ macro_rules! per_source {
 #[cfg(target_arch = "x86_64")]
 pub(crate) use per_source;
 
+/// `$f::<C>($args)` with `C` = `$n` (1..=[`COLS`]): a micro-kernel generic over its column
+/// count called for a count known only at run time.
+#[cfg(target_arch = "x86_64")]
+macro_rules! per_cols {
+    ($n:expr, $f:ident($($arg:expr),*)) => {{
+        const _: () = assert!($crate::kernels::gemm_q8::COLS == 6, "one arm per column count");
+        match $n {
+            1 => $f::<1>($($arg),*),
+            2 => $f::<2>($($arg),*),
+            3 => $f::<3>($($arg),*),
+            4 => $f::<4>($($arg),*),
+            5 => $f::<5>($($arg),*),
+            _ => $f::<6>($($arg),*),
+        }
+    }};
+}
+
 /// Loads block `b` of each present row of `rows` (weights of `src`) into `r` as 32 signed
 /// bytes (the values of [`block_ints`]) and its scale into `scales`; missing rows keep their
 /// zeros. A macro so that it expands inside the packers' target-feature functions (AVX2 and
@@ -927,16 +944,7 @@ mod x86 {
         out: &mut [[f32; PANEL]; COLS],
     ) {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match acts.len() {
-                1 => tile::<1>(panel, acts, k, out),
-                2 => tile::<2>(panel, acts, k, out),
-                3 => tile::<3>(panel, acts, k, out),
-                4 => tile::<4>(panel, acts, k, out),
-                5 => tile::<5>(panel, acts, k, out),
-                _ => tile::<6>(panel, acts, k, out),
-            }
-        }
+        unsafe { per_cols!(acts.len(), tile(panel, acts, k, out)) }
     }
 }
 
@@ -1010,7 +1018,8 @@ enum Weights<'a> {
     Interleaved(&'a Interleaved),
     /// Packed panels ([`stored`]) at this address.
     Panels(super::view::SendPtr),
-    /// q4_0 nibble panels ([`nibbles`]) at this address, expanded per task.
+    /// q4_0 nibble panels ([`nibbles`]) at this address: read by the fused kernel, or
+    /// rebuilt and packed per task where there is none.
     Nibbles(super::view::SendPtr, &'a nibbles::NibbleLayout),
 }
 
@@ -1048,8 +1057,9 @@ pub fn mul_mat_stored(
 }
 
 /// [`mul_mat`] with q4_0 weights stored as nibble panels ([`nibbles`]): `a` describes the
-/// plain 2-D matrix and points at the stored panels, which follow `layout`. Each task expands
-/// its panel into the packers' bytes, so the bits are [`mul_mat`]'s on the plain rows.
+/// plain 2-D matrix and points at the stored panels, which follow `layout`. The fused
+/// kernel reads each panel as stored ([`nibbles::tile`]; elsewhere a task rebuilds and packs
+/// it), with the bits of [`mul_mat`] on the plain rows.
 pub fn mul_mat_nibbles(
     isa: Isa,
     dst: &RawTensor,
@@ -1112,16 +1122,19 @@ fn mul_mat_from(
     scratch.resize(b.nrows() * row_bytes, 0);
     prepare_acts(isa, b, scratch, affine_type)?;
     let acts: &[u8] = scratch;
-    // Nibble panels on the fused kernel: each activation block's offset term, once.
-    let fused = matches!(weights, Weights::Nibbles(..)) && isa == Isa::Vnni512;
-    let mut terms = Vec::new();
-    if fused {
-        let mut row_terms = Vec::new();
-        for row in acts.chunks_exact(row_bytes) {
-            nibbles::offset_terms(row, k, &mut row_terms);
-            terms.extend_from_slice(&row_terms);
-        }
-    }
+    // Nibble panels on the fused kernel: each activation block's offset term, once per row
+    // (in parallel, as the rows were prepared).
+    let fused = matches!(weights, Weights::Nibbles(..)) && nibbles::has_fused_tile(isa);
+    let mut terms = vec![0i32; if fused { b.nrows() * nb } else { 0 }];
+    super::par_rows_mut(
+        &mut terms,
+        nb,
+        || (),
+        |r, out, _| {
+            nibbles::offset_terms(&acts[r * row_bytes..(r + 1) * row_bytes], k, out);
+            Ok(())
+        },
+    )?;
     let terms: &[i32] = &terms;
     let a_row_bytes = a.dtype.row_size(k)?;
     let panels = m.div_ceil(PANEL);
@@ -1222,8 +1235,7 @@ fn mul_mat_from(
                         *slot = &terms[r * nb..(r + 1) * nb];
                     }
                     let (acts, terms) = (&act_rows[..j1 - j0], &term_rows[..j1 - j0]);
-                    nibbles::tile(isa, stored_panel, acts, terms, k, &mut out)
-                        .expect("the fused kernel runs on Vnni512");
+                    nibbles::tile(isa, stored_panel, acts, terms, k, &mut out);
                 } else {
                     run_tile(isa, panel, &act_rows[..j1 - j0], k, &mut out);
                 }

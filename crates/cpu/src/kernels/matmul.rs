@@ -236,101 +236,43 @@ fn run_tile(
     };
     match a.dtype {
         DType::Q4_0 if matches!(b, Prepared::Q4Pairs(..)) => {
-            let row_bytes = a.dtype.row_size(k)?;
-            let row = |i: usize| {
-                // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                // `row_bytes` bytes of adjacent blocks.
-                unsafe { std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes) }
-            };
-            // Four and then two columns at a time (each pair of blocks unpacked once for
-            // all of them; every column keeps the single product's bits).
             let four = super::quant_dot::dot_q4_0_pairs_cols_fn::<4>();
-            let cols = dot_columns(four, cols, rows.clone(), &row, b, &write);
             let two = super::quant_dot::dot_q4_0_pairs_cols_fn::<2>();
-            let cols = dot_columns(two, cols, rows.clone(), &row, b, &write);
-            for col in cols {
-                let brow = b.q8_row(col.b);
-                for i in rows.clone() {
-                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                    // `row_bytes` bytes of adjacent blocks.
-                    let arow = unsafe {
-                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
-                    };
-                    write(col, i, dot_q4_0_pairs(arow, brow));
-                }
-            }
+            let one = dot_q4_0_pairs;
+            BlockDots { one, four, two }.run(a, (i02, i03), rows, cols, b, &write)?;
         }
         DType::Q8_0 | DType::Q4_0 if matches!(b, Prepared::Q8(..)) => {
-            let row_bytes = a.dtype.row_size(k)?;
-            let dot = match (a.dtype, reference) {
+            let one = match (a.dtype, reference) {
                 (DType::Q8_0, false) => dot_q8_0_q8_0,
                 (DType::Q8_0, true) => dot_q8_0_q8_0_ref,
                 (_, false) => super::quant_dot::dot_q4_0_q8_0,
                 (_, true) => dot_q4_0_q8_0_ref,
             };
-            let mut cols = cols;
-            if a.dtype == DType::Q8_0 && !reference {
-                let row = |i: usize| {
-                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                    // `row_bytes` bytes of adjacent blocks.
-                    unsafe {
-                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
-                    }
-                };
-                let four = super::quant_dot::dot_q8_0_cols_fn::<4>();
-                cols = dot_columns(four, cols, rows.clone(), &row, b, &write);
-                let two = super::quant_dot::dot_q8_0_cols_fn::<2>();
-                cols = dot_columns(two, cols, rows.clone(), &row, b, &write);
-            }
-            for col in cols {
-                let brow = b.q8_row(col.b);
-                for i in rows.clone() {
-                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                    // `row_bytes` bytes of adjacent blocks.
-                    let arow = unsafe {
-                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
-                    };
-                    write(col, i, dot(arow, brow));
-                }
-            }
+            let several = a.dtype == DType::Q8_0 && !reference;
+            let four = several
+                .then(super::quant_dot::dot_q8_0_cols_fn::<4>)
+                .flatten();
+            let two = several
+                .then(super::quant_dot::dot_q8_0_cols_fn::<2>)
+                .flatten();
+            BlockDots { one, four, two }.run(a, (i02, i03), rows, cols, b, &write)?;
         }
         block if matches!(b, Prepared::Q8(..)) && block_dot::vec_dot_type(block).is_some() => {
-            let row_bytes = a.dtype.row_size(k)?;
             let isa = if reference {
                 block_dot::Isa::Portable
             } else {
                 block_dot::Isa::best()
             };
-            let dot = block_dot::dot_fn_with(block, isa).ok_or_else(|| {
+            let one = block_dot::dot_fn_with(block, isa).ok_or_else(|| {
                 Error::unsupported(format!("MUL_MAT with {} weights", block.name()))
             })?;
-            // Where the type has them, columns four and then two at a time (each weight row
-            // decoded once for all of them; every column keeps the single product's bits).
-            let mut cols = cols;
-            if !reference {
-                let row = |i: usize| {
-                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                    // `row_bytes` bytes of adjacent blocks.
-                    unsafe {
-                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
-                    }
-                };
-                let four = block_dot::dot_cols_fn::<4>(block);
-                cols = dot_columns(four, cols, rows.clone(), &row, b, &write);
-                let two = block_dot::dot_cols_fn::<2>(block);
-                cols = dot_columns(two, cols, rows.clone(), &row, b, &write);
-            }
-            for col in cols {
-                let brow = b.q8_row(col.b);
-                for i in rows.clone() {
-                    // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
-                    // `row_bytes` bytes of adjacent blocks.
-                    let arow = unsafe {
-                        std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes)
-                    };
-                    write(col, i, dot(arow, brow));
-                }
-            }
+            let four = (!reference)
+                .then(|| block_dot::dot_cols_fn::<4>(block))
+                .flatten();
+            let two = (!reference)
+                .then(|| block_dot::dot_cols_fn::<2>(block))
+                .flatten();
+            BlockDots { one, four, two }.run(a, (i02, i03), rows, cols, b, &write)?;
         }
         half @ (DType::F16 | DType::BF16)
             if !reference
@@ -414,31 +356,70 @@ fn run_tile(
     Ok(())
 }
 
-/// The leading columns of `cols`, `C` at a time, by the several-column product `dot` (when
-/// the weights' type has one on this CPU) over weight rows `rows` (`row(i)` gives row `i`'s
-/// bytes); returns the columns left (fewer than `C`, or all of them without such a product).
-fn dot_columns<'c, 'r, const C: usize>(
-    dot: Option<block_dot::DotColsFn<C>>,
-    mut cols: &'c [Col],
-    rows: Range<usize>,
-    row: &impl Fn(usize) -> &'r [u8],
-    b: &Prepared<'_>,
-    write: &impl Fn(&Col, usize, f32),
-) -> &'c [Col] {
-    let Some(dot) = dot else {
-        return cols;
-    };
-    while cols.len() >= C {
-        let (these, rest) = cols.split_at(C);
-        let ys: [&[u8]; C] = std::array::from_fn(|c| b.q8_row(these[c].b));
-        for i in rows.clone() {
-            for (col, v) in these.iter().zip(dot(row(i), ys)) {
-                write(col, i, v);
+/// The direct products of block-quantized weight rows with prepared activation columns: the
+/// single-column product `one`, and where the type has them on this CPU the products of
+/// four and of two columns at once (each weight block decoded once for all of them; every
+/// column keeps `one`'s bits).
+struct BlockDots {
+    one: block_dot::DotFn,
+    four: Option<block_dot::DotColsFn<4>>,
+    two: Option<block_dot::DotColsFn<2>>,
+}
+
+impl BlockDots {
+    /// `dst[i, col]` for weight rows `rows` of batch `at` of `a` and the columns `cols`: four
+    /// columns at a time, then two, then one.
+    fn run(
+        &self,
+        a: &RawTensor,
+        (i02, i03): (usize, usize),
+        rows: Range<usize>,
+        cols: &[Col],
+        b: &Prepared<'_>,
+        write: &impl Fn(&Col, usize, f32),
+    ) -> Result<()> {
+        let row_bytes = a.dtype.row_size(a.ne[0])?;
+        let row = |i: usize| {
+            // SAFETY: weight row (i, i02, i03) lies inside `a` (read-only) and spans
+            // `row_bytes` bytes of adjacent blocks.
+            unsafe { std::slice::from_raw_parts(a.at(a.row_offset(i, i02, i03)), row_bytes) }
+        };
+        let cols = Self::columns(self.four, cols, rows.clone(), &row, b, write);
+        let cols = Self::columns(self.two, cols, rows.clone(), &row, b, write);
+        for col in cols {
+            let brow = b.q8_row(col.b);
+            for i in rows.clone() {
+                write(col, i, (self.one)(row(i), brow));
             }
         }
-        cols = rest;
+        Ok(())
     }
-    cols
+
+    /// The leading columns of `cols`, `C` at a time, by the several-column product `dot`
+    /// (when there is one); returns the columns left (fewer than `C`, or all of them).
+    fn columns<'c, 'r, const C: usize>(
+        dot: Option<block_dot::DotColsFn<C>>,
+        mut cols: &'c [Col],
+        rows: Range<usize>,
+        row: &impl Fn(usize) -> &'r [u8],
+        b: &Prepared<'_>,
+        write: &impl Fn(&Col, usize, f32),
+    ) -> &'c [Col] {
+        let Some(dot) = dot else {
+            return cols;
+        };
+        while cols.len() >= C {
+            let (these, rest) = cols.split_at(C);
+            let ys: [&[u8]; C] = std::array::from_fn(|c| b.q8_row(these[c].b));
+            for i in rows.clone() {
+                for (col, v) in these.iter().zip(dot(row(i), ys)) {
+                    write(col, i, v);
+                }
+            }
+            cols = rest;
+        }
+        cols
+    }
 }
 
 /// Weight rows `rows` of batch `(i02, i03)` of the 16-bit float matrix `a` as elements of
@@ -1054,8 +1035,8 @@ pub fn mul_mat_laid_out(
 }
 
 /// MUL_MAT with q4_0 weights stored as nibble panels (the repacking buffer type's layout for
-/// them, [`gemm_q8::nibbles`]): the integer GEMM expands each panel as it goes, for any
-/// column count, with the bits of the GEMM on the plain rows. The reference kernels, a CPU
+/// them, [`gemm_q8::nibbles`]): the integer GEMM reads the panels, for any column count,
+/// with the bits of the GEMM on the plain rows. The reference kernels, a CPU
 /// without the integer kernels, or a product the GEMM cannot take get the plain bytes rebuilt
 /// and the plain path.
 pub fn mul_mat_nibble_panels(

@@ -698,16 +698,7 @@ mod x86 {
         out: &mut [[f32; PANEL]; COLS],
     ) {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match acts.len() {
-                1 => tile_for::<1>(kt, panel, acts, k, out),
-                2 => tile_for::<2>(kt, panel, acts, k, out),
-                3 => tile_for::<3>(kt, panel, acts, k, out),
-                4 => tile_for::<4>(kt, panel, acts, k, out),
-                5 => tile_for::<5>(kt, panel, acts, k, out),
-                _ => tile_for::<6>(kt, panel, acts, k, out),
-            }
-        }
+        unsafe { per_cols!(acts.len(), tile_for(kt, panel, acts, k, out)) }
     }
 }
 

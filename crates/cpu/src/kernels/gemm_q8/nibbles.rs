@@ -153,14 +153,19 @@ pub(super) fn expand_panel(
 }
 
 /// For the fused kernel ([`tile`]): `−8 ·` the sum of each block's activation quants of the
-/// prepared activation row `act` (`k` unsigned bytes `q + 128`, then the scales), one `i32`
-/// per block: the nibbles' offset, the integer sum's starting value.
-pub(super) fn offset_terms(act: &[u8], k: usize, out: &mut Vec<i32>) {
-    out.clear();
-    out.extend(act[..k].chunks_exact(QK).map(|block| {
+/// prepared activation row `act` (`k` unsigned bytes `q + 128`, then the scales) into `out`,
+/// one `i32` per block: the nibbles' offset, the integer sum's starting value.
+pub(super) fn offset_terms(act: &[u8], k: usize, out: &mut [i32]) {
+    for (term, block) in out.iter_mut().zip(act[..k].chunks_exact(QK)) {
         let sum: i32 = block.iter().map(|&u| i32::from(u) - 128).sum();
-        -8 * sum
-    }));
+        *term = -8 * sum;
+    }
+}
+
+/// Whether [`tile`] runs on `isa` (else the caller rebuilds and packs panels:
+/// [`expand_panel`]).
+pub(super) fn has_fused_tile(isa: Isa) -> bool {
+    cfg!(target_arch = "x86_64") && isa == Isa::Vnni512
 }
 
 /// The fused micro-tile on a stored panel (`panel`: `nb` stored blocks) for the activation
@@ -168,8 +173,7 @@ pub(super) fn offset_terms(act: &[u8], k: usize, out: &mut Vec<i32>) {
 /// nibbles are separated in registers and multiplied as unsigned bytes by the signed
 /// activation quants, each block's sum starting from its offset term — the same exact
 /// integers as the packed panel's kernel, scaled and accumulated by the same steps, so the
-/// same bits, without writing the expanded panel. `None` when this CPU has no such kernel
-/// (the caller expands the panel instead).
+/// same bits, without writing the expanded panel. Only where [`has_fused_tile`] holds.
 pub(super) fn tile(
     isa: Isa,
     panel: &[u8],
@@ -177,20 +181,20 @@ pub(super) fn tile(
     terms: &[&[i32]],
     k: usize,
     out: &mut [[f32; PANEL]; COLS],
-) -> Option<()> {
+) {
     let nb = k / QK;
+    assert!(has_fused_tile(isa), "no fused nibble kernel on {isa:?}");
     assert!(!acts.is_empty() && acts.len() <= COLS && terms.len() == acts.len());
     assert!(panel.len() >= nb * STORED_BLOCK);
     assert!(acts.iter().all(|a| a.len() >= k + 4 * nb) && terms.iter().all(|t| t.len() >= nb));
+    // SAFETY: `Vnni512` (asserted) is only chosen on CPUs with AVX-512F/BW/VNNI and F16C; the
+    // sizes were checked above.
     #[cfg(target_arch = "x86_64")]
-    if isa == Isa::Vnni512 {
-        // SAFETY: `Vnni512` is only chosen on CPUs with AVX-512F/BW/VNNI and F16C; the sizes
-        // were checked above.
-        unsafe { x86::tile_nibbles(panel, acts, terms, k, out) };
-        return Some(());
-    }
-    let _ = (isa, out);
-    None
+    unsafe {
+        x86::tile_nibbles(panel, acts, terms, k, out)
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = out;
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -275,16 +279,7 @@ mod x86 {
         out: &mut [[f32; PANEL]; COLS],
     ) {
         // SAFETY: forwarded from the caller.
-        unsafe {
-            match acts.len() {
-                1 => tile_c::<1>(panel, acts, terms, k, out),
-                2 => tile_c::<2>(panel, acts, terms, k, out),
-                3 => tile_c::<3>(panel, acts, terms, k, out),
-                4 => tile_c::<4>(panel, acts, terms, k, out),
-                5 => tile_c::<5>(panel, acts, terms, k, out),
-                _ => tile_c::<6>(panel, acts, terms, k, out),
-            }
-        }
+        unsafe { per_cols!(acts.len(), tile_c(panel, acts, terms, k, out)) }
     }
 }
 
