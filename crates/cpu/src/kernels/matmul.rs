@@ -1029,20 +1029,21 @@ pub fn mul_mat_laid_out(
 ) -> Result<()> {
     match layout {
         StoredLayout::Interleaved(l) => mul_mat_interleaved(dst, a, l, b, reference, scratch),
-        StoredLayout::Panels(l) => mul_mat_panels(dst, a, l, b, reference, scratch),
-        StoredLayout::Nibbles(l) => mul_mat_nibble_panels(dst, a, l, b, reference, scratch),
+        StoredLayout::Panels(_) | StoredLayout::Nibbles(_) => {
+            mul_mat_stored_panels(dst, a, layout, b, reference, scratch)
+        }
     }
 }
 
-/// MUL_MAT with q4_0 weights stored as nibble panels (the repacking buffer type's layout for
-/// them, [`gemm_q8::nibbles`]): the integer GEMM reads the panels, for any column count,
-/// with the bits of the GEMM on the plain rows. The reference kernels, a CPU
-/// without the integer kernels, or a product the GEMM cannot take get the plain bytes rebuilt
-/// and the plain path.
-pub fn mul_mat_nibble_panels(
+/// MUL_MAT with weights stored as panels for the integer GEMM (the repacking buffer type's
+/// layouts for q8_0, [`gemm_q8::stored`], and q4_0, [`gemm_q8::nibbles`]): the GEMM reads
+/// them as stored, for any column count, with the bits of the GEMM on the plain rows. The
+/// reference kernels, a CPU without the integer kernels, or a product the GEMM cannot take
+/// get the plain bytes rebuilt and the plain path.
+fn mul_mat_stored_panels(
     dst: RawTensor,
     a: RawTensor,
-    layout: &gemm_q8::nibbles::NibbleLayout,
+    layout: &StoredLayout,
     b: RawTensor,
     reference: bool,
     scratch: &mut Vec<u8>,
@@ -1053,48 +1054,18 @@ pub fn mul_mat_nibble_panels(
         && gemm_q8::applies(&a, &dst)
         && b.ne[0] == a.ne[0]
     {
-        return gemm_q8::mul_mat_nibbles(isa, &dst, &a, layout, &b, scratch);
+        match layout {
+            // the packed lines are read with aligned loads
+            StoredLayout::Panels(l) if (a.ptr.0 as usize).is_multiple_of(64) => {
+                return gemm_q8::mul_mat_stored(isa, &dst, &a, l, &b, scratch);
+            }
+            StoredLayout::Nibbles(l) => {
+                return gemm_q8::mul_mat_nibbles(isa, &dst, &a, l, &b, scratch);
+            }
+            _ => {}
+        }
     }
-    mul_mat_rebuilt(
-        dst,
-        a,
-        &StoredLayout::Nibbles(*layout),
-        b,
-        reference,
-        scratch,
-    )
-}
-
-/// MUL_MAT with q8_0 weights stored as the integer GEMM's packed panels (the repacking
-/// buffer type's layout for them, [`gemm_q8::stored`]): the GEMM reads the panels as stored,
-/// for any column count. The reference kernels, a CPU without the integer kernels, or a
-/// product the GEMM cannot take get the plain bytes rebuilt and the plain path, with the same
-/// bits as the GEMM where both run.
-pub fn mul_mat_panels(
-    dst: RawTensor,
-    a: RawTensor,
-    layout: &gemm_q8::stored::PanelLayout,
-    b: RawTensor,
-    reference: bool,
-    scratch: &mut Vec<u8>,
-) -> Result<()> {
-    let isa = gemm_q8::Isa::best();
-    let direct = !reference
-        && isa != gemm_q8::Isa::Portable
-        && gemm_q8::applies(&a, &dst)
-        && b.ne[0] == a.ne[0]
-        && (a.ptr.0 as usize).is_multiple_of(64);
-    if direct {
-        return gemm_q8::mul_mat_stored(isa, &dst, &a, layout, &b, scratch);
-    }
-    mul_mat_rebuilt(
-        dst,
-        a,
-        &StoredLayout::Panels(*layout),
-        b,
-        reference,
-        scratch,
-    )
+    mul_mat_rebuilt(dst, a, layout, b, reference, scratch)
 }
 
 /// MUL_MAT on a plain copy of weights stored in `layout` (`a` points at the stored bytes).
