@@ -473,28 +473,44 @@ def test_packaged_smollm2_answers() -> None:
     assert "4" in chat.text
 
 
+_IDS = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
+
+
+def _plain_and_repacked(path: Path) -> tuple[llm_mod.LLM, llm_mod.LLM, list[str]]:
+    """The model at ``path`` loaded plainly and with ``repack=True``, and the names of the
+    weights the latter moved to ``CPU_REPACK`` (some, never the token embedding)."""
+    plain = llm_mod.LLM(path, n_ctx=64, repack=False)
+    packed = llm_mod.LLM(path, n_ctx=64, repack=True)
+    moved = [n for n, t in packed.weights.items() if t.buffer.buffer_type.name == "CPU_REPACK"]
+    assert moved and "token_embd.weight" not in moved
+    return plain, packed, moved
+
+
+def _assert_same_tokens_and_bytes(
+    path: Path, plain: llm_mod.LLM, packed: llm_mod.LLM, moved: list[str]
+) -> None:
+    """Both generate the same greedy tokens, and the moved weights read back as the file's."""
+    a = plain.generate(_IDS, max_tokens=12, ignore_eos=True)
+    b = packed.generate(_IDS, max_tokens=12, ignore_eos=True)
+    assert a.tokens == b.tokens
+    with fg.gguf.GGUFFile(path) as f:
+        for name in moved:
+            assert fg.tensor_get(packed.weights[name]) == f.raw(name).tobytes()
+
+
 def test_repacked_weights_give_the_plain_layouts_bits(tmp_path: Path) -> None:
     """q4_1 matrices in the CPU's repacking buffer type (eight rows interleaved): logits of a
     prompt (many-column products) and of single decoding steps (the group mat-vec) equal the
     plain layout's bit for bit, and the weights read back as the file's bytes."""
     path = tmp_path / "q41.gguf"
     write_tiny_model(path, seed=8, dtype="q4_1")
-    plain = llm_mod.LLM(path, n_ctx=64, repack=False)
-    packed = llm_mod.LLM(path, n_ctx=64, repack=True)
-    moved = [n for n, t in packed.weights.items() if t.buffer.buffer_type.name == "CPU_REPACK"]
-    assert moved and "token_embd.weight" not in moved
+    plain, packed, moved = _plain_and_repacked(path)
     assert all(plain.weights[n].buffer.buffer_type.name == "CPU" for n in moved)
-    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
-    np.testing.assert_array_equal(packed.logits(ids), plain.logits(ids))
+    np.testing.assert_array_equal(packed.logits(_IDS), plain.logits(_IDS))
     for n_tokens in (1, 2, 5, 40):
-        step = ids[:1] * n_tokens
+        step = _IDS[:1] * n_tokens
         np.testing.assert_array_equal(packed.logits(step), plain.logits(step))
-    a = plain.generate(ids, max_tokens=12, ignore_eos=True)
-    b = packed.generate(ids, max_tokens=12, ignore_eos=True)
-    assert a.tokens == b.tokens
-    with fg.gguf.GGUFFile(path) as f:
-        for name in moved:
-            assert fg.tensor_get(packed.weights[name]) == f.raw(name).tobytes()
+    _assert_same_tokens_and_bytes(path, plain, packed, moved)
 
 
 def test_repacked_nibble_panels_match_the_plain_layout(tmp_path: Path) -> None:
@@ -504,28 +520,20 @@ def test_repacked_nibble_panels_match_the_plain_layout(tmp_path: Path) -> None:
     1e-5 with the same greedy tokens, and the weights read back as the file's bytes."""
     path = tmp_path / "q4_0.gguf"
     write_tiny_model(path, seed=9, dtype="q4_0")
-    plain = llm_mod.LLM(path, n_ctx=64, repack=False)
-    packed = llm_mod.LLM(path, n_ctx=64, repack=True)
-    moved = [n for n, t in packed.weights.items() if t.buffer.buffer_type.name == "CPU_REPACK"]
-    assert moved and "token_embd.weight" not in moved
-    ids = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38]
-    np.testing.assert_array_equal(packed.logits(ids), plain.logits(ids))
+    plain, packed, moved = _plain_and_repacked(path)
+    np.testing.assert_array_equal(packed.logits(_IDS), plain.logits(_IDS))
     for n_tokens in (1, 2):
-        step = ids[:n_tokens]
+        step = _IDS[:n_tokens]
         np.testing.assert_allclose(packed.logits(step), plain.logits(step), rtol=1e-5, atol=1e-5)
-    a = plain.generate(ids, max_tokens=12, ignore_eos=True)
-    b = packed.generate(ids, max_tokens=12, ignore_eos=True)
-    assert a.tokens == b.tokens
-    with fg.gguf.GGUFFile(path) as f:
-        for name in moved:
-            assert fg.tensor_get(packed.weights[name]) == f.raw(name).tobytes()
+    _assert_same_tokens_and_bytes(path, plain, packed, moved)
 
 
 @pytest.mark.parametrize("dtype", ["q8_0", "q4_0"])
 def test_gguf_places_q8_0_and_q4_0_matrices_as_packed_panels(tmp_path: Path, dtype: str) -> None:
     """A GGUF file's q8_0/q4_0 matrix placed in the repacking buffer type is stored as the
-    integer GEMM's packed panels (more bytes than plain), reads back as the file's bytes (also
-    in pieces), and its products equal the plain matrix's (bits from 3 columns on)."""
+    integer GEMM's panels (q8_0: packed, more bytes than plain; q4_0: nibble panels, the same
+    bytes padded to whole panels of 32 rows), reads back as the file's bytes (also in pieces),
+    and its products equal the plain matrix's (bits from 3 columns on)."""
     path = tmp_path / f"{dtype}.gguf"
     write_tiny_model(path, seed=5, dtype=dtype)
     cpu = fg.init_backend("CPU", n_threads=2)
