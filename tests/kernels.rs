@@ -1862,19 +1862,36 @@ fn mul_mat_bits_do_not_depend_on_thread_count() {
 #[test]
 fn mul_mat_rows_do_not_depend_on_their_neighbours() {
     let mut rng = Rng::new(31);
-    for dtype in [
-        DType::F32,
-        DType::F16,
-        DType::BF16,
-        DType::Q8_0,
-        DType::Q4_0,
+    // (type, row length): the block types besides q8_0/q4_0 cover the several-column dot
+    // products (q4_1 and the K-quants up to 8 columns) and the affine GEMM beyond them.
+    for (dtype, k) in [
+        (DType::F32, 96usize),
+        (DType::F16, 96),
+        (DType::BF16, 96),
+        (DType::Q8_0, 96),
+        (DType::Q4_0, 96),
+        (DType::Q4_1, 96),
+        (DType::Q5_0, 96),
+        (DType::IQ4_NL, 96),
+        (DType::Q4_K, 256),
+        (DType::Q6_K, 256),
     ] {
         for n in [1usize, 2, 3, 5, 13, 40, 64, 96] {
-            let (k, m) = (96usize, 45usize);
+            let m = 45usize;
             let c = ctx();
             let a = c.new_tensor(dtype, &[k, m]).unwrap();
             let b = c.new_tensor(DType::F32, &[k, n]).unwrap();
-            fill_any(&a, &mut rng);
+            if matches!(
+                dtype,
+                DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0
+            ) {
+                fill_any(&a, &mut rng);
+            } else {
+                let x: Vec<f32> = (0..k * m).map(|_| rng.uniform(-1.0, 1.0)).collect();
+                let mut bytes = vec![0u8; a.nbytes()];
+                dtype.row_from_f32(&x, &mut bytes).unwrap();
+                a.write_bytes(0, &bytes).unwrap();
+            }
             fill(&b, &mut rng, -1.0, 1.0);
             let whole = ops::mul_mat(&c, &a, &b).unwrap();
             compute(&whole);
