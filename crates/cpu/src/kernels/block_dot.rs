@@ -29,6 +29,20 @@ pub fn dot_cols_fn<const C: usize>(dtype: DType) -> Option<DotColsFn<C>> {
     dot_k::dot_cols_fn::<C>(dtype)
 }
 
+/// Blocks of a weight row `x` (`x_block` bytes each) that every activation row of `ys`
+/// (`y_block` bytes per block) covers too: a several-column product's length, as the
+/// single-row products zip the two rows.
+#[inline(always)]
+pub(crate) fn common_blocks<const C: usize>(
+    x: &[u8],
+    x_block: usize,
+    ys: &[&[u8]; C],
+    y_block: usize,
+) -> usize {
+    ys.iter()
+        .fold(x.len() / x_block, |n, y| n.min(y.len() / y_block))
+}
+
 /// The kernel families of the block dot products.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Isa {

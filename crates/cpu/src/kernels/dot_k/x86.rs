@@ -46,6 +46,7 @@
 
 use std::arch::x86_64::*;
 
+use super::super::block_dot::common_blocks;
 use super::super::block_x86::{hsum, iq4nl_levels, ld128, ld256, q8_d, u32_at};
 use super::super::simd::f16_to_f32;
 use super::{step, step_min};
@@ -511,14 +512,6 @@ pub(super) unsafe fn q5_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) 
     unsafe { k4_avx512_cols::<Q5_K_BYTES, true, C>(x, ys) }
 }
 
-/// Super-blocks of a weight row `x` that every activation row of `ys` covers too (the
-/// single-row products zip the two rows).
-#[inline(always)]
-fn common_blocks<const N: usize, const C: usize>(x: &[u8], ys: &[&[u8]; C]) -> usize {
-    ys.iter()
-        .fold(x.len() / N, |n, y| n.min(y.len() / Q8_K_BYTES))
-}
-
 /// [`k4_avx512`] for `C` activation rows (two or four; one column is [`k4_avx512`] itself,
 /// measured 2-6% faster than this code with `C` = 1): the same decoding of each super-block
 /// (nibbles, q5_K's fifth bits, the runs of 64 values, the group scales by `vpermw`), done
@@ -533,7 +526,7 @@ unsafe fn k4_avx512_cols<const N: usize, const FIVE: bool, const C: usize>(
     x: &[u8],
     ys: [&[u8]; C],
 ) -> [f32; C] {
-    let nb = common_blocks::<N, C>(x, &ys);
+    let nb = common_blocks(x, N, &ys, Q8_K_BYTES);
     let qs_at = if FIVE { 48 } else { 16 };
     let k4 = k4_constants();
     let mut acc = [0f32; C];
@@ -708,7 +701,7 @@ pub(super) unsafe fn q6_k_avx512(x: &[u8], y: &[u8]) -> f32 {
 /// The CPU must support AVX-512F/BW, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx2,fma,f16c")]
 pub(super) unsafe fn q6_k_avx512_cols<const C: usize>(x: &[u8], ys: [&[u8]; C]) -> [f32; C] {
-    let nb = common_blocks::<Q6_K_BYTES, C>(x, &ys);
+    let nb = common_blocks(x, Q6_K_BYTES, &ys, Q8_K_BYTES);
     let q6 = q6_constants();
     let mut acc = [0f32; C];
     for b in 0..nb {

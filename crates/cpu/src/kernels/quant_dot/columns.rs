@@ -13,15 +13,8 @@ use std::arch::x86_64::*;
 
 use super::x86::{hsum, q4_0_pair, reduce16};
 use super::{PAIR_BYTES, Q4_0_BYTES, Q8_0_BYTES};
+use crate::kernels::block_dot::common_blocks;
 use crate::kernels::simd::prefetch_ahead;
-
-/// Blocks of a q8_0 weight row that every activation row of `ys` covers too (the single-row
-/// products zip the two rows).
-#[inline(always)]
-fn common_blocks<const C: usize>(a: &[u8], ys: &[&[u8]; C]) -> usize {
-    ys.iter()
-        .fold(a.len() / Q8_0_BYTES, |n, y| n.min(y.len() / Q8_0_BYTES))
-}
 
 /// The 32 quant bytes of q8_0 block `j` at `p` (blocks `Q8_0_BYTES` apart) in the low half of
 /// a 512-bit vector, those of block `j + 1` in the high half when `both`, else zeros.
@@ -76,7 +69,7 @@ unsafe fn scales(p: *const u8, count: usize) -> i64 {
 /// The CPU must support AVX-512F/BW/VNNI, AVX2, FMA and F16C.
 #[target_feature(enable = "avx512f,avx512bw,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn q8_0_cols<const C: usize>(a: &[u8], ys: [&[u8]; C]) -> [f32; C] {
-    let n = common_blocks(a, &ys);
+    let n = common_blocks(a, Q8_0_BYTES, &ys, Q8_0_BYTES);
     let flip = _mm512_set1_epi8(i8::MIN);
     let zero = _mm512_setzero_si512();
     // Lanes of the four scale products for the two halves of each register.
