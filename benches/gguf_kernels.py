@@ -137,14 +137,13 @@ def main() -> None:
     f32_gflops = None
     for dtype in types:
         start = time.perf_counter()
-        cells = []
-        t = float("nan")
+        cells, times = [], []
         for n in columns:
             run, nbytes = product(cpu, dtype, rows, k, n, 3)
-            tn = best_seconds(run, args.repeat)
-            t = tn if n == columns[0] else t
-            gbs = nbytes / tn / 1e9
+            times.append(best_seconds(run, args.repeat))
+            gbs = nbytes / times[-1] / 1e9
             cells.append(f"{gbs:12.1f} {100 * gbs / bandwidth:5.0f}%")
+        t = times[0]  # the "ms" column: the first column count's product
         gflops = ratio = float("nan")
         if not args.no_gemm:
             gemm, _ = product(cpu, dtype, k, k, gemm_n, 1)
