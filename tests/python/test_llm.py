@@ -230,6 +230,14 @@ INTEGER_GEMM_TYPES = {
     "q4_K",
     "q5_K",
     "q6_K",
+    "tq1_0",
+    "tq2_0",
+    "mxfp4",
+    "q1_0",
+    "q2_0",
+    "iq2_xxs",
+    "iq3_xxs",
+    "iq3_s",
 }
 
 
@@ -238,8 +246,8 @@ def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     """A model stored in each of ggml's weight block types (rows of 256 values: whole
     super-blocks) computes the forward pass of its decoded weights when prompts run in batches.
     The products decode weight tiles for the f32 GEMM — close to the float64 forward — except
-    for the types the integer GEMM or the block dot products take (iq4_xs and the K-quants
-    here), which quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does, in
+    for the types the integer GEMM or the block dot products take (iq4_xs, the K-quants, the
+    ternary, FP4, q1_0/q2_0, iq2_xxs and iq3 types here), which quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does, in
     the dot products that prompts of up to 5-6 tokens and decoding use): on these random
     models that moves the largest logit error to 2-17% of the logits' range across seeds and
     both paths (measured), so the bound is 20%. test_llm_tiny_llamacpp.py compares the token

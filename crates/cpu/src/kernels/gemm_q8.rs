@@ -1,5 +1,7 @@
-//! MUL_MAT with q8_0, q4_0, q5_0, iq4_nl or iq4_xs weights as integer block products, as ggml
-//! does: the activations are quantized to q8_0 per block of 32, each (weight row, activation
+//! MUL_MAT with q8_0, q4_0, q5_0, iq4_nl or iq4_xs weights — and the low-bit and grid types
+//! whose 32-value groups are small integers times one scale (tq1_0, tq2_0, mxfp4, q1_0, q2_0,
+//! iq2_xxs, iq3_xxs, iq3_s: see [`groups`]) — as integer block products, as ggml does: the
+//! activations are quantized to q8_0 per block of 32, each (weight row, activation
 //! row, block) product is an exact integer sum, scaled by the two block scales and accumulated
 //! in f32. Every block of 32 of these weight types is exactly 32 signed bytes times one scale
 //! ([`Source`]), so one packed layout and one set of kernels serve them all. Weights with
@@ -33,8 +35,13 @@ use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTE
 use super::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::quant::iq2::IQ2_XXS_BYTES;
+use crate::quant::iq3::{IQ3_S_BYTES, IQ3_XXS_BYTES};
 use crate::quant::kquants::IQ4_XS_BYTES;
 use crate::quant::legacy::{IQ4_NL_BYTES, KVALUES_IQ4NL, Q5_0_BYTES};
+use crate::quant::lowbit::{
+    MXFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES, QK_Q1_0, QK_Q2_0, TQ1_0_BYTES, TQ2_0_BYTES,
+};
 
 /// The weight types the integer GEMM takes: every block of 32 values of each is 32 signed
 /// bytes times one f32 scale, exactly (the file's values, nothing rounded).
@@ -50,7 +57,9 @@ use crate::quant::legacy::{IQ4_NL_BYTES, KVALUES_IQ4NL, Q5_0_BYTES};
 /// The iq4_xs scale is a product of an f16 and an integer below 64 in magnitude, so it is
 /// exact in f32; q5_0 and iq4_nl files (the bulk of llama.cpp's Q4_K_M / IQ4_XS files of
 /// models whose width is not a multiple of 256) thus run prompts on the same integer
-/// kernels as q8_0.
+/// kernels as q8_0. The sources after iq4_xs are decoded one group of 32 at a time by
+/// [`groups`] (its table), so their grid lookups and digit extractions run once per weight
+/// and call, not once per column.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Source {
     /// q8_0 blocks.
@@ -63,18 +72,42 @@ pub(crate) enum Source {
     Iq4Nl,
     /// iq4_xs super-blocks (8 groups of 32).
     Iq4Xs,
+    /// tq1_0 blocks (8 groups of 32; see [`groups`] for this and the sources below).
+    Tq1_0,
+    /// tq2_0 blocks (8 groups).
+    Tq2_0,
+    /// mxfp4 blocks (one group).
+    Mxfp4,
+    /// q1_0 blocks (4 groups).
+    Q1_0,
+    /// q2_0 blocks (2 groups).
+    Q2_0,
+    /// iq2_xxs super-blocks (8 groups).
+    Iq2Xxs,
+    /// iq3_xxs super-blocks (8 groups).
+    Iq3Xxs,
+    /// iq3_s super-blocks (8 groups).
+    Iq3S,
 }
 
 impl Source {
     /// Every source; a packer's const parameter is a position in this list ([`Source::at`]),
     /// so each source gets its own packer with the per-row choice of unpacking folded away (a
     /// jump table per row and block had been a tenth of packing a q4_0 panel).
-    const ALL: [Source; 5] = [
+    const ALL: [Source; 13] = [
         Source::Q8_0,
         Source::Q4_0,
         Source::Q5_0,
         Source::Iq4Nl,
         Source::Iq4Xs,
+        Source::Tq1_0,
+        Source::Tq2_0,
+        Source::Mxfp4,
+        Source::Q1_0,
+        Source::Q2_0,
+        Source::Iq2Xxs,
+        Source::Iq3Xxs,
+        Source::Iq3S,
     ];
 
     /// The source at `index` in [`Source::ALL`].
@@ -90,21 +123,50 @@ impl Source {
             DType::Q5_0 => Source::Q5_0,
             DType::IQ4_NL => Source::Iq4Nl,
             DType::IQ4_XS => Source::Iq4Xs,
+            DType::TQ1_0 => Source::Tq1_0,
+            DType::TQ2_0 => Source::Tq2_0,
+            DType::MXFP4 => Source::Mxfp4,
+            DType::Q1_0 => Source::Q1_0,
+            DType::Q2_0 => Source::Q2_0,
+            DType::IQ2_XXS => Source::Iq2Xxs,
+            DType::IQ3_XXS => Source::Iq3Xxs,
+            DType::IQ3_S => Source::Iq3S,
             _ => return None,
         })
     }
 
-    /// Where 32-value block `b` of a row starts (bytes from the row's start) and which group
-    /// of its stored block it is (iq4_xs: 0..8; else 0).
+    /// Where the stored block holding 32-value block `b` of a row starts (bytes from the
+    /// row's start) and which group of it `b` is (0 for the one-block sources).
     #[inline(always)]
     fn locate(self, b: usize) -> (usize, usize) {
+        let groups = |values: usize, bytes: usize| {
+            let per = values / QK;
+            (b / per * bytes, b % per)
+        };
         match self {
+            Source::Tq1_0 => groups(256, TQ1_0_BYTES),
+            Source::Tq2_0 => groups(256, TQ2_0_BYTES),
+            Source::Mxfp4 => groups(QK, MXFP4_BYTES),
+            Source::Q1_0 => groups(QK_Q1_0, Q1_0_BYTES),
+            Source::Q2_0 => groups(QK_Q2_0, Q2_0_BYTES),
+            Source::Iq2Xxs => groups(256, IQ2_XXS_BYTES),
+            Source::Iq3Xxs => groups(256, IQ3_XXS_BYTES),
+            Source::Iq3S => groups(256, IQ3_S_BYTES),
             Source::Q8_0 => (b * Q8_0_BYTES, 0),
             Source::Q4_0 => (b * Q4_0_BYTES, 0),
             Source::Q5_0 => (b * Q5_0_BYTES, 0),
             Source::Iq4Nl => (b * IQ4_NL_BYTES, 0),
             Source::Iq4Xs => (b / 8 * IQ4_XS_BYTES, b % 8),
         }
+    }
+
+    /// Whether the source's groups are decoded by [`groups`].
+    #[inline(always)]
+    const fn grouped(self) -> bool {
+        !matches!(
+            self,
+            Source::Q8_0 | Source::Q4_0 | Source::Q5_0 | Source::Iq4Nl | Source::Iq4Xs
+        )
     }
 }
 
@@ -123,6 +185,9 @@ unsafe fn iq4_xs_scale(at: *const u8, g: usize, d: f32) -> f32 {
 /// The definition of [`Source`]: block `b` of `row` as 32 signed bytes and its f32 scale.
 fn block_ints(src: Source, row: &[u8], b: usize) -> ([i8; QK], f32) {
     let (at, g) = src.locate(b);
+    if src.grouped() {
+        return groups::group_ints(src, row, at, g);
+    }
     let d = f16_bits_to_f32(u16::from_ne_bytes([row[at], row[at + 1]]));
     let mut w = [0i8; QK];
     let nibbles = |qs: &[u8], w: &mut [i8; QK], f: &dyn Fn(u8, usize) -> i8| {
@@ -155,6 +220,7 @@ fn block_ints(src: Source, row: &[u8], b: usize) -> ([i8; QK], f32) {
                 iq4_xs_scale(row[at..at + IQ4_XS_BYTES].as_ptr(), g, d)
             });
         }
+        _ => unreachable!("grouped sources are decoded by `groups`"),
     }
     (w, d)
 }
@@ -201,6 +267,14 @@ macro_rules! per_source {
             Source::Q5_0 => $f::<2>($($arg),*),
             Source::Iq4Nl => $f::<3>($($arg),*),
             Source::Iq4Xs => $f::<4>($($arg),*),
+            Source::Tq1_0 => $f::<5>($($arg),*),
+            Source::Tq2_0 => $f::<6>($($arg),*),
+            Source::Mxfp4 => $f::<7>($($arg),*),
+            Source::Q1_0 => $f::<8>($($arg),*),
+            Source::Q2_0 => $f::<9>($($arg),*),
+            Source::Iq2Xxs => $f::<10>($($arg),*),
+            Source::Iq3Xxs => $f::<11>($($arg),*),
+            Source::Iq3S => $f::<12>($($arg),*),
         }
     };
 }
@@ -250,6 +324,12 @@ macro_rules! load_row_blocks {
                     at.wrapping_add($crate::kernels::gemm_q8::PACK_PREFETCH)
                         .cast(),
                 );
+                if $src.grouped() {
+                    let (v, d) = $crate::kernels::gemm_q8::groups::x86::group($src, at, group);
+                    $scales[i] = d;
+                    $r[i] = v;
+                    continue;
+                }
                 let d = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(
                     at.cast::<u16>().read_unaligned(),
                 ))));
@@ -286,6 +366,7 @@ macro_rules! load_row_blocks {
                             )),
                         )
                     }
+                    _ => unreachable!("grouped sources are decoded above"),
                 };
             }
         }
@@ -317,6 +398,7 @@ pub(crate) const PACK_PREFETCH: usize = 256;
 mod affine;
 #[cfg(target_arch = "x86_64")]
 mod avx2;
+mod groups;
 pub mod nibbles;
 pub mod stored;
 
@@ -1281,13 +1363,35 @@ mod tests {
         acc
     }
 
-    const SOURCES: [(DType, Source); 5] = [
+    const SOURCES: [(DType, Source); 13] = [
         (DType::Q8_0, Source::Q8_0),
         (DType::Q4_0, Source::Q4_0),
         (DType::Q5_0, Source::Q5_0),
         (DType::IQ4_NL, Source::Iq4Nl),
         (DType::IQ4_XS, Source::Iq4Xs),
+        (DType::TQ1_0, Source::Tq1_0),
+        (DType::TQ2_0, Source::Tq2_0),
+        (DType::MXFP4, Source::Mxfp4),
+        (DType::Q1_0, Source::Q1_0),
+        (DType::Q2_0, Source::Q2_0),
+        (DType::IQ2_XXS, Source::Iq2Xxs),
+        (DType::IQ3_XXS, Source::Iq3Xxs),
+        (DType::IQ3_S, Source::Iq3S),
     ];
+
+    #[test]
+    fn every_source_is_listed_once_in_order() {
+        for (i, src) in Source::ALL.iter().enumerate() {
+            assert_eq!(Source::at(i as u8), *src);
+            assert_eq!(
+                SOURCES.iter().filter(|(_, s)| s == src).count(),
+                1,
+                "{src:?}"
+            );
+            let (dtype, _) = SOURCES.iter().find(|(_, s)| s == src).unwrap();
+            assert_eq!(Source::of(*dtype), Some(*src));
+        }
+    }
 
     /// `n` reproducible bytes from `seed` (the high byte of a linear congruential stream):
     /// the raw material of the random weight rows here and in `affine`'s tests.
@@ -1301,17 +1405,27 @@ mod tests {
             .collect()
     }
 
-    /// `m` rows of `k` values of `dtype`: random bytes with sane f16 scales (finite, small,
-    /// both signs); q8_0's first row holds the extreme bytes −128 and 127.
+    /// `m` rows of `k` values of `dtype`: random bytes with sane scales (finite, small, both
+    /// signs: f16 where the type has one, mxfp4's exponent byte near 1); q8_0's first row
+    /// holds the extreme bytes −128 and 127.
     fn random_rows(dtype: DType, m: usize, k: usize, seed: u32) -> Vec<u8> {
         let row_bytes = dtype.row_size(k).unwrap();
         let block = dtype.type_size();
         let mut raw = lcg_bytes(m * row_bytes, seed);
+        let scale_at = match dtype {
+            DType::TQ1_0 => 52,
+            DType::TQ2_0 => 64,
+            _ => 0,
+        };
         for (r, row) in raw.chunks_exact_mut(row_bytes).enumerate() {
             for (bi, blk) in row.chunks_exact_mut(block).enumerate() {
+                if dtype == DType::MXFP4 {
+                    blk[0] = 118 + ((r * 5 + bi) % 16) as u8;
+                    continue;
+                }
                 let sign = if (r + bi) % 3 == 0 { -1.0 } else { 1.0 };
                 let d = half::f16::from_f32(sign * (0.01 + 0.001 * (r * 3 + bi) as f32));
-                blk[..2].copy_from_slice(&d.to_bits().to_ne_bytes());
+                blk[scale_at..scale_at + 2].copy_from_slice(&d.to_bits().to_ne_bytes());
                 if dtype == DType::Q8_0 && r == 0 {
                     blk[2] = 0x80;
                     blk[3] = 0x7f;
