@@ -1863,7 +1863,8 @@ fn mul_mat_bits_do_not_depend_on_thread_count() {
 fn mul_mat_rows_do_not_depend_on_their_neighbours() {
     let mut rng = Rng::new(31);
     // (type, row length): the block types besides q8_0/q4_0 cover the several-column dot
-    // products (q4_1 and the K-quants up to 8 columns) and the affine GEMM beyond them.
+    // products (q4_1 and the K-quants up to 8 columns), the affine GEMM beyond them and the
+    // integer GEMM's grouped sources (mxfp4, iq3_s, tq1_0).
     for (dtype, k) in [
         (DType::F32, 96usize),
         (DType::F16, 96),
@@ -1875,6 +1876,10 @@ fn mul_mat_rows_do_not_depend_on_their_neighbours() {
         (DType::IQ4_NL, 96),
         (DType::Q4_K, 256),
         (DType::Q6_K, 256),
+        // grouped sources of the integer GEMM (from 2 or 3 columns)
+        (DType::MXFP4, 96),
+        (DType::IQ3_S, 256),
+        (DType::TQ1_0, 256),
     ] {
         for n in [1usize, 2, 3, 5, 13, 40, 64, 96] {
             let m = 45usize;
@@ -1886,6 +1891,8 @@ fn mul_mat_rows_do_not_depend_on_their_neighbours() {
                 DType::F32 | DType::F16 | DType::BF16 | DType::Q8_0 | DType::Q4_0
             ) {
                 fill_any(&a, &mut rng);
+            } else if !dtype.has_quantizer() {
+                fill_block(&a, &mut rng);
             } else {
                 let x: Vec<f32> = (0..k * m).map(|_| rng.uniform(-1.0, 1.0)).collect();
                 let mut bytes = vec![0u8; a.nbytes()];
@@ -2095,7 +2102,8 @@ fn fill_block(t: &Tensor, rng: &mut Rng) -> Vec<f32> {
 
 /// MUL_MAT with every block type as weights: few columns (integer block dots against the
 /// partner activation type), many columns (the integer GEMM against q8_0 activations for
-/// q8_0, q4_0, q5_0, iq4_nl and iq4_xs; dequantized tiles and the f32 GEMM for the rest), partial row
+/// q8_0, q4_0, q5_0, iq4_nl, iq4_xs, the K-quants and the grouped low-bit and grid types;
+/// dequantized tiles and the f32 GEMM for the rest), partial row
 /// tiles, broadcast batches and a transposed activation view — against the f64 product of the
 /// dequantized weights, identical bits at 1, 2 and 3 threads, no write outside the output. With
 /// at most `direct_dot_max_cols(dtype)` columns in the product (2; up to 8 for the types with

@@ -530,8 +530,13 @@ const DIRECT_DOT_MAX_COLS: usize = 2;
 /// faster in the GEMM from 3 columns. Where the type has a several-column product
 /// ([`block_dot::dot_cols_fn`]: q4_K, q5_K, q6_K with AVX-512) each weight row is decoded
 /// once for four columns and the direct products stay ahead up to ~11 columns (at 8: q4_K
-/// 11.7 vs 8.1-8.8 GB/s); 8 is kept. Decided by the whole product's column count, so the
-/// path (and every result bit) is the same for any split of the output.
+/// 11.7 vs 8.1-8.8 GB/s); 8 is kept. The low-bit and grid types the GEMM decodes a group of
+/// 32 at a time (tq1_0, tq2_0, mxfp4, q1_0, q2_0, iq2_xxs, iq3_xxs, iq3_s) decode each weight
+/// once per call there, against once per column in the dot products: from 3 columns the
+/// GEMM is 1.5-7x faster, and mxfp4, q2_0 and iq3_s (whose dot products are slowest for
+/// their size) are faster there from 2 columns (18.4 vs 11.7, 9.2 vs 5.8, 5.1 vs 4.5 GB/s),
+/// so they keep the dot products for one column only. Decided by the whole product's column
+/// count, so the path (and every result bit) is the same for any split of the output.
 pub fn direct_dot_max_cols(dtype: DType) -> usize {
     match dtype {
         DType::Q4_K | DType::Q5_K | DType::Q6_K if block_dot::dot_cols_fn::<4>(dtype).is_some() => {
@@ -540,6 +545,7 @@ pub fn direct_dot_max_cols(dtype: DType) -> usize {
         DType::Q4_1 | DType::Q5_1 => 8,
         DType::Q2_K | DType::Q4_K | DType::Q6_K => 6,
         DType::Q3_K | DType::Q5_K => 5,
+        DType::MXFP4 | DType::Q2_0 | DType::IQ3_S => 1,
         _ => DIRECT_DOT_MAX_COLS,
     }
 }
