@@ -238,6 +238,9 @@ INTEGER_GEMM_TYPES = {
     "iq2_xxs",
     "iq3_xxs",
     "iq3_s",
+    "iq2_xs",
+    "iq2_s",
+    "nvfp4",
 }
 
 
@@ -247,7 +250,7 @@ def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     super-blocks) computes the forward pass of its decoded weights when prompts run in batches.
     The products decode weight tiles for the f32 GEMM — close to the float64 forward — except
     for the types the integer GEMM or the block dot products take (iq4_xs, the K-quants, the
-    ternary, FP4, q1_0/q2_0, iq2_xxs and iq3 types here), which quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does, in
+    ternary, FP4, q1_0/q2_0, iq2 and iq3 types here), which quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does, in
     the dot products that prompts of up to 5-6 tokens and decoding use): on these random
     models that moves the largest logit error to 2-17% of the logits' range across seeds and
     both paths (measured; iq3_s 6-19% over seeds 6-11, its token-by-token dot products 16-18%

@@ -1,10 +1,12 @@
-//! Weights with minimums or with scales per 16 values on the integer GEMM: q4_1, q5_1 and the
-//! K-quants (q2_K, q3_K, q4_K, q5_K, q6_K).
+//! Weights with minimums or with scales per 16 values on the integer GEMM: q4_1, q5_1, the
+//! K-quants (q2_K, q3_K, q4_K, q5_K, q6_K), iq2_xs, iq2_s and nvfp4.
 //!
 //! Every value of these types is `scale(g) · q + min(g)` for a small integer `q` and a group
-//! `g` of 16 values (q2_K, q3_K, q6_K) or 32 (q4_1, q5_1, q4_K, q5_K), where the scale and
-//! the minimum are an f16 (q4_1, q5_1: `d`, `m`) or a product of an f16 and an integer below
-//! 256 (the K-quants: `d · sc(g)`, `−dmin · m(g)`) — exact in f32. So a block of 32 values is
+//! `g` of 16 values (q2_K, q3_K, q6_K, iq2_xs, iq2_s, nvfp4) or 32 (q4_1, q5_1, q4_K, q5_K),
+//! where the scale and the minimum are an f16 (q4_1, q5_1: `d`, `m`), a product of an f16 and
+//! an integer below 256 (the K-quants: `d · sc(g)`, `−dmin · m(g)`; iq2_xs / iq2_s:
+//! `d · (2s + 1) / 8`, as their decoder computes it) or half an E4M3 byte (nvfp4) — exact in
+//! f32. So a block of 32 values is
 //! 32 signed bytes with a scale and a minimum per half of 16 ([`Decoded`]), and a product
 //! row · activation block is
 //!
@@ -35,11 +37,13 @@
 use super::{Isa, Line, PANEL, QK, STEPS};
 use crate::dtype::DType;
 use crate::kernels::quant_dot::f16_bits_to_f32;
+use crate::quant::iq2::{unpack_iq2_s, unpack_iq2_xs, IQ2_S_BYTES, IQ2_XS_BYTES};
 use crate::quant::kquants::{
     k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit, unpack_4bit,
     Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
 use crate::quant::legacy::{unpack_nibbles, Q4_1_BYTES, Q5_1_BYTES};
+use crate::quant::lowbit::{nvfp4_levels, ue4m3_half, NVFP4_BYTES, QK_NVFP4};
 use crate::quant::QK_K;
 
 /// Lines per packed block: the parent's 8 steps × 2 vectors of quants, then per (half,
@@ -72,6 +76,12 @@ pub(crate) enum AffineType {
     Q5K,
     /// q6_K: 6-bit signed values with an 8-bit scale per 16.
     Q6K,
+    /// iq2_xs: signed lattice points with a 4-bit scale per 16.
+    Iq2Xs,
+    /// iq2_s: signed lattice points with a 4-bit scale per 16.
+    Iq2S,
+    /// nvfp4: doubled FP4 levels with an E4M3 scale per 16 (blocks of 64).
+    Nvfp4,
 }
 
 impl AffineType {
@@ -85,24 +95,43 @@ impl AffineType {
             DType::Q4_K => AffineType::Q4K,
             DType::Q5_K => AffineType::Q5K,
             DType::Q6_K => AffineType::Q6K,
+            DType::IQ2_XS => AffineType::Iq2Xs,
+            DType::IQ2_S => AffineType::Iq2S,
+            DType::NVFP4 => AffineType::Nvfp4,
             _ => return None,
         })
     }
 
     /// Whether the scales come per 16 values (else one per block of 32).
     pub(super) fn halves(self) -> bool {
-        matches!(self, AffineType::Q2K | AffineType::Q3K | AffineType::Q6K)
+        matches!(
+            self,
+            AffineType::Q2K
+                | AffineType::Q3K
+                | AffineType::Q6K
+                | AffineType::Iq2Xs
+                | AffineType::Iq2S
+                | AffineType::Nvfp4
+        )
     }
 
     /// Whether the values have minimums.
     pub(super) fn mins(self) -> bool {
-        !matches!(self, AffineType::Q3K | AffineType::Q6K)
+        !matches!(
+            self,
+            AffineType::Q3K
+                | AffineType::Q6K
+                | AffineType::Iq2Xs
+                | AffineType::Iq2S
+                | AffineType::Nvfp4
+        )
     }
 
     /// Blocks of 32 per stored block (a super-block of 256, or one block).
     fn blocks(self) -> usize {
         match self {
             AffineType::Q4_1 | AffineType::Q5_1 => 1,
+            AffineType::Nvfp4 => QK_NVFP4 / QK,
             _ => QK_K / QK,
         }
     }
@@ -117,6 +146,9 @@ impl AffineType {
             AffineType::Q4K => Q4_K_BYTES,
             AffineType::Q5K => Q5_K_BYTES,
             AffineType::Q6K => Q6_K_BYTES,
+            AffineType::Iq2Xs => IQ2_XS_BYTES,
+            AffineType::Iq2S => IQ2_S_BYTES,
+            AffineType::Nvfp4 => NVFP4_BYTES,
         }
     }
 }
@@ -159,6 +191,9 @@ fn decode(kt: AffineType, sb: &[u8], out: &mut Decoded) {
         AffineType::Q4K => widen(&unpack_4bit(&sb[16..144]), &mut out.q),
         AffineType::Q5K => widen(&q5_k_quants(&sb[16..48], &sb[48..176]), &mut out.q),
         AffineType::Q6K => out.q = q6_k_quants(&sb[0..128], &sb[128..192]),
+        AffineType::Iq2Xs => out.q = unpack_iq2_xs(sb).values,
+        AffineType::Iq2S => out.q = unpack_iq2_s(sb).values,
+        AffineType::Nvfp4 => out.q[..QK_NVFP4].copy_from_slice(&nvfp4_levels(&sb[4..36])),
     }
 }
 
@@ -207,6 +242,22 @@ fn decode_scales(kt: AffineType, sb: &[u8], out: &mut Decoded) {
         AffineType::Q6K => {
             let d = f16_at(sb, 208);
             set_groups(out, |g| (d * f32::from(sb[192 + g] as i8), 0.0));
+        }
+        AffineType::Iq2Xs | AffineType::Iq2S => {
+            // as the decoder: (d · (0.5 + s)) · 0.25, exact (an f16 times an odd number
+            // below 32, over 8)
+            let d = f16_at(sb, 0);
+            let at = if kt == AffineType::Iq2Xs { 66 } else { 74 };
+            set_groups(out, |g| {
+                let s = (sb[at + g / 2] >> (4 * (g % 2))) & 15;
+                (d * (0.5 + f32::from(s)) * 0.25, 0.0)
+            });
+        }
+        // four sub-blocks of 16 (the other groups are not read)
+        AffineType::Nvfp4 => {
+            for (g, &byte) in sb[..4].iter().enumerate() {
+                (out.scale[g], out.min[g]) = (ue4m3_half(byte), 0.0);
+            }
         }
     }
 }
@@ -463,6 +514,16 @@ mod x86 {
                         }
                     }
                 }
+                AffineType::Iq2Xs | AffineType::Iq2S | AffineType::Nvfp4 => {
+                    use super::super::groups::x86 as groups;
+                    for (i, vi) in v.iter_mut().enumerate().take(kt.blocks()) {
+                        *vi = match kt {
+                            AffineType::Iq2Xs => groups::iq2_xs_values(sb, i),
+                            AffineType::Iq2S => groups::iq2_s_values(sb, i),
+                            _ => groups::nvfp4_values(sb, i),
+                        };
+                    }
+                }
                 AffineType::Q6K => {
                     let thirty_two = _mm256_set1_epi8(32);
                     for h in 0..2 {
@@ -707,7 +768,7 @@ mod tests {
     use super::*;
     use crate::kernels::testing::values;
 
-    const TYPES: [(DType, AffineType); 7] = [
+    const TYPES: [(DType, AffineType); 10] = [
         (DType::Q4_1, AffineType::Q4_1),
         (DType::Q5_1, AffineType::Q5_1),
         (DType::Q2_K, AffineType::Q2K),
@@ -715,6 +776,9 @@ mod tests {
         (DType::Q4_K, AffineType::Q4K),
         (DType::Q5_K, AffineType::Q5K),
         (DType::Q6_K, AffineType::Q6K),
+        (DType::IQ2_XS, AffineType::Iq2Xs),
+        (DType::IQ2_S, AffineType::Iq2S),
+        (DType::NVFP4, AffineType::Nvfp4),
     ];
 
     /// `m` rows of `k` values: random bytes with sane f16 `d` (and `dmin`) of both signs.
@@ -724,6 +788,9 @@ mod tests {
             DType::Q2_K => &[80, 82],
             DType::Q3_K => &[108],
             DType::Q6_K => &[208],
+            DType::IQ2_XS | DType::IQ2_S => &[0],
+            // E4M3 scale bytes: every byte is a finite scale
+            DType::NVFP4 => &[],
             _ => &[0, 2],
         };
         for (i, sb) in raw.chunks_exact_mut(dtype.type_size()).enumerate() {

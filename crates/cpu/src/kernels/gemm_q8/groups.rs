@@ -84,7 +84,7 @@ pub(super) fn group_ints(src: Source, row: &[u8], at: usize, g: usize) -> ([i8; 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::super::Source;
-    use crate::quant::iq2::grids::IQ2XXS_GRID;
+    use crate::quant::iq2::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
     use crate::quant::iq2::sign_byte;
     use crate::quant::iq3::{IQ3_S_GRID, IQ3_XXS_GRID};
     use crate::quant::lowbit::{e8m0_half, KVALUES_MXFP4};
@@ -240,6 +240,69 @@ pub(super) mod x86 {
         _mm256_sub_epi8(v, at_least(171u8 as i8))
     }
 
+    /// Values `32 i..32 i + 32` of the iq2_xs super-block at `at` (`i < 8`): four runs of
+    /// 8, each a 16-bit code of a 9-bit lattice index and a 7-bit sign index (for
+    /// [`super::super::affine`], whose scales come per 16).
+    ///
+    /// # Safety
+    /// `at` points at a whole iq2_xs super-block.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn iq2_xs_values(at: *const u8, i: usize) -> __m256i {
+        // SAFETY: the codes lie at bytes 2..66 (caller).
+        let code = |l: usize| unsafe { at.add(2 + 8 * i + 2 * l).cast::<u16>().read_unaligned() };
+        let p = |l: usize| IQ2XS_GRID[usize::from(code(l) & 511)] as i64;
+        let s = |l: usize| u32::from(sign_byte(u32::from(code(l) >> 9))) << (8 * l);
+        let mags = _mm256_setr_epi64x(p(0), p(1), p(2), p(3));
+        signed(mags, bit_mask(s(0) | s(1) | s(2) | s(3)))
+    }
+
+    /// Values `32 i..32 i + 32` of the iq2_s super-block at `at` (`i < 8`): four runs of 8,
+    /// each a 10-bit lattice index (8 bits, then 2 from `qh`) and a sign byte.
+    ///
+    /// # Safety
+    /// `at` points at a whole iq2_s super-block.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn iq2_s_values(at: *const u8, i: usize) -> __m256i {
+        // SAFETY: indices at 2..34, signs at 34..66, high bits at 66..74 (caller).
+        unsafe {
+            let high = *at.add(66 + i);
+            let p = |l: usize| {
+                let index =
+                    usize::from(*at.add(2 + 4 * i + l)) | usize::from(high >> (2 * l) & 3) << 8;
+                IQ2S_GRID[index] as i64
+            };
+            let mags = _mm256_setr_epi64x(p(0), p(1), p(2), p(3));
+            let signs = at.add(34 + 4 * i).cast::<u32>().read_unaligned();
+            signed(mags, bit_mask(signs))
+        }
+    }
+
+    /// Values `32 i..32 i + 32` of the nvfp4 block at `at` (`i < 2`): two sub-blocks of 16,
+    /// each 8 code bytes whose low nibbles are its first 8 values and high nibbles the rest.
+    ///
+    /// # Safety
+    /// `at` points at a whole nvfp4 block.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn nvfp4_values(at: *const u8, i: usize) -> __m256i {
+        // SAFETY: the codes lie at bytes 4..36 (caller); the table is 16 bytes.
+        let (x, levels) = unsafe {
+            (
+                _mm_loadu_si128(at.add(4 + 16 * i).cast()),
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(KVALUES_MXFP4.as_ptr().cast())),
+            )
+        };
+        let low = _mm_set1_epi8(15);
+        let (lo, hi) = (
+            _mm_and_si128(x, low),
+            _mm_and_si128(_mm_srli_epi16::<4>(x), low),
+        );
+        let codes = _mm256_set_m128i(_mm_unpackhi_epi64(lo, hi), _mm_unpacklo_epi64(lo, hi));
+        _mm256_shuffle_epi8(levels, codes)
+    }
+
     /// [`super::group_ints`] as a vector: group `g` of the stored block at `at`.
     ///
     /// # Safety
@@ -248,8 +311,8 @@ pub(super) mod x86 {
     #[inline]
     #[target_feature(enable = "avx2,f16c")]
     pub(crate) unsafe fn group(src: Source, at: *const u8, g: usize) -> (__m256i, f32) {
-        // SAFETY (every arm): the reads stay inside the stored block (its layout, see the
-        // module table), which the caller guarantees.
+        // SAFETY: every arm reads inside the stored block (its layout, see the module table),
+        // which the caller guarantees.
         unsafe {
             match src {
                 Source::Tq2_0 => {
