@@ -98,9 +98,9 @@ pub(crate) fn hsum(v: __m256i) -> i32 {
 }
 
 /// Byte `j` of the result is `0xFF` when bit `j % 8` of byte `j / 8` of `bits` is set, else
-/// `0`: 32 bits spread to a byte mask.
+/// `0`: 32 bits spread to a byte mask (AVX2 alone, so the integer GEMM's packers use it too).
 #[inline]
-#[target_feature(enable = "avx2,fma,f16c")]
+#[target_feature(enable = "avx2")]
 pub(crate) fn bit_mask(bits: u32) -> __m256i {
     let spread = _mm256_shuffle_epi8(
         _mm256_set1_epi32(bits as i32),

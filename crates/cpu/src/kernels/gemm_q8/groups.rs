@@ -84,6 +84,7 @@ pub(super) fn group_ints(src: Source, row: &[u8], at: usize, g: usize) -> ([i8; 
 #[cfg(target_arch = "x86_64")]
 pub(super) mod x86 {
     use super::super::Source;
+    use crate::kernels::block_x86::bit_mask;
     use crate::quant::iq2::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
     use crate::quant::iq2::sign_byte;
     use crate::quant::iq3::{IQ3_S_GRID, IQ3_XXS_GRID};
@@ -100,21 +101,6 @@ pub(super) mod x86 {
         // SAFETY: the caller's two bytes.
         let bits = unsafe { at.cast::<u16>().read_unaligned() };
         _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
-    }
-
-    /// Byte `j` is `0xFF` when bit `j` of `bits` is set, else 0.
-    #[inline]
-    #[target_feature(enable = "avx2")]
-    fn bit_mask(bits: u32) -> __m256i {
-        let spread = _mm256_shuffle_epi8(
-            _mm256_set1_epi32(bits as i32),
-            _mm256_setr_epi8(
-                0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, //
-                2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3,
-            ),
-        );
-        let bits = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
-        _mm256_cmpeq_epi8(_mm256_and_si256(spread, bits), bits)
     }
 
     /// `v` negated where `negative` is `0xFF` (`(v ^ m) − m`; magnitudes stay below 128).
