@@ -241,6 +241,7 @@ INTEGER_GEMM_TYPES = {
     "iq2_xs",
     "iq2_s",
     "nvfp4",
+    "iq1_s",
 }
 
 
@@ -249,13 +250,13 @@ def test_every_block_type_runs_a_model(tmp_path: Path, dtype: str) -> None:
     """A model stored in each of ggml's weight block types (rows of 256 values: whole
     super-blocks) computes the forward pass of its decoded weights when prompts run in batches.
     The products decode weight tiles for the f32 GEMM — close to the float64 forward — except
-    for the types the integer GEMM or the block dot products take (all here but iq1_s and
-    iq1_m), which quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does,
-    in the dot products that short prompts and decoding use): on these random models that
-    moves the largest logit error to 2-17% of the logits' range across seeds and both paths
-    (measured; iq3_s 6-19% over seeds 6-11, its token-by-token dot products 16-18% on the same
-    files), so the bound is 20%. test_llm_tiny_llamacpp.py compares the token by token
-    products with llama.cpp."""
+    for the types the integer GEMM or the block dot products take (all here but iq1_m), which
+    quantize the activations (to q8_0 in the GEMM; to q8_K, as llama.cpp does, in the dot
+    products that short prompts and decoding use): on these random models that moves the
+    largest logit error to 2-17% of the logits' range across seeds and both paths (measured;
+    iq3_s 6-19% over seeds 6-11, its token-by-token dot products 16-18% on the same files), so
+    the bound is 20%. test_llm_tiny_llamacpp.py compares the token by token products with
+    llama.cpp."""
     path = tmp_path / f"{dtype}.gguf"
     w = write_tiny_model(path, seed=6, dtype=dtype, width=256, n_ff=512)
     model = llm_mod.LLM(path, n_ctx=64, kv_dtype="f32")

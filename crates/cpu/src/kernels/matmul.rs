@@ -535,10 +535,11 @@ const DIRECT_DOT_MAX_COLS: usize = 2;
 /// once per call there, against once per column in the dot products: from 3 columns the
 /// GEMM is 1.5-7x faster, and mxfp4, q2_0 and iq3_s (whose dot products are slowest for
 /// their size) are faster there from 2 columns (18.4 vs 11.7, 9.2 vs 5.8, 5.1 vs 4.5 GB/s),
-/// so they keep the dot products for one column only. iq2_xs, iq2_s and nvfp4 reach the GEMM
-/// through `affine` (scales per 16), whose packer costs more per weight: their dot products
-/// stay ahead up to 4, 4 and 5 columns (at 3: 3.5 vs 2.4, 4.3 vs 3.1, 8.5 vs 4.6 GB/s; at 8
-/// the GEMM leads: 2.2 vs 1.3, 2.8 vs 1.6, 4.2 vs 3.3). Decided by the whole product's column
+/// so they keep the dot products for one column only. iq2_xs, iq2_s, nvfp4 and iq1_s reach
+/// the GEMM through `affine` (scales per 16, or iq1_s's shift as a minimum), whose packer
+/// costs more per weight: their dot products stay ahead up to 4, 4, 5 and 4 columns (at 3:
+/// 3.5 vs 2.4, 4.3 vs 3.1, 8.5 vs 4.6, 2.8 vs 1.9 GB/s; at 8 the GEMM leads: 2.2 vs 1.3,
+/// 2.8 vs 1.6, 4.2 vs 3.3, 1.8 vs 1.1). Decided by the whole product's column
 /// count, so the path (and every result bit) is the same for any split of the output.
 pub fn direct_dot_max_cols(dtype: DType) -> usize {
     match dtype {
@@ -549,7 +550,7 @@ pub fn direct_dot_max_cols(dtype: DType) -> usize {
         DType::Q2_K | DType::Q4_K | DType::Q6_K => 6,
         DType::Q3_K | DType::Q5_K => 5,
         DType::MXFP4 | DType::Q2_0 | DType::IQ3_S => 1,
-        DType::IQ2_XS | DType::IQ2_S => 4,
+        DType::IQ2_XS | DType::IQ2_S | DType::IQ1_S => 4,
         DType::NVFP4 => 5,
         _ => DIRECT_DOT_MAX_COLS,
     }

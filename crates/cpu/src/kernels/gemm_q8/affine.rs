@@ -1,8 +1,9 @@
 //! Weights with minimums or with scales per 16 values on the integer GEMM: q4_1, q5_1, the
-//! K-quants (q2_K, q3_K, q4_K, q5_K, q6_K), iq2_xs, iq2_s and nvfp4.
+//! K-quants (q2_K, q3_K, q4_K, q5_K, q6_K), iq2_xs, iq2_s, nvfp4 and iq1_s.
 //!
 //! Every value of these types is `scale(g) · q + min(g)` for a small integer `q` and a group
-//! `g` of 16 values (q2_K, q3_K, q6_K, iq2_xs, iq2_s, nvfp4) or 32 (q4_1, q5_1, q4_K, q5_K),
+//! `g` of 16 values (q2_K, q3_K, q6_K, iq2_xs, iq2_s, nvfp4) or 32 (q4_1, q5_1, q4_K, q5_K,
+//! iq1_s, whose minimum is its scale times its ±1/8 shift),
 //! where the scale and the minimum are an f16 (q4_1, q5_1: `d`, `m`), a product of an f16 and
 //! an integer below 256 (the K-quants: `d · sc(g)`, `−dmin · m(g)`; iq2_xs / iq2_s:
 //! `d · (2s + 1) / 8`, as their decoder computes it) or half an E4M3 byte (nvfp4) — exact in
@@ -37,6 +38,7 @@
 use super::{Isa, Line, PANEL, QK, STEPS};
 use crate::dtype::DType;
 use crate::kernels::quant_dot::f16_bits_to_f32;
+use crate::quant::iq1::{iq1_s_parts, IQ1_DELTA, IQ1_S_BYTES};
 use crate::quant::iq2::{unpack_iq2_s, unpack_iq2_xs, IQ2_S_BYTES, IQ2_XS_BYTES};
 use crate::quant::kquants::{
     k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit, unpack_4bit,
@@ -82,6 +84,8 @@ pub(crate) enum AffineType {
     Iq2S,
     /// nvfp4: doubled FP4 levels with an E4M3 scale per 16 (blocks of 64).
     Nvfp4,
+    /// iq1_s: grid points (−1, 0, 1) with a 3-bit scale and a ±1/8 shift per 32.
+    Iq1S,
 }
 
 impl AffineType {
@@ -98,6 +102,7 @@ impl AffineType {
             DType::IQ2_XS => AffineType::Iq2Xs,
             DType::IQ2_S => AffineType::Iq2S,
             DType::NVFP4 => AffineType::Nvfp4,
+            DType::IQ1_S => AffineType::Iq1S,
             _ => return None,
         })
     }
@@ -149,6 +154,7 @@ impl AffineType {
             AffineType::Iq2Xs => IQ2_XS_BYTES,
             AffineType::Iq2S => IQ2_S_BYTES,
             AffineType::Nvfp4 => NVFP4_BYTES,
+            AffineType::Iq1S => IQ1_S_BYTES,
         }
     }
 }
@@ -194,6 +200,9 @@ fn decode(kt: AffineType, sb: &[u8], out: &mut Decoded) {
         AffineType::Iq2Xs => out.q = unpack_iq2_xs(sb).values,
         AffineType::Iq2S => out.q = unpack_iq2_s(sb).values,
         AffineType::Nvfp4 => out.q[..QK_NVFP4].copy_from_slice(&nvfp4_levels(&sb[4..36])),
+        AffineType::Iq1S => {
+            out.q = iq1_s_parts(sb[..IQ1_S_BYTES].try_into().expect("a block")).0;
+        }
     }
 }
 
@@ -251,6 +260,21 @@ fn decode_scales(kt: AffineType, sb: &[u8], out: &mut Decoded) {
             set_groups(out, |g| {
                 let s = (sb[at + g / 2] >> (4 * (g % 2))) & 15;
                 (d * (0.5 + f32::from(s)) * 0.25, 0.0)
+            });
+        }
+        AffineType::Iq1S => {
+            // `d · (2a + 1)` and that times ±1/8, both exact: `dl · (q ± 1/8)` as the decoder
+            // computes it is `dl · q + dl · (±1/8)` without rounding (q in −1..=1)
+            let d = f16_at(sb, 0);
+            set_groups(out, |g| {
+                let h = u16::from_le_bytes([sb[34 + g / 2 * 2], sb[35 + g / 2 * 2]]);
+                let dl = d * f32::from(2 * ((h >> 12) & 7) + 1);
+                let shift = if h & 0x8000 != 0 {
+                    -IQ1_DELTA
+                } else {
+                    IQ1_DELTA
+                };
+                (dl, dl * shift)
             });
         }
         // four sub-blocks of 16 (the other groups are not read)
@@ -514,12 +538,13 @@ mod x86 {
                         }
                     }
                 }
-                AffineType::Iq2Xs | AffineType::Iq2S | AffineType::Nvfp4 => {
+                AffineType::Iq2Xs | AffineType::Iq2S | AffineType::Nvfp4 | AffineType::Iq1S => {
                     use super::super::groups::x86 as groups;
                     for (i, vi) in v.iter_mut().enumerate().take(kt.blocks()) {
                         *vi = match kt {
                             AffineType::Iq2Xs => groups::iq2_xs_values(sb, i),
                             AffineType::Iq2S => groups::iq2_s_values(sb, i),
+                            AffineType::Iq1S => groups::iq1_s_values(sb, i),
                             _ => groups::nvfp4_values(sb, i),
                         };
                     }
@@ -768,7 +793,7 @@ mod tests {
     use super::*;
     use crate::kernels::testing::values;
 
-    const TYPES: [(DType, AffineType); 10] = [
+    const TYPES: [(DType, AffineType); 11] = [
         (DType::Q4_1, AffineType::Q4_1),
         (DType::Q5_1, AffineType::Q5_1),
         (DType::Q2_K, AffineType::Q2K),
@@ -779,6 +804,7 @@ mod tests {
         (DType::IQ2_XS, AffineType::Iq2Xs),
         (DType::IQ2_S, AffineType::Iq2S),
         (DType::NVFP4, AffineType::Nvfp4),
+        (DType::IQ1_S, AffineType::Iq1S),
     ];
 
     /// `m` rows of `k` values: random bytes with sane f16 `d` (and `dmin`) of both signs.
@@ -788,7 +814,7 @@ mod tests {
             DType::Q2_K => &[80, 82],
             DType::Q3_K => &[108],
             DType::Q6_K => &[208],
-            DType::IQ2_XS | DType::IQ2_S => &[0],
+            DType::IQ2_XS | DType::IQ2_S | DType::IQ1_S => &[0],
             // E4M3 scale bytes: every byte is a finite scale
             DType::NVFP4 => &[],
             _ => &[0, 2],

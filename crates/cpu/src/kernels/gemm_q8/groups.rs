@@ -85,6 +85,7 @@ pub(super) fn group_ints(src: Source, row: &[u8], at: usize, g: usize) -> ([i8; 
 pub(super) mod x86 {
     use super::super::Source;
     use crate::kernels::block_x86::bit_mask;
+    use crate::quant::iq1::IQ1_GRID;
     use crate::quant::iq2::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
     use crate::quant::iq2::sign_byte;
     use crate::quant::iq3::{IQ3_S_GRID, IQ3_XXS_GRID};
@@ -262,6 +263,27 @@ pub(super) mod x86 {
             let mags = _mm256_setr_epi64x(p(0), p(1), p(2), p(3));
             let signs = at.add(34 + 4 * i).cast::<u32>().read_unaligned();
             signed(mags, bit_mask(signs))
+        }
+    }
+
+    /// Values `32 i..32 i + 32` of the iq1_s super-block at `at` (`i < 8`): four grid points
+    /// of 8 coordinates in −1..=1, each an 11-bit index (8 bits, then 3 from the group's
+    /// `qh` word); the group's shift is [`super::super::affine`]'s minimum.
+    ///
+    /// # Safety
+    /// `at` points at a whole iq1_s super-block.
+    #[inline]
+    #[target_feature(enable = "avx2")]
+    pub(crate) unsafe fn iq1_s_values(at: *const u8, i: usize) -> __m256i {
+        // SAFETY: indices at 2..34, the `qh` words at 34..50 (caller).
+        unsafe {
+            let h = at.add(34 + 2 * i).cast::<u16>().read_unaligned();
+            let p = |l: usize| {
+                let index =
+                    usize::from(*at.add(2 + 4 * i + l)) | usize::from(h >> (3 * l) & 7) << 8;
+                IQ1_GRID[index] as i64
+            };
+            _mm256_setr_epi64x(p(0), p(1), p(2), p(3))
         }
     }
 
