@@ -2218,6 +2218,91 @@ fn mul_mat_id_gguf_block_types() {
     }
 }
 
+/// Whether the integer GEMM takes every type it has kernels for here: AVX-512 VNNI present and
+/// the kernels not capped below it (`FERROGRAPH_MAX_ISA`).
+fn vnni_uncapped() -> bool {
+    let capped = std::env::var("FERROGRAPH_MAX_ISA").is_ok_and(|v| v == "avx2" || v == "portable");
+    #[cfg(target_arch = "x86_64")]
+    let vnni =
+        std::is_x86_feature_detected!("avx512vnni") && std::is_x86_feature_detected!("avx512bw");
+    #[cfg(not(target_arch = "x86_64"))]
+    let vnni = false;
+    vnni && !capped
+}
+
+/// An expert given more tokens than its type's dot products take runs the integer GEMM on its
+/// gathered columns: each output equals, bit for bit, the MUL_MAT of that expert's matrix
+/// with the same columns (at 1, 2 and 3 threads; with VNNI, where every listed type takes
+/// the GEMM), tokens of two experts interleaved.
+#[test]
+fn mul_mat_id_experts_with_many_tokens_equal_their_mul_mat() {
+    let mut rng = Rng::new(45);
+    for dtype in [
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_K,
+        DType::MXFP4,
+        DType::IQ2_XS,
+    ] {
+        let c = ctx();
+        let k = 2 * dtype.block_size().max(32);
+        let (m, n_expert, n_tokens) = (40usize, 3usize, 13usize);
+        let experts = c.new_tensor(dtype, &[k, m, n_expert]).unwrap();
+        fill_block(&experts, &mut rng);
+        let b = c.new_tensor(DType::F32, &[k, 1, n_tokens]).unwrap();
+        let bv = fill(&b, &mut rng, -1.0, 1.0);
+        let ids = c.new_tensor(DType::I32, &[1, n_tokens]).unwrap();
+        // tokens alternate between experts 1 and 2 (7 and 6 tokens), expert 0 gets none
+        let idv: Vec<i32> = (0..n_tokens).map(|t| 1 + (t % 2) as i32).collect();
+        fill_i32(&ids, &idv);
+        let out = ops::mul_mat_id(&c, &experts, &b, &ids).unwrap();
+        compute(&out);
+        let got = out.to_f32_vec().unwrap();
+        for x in 1..3usize {
+            let tokens: Vec<usize> = (0..n_tokens).filter(|&t| idv[t] as usize == x).collect();
+            let a = ops::view(
+                &c,
+                &experts,
+                &[k, m],
+                &[experts.nb()[1]],
+                x * experts.nb()[2],
+            )
+            .unwrap();
+            let cols = c.new_tensor(DType::F32, &[k, tokens.len()]).unwrap();
+            let colv: Vec<f32> = tokens
+                .iter()
+                .flat_map(|&t| bv[t * k..(t + 1) * k].to_vec())
+                .collect();
+            cols.set_f32(&colv).unwrap();
+            let want = ops::mul_mat(&c, &a, &cols).unwrap();
+            compute(&want);
+            let want = want.to_f32_vec().unwrap();
+            let mut got_x = Vec::new();
+            for (j, &t) in tokens.iter().enumerate() {
+                for i in 0..m {
+                    let (g, w) = (got[t * m + i], want[j * m + i]);
+                    if vnni_uncapped() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "{dtype} expert {x} token {t} row {i}"
+                        );
+                    }
+                    got_x.push(g);
+                }
+            }
+            // elsewhere (no VNNI: some types keep dots or tiles) the same values to rounding
+            let want64: Vec<f64> = want.iter().map(|&v| f64::from(v)).collect();
+            check(
+                &format!("mul_mat_id {dtype} expert {x}"),
+                &got_x,
+                &want64,
+                2e-4,
+            );
+        }
+    }
+}
+
 /// CPY f32 → block type quantizes with the type's reference quantizer (the bytes of
 /// `DType::row_from_f32`), CPY back dequantizes exactly, and GET_ROWS of block rows
 /// dequantizes the chosen rows — for every block type, activation-only q8_1/q8_K included.

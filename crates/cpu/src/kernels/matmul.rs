@@ -913,6 +913,8 @@ fn mul_mat_gemm_from(
 }
 
 /// MUL_MAT_ID: for token `t` and slot `e`, `dst[:, e, t] = experts[ids[e, t]] · b[:, e % n_b, t]`.
+/// Experts with more tokens than their type's dot products take run the integer GEMM on their
+/// gathered columns ([`expert_gemm`]); the others take dot products or f32 tiles per row tile.
 pub fn mul_mat_id(
     dst: RawTensor,
     experts: RawTensor,
@@ -939,12 +941,18 @@ pub fn mul_mat_id(
             });
         }
     }
+    // Experts with more tokens than their type's dot products take: the integer GEMM on a
+    // gathered copy of their columns, one expert at a time (each call parallel inside).
+    let mut on_gemm = vec![false; n_expert];
+    for (x, cols) in by_expert.iter().enumerate() {
+        on_gemm[x] = expert_gemm(&dst, &experts, x, &b, cols, reference, scratch)?;
+    }
     let prepared = prepare(experts.dtype, b, scratch, false)?;
     let m = experts.ne[1];
     let ti = 16.min(m.max(1));
     let i_tiles = m.div_ceil(ti);
     let tasks: Vec<(usize, usize)> = (0..n_expert)
-        .filter(|&x| !by_expert[x].is_empty())
+        .filter(|&x| !by_expert[x].is_empty() && !on_gemm[x])
         .flat_map(|x| (0..i_tiles).map(move |it| (x, it)))
         .collect();
     par_ranges(tasks.len(), 1, |range| {
@@ -965,6 +973,78 @@ pub fn mul_mat_id(
         }
         Ok(())
     })
+}
+
+/// MUL_MAT_ID's product of expert `x` with its columns `cols` on the integer GEMM, when the
+/// expert's type and token count take it (as a plain MUL_MAT of that many columns would):
+/// the columns' activations gathered into a dense f32 matrix, the products computed into a
+/// dense output, then scattered to their `dst` rows. Each output column depends on its own
+/// activations only, so the bits are those of a MUL_MAT of the same columns. Returns whether
+/// the expert was computed here.
+fn expert_gemm(
+    dst: &RawTensor,
+    experts: &RawTensor,
+    x: usize,
+    b: &RawTensor,
+    cols: &[Col],
+    reference: bool,
+    scratch: &mut Vec<u8>,
+) -> Result<bool> {
+    let (k, m, n) = (experts.ne[0], experts.ne[1], cols.len());
+    let isa = gemm_q8::Isa::best();
+    if reference
+        || n <= direct_dot_max_cols(experts.dtype)
+        || isa == gemm_q8::Isa::Portable
+        || b.dtype != DType::F32
+        || b.nb[0] != 4
+        || dst.dtype != DType::F32
+        || dst.nb[0] != 4
+    {
+        return Ok(false);
+    }
+    // SAFETY: expert `x` (< ne[2], the caller's ids were checked) lies inside `experts`.
+    let ptr = SendPtr(unsafe { experts.at(x * experts.nb[2]) });
+    let expert = RawTensor {
+        ptr,
+        ne: [k, m, 1, 1],
+        nb: [
+            experts.nb[0],
+            experts.nb[1],
+            m * experts.nb[1],
+            m * experts.nb[1],
+        ],
+        ..*experts
+    };
+    let mut acts = vec![0f32; n * k];
+    let mut out = vec![0f32; n * m];
+    let dense = |p: *mut f32, ne: [usize; 2]| RawTensor {
+        ptr: SendPtr(p.cast()),
+        dtype: DType::F32,
+        ne: [ne[0], ne[1], 1, 1],
+        nb: [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1]],
+    };
+    let out_t = dense(out.as_mut_ptr(), [m, n]);
+    if !gemm_q8::applies(&expert, &out_t) {
+        return Ok(false);
+    }
+    for (row, col) in acts.chunks_exact_mut(k).zip(cols) {
+        let (i1, i2, i3) = col.b;
+        // SAFETY: activation row (i1, i2, i3) lies inside `b` (its coordinates come from the
+        // ids' slots and tokens, within b's shape) and holds `k` adjacent f32 (nb[0] == 4).
+        let src = unsafe { b.at(b.row_offset(i1, i2, i3)).cast::<f32>().cast_const() };
+        // SAFETY: as above; `row` holds `k` f32 and does not overlap `b`.
+        unsafe { std::ptr::copy_nonoverlapping(src, row.as_mut_ptr(), k) };
+    }
+    let acts_t = dense(acts.as_mut_ptr(), [k, n]);
+    gemm_q8::mul_mat(isa, &out_t, &expert, None, &acts_t, (1, 1), scratch)?;
+    for (values, col) in out.chunks_exact(m).zip(cols) {
+        // SAFETY: `col.dst` is the byte offset of a dst row of `m` adjacent f32 (nb[0] == 4),
+        // written by this expert's slot alone.
+        unsafe {
+            std::ptr::copy_nonoverlapping(values.as_ptr(), dst.at(col.dst).cast::<f32>(), m);
+        }
+    }
+    Ok(true)
 }
 
 /// OUT_PROD: `dst[i0, i1, i2, i3] = Σ_k a[i0, k, i2/r2, i3/r3] · b[i1, k, i2, i3]`.
