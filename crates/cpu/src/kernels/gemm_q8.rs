@@ -31,17 +31,12 @@ use std::cell::RefCell;
 
 use super::interleaved::Layout as Interleaved;
 use super::par_ranges_streaming;
-use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q4_0_BYTES, Q8_0_BYTES, QK};
+use super::quant_dot::{f16_bits_to_f32, quantize_row_q8_0, Q8_0_BYTES, QK};
 use super::view::RawTensor;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::quant::iq2::IQ2_XXS_BYTES;
-use crate::quant::iq3::{IQ3_S_BYTES, IQ3_XXS_BYTES};
 use crate::quant::kquants::IQ4_XS_BYTES;
-use crate::quant::legacy::{IQ4_NL_BYTES, KVALUES_IQ4NL, Q5_0_BYTES};
-use crate::quant::lowbit::{
-    MXFP4_BYTES, Q1_0_BYTES, Q2_0_BYTES, QK_Q1_0, QK_Q2_0, TQ1_0_BYTES, TQ2_0_BYTES,
-};
+use crate::quant::legacy::KVALUES_IQ4NL;
 
 /// The weight types the integer GEMM takes: every block of 32 values of each is 32 signed
 /// bytes times one f32 scale, exactly (the file's values, nothing rounded).
@@ -115,49 +110,38 @@ impl Source {
         Source::ALL[index as usize]
     }
 
+    /// The weight type of the source.
+    pub(crate) const fn dtype(self) -> DType {
+        match self {
+            Source::Q8_0 => DType::Q8_0,
+            Source::Q4_0 => DType::Q4_0,
+            Source::Q5_0 => DType::Q5_0,
+            Source::Iq4Nl => DType::IQ4_NL,
+            Source::Iq4Xs => DType::IQ4_XS,
+            Source::Tq1_0 => DType::TQ1_0,
+            Source::Tq2_0 => DType::TQ2_0,
+            Source::Mxfp4 => DType::MXFP4,
+            Source::Q1_0 => DType::Q1_0,
+            Source::Q2_0 => DType::Q2_0,
+            Source::Iq2Xxs => DType::IQ2_XXS,
+            Source::Iq3Xxs => DType::IQ3_XXS,
+            Source::Iq3S => DType::IQ3_S,
+        }
+    }
+
     /// The source of weights of type `dtype`, if the GEMM takes it.
     pub(crate) fn of(dtype: DType) -> Option<Source> {
-        Some(match dtype {
-            DType::Q8_0 => Source::Q8_0,
-            DType::Q4_0 => Source::Q4_0,
-            DType::Q5_0 => Source::Q5_0,
-            DType::IQ4_NL => Source::Iq4Nl,
-            DType::IQ4_XS => Source::Iq4Xs,
-            DType::TQ1_0 => Source::Tq1_0,
-            DType::TQ2_0 => Source::Tq2_0,
-            DType::MXFP4 => Source::Mxfp4,
-            DType::Q1_0 => Source::Q1_0,
-            DType::Q2_0 => Source::Q2_0,
-            DType::IQ2_XXS => Source::Iq2Xxs,
-            DType::IQ3_XXS => Source::Iq3Xxs,
-            DType::IQ3_S => Source::Iq3S,
-            _ => return None,
-        })
+        Source::ALL.into_iter().find(|s| s.dtype() == dtype)
     }
 
     /// Where the stored block holding 32-value block `b` of a row starts (bytes from the
-    /// row's start) and which group of it `b` is (0 for the one-block sources).
+    /// row's start) and which group of it `b` is (0 for the one-block sources). Inside the
+    /// packers the source is a constant, so the type's sizes fold.
     #[inline(always)]
     fn locate(self, b: usize) -> (usize, usize) {
-        let groups = |values: usize, bytes: usize| {
-            let per = values / QK;
-            (b / per * bytes, b % per)
-        };
-        match self {
-            Source::Tq1_0 => groups(256, TQ1_0_BYTES),
-            Source::Tq2_0 => groups(256, TQ2_0_BYTES),
-            Source::Mxfp4 => groups(QK, MXFP4_BYTES),
-            Source::Q1_0 => groups(QK_Q1_0, Q1_0_BYTES),
-            Source::Q2_0 => groups(QK_Q2_0, Q2_0_BYTES),
-            Source::Iq2Xxs => groups(256, IQ2_XXS_BYTES),
-            Source::Iq3Xxs => groups(256, IQ3_XXS_BYTES),
-            Source::Iq3S => groups(256, IQ3_S_BYTES),
-            Source::Q8_0 => (b * Q8_0_BYTES, 0),
-            Source::Q4_0 => (b * Q4_0_BYTES, 0),
-            Source::Q5_0 => (b * Q5_0_BYTES, 0),
-            Source::Iq4Nl => (b * IQ4_NL_BYTES, 0),
-            Source::Iq4Xs => (b / 8 * IQ4_XS_BYTES, b % 8),
-        }
+        let dtype = self.dtype();
+        let groups = dtype.block_size() / QK;
+        (b / groups * dtype.type_size(), b % groups)
     }
 
     /// Whether the source's groups are decoded by [`groups`].

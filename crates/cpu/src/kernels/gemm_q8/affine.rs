@@ -39,13 +39,12 @@ use super::{Isa, Line, PANEL, QK, STEPS};
 use crate::dtype::DType;
 use crate::kernels::quant_dot::f16_bits_to_f32;
 use crate::quant::iq1::{iq1_s_parts, IQ1_DELTA, IQ1_S_BYTES};
-use crate::quant::iq2::{unpack_iq2_s, unpack_iq2_xs, IQ2_S_BYTES, IQ2_XS_BYTES};
+use crate::quant::iq2::{unpack_iq2_s, unpack_iq2_xs};
 use crate::quant::kquants::{
     k4_scales_mins, q3_k_quants, q3_k_scales, q5_k_quants, q6_k_quants, unpack_2bit, unpack_4bit,
-    Q2_K_BYTES, Q3_K_BYTES, Q4_K_BYTES, Q5_K_BYTES, Q6_K_BYTES,
 };
-use crate::quant::legacy::{unpack_nibbles, Q4_1_BYTES, Q5_1_BYTES};
-use crate::quant::lowbit::{nvfp4_levels, ue4m3_half, NVFP4_BYTES, QK_NVFP4};
+use crate::quant::legacy::unpack_nibbles;
+use crate::quant::lowbit::{nvfp4_levels, ue4m3_half, QK_NVFP4};
 use crate::quant::QK_K;
 
 /// Lines per packed block: the parent's 8 steps × 2 vectors of quants, then per (half,
@@ -89,22 +88,41 @@ pub(crate) enum AffineType {
 }
 
 impl AffineType {
+    /// Every type of this module.
+    const ALL: [AffineType; 11] = [
+        AffineType::Q4_1,
+        AffineType::Q5_1,
+        AffineType::Q2K,
+        AffineType::Q3K,
+        AffineType::Q4K,
+        AffineType::Q5K,
+        AffineType::Q6K,
+        AffineType::Iq2Xs,
+        AffineType::Iq2S,
+        AffineType::Nvfp4,
+        AffineType::Iq1S,
+    ];
+
+    /// The weight type.
+    const fn dtype(self) -> DType {
+        match self {
+            AffineType::Q4_1 => DType::Q4_1,
+            AffineType::Q5_1 => DType::Q5_1,
+            AffineType::Q2K => DType::Q2_K,
+            AffineType::Q3K => DType::Q3_K,
+            AffineType::Q4K => DType::Q4_K,
+            AffineType::Q5K => DType::Q5_K,
+            AffineType::Q6K => DType::Q6_K,
+            AffineType::Iq2Xs => DType::IQ2_XS,
+            AffineType::Iq2S => DType::IQ2_S,
+            AffineType::Nvfp4 => DType::NVFP4,
+            AffineType::Iq1S => DType::IQ1_S,
+        }
+    }
+
     /// The type of `dtype`, if it is one of this module's.
     pub(crate) fn of(dtype: DType) -> Option<AffineType> {
-        Some(match dtype {
-            DType::Q4_1 => AffineType::Q4_1,
-            DType::Q5_1 => AffineType::Q5_1,
-            DType::Q2_K => AffineType::Q2K,
-            DType::Q3_K => AffineType::Q3K,
-            DType::Q4_K => AffineType::Q4K,
-            DType::Q5_K => AffineType::Q5K,
-            DType::Q6_K => AffineType::Q6K,
-            DType::IQ2_XS => AffineType::Iq2Xs,
-            DType::IQ2_S => AffineType::Iq2S,
-            DType::NVFP4 => AffineType::Nvfp4,
-            DType::IQ1_S => AffineType::Iq1S,
-            _ => return None,
-        })
+        AffineType::ALL.into_iter().find(|t| t.dtype() == dtype)
     }
 
     /// Whether the scales come per 16 values (else one per block of 32).
@@ -132,30 +150,14 @@ impl AffineType {
         )
     }
 
-    /// Blocks of 32 per stored block (a super-block of 256, or one block).
+    /// Blocks of 32 per stored block (a super-block of 256, nvfp4's 64, or one block).
     fn blocks(self) -> usize {
-        match self {
-            AffineType::Q4_1 | AffineType::Q5_1 => 1,
-            AffineType::Nvfp4 => QK_NVFP4 / QK,
-            _ => QK_K / QK,
-        }
+        self.dtype().block_size() / QK
     }
 
     /// Bytes of one stored block.
     fn bytes(self) -> usize {
-        match self {
-            AffineType::Q4_1 => Q4_1_BYTES,
-            AffineType::Q5_1 => Q5_1_BYTES,
-            AffineType::Q2K => Q2_K_BYTES,
-            AffineType::Q3K => Q3_K_BYTES,
-            AffineType::Q4K => Q4_K_BYTES,
-            AffineType::Q5K => Q5_K_BYTES,
-            AffineType::Q6K => Q6_K_BYTES,
-            AffineType::Iq2Xs => IQ2_XS_BYTES,
-            AffineType::Iq2S => IQ2_S_BYTES,
-            AffineType::Nvfp4 => NVFP4_BYTES,
-            AffineType::Iq1S => IQ1_S_BYTES,
-        }
+        self.dtype().type_size()
     }
 }
 
@@ -806,6 +808,16 @@ mod tests {
         (DType::NVFP4, AffineType::Nvfp4),
         (DType::IQ1_S, AffineType::Iq1S),
     ];
+
+    #[test]
+    fn every_type_is_listed_and_found_by_its_dtype() {
+        assert_eq!(TYPES.len(), AffineType::ALL.len());
+        for (dtype, kt) in TYPES {
+            assert!(AffineType::ALL.contains(&kt), "{kt:?}");
+            assert_eq!(AffineType::of(dtype), Some(kt));
+            assert_eq!(kt.dtype(), dtype);
+        }
+    }
 
     /// `m` rows of `k` values: random bytes with sane f16 `d` (and `dmin`) of both signs.
     fn random_rows(dtype: DType, m: usize, k: usize, seed: u32) -> Vec<u8> {

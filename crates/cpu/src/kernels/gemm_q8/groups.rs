@@ -24,39 +24,19 @@ use super::{Source, QK};
 use crate::quant::f16_at;
 use crate::quant::iq2::unpack_iq2_xxs;
 use crate::quant::iq3::{iq3_s_quants, iq3_xxs_quants, IQ3_S_BYTES, IQ3_XXS_BYTES};
-use crate::quant::lowbit::{e8m0_half, mxfp4_levels, q1_0_signs, q2_0_quants, tq2_0_quants};
-
-/// Trit `k` (`0..=4`) of a tq1_0 byte minus one (`−1..=1`): ggml's base-3 digit extraction.
-#[inline(always)]
-fn trit(b: u8, k: usize) -> i8 {
-    const POW3: [u8; 5] = [1, 3, 9, 27, 81];
-    let q = b.wrapping_mul(POW3[k]);
-    ((u16::from(q) * 3) >> 8) as i8 - 1
-}
-
-/// Group `g` (`0..8`) of the tq1_0 block `b`: values `32g..32g + 32` (the first five groups
-/// are digit `g` of bytes `0..32`; the last three come from bytes `32..48`, five digits of 16,
-/// and `48..52`, four digits of 4).
-pub(super) fn tq1_0_group(b: &[u8], g: usize) -> [i8; QK] {
-    std::array::from_fn(|j| {
-        let v = 32 * g + j;
-        if v < 160 {
-            trit(b[v % 32], v / 32)
-        } else if v < 240 {
-            trit(b[32 + (v - 160) % 16], (v - 160) / 16)
-        } else {
-            trit(b[48 + (v - 240) % 4], (v - 240) / 4)
-        }
-    })
-}
+use crate::quant::lowbit::{
+    e8m0_half, mxfp4_levels, q1_0_signs, q2_0_quants, tq1_0_quants, tq2_0_quants,
+};
 
 /// The definition: group `g` of the stored block at byte `at` of `row` (a source of this
-/// module) as 32 signed bytes and its scale.
+/// module) as 32 signed bytes and its scale, from the base crate's unpackers (a whole block
+/// unpacked per group: the portable packer and the tests use it, the SIMD packers
+/// [`x86::group`]).
 pub(super) fn group_ints(src: Source, row: &[u8], at: usize, g: usize) -> ([i8; QK], f32) {
     let b = &row[at..];
     let part = |all: &[i8]| -> [i8; QK] { all[QK * g..QK * (g + 1)].try_into().expect("32") };
     match src {
-        Source::Tq1_0 => (tq1_0_group(b, g), f16_at(b, 52)),
+        Source::Tq1_0 => (part(&tq1_0_quants(b)), f16_at(b, 52)),
         Source::Tq2_0 => (part(&tq2_0_quants(&b[..64])), f16_at(b, 64)),
         Source::Mxfp4 => (mxfp4_levels(&b[1..17]), e8m0_half(b[0])),
         Source::Q1_0 => (part(&q1_0_signs(&b[2..18])), f16_at(b, 0)),
@@ -85,6 +65,7 @@ pub(super) fn group_ints(src: Source, row: &[u8], at: usize, g: usize) -> ([i8; 
 pub(super) mod x86 {
     use super::super::Source;
     use crate::kernels::block_x86::bit_mask;
+    use crate::kernels::simd::f16_to_f32;
     use crate::quant::iq1::IQ1_GRID;
     use crate::quant::iq2::grids::{IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID};
     use crate::quant::iq2::sign_byte;
@@ -100,8 +81,7 @@ pub(super) mod x86 {
     #[target_feature(enable = "avx2,f16c")]
     unsafe fn f16_scale(at: *const u8) -> f32 {
         // SAFETY: the caller's two bytes.
-        let bits = unsafe { at.cast::<u16>().read_unaligned() };
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(i32::from(bits))))
+        f16_to_f32(unsafe { at.cast::<u16>().read_unaligned() })
     }
 
     /// `v` negated where `negative` is `0xFF` (`(v ^ m) − m`; magnitudes stay below 128).
@@ -186,7 +166,8 @@ pub(super) mod x86 {
         _mm256_or_si256(even, odd)
     }
 
-    /// Group `g` of the tq1_0 block at `at` ([`super::tq1_0_group`]): each value's byte and
+    /// Group `g` of the tq1_0 block at `at` (values `32 g..32 g + 32` of
+    /// [`tq1_0_quants`](crate::quant::lowbit::tq1_0_quants)): each value's byte and
     /// power of three gathered in place, then ggml's digit `(b · 3^k mod 256) · 3 >> 8`,
     /// which is 0 below 86, 1 below 171 and 2 from there.
     ///
