@@ -650,6 +650,15 @@ pub fn mul_mat(
     mul_mat_tiles(dst, a, None, b, reference, scratch)
 }
 
+/// The integer GEMM's kernels for a product of weights `a` into `dst`, when it takes it: not
+/// the reference kernels, a CPU with VNNI or AVX2 (the portable integer kernel is slower than
+/// dequantized tiles through the f32 GEMM) and operands it accepts ([`gemm_q8::applies`]).
+/// Whether the column count calls for it is the caller's part.
+fn integer_gemm(a: &RawTensor, dst: &RawTensor, reference: bool) -> Option<gemm_q8::Isa> {
+    let isa = gemm_q8::Isa::best();
+    (!reference && isa != gemm_q8::Isa::Portable && gemm_q8::applies(a, dst)).then_some(isa)
+}
+
 /// [`mul_mat`]; with `interleaved`, `a` is a whole 2-D q4_1 matrix stored in that layout,
 /// which only the f32 tile path (more than [`direct_dot_max_cols`] columns, fewer than the
 /// GEMM's) may then reach: its rows are rebuilt and converted one at a time.
@@ -682,13 +691,10 @@ fn mul_mat_tiles(
     // Quantized weights with more than a couple of columns: integer block products against
     // q8_0 activations (see `gemm_q8`), with VNNI or AVX2 (the portable kernel is slower than
     // dequantized tiles through the f32 GEMM).
-    if !reference
-        && n > direct_dot_max_cols(a.dtype)
-        && gemm_q8::Isa::best() != gemm_q8::Isa::Portable
-        && gemm_q8::applies(&a, &dst)
-    {
-        let isa = gemm_q8::Isa::best();
-        return gemm_q8::mul_mat(isa, &dst, &a, interleaved, &b, (r2, r3), scratch);
+    if n > direct_dot_max_cols(a.dtype) {
+        if let Some(isa) = integer_gemm(&a, &dst, reference) {
+            return gemm_q8::mul_mat(isa, &dst, &a, interleaved, &b, (r2, r3), scratch);
+        }
     }
     // bf16 weights: bf16 × bf16 products on AMX tiles where the CPU has them (see `gemm_bf16`).
     if !reference
@@ -947,7 +953,6 @@ pub fn mul_mat_id(
     for (x, cols) in by_expert.iter().enumerate() {
         on_gemm[x] = expert_gemm(&dst, &experts, x, &b, cols, reference, scratch)?;
     }
-    let prepared = prepare(experts.dtype, b, scratch, false)?;
     let m = experts.ne[1];
     let ti = 16.min(m.max(1));
     let i_tiles = m.div_ceil(ti);
@@ -955,6 +960,10 @@ pub fn mul_mat_id(
         .filter(|&x| !by_expert[x].is_empty() && !on_gemm[x])
         .flat_map(|x| (0..i_tiles).map(move |it| (x, it)))
         .collect();
+    if tasks.is_empty() {
+        return Ok(()); // every expert went through the GEMM: no activations to prepare
+    }
+    let prepared = prepare(experts.dtype, b, scratch, false)?;
     par_ranges(tasks.len(), 1, |range| {
         let mut abuf = Vec::new();
         for &(x, it) in &tasks[range] {
@@ -991,42 +1000,33 @@ fn expert_gemm(
     scratch: &mut Vec<u8>,
 ) -> Result<bool> {
     let (k, m, n) = (experts.ne[0], experts.ne[1], cols.len());
-    let isa = gemm_q8::Isa::best();
-    if reference
-        || n <= direct_dot_max_cols(experts.dtype)
-        || isa == gemm_q8::Isa::Portable
-        || b.dtype != DType::F32
-        || b.nb[0] != 4
-        || dst.dtype != DType::F32
-        || dst.nb[0] != 4
-    {
+    let dense_f32 = |t: &RawTensor| t.dtype == DType::F32 && t.nb[0] == 4;
+    if n <= direct_dot_max_cols(experts.dtype) || !dense_f32(b) || !dense_f32(dst) {
         return Ok(false);
     }
-    // SAFETY: expert `x` (< ne[2], the caller's ids were checked) lies inside `experts`.
+    // Expert `x`'s matrix (`x < ne[2]`: the caller checked the ids).
+    // SAFETY: its first byte lies inside `experts`.
     let ptr = SendPtr(unsafe { experts.at(x * experts.nb[2]) });
     let expert = RawTensor {
         ptr,
         ne: [k, m, 1, 1],
-        nb: [
-            experts.nb[0],
-            experts.nb[1],
-            m * experts.nb[1],
-            m * experts.nb[1],
-        ],
         ..*experts
     };
-    let mut acts = vec![0f32; n * k];
     let mut out = vec![0f32; n * m];
-    let dense = |p: *mut f32, ne: [usize; 2]| RawTensor {
-        ptr: SendPtr(p.cast()),
-        dtype: DType::F32,
-        ne: [ne[0], ne[1], 1, 1],
-        nb: [4, 4 * ne[0], 4 * ne[0] * ne[1], 4 * ne[0] * ne[1]],
+    let dense = |p: *mut f32, rows: usize, row_len: usize| {
+        let ne = [row_len, rows, 1, 1];
+        RawTensor {
+            ptr: SendPtr(p.cast()),
+            dtype: DType::F32,
+            ne,
+            nb: crate::tensor::contiguous_strides(DType::F32, &ne),
+        }
     };
-    let out_t = dense(out.as_mut_ptr(), [m, n]);
-    if !gemm_q8::applies(&expert, &out_t) {
+    let out_t = dense(out.as_mut_ptr(), n, m);
+    let Some(isa) = integer_gemm(&expert, &out_t, reference) else {
         return Ok(false);
-    }
+    };
+    let mut acts = vec![0f32; n * k];
     for (row, col) in acts.chunks_exact_mut(k).zip(cols) {
         let (i1, i2, i3) = col.b;
         // SAFETY: activation row (i1, i2, i3) lies inside `b` (its coordinates come from the
@@ -1035,7 +1035,7 @@ fn expert_gemm(
         // SAFETY: as above; `row` holds `k` f32 and does not overlap `b`.
         unsafe { std::ptr::copy_nonoverlapping(src, row.as_mut_ptr(), k) };
     }
-    let acts_t = dense(acts.as_mut_ptr(), [k, n]);
+    let acts_t = dense(acts.as_mut_ptr(), n, k);
     gemm_q8::mul_mat(isa, &out_t, &expert, None, &acts_t, (1, 1), scratch)?;
     for (values, col) in out.chunks_exact(m).zip(cols) {
         // SAFETY: `col.dst` is the byte offset of a dst row of `m` adjacent f32 (nb[0] == 4),
@@ -1140,12 +1140,8 @@ fn mul_mat_stored_panels(
     reference: bool,
     scratch: &mut Vec<u8>,
 ) -> Result<()> {
-    let isa = gemm_q8::Isa::best();
-    if !reference
-        && isa != gemm_q8::Isa::Portable
-        && gemm_q8::applies(&a, &dst)
-        && b.ne[0] == a.ne[0]
-    {
+    let isa = integer_gemm(&a, &dst, reference).filter(|_| b.ne[0] == a.ne[0]);
+    if let Some(isa) = isa {
         match layout {
             // the packed lines are read with aligned loads
             StoredLayout::Panels(l) if (a.ptr.0 as usize).is_multiple_of(64) => {
