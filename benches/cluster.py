@@ -37,27 +37,11 @@ import numpy as np
 
 
 def start_ray(n_nodes: int, cpus_per_node: int) -> tuple[Any, float]:
-    import ferrograph as fg
-
-    fg.distributed.keep_ray_on_loopback()  # before Ray reads its settings at import
-    import ray
-    from ray.cluster_utils import Cluster
+    from ferrograph.distributed._ray import start_loopback_cluster
 
     start = time.perf_counter()
     # (the home directory, a few bytes in the temp directory, outlives the bench's Ray)
-    with fg.distributed.ray_home():  # no cloud metadata requests from Ray's processes
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "node_ip_address": "127.0.0.1",
-                "include_dashboard": False,
-            },
-        )
-        for _ in range(n_nodes):
-            cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
+    cluster, _, _ = start_loopback_cluster(n_nodes, cpus_per_node)
     return cluster, time.perf_counter() - start
 
 

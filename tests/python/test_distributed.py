@@ -123,22 +123,9 @@ def ray_cluster() -> Iterator[Any]:
     if not HAVE_RAY:
         pytest.skip('ray is not installed (pip install "ferrograph[distributed]")')
     saved = {k: os.environ.get(k) for k in _RAY_ENV}
-    distributed.keep_ray_on_loopback()  # sets _RAY_ENV (read by Ray at import)
+    cluster, workers, home = distributed._ray.start_loopback_cluster(2, cpus_per_node=2)
     import ray
-    from ray.cluster_utils import Cluster
 
-    with distributed.ray_home() as home:  # no cloud metadata requests from Ray's processes
-        cluster = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 0,
-                "node_ip_address": "127.0.0.1",
-                "include_dashboard": False,
-            },
-        )
-        workers = [cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1") for _ in range(2)]
-    ray.init(address=cluster.address, log_to_driver=False)
-    cluster.wait_for_nodes()
     cluster.worker_node_ids = {w.node_id for w in workers}  # type: ignore[attr-defined]
     try:
         yield cluster
@@ -542,22 +529,17 @@ assert not ray.is_initialized()
 """
 
 
-# A cluster of Ray nodes started by hand the documented way (as the `ray_cluster` fixture and
-# benches/cluster.py do): Ray's own `ray start`-like path, which also reports to Ray that usage
-# statistics are off unless told where else to report.
+# A cluster of Ray nodes started by hand (`start_loopback_cluster`, as the `ray_cluster` fixture
+# and benches/cluster.py start theirs: keep_ray_on_loopback, ray_home, ray.cluster_utils):
+# Ray's own `ray start`-like path, which also reports to Ray that usage statistics are off
+# unless told where else to report.
 _CLUSTER_BY_HAND = """
 import time
-from ferrograph import distributed
-distributed.keep_ray_on_loopback()
-from ray.cluster_utils import Cluster
-with distributed.ray_home():
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False},
-    )
-    cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-cluster.wait_for_nodes()
+from ferrograph.distributed._ray import start_loopback_cluster
+cluster, _, _ = start_loopback_cluster(1, cpus_per_node=1)
+import ray
 time.sleep(3)
+ray.shutdown()
 cluster.shutdown()
 """
 

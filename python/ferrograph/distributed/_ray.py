@@ -94,6 +94,34 @@ def ray_home() -> Iterator[str]:
             os.environ["HOME"] = saved
 
 
+def start_loopback_cluster(n_nodes: int, cpus_per_node: int) -> tuple[Any, list[Any], str]:
+    """Starts a Ray cluster of ``n_nodes`` worker nodes of ``cpus_per_node`` CPUs (and a head
+    node without CPUs) on this machine, on loopback and in the quiet home (:func:`ray_home`),
+    and connects this process to it: several nodes for the tests and benchmarks of placement.
+    Returns the ``ray.cluster_utils.Cluster``, its worker nodes and the home directory (remove
+    it after ``ray.shutdown()`` and ``cluster.shutdown()``)."""
+    keep_ray_on_loopback()  # before Ray reads its settings at import
+    ray = import_ray()
+    from ray.cluster_utils import Cluster
+
+    with ray_home() as home:  # no cloud metadata requests from Ray's processes
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 0,
+                "node_ip_address": "127.0.0.1",
+                "include_dashboard": False,
+            },
+        )
+        workers = [
+            cluster.add_node(num_cpus=cpus_per_node, node_ip_address="127.0.0.1")
+            for _ in range(n_nodes)
+        ]
+    ray.init(address=cluster.address, log_to_driver=False)
+    cluster.wait_for_nodes()
+    return cluster, workers, home
+
+
 def start_ray(ray: Any, address: str | None, n_cpus: float) -> bool:
     """Connects to Ray; returns whether this call started it (and so must stop it with
     :func:`stop_ray`)."""
